@@ -1,0 +1,3 @@
+from quantlab.cli import main
+
+main()

@@ -1,0 +1,30 @@
+"""Errors that the CLI turns into exit codes; nothing here prints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with the user's input, located by file and field."""
+
+    file: str
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.file}: {self.field}" if self.field else self.file
+        return f"{where}: {self.message}"
+
+
+class BadInput(Exception):
+    """Input that no amount of compute would fix (exit 2). Carries every problem found at once."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("\n".join(str(problem) for problem in problems))
+
+
+def bad_input(file: str, field: str, message: str) -> BadInput:
+    return BadInput([Problem(file, field, message)])

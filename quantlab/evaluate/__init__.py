@@ -1,0 +1,1 @@
+"""Quality of a variant: lm-eval tasks, and its damage against the baseline."""

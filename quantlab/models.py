@@ -1,0 +1,226 @@
+"""Where a model comes from (hub id, local directory, GGUF file, packaged file) and how it loads.
+
+A GGUF file is dequantized by transformers on load; such a model refuses `save_pretrained`,
+so it is copied into a fresh model built from the same config, which saves normally and gives
+identical logits. For the embedded SmolLM2 default that dequantized Q4_1 model *is* the
+"BF16 baseline".
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from quantlab.errors import BadInput, Problem
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+    from quantlab.recipe import ModelSpec, RuntimeSettings
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+PACKAGE_PREFIX = "pkg://"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: Literal["hub", "local_dir", "gguf"]
+    location: str  # hub id, or an absolute directory
+    gguf_file: str | None
+    revision: str | None
+    trust_remote_code: bool
+    identity: str  # content identity: what the checkpoint cache keys on
+
+    @property
+    def display(self) -> str:
+        return f"{self.location}/{self.gguf_file}" if self.gguf_file else self.location
+
+
+def _packaged_file(source: str) -> Path:
+    package, _, file = source.removeprefix(PACKAGE_PREFIX).partition("/")
+    # find_spec locates the package without importing (and so without running) it.
+    spec = importlib.util.find_spec(package) if package else None
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"Python package '{package}' is not installed")
+    return Path(list(spec.submodule_search_locations)[0]) / file
+
+
+def _local_path(source: str, base_dir: Path) -> Path:
+    if source.startswith(PACKAGE_PREFIX):
+        return _packaged_file(source)
+    return (base_dir / Path(source).expanduser()).resolve()
+
+
+def source_problem(source: str, base_dir: Path) -> str | None:
+    """Why a model source cannot be used, or None. No network, no hashing."""
+    try:
+        path = _local_path(source, base_dir)
+    except FileNotFoundError as error:
+        return str(error)
+    if path.suffix == ".gguf":
+        return None if path.is_file() else f"no such GGUF file: {path}"
+    if path.is_dir():
+        return None if (path / "config.json").is_file() else f"{path} has no config.json"
+    if source.startswith(PACKAGE_PREFIX) or path.exists():
+        return f"{path} is neither a checkpoint directory nor a .gguf file"
+    if HUB_ID.match(source):
+        return None
+    return f"'{source}' is not a local path, a .gguf file, or a hub id (org/name)"
+
+
+def resolve_source(spec: ModelSpec, base_dir: Path) -> ModelSource:
+    if (message := source_problem(spec.source, base_dir)) is not None:
+        raise BadInput([Problem("", "model.source", message)])
+    path = _local_path(spec.source, base_dir)
+    common = dict(revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+    if path.suffix == ".gguf":
+        return ModelSource(
+            kind="gguf", location=str(path.parent), gguf_file=path.name,
+            identity=f"gguf:{path.name}:sha256={_file_sha256(path)}", **common,
+        )
+    if path.is_dir():
+        return ModelSource(
+            kind="local_dir", location=str(path), gguf_file=None,
+            identity=f"dir:{_directory_fingerprint(path)}", **common,
+        )
+    return ModelSource(
+        kind="hub", location=spec.source, gguf_file=None,
+        identity=f"hub:{spec.source}@{spec.revision or 'main'}", **common,
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _directory_fingerprint(path: Path) -> str:
+    """Config and tokenizer contents plus weight file sizes: cheap, and changes when weights do."""
+    digest = hashlib.sha256()
+    for file in sorted(path.iterdir()):
+        if file.suffix in (".json", ".txt", ".model"):
+            digest.update(file.name.encode() + file.read_bytes())
+        elif file.suffix in (".safetensors", ".bin"):
+            digest.update(f"{file.name}:{file.stat().st_size}".encode())
+    return digest.hexdigest()
+
+
+def _from_pretrained_args(source: ModelSource) -> tuple[str, dict]:
+    kwargs: dict = {"trust_remote_code": source.trust_remote_code}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    if source.revision:
+        kwargs["revision"] = source.revision
+    return source.location, kwargs
+
+
+def load_config(source: ModelSource) -> PretrainedConfig:
+    from transformers import AutoConfig
+
+    location, kwargs = _from_pretrained_args(source)
+    try:
+        return AutoConfig.from_pretrained(location, **kwargs)
+    except Exception as error:  # noqa: BLE001 - any failure here is the user's source being unusable
+        raise BadInput([Problem("", "model.source", f"cannot read the model config of {source.display}: {error}")]) from None
+
+
+def linear_input_widths(source: ModelSource) -> dict[str, int]:
+    """Input width of every nn.Linear except lm_head, from the config alone (meta device, no weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(source)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=source.trust_remote_code)
+    return {
+        name: module.in_features
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head")
+    }
+
+
+def pick_device(runtime: RuntimeSettings) -> str:
+    import torch
+
+    if runtime.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if runtime.device == "cuda" and not torch.cuda.is_available():
+        raise BadInput([Problem("", "runtime.device", "cuda was asked for but no CUDA device is available")])
+    return runtime.device
+
+
+def pick_dtype(runtime: RuntimeSettings, device: str) -> torch.dtype:
+    """bfloat16 on CUDA; float32 on CPU, where bf16 matmuls are emulated and slow (exact upcast)."""
+    import torch
+
+    if runtime.dtype == "auto":
+        return torch.bfloat16 if device == "cuda" else torch.float32
+    return getattr(torch, runtime.dtype)
+
+
+def materialize(source: ModelSource, cache_root: Path) -> ModelSource:
+    """A GGUF source as a normal checkpoint directory (float32, exact dequantization), made once.
+
+    llm-compressor and every later stage want a directory with config.json; other sources
+    already are one (or a hub id) and pass through.
+    """
+    if source.kind != "gguf":
+        return source
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantlab import cache
+
+    identity = {"source": source.identity, "dtype": "float32"}
+    target = cache_root / "sources" / cache.cache_key(identity)
+    if not cache.is_complete(target):
+        location, kwargs = _from_pretrained_args(source)
+        dequantized = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, **kwargs)
+        # A GGUF-loaded model refuses save_pretrained; a fresh one from its config does not.
+        model = AutoModelForCausalLM.from_config(dequantized.config, dtype=torch.float32)
+        model.load_state_dict(dequantized.state_dict())
+        model.generation_config = dequantized.generation_config
+        with cache.writing(target, identity) as scratch:
+            model.save_pretrained(scratch)
+            AutoTokenizer.from_pretrained(location, **kwargs).save_pretrained(scratch)
+    return replace(source, kind="local_dir", location=str(target), gguf_file=None)
+
+
+def load_source_model(
+    source: ModelSource, dtype: torch.dtype, device: str
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The recipe's model from a checkpoint directory or the hub (GGUF: `materialize` first)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if source.kind == "gguf":
+        raise ValueError("materialize() a GGUF source before loading it")
+    location, kwargs = _from_pretrained_args(source)
+    tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **_placement(device), **kwargs)
+    return model.eval(), tokenizer
+
+
+def load_checkpoint(
+    checkpoint: Path, dtype: torch.dtype, device: str
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A saved variant (plain or compressed-tensors), spread over the GPUs on CUDA."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, **_placement(device))
+    return model.eval(), tokenizer
+
+
+def _placement(device: str) -> dict:
+    # device_map="auto" lets Accelerate spread a model larger than one GPU over several.
+    return {"device_map": "auto"} if device == "cuda" else {}

@@ -1,0 +1,67 @@
+"""AWQ + W4A16: activation-aware scaling, then group-wise INT4 weights (llm-compressor)."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from quantlab.quantize.base import MethodParams
+from quantlab.quantize.cpu_shims import pinned_memory_optional
+
+
+class AwqInt4:
+    class Params(MethodParams):
+        group_size: int = Field(128, gt=0, description="Input channels sharing one scale; must divide every layer's input width.")
+        symmetric: bool = Field(True, description="Symmetric (no zero point) or asymmetric INT4.")
+        duo_scaling: bool | Literal["both"] = Field(True, description="AWQ scale search uses weights and activations.")
+        ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="Modules kept in BF16.")
+
+    needs_calibration: ClassVar[bool] = True
+    summary: ClassVar[str] = "AWQ scaling + INT4 weights in groups, BF16 activations (W4A16, llm-compressor)"
+
+    @staticmethod
+    def check_model(params: Params, linear_widths: dict[str, int]) -> list[tuple[str, str]]:
+        misfits = sorted({width for width in linear_widths.values() if width % params.group_size})
+        if not misfits:
+            return []
+        example = next(name for name, width in linear_widths.items() if width == misfits[0])
+        return [(
+            "group_size",
+            f"{params.group_size} does not divide the input width of every linear layer "
+            f"(widths {misfits}, e.g. {example}); pick a divisor such as "
+            f"{_largest_common_power_of_two(linear_widths.values())}",
+        )]
+
+    @staticmethod
+    def apply(model, params: Params, calibration) -> None:
+        from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+        from llmcompressor import oneshot
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+        from llmcompressor.modifiers.transform.awq import AWQModifier
+
+        weights = QuantizationArgs(
+            num_bits=4, type="int", symmetric=params.symmetric, strategy="group", group_size=params.group_size
+        )
+        recipe = [
+            AWQModifier(duo_scaling=params.duo_scaling),
+            QuantizationModifier(
+                config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
+                ignore=list(params.ignore),
+            ),
+        ]
+        with pinned_memory_optional():
+            oneshot(
+                model=model,
+                recipe=recipe,
+                dataset=calibration,
+                num_calibration_samples=len(calibration),
+                max_seq_length=len(calibration[0]["input_ids"]),
+            )
+
+
+def _largest_common_power_of_two(widths) -> int:
+    common = 1 << 10
+    while any(width % common for width in widths):
+        common >>= 1
+    return common

@@ -1,0 +1,31 @@
+"""What a quantization method provides. One file per method; the registry is in __init__."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from transformers import PreTrainedModel
+
+
+class MethodParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Method(Protocol):
+    Params: ClassVar[type[MethodParams]]
+    needs_calibration: ClassVar[bool]
+    summary: ClassVar[str]
+
+    @staticmethod
+    def check_model(params: MethodParams, linear_widths: dict[str, int]) -> list[tuple[str, str]]:
+        """(param field, message) for each way these params cannot apply to this model's layers."""
+        ...
+
+    @staticmethod
+    def apply(model: PreTrainedModel, params: MethodParams, calibration: Dataset | None) -> None:
+        """Quantize `model` in place, ready for `save_pretrained(..., save_compressed=True)`."""
+        ...

@@ -1,0 +1,29 @@
+"""FP8_DYNAMIC: per-channel FP8 (E4M3) weights, dynamic per-token FP8 activations; data-free."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import Field
+
+from quantlab.quantize.base import MethodParams
+
+
+class Fp8:
+    class Params(MethodParams):
+        ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="Modules kept in BF16.")
+
+    needs_calibration: ClassVar[bool] = False
+    summary: ClassVar[str] = "FP8 E4M3 weights per channel, dynamic per-token FP8 activations (llm-compressor)"
+
+    @staticmethod
+    def check_model(params: Params, linear_widths: dict[str, int]) -> list[tuple[str, str]]:
+        return []
+
+    @staticmethod
+    def apply(model, params: Params, calibration) -> None:
+        from llmcompressor import oneshot
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+
+        recipe = QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=list(params.ignore))
+        oneshot(model=model, recipe=recipe)

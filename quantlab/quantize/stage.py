@@ -1,0 +1,68 @@
+"""The quantize stage of a variant: reuse a cached checkpoint or make one."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from quantlab.models import ModelSource, load_source_model
+from quantlab import cache
+from quantlab.quantize import METHODS
+from quantlab.quantize.calibration import calibration_dataset
+
+if TYPE_CHECKING:
+    from quantlab.recipe import CalibrationSettings, VariantSpec
+
+
+@dataclass(frozen=True)
+class QuantizedCheckpoint:
+    path: Path
+    key: str
+    reused: bool
+    seconds: float
+
+
+def checkpoint_identity(source: ModelSource, variant: VariantSpec, calibration: CalibrationSettings) -> dict:
+    """Everything that decides the checkpoint's bytes, and nothing that does not (e.g. its name)."""
+    method = METHODS[variant.method]
+    return {
+        "model": source.identity,
+        "method": variant.method,
+        "params": method.Params.model_validate(variant.params).model_dump(),
+        "calibration": calibration.model_dump() if method.needs_calibration else None,
+        "versions": cache.library_versions(),
+    }
+
+
+def quantize_variant(
+    source: ModelSource,
+    variant: VariantSpec,
+    calibration: CalibrationSettings,
+    recipe_dir: Path,
+    cache_root: Path,
+    device: str,
+    force: bool = False,
+) -> QuantizedCheckpoint:
+    import torch
+
+    started = time.perf_counter()
+    identity = checkpoint_identity(source, variant, calibration)
+    key = cache.cache_key(identity)
+    target = cache.checkpoint_dir(cache_root, variant.name, key)
+    if force:
+        cache.discard(target)
+    if cache.is_complete(target):
+        return QuantizedCheckpoint(target, key, reused=True, seconds=time.perf_counter() - started)
+
+    method = METHODS[variant.method]
+    params = method.Params.model_validate(variant.params)
+    # Quantize from BF16 weights: the parts a method leaves unquantized are saved as BF16.
+    model, tokenizer = load_source_model(source, torch.bfloat16, device)
+    samples = calibration_dataset(calibration, tokenizer, recipe_dir) if method.needs_calibration else None
+    method.apply(model, params, samples)
+    with cache.writing(target, identity) as scratch:
+        model.save_pretrained(scratch)
+        tokenizer.save_pretrained(scratch)
+    return QuantizedCheckpoint(target, key, reused=False, seconds=time.perf_counter() - started)

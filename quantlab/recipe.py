@@ -1,0 +1,292 @@
+"""The recipe: what to sweep. Pydantic models (unknown keys rejected) and the loader.
+
+Loading happens in two passes, and both collect every problem before reporting:
+1. `load_recipe` parses the YAML and checks structure and everything knowable from the file
+   alone (names, references between fields, method parameters, files next to the recipe).
+2. `check_recipe` looks outside the file: the model's config (layer widths against group
+   sizes) and lm-eval's task index. A sweep runs both before any work.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+
+from quantlab.errors import BadInput, Problem
+from quantlab.frontier import FrontierSettings
+from quantlab.measure.settings import MeasureSettings
+
+# A name becomes a directory and an MLflow tag: no separators, cannot be "." or "..".
+SafeName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(StrictModel):
+    source: str = Field(
+        description="Hub id (org/name), local checkpoint directory, a .gguf file, "
+        "or pkg://<python package>/<file> for a file a package ships."
+    )
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
+    trust_remote_code: bool = Field(
+        False, description="Run the model repository's own Python code. Off unless you opt in."
+    )
+
+
+class VariantSpec(StrictModel):
+    name: SafeName
+    method: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class CalibrationSettings(StrictModel):
+    source: str = Field(
+        "builtin:pydoc-calibration",
+        description="builtin:pydoc-calibration (offline, disjoint from every bundled eval text), "
+        "a .txt/.jsonl file (relative to the recipe), or hf:<dataset>:<split>:<text field>.",
+    )
+    num_samples: int = Field(32, gt=0, le=100_000)
+    seq_len: int = Field(256, gt=0, le=1_000_000)
+    seed: int = 0
+
+
+class EvalTaskSpec(StrictModel):
+    name: str
+    num_fewshot: int = Field(0, ge=0, le=100)
+    limit: int | None = Field(None, gt=0)
+
+
+class EvalSettings(StrictModel):
+    include_path: str | None = Field(
+        None, description="Directory of extra lm-eval task YAMLs, relative to the recipe."
+    )
+    tasks: list[EvalTaskSpec] = Field(default_factory=list)
+    batch_size: int = Field(8, gt=0, le=4096)
+
+
+class QualitySettings(StrictModel):
+    """Token-level damage against the baseline: perplexity and KL over a text corpus."""
+
+    enabled: bool = True
+    corpus: str = Field(
+        "builtin:pydoc-perplexity",
+        description="builtin:pydoc-perplexity (CPython's language reference, disjoint from the "
+        "calibration text), a .txt/.jsonl file (relative to the recipe), or hf:<dataset>:<split>:<field>.",
+    )
+    max_tokens: int = Field(1024, gt=0, le=10_000_000)
+    window: int = Field(256, gt=1, le=1_000_000)
+    stride: int | None = Field(None, gt=0, description="Defaults to window (non-overlapping windows).")
+
+
+class RuntimeSettings(StrictModel):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Compute dtype; auto = bfloat16 on CUDA, float32 on CPU."
+    )
+
+
+class Recipe(StrictModel):
+    name: SafeName
+    model: ModelSpec
+    baseline: str
+    variants: list[VariantSpec] = Field(min_length=1)
+    calibration: CalibrationSettings = Field(default_factory=CalibrationSettings)
+    evals: EvalSettings = Field(default_factory=EvalSettings)
+    quality: QualitySettings = Field(default_factory=QualitySettings)
+    measure: MeasureSettings = Field(default_factory=MeasureSettings)
+    frontier: FrontierSettings = Field(default_factory=FrontierSettings)
+    runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)
+
+    def variant(self, name: str) -> VariantSpec:
+        return next(variant for variant in self.variants if variant.name == name)
+
+
+@dataclass(frozen=True)
+class LoadedRecipe:
+    """A recipe with where it came from: relative paths in it are relative to `path`."""
+
+    path: Path
+    recipe: Recipe
+    text: str
+
+    def resolve(self, relative: str) -> Path:
+        return (self.path.parent / relative).resolve()
+
+    @property
+    def include_path(self) -> Path | None:
+        include = self.recipe.evals.include_path
+        return self.resolve(include) if include else None
+
+
+def load_recipe(path: str | Path) -> LoadedRecipe:
+    """Parse and check a recipe file; raise BadInput listing every problem found."""
+    path = Path(path)
+    shown = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise BadInput([Problem(shown, "", "no such recipe file")]) from None
+    except (IsADirectoryError, UnicodeDecodeError, PermissionError) as error:
+        raise BadInput([Problem(shown, "", f"cannot read recipe: {error}")]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "YAML"
+        reason = getattr(error, "problem", None) or str(error)
+        raise BadInput([Problem(shown, where, f"YAML syntax error: {reason}")]) from None
+    if not isinstance(data, dict):
+        raise BadInput([Problem(shown, "", "a recipe is a YAML mapping (name:, model:, variants: ...)")])
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as error:
+        raise BadInput([_problem_from_pydantic(shown, data, item) for item in error.errors()]) from None
+    loaded = LoadedRecipe(path=path.resolve(), recipe=recipe, text=text)
+    problems = _problems_in_file(loaded, shown)
+    if problems:
+        raise BadInput(problems)
+    return loaded
+
+
+def _problem_from_pydantic(shown: str, data: dict, item: dict) -> Problem:
+    field = _field_path(data, item["loc"])
+    if item["type"] == "extra_forbidden":
+        return Problem(shown, field, "unknown key")
+    if item["type"] == "missing":
+        return Problem(shown, field, "required key is missing")
+    if item["type"] == "string_pattern_mismatch":
+        return Problem(
+            shown, field, "must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    return Problem(shown, field, item["msg"])
+
+
+def _field_path(data: Any, loc: tuple) -> str:
+    """variants[2] (awq).params.group_size: index plus the variant's name where it has one."""
+    parts: list[str] = []
+    node = data
+    for key in loc:
+        if isinstance(key, int):
+            label = f"[{key}]"
+            if isinstance(node, list) and key < len(node) and isinstance(node[key], dict):
+                name = node[key].get("name")
+                label += f" ({name})" if isinstance(name, str) else ""
+            parts.append(label)
+        else:
+            parts.append(("." if parts else "") + str(key))
+        node = node[key] if isinstance(node, (dict, list)) and _has(node, key) else None
+    return "".join(parts)
+
+
+def _has(node: dict | list, key: Any) -> bool:
+    return key in node if isinstance(node, dict) else isinstance(key, int) and key < len(node)
+
+
+def did_you_mean(word: str, choices: list[str] | set[str]) -> str:
+    close = difflib.get_close_matches(word, sorted(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _problems_in_file(loaded: LoadedRecipe, shown: str) -> list[Problem]:
+    """Checks that need only the recipe file and the method registry."""
+    from quantlab.quantize import METHODS
+
+    recipe = loaded.recipe
+    problems: list[Problem] = []
+    seen: dict[str, int] = {}
+    for index, variant in enumerate(recipe.variants):
+        field = f"variants[{index}] ({variant.name})"
+        if variant.name in seen:
+            problems.append(
+                Problem(shown, f"{field}.name", f"duplicate variant name (also variants[{seen[variant.name]}])")
+            )
+        seen.setdefault(variant.name, index)
+        method = METHODS.get(variant.method)
+        if method is None:
+            known = ", ".join(sorted(METHODS))
+            problems.append(
+                Problem(
+                    shown,
+                    f"{field}.method",
+                    f"unknown method '{variant.method}'{did_you_mean(variant.method, set(METHODS))}; known: {known}",
+                )
+            )
+            continue
+        try:
+            method.Params.model_validate(variant.params)
+        except ValidationError as error:
+            for item in error.errors():
+                sub = ".".join(str(part) for part in item["loc"])
+                message = "unknown parameter" if item["type"] == "extra_forbidden" else item["msg"]
+                problems.append(Problem(shown, f"{field}.params.{sub}", message))
+    if recipe.baseline not in seen:
+        problems.append(
+            Problem(
+                shown,
+                "baseline",
+                f"'{recipe.baseline}' is not a variant name{did_you_mean(recipe.baseline, set(seen))}",
+            )
+        )
+    problems += _missing_files(loaded, shown)
+    return problems
+
+
+def _missing_files(loaded: LoadedRecipe, shown: str) -> list[Problem]:
+    from quantlab.corpora import text_source_problem
+    from quantlab.models import source_problem
+
+    recipe = loaded.recipe
+    problems: list[Problem] = []
+    if (message := source_problem(recipe.model.source, loaded.path.parent)) is not None:
+        problems.append(Problem(shown, "model.source", message))
+    if (message := text_source_problem(recipe.calibration.source, loaded.path.parent)) is not None:
+        problems.append(Problem(shown, "calibration.source", message))
+    if (message := text_source_problem(recipe.quality.corpus, loaded.path.parent)) is not None:
+        problems.append(Problem(shown, "quality.corpus", message))
+    include = loaded.include_path
+    if include is not None and not include.is_dir():
+        problems.append(Problem(shown, "evals.include_path", f"no such directory: {include}"))
+    return problems
+
+
+def check_recipe(loaded: LoadedRecipe) -> None:
+    """Checks that look outside the file: model config and lm-eval's task index. Raises BadInput."""
+    from quantlab.evaluate.lm_eval_runner import unknown_tasks
+    from quantlab.models import linear_input_widths, resolve_source
+    from quantlab.quantize import METHODS
+
+    recipe = loaded.recipe
+    shown = str(loaded.path)
+    problems: list[Problem] = []
+    try:
+        widths = linear_input_widths(resolve_source(recipe.model, loaded.path.parent))
+    except BadInput as error:
+        problems += [Problem(shown, "model.source", problem.message) for problem in error.problems]
+        widths = None
+    if widths is not None:
+        for index, variant in enumerate(recipe.variants):
+            method = METHODS[variant.method]
+            params = method.Params.model_validate(variant.params)
+            for field, message in method.check_model(params, widths):
+                problems.append(Problem(shown, f"variants[{index}] ({variant.name}).params.{field}", message))
+    task_names = [task.name for task in recipe.evals.tasks]
+    for name, suggestion in unknown_tasks(task_names, loaded.include_path):
+        index = task_names.index(name)
+        hint = f" (did you mean '{suggestion}'?)" if suggestion else ""
+        problems.append(Problem(shown, f"evals.tasks[{index}].name", f"lm-eval cannot resolve task '{name}'{hint}"))
+    if problems:
+        raise BadInput(problems)
+
+
+def validate(path: str | Path) -> LoadedRecipe:
+    """Everything a sweep needs to know before spending compute. Raises BadInput."""
+    loaded = load_recipe(path)
+    check_recipe(loaded)
+    return loaded

@@ -1,0 +1,113 @@
+"""Run one variant top to bottom: quantize -> load -> evaluate -> damage -> measure -> result.
+
+This runs inside the variant's own process (see executors.py). It never talks to MLflow: it
+returns a `VariantResult` that the sweep logs, so any executor can run it anywhere.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quantlab.recipe import LoadedRecipe
+
+StageReporter = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class BaselineOutputs:
+    """What later variants compare themselves against; produced by the baseline's run."""
+
+    reference_dir: str | None
+    per_sample: dict[str, dict[int, float]]
+    task_metrics: dict[str, dict[str, float]]
+
+
+@dataclass(frozen=True)
+class VariantJob:
+    loaded: LoadedRecipe
+    variant: str
+    cache_root: Path
+    baseline: BaselineOutputs | None  # None for the baseline itself
+    force: bool = False  # recompute the checkpoint even when the cache holds it
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.variant == self.loaded.recipe.baseline
+
+
+@dataclass(frozen=True)
+class VariantResult:
+    name: str
+    method: str
+    checkpoint: str
+    content_key: str
+    reused_checkpoint: bool
+    stage_seconds: dict[str, float]
+    metrics: dict[str, float]
+    params: dict[str, str]
+    tags: dict[str, str]
+    baseline_outputs: BaselineOutputs
+    artifacts: dict[str, str] = field(default_factory=dict)
+
+
+class _StageClock:
+    def __init__(self, report: StageReporter):
+        self.report = report
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        self.report(name)
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = round(time.perf_counter() - started, 3)
+
+
+def run_variant(job: VariantJob, report: StageReporter = lambda stage: None) -> VariantResult:
+    from quantlab.evaluate.stage import answer_damage, evaluate_tasks, token_damage
+    from quantlab.measure.stage import measure
+    from quantlab.models import load_checkpoint, materialize, pick_device, pick_dtype, resolve_source
+    from quantlab.quantize.stage import quantize_variant
+    from quantlab.variant_config import variant_params
+
+    recipe = job.loaded.recipe
+    variant = recipe.variant(job.variant)
+    recipe_dir = job.loaded.path.parent
+    clock = _StageClock(report)
+    device = pick_device(recipe.runtime)
+    dtype = pick_dtype(recipe.runtime, device)
+
+    with clock.stage("prepare model"):
+        source = materialize(resolve_source(recipe.model, recipe_dir), job.cache_root)
+    with clock.stage("quantize"):
+        checkpoint = quantize_variant(source, variant, recipe.calibration, recipe_dir, job.cache_root, device, job.force)
+    with clock.stage("load"):
+        model, tokenizer = load_checkpoint(checkpoint.path, dtype, device)
+    load_seconds = clock.seconds["load"]
+    with clock.stage("evaluate"):
+        scores = evaluate_tasks(model, tokenizer, recipe.evals, job.loaded.include_path, report)
+    with clock.stage("damage"):
+        tokens = token_damage(model, tokenizer, recipe.quality, recipe_dir, job, checkpoint.key)
+        answers = answer_damage(scores, job.baseline)
+    with clock.stage("measure"):
+        cost = measure(model, tokenizer, recipe.measure, checkpoint.path, load_seconds)
+
+    return VariantResult(
+        name=variant.name,
+        method=variant.method,
+        checkpoint=str(checkpoint.path),
+        content_key=checkpoint.key,
+        reused_checkpoint=checkpoint.reused,
+        stage_seconds=clock.seconds,
+        metrics={**scores.metrics, **tokens.metrics, **answers.metrics, **cost.metrics},
+        params=variant_params(job.loaded, variant, source, device, dtype),
+        tags={**cost.tags, **tokens.tags},
+        baseline_outputs=BaselineOutputs(tokens.reference_dir, scores.per_sample, scores.task_metrics),
+        artifacts=answers.artifacts,
+    )

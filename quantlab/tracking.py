@@ -1,0 +1,179 @@
+"""MLflow: the store, the sweep's parent run, one nested run per variant, artifacts, registry reads.
+
+Layout (a contract other tools rely on, see DESIGN.md): experiment = recipe name; parent run
+tagged quantlab.role=sweep; nested runs tagged quantlab.role=variant, quantlab.variant,
+quantlab.method, quantlab.checkpoint, quantlab.on_frontier.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from quantlab.errors import BadInput, Problem
+
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
+
+DEFAULT_TRACKING_URI = "sqlite:///mlruns/mlflow.db"
+ROLE = "quantlab.role"
+VARIANT = "quantlab.variant"
+METHOD = "quantlab.method"
+CHECKPOINT = "quantlab.checkpoint"
+ON_FRONTIER = "quantlab.on_frontier"
+CONTENT_KEY = "quantlab.content_key"
+PARENT = "mlflow.parentRunId"
+NOTE = "mlflow.note.content"
+# MLflow's batch endpoint limits.
+_BATCH = {"metrics": 1000, "params": 100, "tags": 100}
+
+
+def tracking_uri(flag: str | None) -> str:
+    return flag or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
+@dataclass(frozen=True)
+class Store:
+    uri: str
+
+    @property
+    def client(self) -> MlflowClient:
+        from mlflow.tracking import MlflowClient
+
+        return MlflowClient(tracking_uri=self.uri)
+
+    @property
+    def is_default_layout(self) -> bool:
+        return self.uri.startswith("sqlite:///") and not self.uri.startswith("sqlite:////")
+
+
+def open_store(uri: str) -> Store:
+    """Check the store is usable before any work: an unreachable server is bad input (exit 2)."""
+    if uri.startswith(("http://", "https://")):
+        # MLflow's own client retries for minutes; one direct probe answers in seconds.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=10) as response:
+                response.read()
+        except (urllib.error.URLError, OSError) as error:
+            raise BadInput([Problem("--tracking-uri", "", f"tracking server {uri} is unreachable: {error}")]) from None
+    elif uri.startswith("sqlite:///"):
+        database = Path(uri.removeprefix("sqlite:///"))
+        database.parent.mkdir(parents=True, exist_ok=True)
+    elif not uri.startswith(("file:", "databricks", "postgresql", "mysql", "mssql")) and "://" in uri:
+        raise BadInput([Problem("--tracking-uri", "", f"unsupported tracking URI scheme: {uri}")])
+    return Store(uri)
+
+
+def experiment_id(store: Store, name: str, create: bool = True) -> str | None:
+    client = store.client
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        if experiment.lifecycle_stage == "deleted":
+            client.restore_experiment(experiment.experiment_id)
+        return experiment.experiment_id
+    if not create:
+        return None
+    # The default store keeps artifacts under mlruns/ beside the database, as the contract says.
+    location = (Path("mlruns") / "artifacts" / name).resolve().as_uri() if store.is_default_layout else None
+    return client.create_experiment(name, artifact_location=location)
+
+
+def start_run(store: Store, experiment: str, name: str, tags: dict[str, str], parent: str | None = None) -> str:
+    all_tags = dict(tags)
+    if parent:
+        all_tags[PARENT] = parent
+    return store.client.create_run(experiment, run_name=name, tags=all_tags).info.run_id
+
+
+def log_values(
+    store: Store,
+    run_id: str,
+    metrics: dict[str, float] | None = None,
+    params: dict[str, str] | None = None,
+    tags: dict[str, str] | None = None,
+) -> None:
+    import time
+
+    from mlflow.entities import Metric, Param, RunTag
+
+    client = store.client
+    now = int(time.time() * 1000)
+    entries = {
+        "metrics": [Metric(key, float(value), now, 0) for key, value in (metrics or {}).items()],
+        "params": [Param(key, str(value)[:6000]) for key, value in (params or {}).items()],
+        "tags": [RunTag(key, str(value)) for key, value in (tags or {}).items()],
+    }
+    for kind, items in entries.items():
+        for start in range(0, len(items), _BATCH[kind]):
+            client.log_batch(run_id, **{kind: items[start : start + _BATCH[kind]]})
+
+
+def log_text_artifacts(store: Store, run_id: str, files: dict[str, str | bytes]) -> None:
+    """Write each (relative name -> content) to a scratch dir and upload it as one batch."""
+    if not files:
+        return
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, content in files.items():
+            path = Path(scratch) / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
+        store.client.log_artifacts(run_id, scratch)
+
+
+def finish(store: Store, run_id: str, status: str) -> None:
+    store.client.set_terminated(run_id, status=status)
+
+
+def child_runs(store: Store, parent_run_id: str) -> list:
+    experiment = store.client.get_run(parent_run_id).info.experiment_id
+    return store.client.search_runs(
+        [experiment], filter_string=f"tags.`{PARENT}` = '{parent_run_id}'", max_results=1000
+    )
+
+
+def latest_sweep(store: Store, experiment_name: str):
+    """The newest parent run of an experiment, or BadInput naming the experiment."""
+    experiment = experiment_id(store, experiment_name, create=False)
+    if experiment is None:
+        raise BadInput([Problem("--experiment", "", f"no experiment named '{experiment_name}' in {store.uri}")])
+    runs = store.client.search_runs(
+        [experiment], filter_string=f"tags.`{ROLE}` = 'sweep'", order_by=["attributes.start_time DESC"], max_results=1
+    )
+    if not runs:
+        raise BadInput([Problem("--experiment", "", f"experiment '{experiment_name}' has no sweep runs")])
+    return runs[0]
+
+
+def flatten(prefix: str, value: object) -> dict[str, str]:
+    """Nested config -> dotted MLflow params ({"a": {"b": 1}} -> {"a.b": "1"})."""
+    if isinstance(value, dict):
+        flat: dict[str, str] = {}
+        for key, item in value.items():
+            flat.update(flatten(f"{prefix}.{key}" if prefix else str(key), item))
+        return flat
+    if isinstance(value, (list, tuple)) and value and all(isinstance(item, dict) for item in value):
+        flat = {}
+        for index, item in enumerate(value):
+            flat.update(flatten(f"{prefix}[{index}]", item))
+        return flat
+    return {prefix: str(value)}
+
+
+def names(runs: Iterable) -> list[str]:
+    return [run.data.tags.get(VARIANT, run.info.run_name) for run in runs]
+
+
+def ui_addresses(store: Store, host: str, port: int) -> list[tuple[str, str]]:
+    """The runs-table address of each experiment; MLflow 3 otherwise opens in its GenAI view."""
+    base = f"http://{host}:{port}"
+    experiments = [e for e in store.client.search_experiments() if e.name != "Default"]
+    if not experiments:
+        return [("MLflow UI (no sweeps yet)", base)]
+    return [(e.name, f"{base}/#/experiments/{e.experiment_id}/runs?workflowType=machine_learning") for e in experiments]

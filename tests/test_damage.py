@@ -1,0 +1,188 @@
+"""Known answers for the pure damage statistics (hand-computed tables)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+import pytest
+
+from quantlab.evaluate.damage import (
+    kld_stats,
+    mcnemar_exact_p,
+    paired_flips,
+    perplexity,
+    recovery,
+    token_damage,
+)
+
+TOKEN_KEYS = {
+    "quality/ppl",
+    "quality/ppl_tokens",
+    "quality/kld_mean",
+    "quality/kld_mean_stderr",
+    "quality/kld_median",
+    "quality/kld_p90",
+    "quality/kld_p95",
+    "quality/kld_p99",
+    "quality/kld_p999",
+    "quality/kld_max",
+    "quality/top1_agreement",
+    "quality/delta_p_mean",
+    "quality/delta_p_rms",
+    "quality/ln_ppl_ratio",
+}
+
+
+def test_perplexity_is_exp_of_mean_nll():
+    assert perplexity(np.array([math.log(2), math.log(8)])) == pytest.approx(4.0, rel=1e-12)
+
+
+def test_perplexity_of_nothing_is_an_error():
+    with pytest.raises(ValueError, match="no scored tokens"):
+        perplexity(np.array([]))
+
+
+def test_kld_stats_on_a_known_grid():
+    values = np.arange(1001) / 1000  # 0.000, 0.001, ..., 1.000: percentile q sits at q/100
+    stats = kld_stats(values)
+    assert stats.mean == pytest.approx(0.5)
+    assert stats.median == pytest.approx(0.5)
+    assert stats.p90 == pytest.approx(0.9)
+    assert stats.p95 == pytest.approx(0.95)
+    assert stats.p99 == pytest.approx(0.99)
+    assert stats.p999 == pytest.approx(0.999)
+    assert stats.max == 1.0
+    expected_stderr = statistics.stdev(values.tolist()) / math.sqrt(len(values))
+    assert stats.mean_stderr == pytest.approx(expected_stderr, rel=1e-12)
+
+
+def test_kld_percentiles_interpolate_linearly_like_llama_cpp():
+    # llama.cpp: p = q·(n-1), value = (1-frac)·v[floor p] + frac·v[floor p + 1]
+    stats = kld_stats(np.array([0.0, 1.0, 10.0]))
+    assert stats.p90 == pytest.approx(0.8 * 1.0 + 0.2 * 10.0)  # p = 1.8
+    assert stats.median == 1.0
+
+
+def test_token_damage_by_hand():
+    baseline_nll = np.array([math.log(2), math.log(4)])  # p = 0.5, 0.25
+    variant_nll = np.array([math.log(4), math.log(4)])  # p = 0.25, 0.25
+    damage = token_damage(
+        kld=np.array([0.1, 0.3]), baseline_nll=baseline_nll, variant_nll=variant_nll, top1_match=np.array([True, False])
+    )
+    assert damage.ppl == pytest.approx(4.0)
+    assert damage.baseline_ppl == pytest.approx(math.sqrt(8))
+    assert damage.ppl_tokens == 2
+    assert damage.top1_agreement == 0.5
+    assert damage.delta_p_mean == pytest.approx(-0.125)
+    assert damage.delta_p_rms == pytest.approx(math.sqrt(0.25**2 / 2))
+    assert damage.ln_ppl_ratio == pytest.approx(math.log(4.0 / math.sqrt(8)))
+    assert damage.kld.mean == pytest.approx(0.2)
+    metrics = damage.to_metrics()
+    assert set(metrics) == TOKEN_KEYS
+    assert all(isinstance(v, float) for v in metrics.values())
+    assert metrics["quality/ppl_tokens"] == 2.0
+
+
+def test_baseline_against_itself_gives_zero_damage_with_the_same_keys():
+    nll = np.array([0.5, 1.5, 2.5])
+    damage = token_damage(np.zeros(3), nll, nll, np.ones(3, dtype=bool))
+    metrics = damage.to_metrics()
+    assert set(metrics) == TOKEN_KEYS
+    for key in TOKEN_KEYS - {"quality/ppl", "quality/ppl_tokens", "quality/top1_agreement"}:
+        assert metrics[key] == 0.0, key
+    assert metrics["quality/top1_agreement"] == 1.0
+    assert metrics["quality/ppl"] == pytest.approx(math.exp(1.5))
+
+
+def test_token_damage_refuses_misaligned_arrays():
+    with pytest.raises(ValueError, match="differ in length"):
+        token_damage(np.zeros(3), np.ones(3), np.ones(2), np.ones(3, dtype=bool))
+
+
+@pytest.mark.parametrize(
+    ("correct_to_wrong", "wrong_to_correct", "expected"),
+    [
+        (0, 0, 1.0),  # no discordant pair
+        (1, 0, 1.0),  # 2 · 1/2, capped
+        (3, 3, 1.0),  # 2 · 42/64 > 1, capped
+        (5, 0, 2 / 32),  # 2 · (1/2)^5
+        (0, 5, 2 / 32),  # symmetric
+        (2, 7, 2 * 46 / 512),  # 2 · (1 + 9 + 36) / 2^9
+        (10, 2, 2 * 79 / 4096),  # 2 · (1 + 12 + 66) / 2^12
+    ],
+)
+def test_mcnemar_exact_p(correct_to_wrong, wrong_to_correct, expected):
+    assert mcnemar_exact_p(correct_to_wrong, wrong_to_correct) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("baseline", "variant", "both_correct", "both_wrong", "to_wrong", "to_correct", "p"),
+    [
+        (
+            {0: 1.0, 1: 1.0, 2: 0.0, 3: 0.0, 4: 1.0},
+            {0: 1.0, 1: 0.0, 2: 1.0, 3: 0.0, 4: 0.0},
+            1, 1, (1, 4), (2,), 1.0,  # 2 · P(X <= 1 | n=3) = 1
+        ),
+        (
+            {i: 1.0 for i in range(8)},
+            {i: 1.0 if i < 3 else 0.0 for i in range(8)},
+            3, 0, (3, 4, 5, 6, 7), (), 2 / 32,
+        ),
+        (
+            {0: 0.0, 1: 1.0},
+            {0: 0.0, 1: 1.0},
+            1, 1, (), (), 1.0,
+        ),
+    ],
+)
+def test_paired_flips_tables(baseline, variant, both_correct, both_wrong, to_wrong, to_correct, p):
+    flips = paired_flips("arc", baseline, variant)
+    assert (flips.both_correct, flips.both_wrong) == (both_correct, both_wrong)
+    assert flips.correct_to_wrong_ids == to_wrong
+    assert flips.wrong_to_correct_ids == to_correct
+    assert flips.flipped_doc_ids == tuple(sorted(to_wrong + to_correct))
+    assert flips.mcnemar_p == pytest.approx(p)
+    assert flips.to_metrics() == {
+        "quality/flips/arc": float(len(to_wrong) + len(to_correct)),
+        "quality/flips/arc/correct_to_wrong": float(len(to_wrong)),
+        "quality/flips/arc/wrong_to_correct": float(len(to_correct)),
+        "quality/mcnemar_p/arc": pytest.approx(p),
+    }
+
+
+def test_baseline_against_itself_has_no_flips():
+    correctness = {0: 1.0, 1: 0.0, 2: 1.0}
+    metrics = paired_flips("mmlu_dev", correctness, correctness).to_metrics()
+    assert metrics == {
+        "quality/flips/mmlu_dev": 0.0,
+        "quality/flips/mmlu_dev/correct_to_wrong": 0.0,
+        "quality/flips/mmlu_dev/wrong_to_correct": 0.0,
+        "quality/mcnemar_p/mmlu_dev": 1.0,
+    }
+
+
+def test_paired_flips_refuses_unpaired_samples():
+    with pytest.raises(ValueError, match="1 only in baseline, 0 only in variant"):
+        paired_flips("arc", {0: 1.0, 1: 0.0}, {0: 1.0})
+
+
+def test_paired_flips_refuses_non_binary_correctness():
+    with pytest.raises(ValueError, match="doc 0"):
+        paired_flips("arc", {0: 0.5}, {0: 1.0})
+
+
+def test_recovery_table():
+    baseline = {"acc": 0.5, "acc_stderr": 0.1, "acc_norm": 0.0, "f1": 0.0, "only_baseline": 1.0}
+    variant = {"acc": 0.4, "acc_stderr": 0.1, "acc_norm": 0.0, "f1": 0.2, "only_variant": 1.0}
+    metrics = recovery("arc", baseline, variant).to_metrics()
+    assert set(metrics) == {"quality/recovery/arc/acc", "quality/recovery/arc/acc_norm", "quality/recovery/arc/f1"}
+    assert metrics["quality/recovery/arc/acc"] == pytest.approx(0.8)
+    assert metrics["quality/recovery/arc/acc_norm"] == 1.0  # 0 of 0: nothing lost
+    assert math.isnan(metrics["quality/recovery/arc/f1"])  # undefined, but the column stays
+
+
+def test_baseline_recovers_itself_fully():
+    scores = {"acc": 0.31, "acc_norm": 0.0}
+    assert recovery("arc", scores, scores).ratios == {"acc": 1.0, "acc_norm": 1.0}
