@@ -60,8 +60,11 @@ class _RichSweepDisplay:
             self.started = time.perf_counter()
         self.progress.update(self.task, description=f"[{index}/{len(self.order)}] [bold]{variant}[/]: {stage}")
 
-    def variant_finished(self, variant: str, result, failure: str | None) -> None:
+    def variant_finished(self, variant: str, result, failure: str | None, reused: bool = False) -> None:
         self.progress.advance(self.task)
+        if reused:
+            self.progress.console.print(f"[green]✓[/] {variant}: unchanged since a finished run, copied from it", highlight=False)
+            return
         if failure:
             self.progress.console.print(f"[red]✗[/] {variant} failed: {failure}", highlight=False)
             return
@@ -95,6 +98,7 @@ def sweep(
             tracking_uri=uri, cache_root=(cache_dir or default_cache_root()).resolve(), executor=executor,  # type: ignore[arg-type]
             force=force, only=tuple(only or ()), ray_address=ray_address,
         )
+        _stop_on_sigterm()
         columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
         with Progress(*columns, console=out, transient=False) as progress:
             outcome = run_sweep(loaded, options, _RichSweepDisplay(progress))
@@ -102,6 +106,8 @@ def sweep(
         _fail_on_bad_input(error)
         return
     failed = ", ".join(outcome.failures)
+    if outcome.reused:
+        out.print(f"Reused (unchanged, not recomputed): {', '.join(outcome.reused)}; --force recomputes.", highlight=False)
     out.print(f"Logged to {uri}, experiment '{loaded.recipe.name}', parent run {outcome.parent_run_id}."
               + (f" [red]Failed: {failed}[/]" if failed else ""))
     raise typer.Exit(outcome.exit_code)
@@ -150,6 +156,147 @@ def ui(
     except KeyboardInterrupt:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
+
+
+Experiment = Annotated[Optional[str], typer.Option("--experiment", help="Experiment (recipe name). Default: the one with the newest sweep.")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def _sweep_view(experiment: str | None, tracking_uri: str | None):
+    from quantlab.publish import read_sweep
+    from quantlab.tracking import latest_sweep, open_store, tracking_uri as resolve_uri
+
+    store = open_store(resolve_uri(tracking_uri))
+    return store, read_sweep(store, latest_sweep(store, experiment).info.run_id)
+
+
+def _print_table(table) -> None:
+    from rich.table import Table as RichTable
+
+    rich_table = RichTable(*table.headers)
+    for row in table.rows:
+        rich_table.add_row(*row)
+    out.print(rich_table)
+
+
+@app.command()
+def frontier(experiment: Experiment = None, tracking_uri: TrackingUri = None, as_json: AsJson = False) -> None:
+    """Print the quality-versus-cost frontier of the newest sweep of an experiment."""
+    import json
+
+    from quantlab.frontier import frontiers_to_dict
+    from quantlab.publish import frontiers
+    from quantlab.report import frontier_table
+
+    try:
+        _, view = _sweep_view(experiment, tracking_uri)
+    except BadInput as error:
+        _fail_on_bad_input(error)
+        return
+    results = frontiers(view)
+    if as_json:
+        out.print_json(json.dumps(frontiers_to_dict(results)))
+        return
+    _print_table(frontier_table(view.variants, results))
+    for result in results:
+        out.print(f"[bold]{result.pair.title}[/]: frontier {', '.join(result.on_front) or 'empty'}", highlight=False)
+        for exclusion in result.excluded:
+            out.print(f"  left out {exclusion.name}: {exclusion.reason}", highlight=False)
+
+
+@app.command()
+def report(
+    experiment: Experiment = None,
+    tracking_uri: TrackingUri = None,
+    out_dir: Annotated[Path, typer.Option("--out", help="Directory for report.md, frontier.png/.html/.json.")] = Path("quantlab-report"),
+) -> None:
+    """Write the newest sweep's report and frontier plots to a directory."""
+    from quantlab.publish import render_artifacts
+
+    try:
+        _, view = _sweep_view(experiment, tracking_uri)
+    except BadInput as error:
+        _fail_on_bad_input(error)
+        return
+    for name, path in render_artifacts(view, out_dir).items():
+        out.print(f"wrote {path}", highlight=False)
+
+
+@app.command("pick")
+def pick_command(
+    experiment: Experiment = None,
+    tracking_uri: TrackingUri = None,
+    max_drop: Annotated[Optional[list[str]], typer.Option("--max-drop", help="METRIC=POINTS: largest allowed drop against the baseline, in percentage points of a 0-1 metric (e.g. eval/mmlu_dev/acc=1). Repeatable.")] = None,
+    max_kld: Annotated[Optional[float], typer.Option("--max-kld", help="Largest allowed quality/kld_mean.")] = None,
+    min_top1: Annotated[Optional[float], typer.Option("--min-top1", help="Smallest allowed quality/top1_agreement (0-1).")] = None,
+    max_memory: Annotated[Optional[float], typer.Option("--max-memory", help="Largest allowed cost/peak_memory_bytes.")] = None,
+    objective: Annotated[Optional[str], typer.Option("--objective", help="Cost metric to optimise, e.g. cost/weight_bytes (default: the recipe's frontier.objective).")] = None,
+    register: Annotated[bool, typer.Option("--register", help="Register the chosen checkpoint in the MLflow Model Registry (no weights copied).")] = False,
+    alias: Annotated[str, typer.Option(help="Registry alias to point at the chosen version.")] = "production",
+    model_name: Annotated[Optional[str], typer.Option(help="Registered model name (default: the experiment name).")] = None,
+    as_json: AsJson = False,
+) -> None:
+    """Choose the variant to ship: the cheapest by the objective that meets every constraint.
+
+    With no constraint flags the recipe's default policy applies (by default: at most 1 point
+    lost on any 0-1 eval metric). Exit 1 when no variant satisfies the constraints.
+    """
+    import json
+
+    from quantlab import tracking
+    from quantlab.decision import ConstraintParseError, Constraints, parse_max_drops
+    from quantlab.publish import decide
+
+    try:
+        store, view = _sweep_view(experiment, tracking_uri)
+        constraints = None
+        if max_drop or max_kld is not None or min_top1 is not None or max_memory is not None:
+            known = {key for variant in view.variants for key in variant.metrics}
+            try:
+                drops = parse_max_drops(max_drop or [], known_metrics=known)
+                constraints = Constraints(max_drop_points=drops, max_kld_mean=max_kld, min_top1_agreement=min_top1,
+                                          max_peak_memory_bytes=max_memory)
+            except (ConstraintParseError, ValueError) as error:
+                raise BadInput([_flag_problem("--max-drop", str(error))]) from None
+        decision = decide(view, constraints, objective)
+    except BadInput as error:
+        _fail_on_bad_input(error)
+        return
+    record = decision.to_dict()
+    if decision.chosen and register:
+        run = next(r for r in tracking.child_runs(store, view.parent_run_id)
+                   if r.data.tags.get(tracking.VARIANT) == decision.chosen)
+        summary = {key: str(value) for key, value in run.data.metrics.items()
+                   if key.startswith(("eval/", "quality/kld_mean", "quality/top1", "cost/weight_bytes", "cost/decode"))}
+        name = model_name or store.client.get_experiment(view.experiment).name
+        version, created = tracking.register_checkpoint(
+            store, name, alias, run.info.run_id, run.data.tags[tracking.CHECKPOINT],
+            run.data.tags.get(tracking.CONTENT_KEY, run.info.run_id), summary,
+        )
+        record["registered"] = {"model": name, "version": version, "alias": alias, "new_version": created}
+    tracking.log_text_artifacts(store, view.parent_run_id, {f"decisions/pick-{int(time.time())}.json": json.dumps(record, indent=2)})
+    if as_json:
+        out.print_json(json.dumps(record))
+    else:
+        out.print(decision.summary, highlight=False)
+        for verdict in decision.verdicts:
+            if verdict.name != decision.chosen:
+                out.print(f"  {verdict.name}: {'; '.join(verdict.reasons)}", highlight=False)
+        if "registered" in record:
+            reg = record["registered"]
+            state = "registered as new" if reg["new_version"] else "already registered as"
+            out.print(f"{decision.chosen} {state} version {reg['version']} of '{reg['model']}', alias '{reg['alias']}'", highlight=False)
+    raise typer.Exit(0 if decision.chosen else 1)
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (a scheduler stopping the job) ends the sweep like Ctrl-C: its runs are marked KILLED."""
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def _flag_problem(flag: str, message: str):

@@ -12,12 +12,14 @@ import os
 import queue
 import signal
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 from quantlab.runner import VariantJob, VariantResult, run_variant
 
 StageCallback = Callable[[str, str], None]  # (variant, stage)
+Outcome = tuple[VariantJob, "VariantResult | VariantFailed", Path]  # job, what came of it, its log file
 
 
 class VariantFailed(Exception):
@@ -82,3 +84,73 @@ def _log_tail(log_path: Path, lines: int = 60) -> str:
         return ""
     tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:]
     return "\n\n--- last lines of the variant's log ---\n" + "\n".join(tail)
+
+
+class Executor(Protocol):
+    def run(self, jobs: list[VariantJob], log_dir: Path, on_stage: StageCallback) -> Iterator[Outcome]:
+        """Run the jobs, yielding each outcome as soon as it is known."""
+        ...
+
+
+class LocalExecutor:
+    """One spawned process per variant, one variant at a time: the machine is the variant's alone."""
+
+    def run(self, jobs: list[VariantJob], log_dir: Path, on_stage: StageCallback) -> Iterator[Outcome]:
+        for job in jobs:
+            log_path = log_dir / f"{job.variant}.log"
+            try:
+                yield job, run_local(job, log_path, on_stage), log_path
+            except VariantFailed as failed:
+                yield job, failed, log_path
+
+
+class RayExecutor:
+    """One Ray task per variant, all at once, each with the resources its recipe asks for.
+
+    Workers write checkpoints and the baseline's reference pass into the cache directory and
+    their logs into `log_dir`: on a multi-node cluster both must be on a shared file system.
+    Only the driver talks to MLflow, so every result reaches the one tracking store.
+    """
+
+    def __init__(self, address: str | None):
+        self.address = address
+
+    def run(self, jobs: list[VariantJob], log_dir: Path, on_stage: StageCallback) -> Iterator[Outcome]:
+        import ray
+
+        if not ray.is_initialized():
+            if self.address:
+                ray.init(address=self.address, log_to_driver=False)
+            else:
+                ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+        # max_calls=1: a fresh worker process per variant, as with the local executor.
+        remote = ray.remote(max_calls=1)(_ray_task)
+        pending = {}
+        for job in jobs:
+            runtime = job.loaded.recipe.runtime
+            log_path = log_dir / f"{job.variant}.log"
+            ref = remote.options(num_cpus=runtime.cpus, num_gpus=runtime.gpus, name=f"quantlab-{job.variant}").remote(job, str(log_path))
+            pending[ref] = (job, log_path)
+            on_stage(job.variant, "queued on Ray")
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            job, log_path = pending.pop(done[0])
+            try:
+                yield job, ray.get(done[0]), log_path
+            except ray.exceptions.RayTaskError as error:
+                cause = error.cause if isinstance(getattr(error, "cause", None), BaseException) else error
+                yield job, VariantFailed(f"{type(cause).__name__}: {cause}", str(error) + _log_tail(log_path)), log_path
+            except ray.exceptions.RayError as error:  # worker died: killed, out of memory, node lost
+                yield job, VariantFailed(f"Ray worker failed: {type(error).__name__}", str(error) + _log_tail(log_path)), log_path
+
+
+def _ray_task(job: VariantJob, log_path: str) -> VariantResult:
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    return run_variant(job)
+
+
+def make_executor(kind: str, ray_address: str | None) -> Executor:
+    return RayExecutor(ray_address) if kind == "ray" else LocalExecutor()

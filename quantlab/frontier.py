@@ -465,18 +465,12 @@ def pareto_front(variants: Sequence[VariantSummary], pair: AxisPair) -> Frontier
     placed: list[FrontierPoint] = []
     for variant in variants:
         reason = exclusion_reason(variant, required)
-        if reason is not None:
-            excluded.append(Exclusion(variant.name, reason))
+        quality, cost = variant.value(pair.quality.metric), variant.value(pair.cost.metric)
+        if reason is not None or quality is None or cost is None:
+            excluded.append(Exclusion(variant.name, reason or "missing metric"))
             continue
         placed.append(
-            FrontierPoint(
-                name=variant.name,
-                method=variant.method,
-                quality=variant.value(pair.quality.metric),  # type: ignore[arg-type]
-                cost=variant.value(pair.cost.metric),  # type: ignore[arg-type]
-                dominated_by=(),
-                is_baseline=variant.is_baseline,
-            )
+            FrontierPoint(variant.name, variant.method, quality, cost, (), variant.is_baseline)
         )
     judged = [
         replace(

@@ -90,6 +90,8 @@ class RuntimeSettings(StrictModel):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="Compute dtype; auto = bfloat16 on CUDA, float32 on CPU."
     )
+    cpus: float = Field(1, gt=0, le=1024, description="CPUs each variant asks of the Ray scheduler.")
+    gpus: float = Field(0, ge=0, le=64, description="GPUs each variant asks of the Ray scheduler.")
 
 
 class Recipe(StrictModel):

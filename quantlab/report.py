@@ -180,7 +180,7 @@ def render_png(
         axes.set_axis_off()
     if not frontier_results:
         axes_list[0].text(0.5, 0.5, "no frontier: no variant logged both a quality and a cost metric",
-                          ha="center", va="center", wrap=True)
+                          ha="center", va="center", wrap=True, transform=axes_list[0].transAxes)
     if title:
         figure.suptitle(title)
     target = Path(path)
@@ -586,7 +586,7 @@ def _recommendation_section(decision: Decision | None) -> str:
                 "The reference itself is the recommendation: no other variant met the policy "
                 "at a better cost."
             )
-        evidence = [f"  - {check.detail}" for check in chosen.checks]
+        evidence = [f"- {check.detail}" for check in chosen.checks]
         if evidence:
             lines += ["", "Why it qualifies:", "", *evidence]
     others = Table(

@@ -1,25 +1,39 @@
-"""A sweep: plan the variants, run each (baseline first), log each into MLflow, publish the frontier."""
+"""A sweep: plan the variants, run each (baseline first), log each into MLflow, publish the frontier.
+
+Resuming is by content: every variant has a run key, a hash of everything that decides its
+numbers (checkpoint identity, eval / quality / measure settings, the baseline it is compared
+with). A finished run with the same key in the experiment is copied into the new sweep in
+seconds instead of being recomputed (`--force` recomputes). Runs left RUNNING by a sweep that
+died on this host (SIGKILL, power loss) are marked KILLED when the next sweep starts.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import socket
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
-from quantlab import tracking
+from quantlab import cache, tracking
 from quantlab.errors import BadInput, Problem
-from quantlab.executors import VariantFailed, run_local
+from quantlab.executors import VariantFailed, make_executor
 from quantlab.recipe import LoadedRecipe
 from quantlab.runner import BaselineOutputs, VariantJob, VariantResult
+
+RUN_KEY = "quantlab.run_key"
+REUSED_FROM = "quantlab.reused_from"
+REFERENCE_DIR = "quantlab.reference_dir"
+SAMPLES_ARTIFACT = "samples.json"
 
 
 class SweepDisplay(Protocol):
     def sweep_started(self, experiment: str, run_id: str, variants: list[str]) -> None: ...
     def stage(self, variant: str, stage: str) -> None: ...
-    def variant_finished(self, variant: str, result: VariantResult | None, failure: str | None) -> None: ...
+    def variant_finished(self, variant: str, result: VariantResult | None, failure: str | None, reused: bool = False) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -36,7 +50,8 @@ class SweepOptions:
 class SweepOutcome:
     experiment_id: str
     parent_run_id: str
-    results: dict[str, VariantResult]
+    finished: list[str]
+    reused: list[str] = field(default_factory=list)
     failures: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -59,77 +74,210 @@ def plan(loaded: LoadedRecipe, only: tuple[str, ...]) -> list[str]:
     return [recipe.baseline] + [name for name in chosen if name != recipe.baseline]
 
 
+def run_keys(loaded: LoadedRecipe, names: list[str], cache_root: Path) -> dict[str, str]:
+    """Content hash per variant of everything that decides its logged numbers."""
+    from quantlab.models import resolve_source
+    from quantlab.quantize.stage import checkpoint_identity
+
+    recipe = loaded.recipe
+    source = resolve_source(recipe.model, loaded.path.parent)
+    shared = {
+        "evals": recipe.evals.model_dump(exclude={"include_path"}),
+        "tasks_files": _directory_digest(loaded.include_path),
+        "quality": recipe.quality.model_dump(),
+        "measure": recipe.measure.model_dump(),
+        "runtime": recipe.runtime.model_dump(),
+        "baseline": checkpoint_identity(source, recipe.variant(recipe.baseline), recipe.calibration),
+    }
+    return {
+        name: cache.cache_key({"checkpoint": checkpoint_identity(source, recipe.variant(name), recipe.calibration), **shared})
+        for name in names
+    }
+
+
+def _directory_digest(directory: Path | None) -> str | None:
+    if directory is None:
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(directory.rglob("*")):
+        if path.is_file() and path.suffix in (".yaml", ".yml", ".jsonl", ".json", ".py"):
+            digest.update(str(path.relative_to(directory)).encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
 def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay) -> SweepOutcome:
     from quantlab.publish import publish_sweep
 
     order = plan(loaded, options.only)
     store = tracking.open_store(options.tracking_uri)
     experiment = tracking.experiment_id(store, loaded.recipe.name)
-    parent = tracking.start_run(store, experiment, f"sweep {loaded.recipe.name}", {tracking.ROLE: "sweep"})
-    results: dict[str, VariantResult] = {}
-    failures: dict[str, str] = {}
+    mark_dead_sweeps(store, experiment)
+    keys = run_keys(loaded, order, options.cache_root)
+    reusable = {} if options.force else finished_runs(store, experiment, set(keys.values()))
+    parent = tracking.start_run(store, experiment, f"sweep {loaded.recipe.name}", {
+        tracking.ROLE: "sweep", "quantlab.host": socket.gethostname(), "quantlab.pid": str(os.getpid()),
+    })
+    sweep = _Sweep(store, experiment, parent, loaded, options, display, keys)
     try:
         tracking.log_text_artifacts(store, parent, {"recipe.yaml": loaded.text})
         tracking.log_values(store, parent, params={"recipe.path": str(loaded.path), "variants": ",".join(order)})
         display.sweep_started(loaded.recipe.name, parent, order)
-        baseline: BaselineOutputs | None = None
         with tempfile.TemporaryDirectory(prefix="quantlab-logs-") as logs:
-            for name in order:
-                job = VariantJob(loaded, name, options.cache_root, baseline, options.force)
-                result, failure = _run_and_log(store, experiment, parent, job, Path(logs) / f"{name}.log", display)
-                if result is not None:
-                    results[name] = result
-                    if job.is_baseline:
-                        baseline = result.baseline_outputs
-                else:
-                    failures[name] = failure or "unknown failure"
-        publish_sweep(store, parent, loaded)
-    except BaseException:
-        tracking.finish(store, parent, "KILLED" if _interrupted() else "FAILED")
+            baseline_name, others = order[0], order[1:]
+            sweep.run_batch([baseline_name], reusable, Path(logs))
+            sweep.run_batch(others, reusable, Path(logs))
+        publish_sweep(store, parent)
+    except BaseException as error:
+        status = "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
+        sweep.abandon(status)
+        tracking.finish(store, parent, status)
         raise
-    tracking.finish(store, parent, "FINISHED" if not failures else "FAILED")
-    return SweepOutcome(experiment, parent, results, failures)
+    tracking.finish(store, parent, "FINISHED" if not sweep.failures else "FAILED")
+    return SweepOutcome(experiment, parent, sweep.finished, sweep.reused, sweep.failures)
 
 
-def _interrupted() -> bool:
-    import sys
+class _Sweep:
+    """The bookkeeping of one sweep: which run belongs to which variant, and what came of it."""
 
-    return isinstance(sys.exc_info()[1], KeyboardInterrupt)
+    def __init__(self, store, experiment, parent, loaded, options, display, keys):
+        self.store, self.experiment, self.parent = store, experiment, parent
+        self.loaded, self.options, self.display, self.keys = loaded, options, display, keys
+        self.runs: dict[str, str] = {}
+        self.baseline: BaselineOutputs | None = None
+        self.finished: list[str] = []
+        self.reused: list[str] = []
+        self.failures: dict[str, str] = {}
+
+    def run_batch(self, names: list[str], reusable: dict[str, object], logs: Path) -> None:
+        to_run = []
+        for name in names:
+            previous = reusable.get(self.keys[name])
+            if previous is not None:
+                self._copy(name, previous)
+            else:
+                to_run.append(VariantJob(self.loaded, name, self.options.cache_root, self.baseline, self.options.force))
+        executor = make_executor(self.options.executor, self.options.ray_address)
+        for job, outcome, log_path in executor.run(to_run, logs, self._stage) if to_run else ():
+            if isinstance(outcome, VariantFailed):
+                self._log_failure(job.variant, outcome, log_path)
+            else:
+                self._log_result(job, outcome, log_path)
+
+    def _run_for(self, name: str) -> str:
+        if name not in self.runs:
+            variant = self.loaded.recipe.variant(name)
+            self.runs[name] = tracking.start_run(self.store, self.experiment, name, {
+                tracking.ROLE: "variant", tracking.VARIANT: name, tracking.METHOD: variant.method,
+                "quantlab.baseline": str(name == self.loaded.recipe.baseline).lower(), RUN_KEY: self.keys[name],
+            }, parent=self.parent)
+        return self.runs[name]
+
+    def _stage(self, name: str, stage: str) -> None:
+        self._run_for(name)
+        self.display.stage(name, stage)
+
+    def _log_result(self, job: VariantJob, result: VariantResult, log_path: Path) -> None:
+        run_id = self._run_for(job.variant)
+        tracking.log_values(
+            self.store, run_id,
+            metrics=result.metrics | {f"time/{stage}_seconds": seconds for stage, seconds in result.stage_seconds.items()},
+            params=result.params,
+            tags=result.tags | {tracking.CHECKPOINT: result.checkpoint, tracking.CONTENT_KEY: result.content_key,
+                                "quantlab.checkpoint_reused": str(result.reused_checkpoint).lower(),
+                                REFERENCE_DIR: result.baseline_outputs.reference_dir or ""},
+        )
+        samples = {"per_sample": result.baseline_outputs.per_sample, "task_metrics": result.baseline_outputs.task_metrics}
+        tracking.log_text_artifacts(self.store, run_id, {
+            **result.artifacts, **_log_artifact(log_path), SAMPLES_ARTIFACT: json.dumps(samples),
+            "stage_seconds.json": json.dumps(result.stage_seconds, indent=2),
+        })
+        tracking.finish(self.store, run_id, "FINISHED")
+        if job.is_baseline:
+            self.baseline = result.baseline_outputs
+        self.finished.append(job.variant)
+        self.display.variant_finished(job.variant, result, None)
+
+    def _log_failure(self, name: str, failed: VariantFailed, log_path: Path) -> None:
+        run_id = self._run_for(name)
+        tracking.log_text_artifacts(self.store, run_id, {"failure/traceback.txt": failed.details, **_log_artifact(log_path)})
+        tracking.log_values(self.store, run_id, tags={"quantlab.failure": failed.reason[:5000]})
+        tracking.finish(self.store, run_id, "FAILED")
+        self.failures[name] = failed.reason
+        self.display.variant_finished(name, None, failed.reason)
+
+    def _copy(self, name: str, previous) -> None:
+        """A finished run with the same run key: its numbers hold for this sweep too."""
+        run_id = self._run_for(name)
+        tags = {k: v for k, v in previous.data.tags.items() if not k.startswith("mlflow.") and k != tracking.ON_FRONTIER}
+        tracking.log_values(self.store, run_id, metrics=dict(previous.data.metrics), params=dict(previous.data.params),
+                            tags=tags | {REUSED_FROM: previous.info.run_id})
+        with tempfile.TemporaryDirectory() as scratch:
+            local = self.store.client.download_artifacts(previous.info.run_id, "", scratch)
+            self.store.client.log_artifacts(run_id, local)
+            if name == self.loaded.recipe.baseline:
+                self.baseline = _baseline_outputs(Path(local) / SAMPLES_ARTIFACT, previous.data.tags.get(REFERENCE_DIR))
+        tracking.finish(self.store, run_id, "FINISHED")
+        self.reused.append(name)
+        self.display.variant_finished(name, None, None, reused=True)
+
+    def abandon(self, status: str) -> None:
+        """The sweep is dying: no run of it may stay RUNNING."""
+        for name, run_id in self.runs.items():
+            if self.store.client.get_run(run_id).info.status == "RUNNING":
+                tracking.finish(self.store, run_id, status)
 
 
-def _run_and_log(
-    store: tracking.Store, experiment: str, parent: str, job: VariantJob, log_path: Path, display: SweepDisplay
-) -> tuple[VariantResult | None, str | None]:
-    variant = job.loaded.recipe.variant(job.variant)
-    run_id = tracking.start_run(
-        store, experiment, variant.name,
-        {tracking.ROLE: "variant", tracking.VARIANT: variant.name, tracking.METHOD: variant.method,
-         "quantlab.baseline": str(job.is_baseline).lower()},
-        parent=parent,
+def _baseline_outputs(samples_path: Path, reference_dir: str | None) -> BaselineOutputs:
+    samples = json.loads(samples_path.read_text())
+    per_sample = {task: {int(doc): value for doc, value in docs.items()} for task, docs in samples["per_sample"].items()}
+    usable_reference = reference_dir if reference_dir and Path(reference_dir, "reference.json").is_file() else None
+    return BaselineOutputs(usable_reference, per_sample, samples["task_metrics"])
+
+
+def finished_runs(store: tracking.Store, experiment: str, keys: set[str]) -> dict[str, object]:
+    """The newest FINISHED variant run for each run key."""
+    found: dict[str, object] = {}
+    runs = store.client.search_runs(
+        [experiment], filter_string=f"tags.`{tracking.ROLE}` = 'variant' and attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time DESC"], max_results=5000,
     )
+    for run in runs:
+        key = run.data.tags.get(RUN_KEY)
+        if key in keys and key not in found:
+            found[key] = run
+    return found
+
+
+def mark_dead_sweeps(store: tracking.Store, experiment: str) -> list[str]:
+    """Runs left RUNNING by a sweep process on this host that no longer exists become KILLED."""
+    host = socket.gethostname()
+    sweeps = store.client.search_runs(
+        [experiment], filter_string=f"tags.`{tracking.ROLE}` = 'sweep' and attributes.status = 'RUNNING'", max_results=1000
+    )
+    killed = []
+    for sweep in sweeps:
+        tags = sweep.data.tags
+        if tags.get("quantlab.host") != host or _process_alive(int(tags.get("quantlab.pid", "0"))):
+            continue
+        for child in tracking.child_runs(store, sweep.info.run_id):
+            if child.info.status == "RUNNING":
+                tracking.log_values(store, child.info.run_id, tags={"quantlab.failure": "its sweep process died"})
+                tracking.finish(store, child.info.run_id, "KILLED")
+        tracking.finish(store, sweep.info.run_id, "KILLED")
+        killed.append(sweep.info.run_id)
+    return killed
+
+
+def _process_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
     try:
-        result = run_local(job, log_path, display.stage)
-    except VariantFailed as failed:
-        tracking.log_text_artifacts(store, run_id, {"failure/traceback.txt": failed.details, **_log_artifact(log_path)})
-        tracking.log_values(store, run_id, tags={"quantlab.failure": failed.reason[:5000]})
-        tracking.finish(store, run_id, "FAILED")
-        display.variant_finished(variant.name, None, failed.reason)
-        return None, failed.reason
-    except BaseException:
-        tracking.finish(store, run_id, "KILLED")
-        raise
-    tracking.log_values(
-        store, run_id,
-        metrics=result.metrics | {f"time/{stage}_seconds": seconds for stage, seconds in result.stage_seconds.items()},
-        params=result.params,
-        tags=result.tags | {tracking.CHECKPOINT: result.checkpoint, tracking.CONTENT_KEY: result.content_key,
-                            "quantlab.checkpoint_reused": str(result.reused_checkpoint).lower()},
-    )
-    tracking.log_text_artifacts(store, run_id, {**result.artifacts, **_log_artifact(log_path),
-                                                 "stage_seconds.json": json.dumps(result.stage_seconds, indent=2)})
-    tracking.finish(store, run_id, "FINISHED")
-    display.variant_finished(variant.name, result, None)
-    return result, None
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _log_artifact(log_path: Path) -> dict[str, str]:

@@ -177,3 +177,33 @@ def ui_addresses(store: Store, host: str, port: int) -> list[tuple[str, str]]:
     if not experiments:
         return [("MLflow UI (no sweeps yet)", base)]
     return [(e.name, f"{base}/#/experiments/{e.experiment_id}/runs?workflowType=machine_learning") for e in experiments]
+
+
+def register_checkpoint(
+    store: Store, model_name: str, alias: str, run_id: str, checkpoint: str, content_key: str, tags: dict[str, str]
+) -> tuple[str, bool]:
+    """Register the checkpoint where it lies (no weights copied) under `alias`; (version, created).
+
+    The same checkpoint (content key) registered again reuses its version instead of adding one.
+    """
+    from mlflow.exceptions import MlflowException
+
+    client = store.client
+    try:
+        client.get_registered_model(model_name)
+    except MlflowException:
+        client.create_registered_model(model_name, description="Variants chosen by `quantlab pick`.")
+    existing = [
+        version for version in client.search_model_versions(f"name = '{model_name}'")
+        if version.tags.get(CONTENT_KEY) == content_key
+    ]
+    if existing:
+        version, created = existing[0].version, False
+    else:
+        source = Path(checkpoint).resolve().as_uri() if "://" not in checkpoint else checkpoint
+        version = client.create_model_version(
+            model_name, source=source, run_id=run_id, tags={**tags, CONTENT_KEY: content_key, CHECKPOINT: checkpoint}
+        ).version
+        created = True
+    client.set_registered_model_alias(model_name, alias, version)
+    return str(version), created

@@ -61,7 +61,7 @@ def test_kld_stats_on_a_known_grid():
 def test_kld_percentiles_interpolate_linearly_like_llama_cpp():
     # llama.cpp: p = q·(n-1), value = (1-frac)·v[floor p] + frac·v[floor p + 1]
     stats = kld_stats(np.array([0.0, 1.0, 10.0]))
-    assert stats.p90 == pytest.approx(0.8 * 1.0 + 0.2 * 10.0)  # p = 1.8
+    assert stats.p90 == pytest.approx(0.2 * 1.0 + 0.8 * 10.0)  # p = 1.8: 0.8 of the way from v[1] to v[2]
     assert stats.median == 1.0
 
 

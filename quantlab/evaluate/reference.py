@@ -276,15 +276,13 @@ def compare_tokens(model: torch.nn.Module, ref_dir: Path, progress: Progress | N
     bound = np.empty(info.n_scored, dtype=np.float32)
     variant_nll = np.empty(info.n_scored, dtype=np.float32)
     top1_match = np.empty(info.n_scored, dtype=bool)
+    # Checked before the first forward pass too: a smaller embedding fails on the corpus' ids.
+    _check_vocab(getattr(getattr(model, "config", None), "vocab_size", None), info)
     row = 0
     for targets, block in _logprob_blocks(model, token_ids, windows, progress):
-        if block.shape[-1] != info.vocab_size:
-            raise ValueError(
-                f"the model predicts {block.shape[-1]} token ids, the reference at {info.path} "
-                f"{info.vocab_size}: not the same tokenizer"
-            )
+        _check_vocab(block.shape[-1], info)
         rows = slice(row, row + len(targets))
-        reference = torch.from_numpy(np.ascontiguousarray(stored[rows])).to(block.device)
+        reference = torch.from_numpy(np.array(stored[rows])).to(block.device)
         block_kld, block_bound = stored_kld(reference, block)
         kld[rows] = block_kld.cpu().numpy()
         bound[rows] = block_bound.cpu().numpy()
@@ -323,23 +321,33 @@ def stored_kld(reference: torch.Tensor, variant_logprobs: torch.Tensor) -> tuple
     ``variant_logprobs``: the variant's float32 log-probabilities, same shape.
     """
     stored = reference.float()
-    shift = stored.logsumexp(-1, keepdim=True)
-    log_p = stored - shift
-    rounded_variant = encode_logprobs(variant_logprobs).float()
-    log_q = rounded_variant - rounded_variant.logsumexp(-1, keepdim=True)
-    p = log_p.exp()
-    kld = (p * (log_p - log_q)).sum(-1)
-
     exact_variant = variant_logprobs.float().clamp_min(FP16_LOWEST)
-    distance = (log_p - exact_variant).abs()
-    rounding = FP16_UNIT_ROUNDOFF / (1 - FP16_UNIT_ROUNDOFF) * stored.abs() + FP16_SUBNORMAL_ERROR + shift.abs()
+    log_p, p, shift = _renormalized(stored)
+    log_q, _, _ = _renormalized(encode_logprobs(exact_variant).float())
+    kld = torch.linalg.vecdot(p, log_p - log_q)
+
+    # The bound's terms, per entry: ``rounding`` is d, ``distance`` |ln P̃ - m|. The first two
+    # terms share their factor P̃·expm1(d): (distance + d) + e^d·expm1(d) = ... + expm1(d)² + expm1(d).
+    distance = (log_p - exact_variant).abs_()
+    rounding = stored.abs().mul_(FP16_UNIT_ROUNDOFF / (1 - FP16_UNIT_ROUNDOFF)).add_(FP16_SUBNORMAL_ERROR + shift.abs())
     rounding_m1 = rounding.expm1()
-    weight_error = (p * rounding_m1 * (distance + rounding)).sum(-1)
-    chi_square = (p * rounding.exp() * rounding_m1.square()).sum(-1)
-    variant_rounding = (p * (log_q - exact_variant)).sum(-1).abs()
+    weights_and_chi_square = torch.addcmul(rounding_m1, rounding_m1, rounding_m1).add_(distance).add_(rounding)
+    weights_and_chi_square.mul_(rounding_m1)
+    variant_rounding = torch.linalg.vecdot(p, log_q - exact_variant).abs()
     # Sums of up to `vocab` float32 terms, reduced pairwise by torch: a few ulps per level.
-    summation = (math.ceil(math.log2(stored.shape[-1])) + 8) * 2.0**-24 * (1 + (p * distance).sum(-1))
-    return kld, weight_error + chi_square + variant_rounding + summation
+    summation_ulps = math.ceil(math.log2(stored.shape[-1])) + 8
+    summation = summation_ulps * 2.0**-24 * (1 + torch.linalg.vecdot(p, distance))
+    return kld, torch.linalg.vecdot(p, weights_and_chi_square) + variant_rounding + summation
+
+
+def _renormalized(logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-probabilities, probabilities, shift) after making rounded log-probabilities sum to 1.
+
+    Plain exp is safe here, unlike for logits: rounded log-probabilities are at most ~0.
+    """
+    probs = logprobs.exp()
+    total = probs.sum(-1, keepdim=True)
+    return logprobs - total.log(), probs.div_(total), total.log()
 
 
 def _logprob_blocks(
@@ -372,6 +380,14 @@ def _logprob_blocks(
                     progress(done, total)
     finally:
         model.train(was_training)
+
+
+def _check_vocab(model_vocab: int | None, info: ReferenceInfo) -> None:
+    if model_vocab is not None and model_vocab != info.vocab_size:
+        raise ValueError(
+            f"the model predicts {model_vocab} token ids, the reference at {info.path} "
+            f"{info.vocab_size}: not the same tokenizer"
+        )
 
 
 def _nll(logprobs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

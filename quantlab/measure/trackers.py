@@ -1,0 +1,214 @@
+"""What a window of work cost in memory and energy: context managers returning frozen readings.
+
+    with MemoryTracker(devices) as memory, EnergyTracker(devices) as energy:
+        run_the_model()
+    memory.reading.peak_bytes, energy.reading.joules
+
+Figures a device cannot give are None, with the reason in `unavailable` (never zero).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+
+import torch
+
+from quantlab.measure.nvml import NvmlDevice, open_nvml_device
+
+NO_CUDA_REASON = "no CUDA device: {what} comes from NVML on NVIDIA GPUs"
+
+
+def current_rss_bytes() -> int:
+    """This process's resident set size now."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        pass
+    try:
+        import psutil
+    except ImportError:
+        return process_peak_rss_bytes()
+    return int(psutil.Process().memory_info().rss)
+
+
+def process_peak_rss_bytes() -> int:
+    """The largest resident set size of this process's whole life (loading included)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
+
+
+def _cuda_indices(devices: Sequence[torch.device]) -> list[int]:
+    return sorted({device.index if device.index is not None else torch.cuda.current_device()
+                   for device in devices if device.type == "cuda"})
+
+
+def _synchronize(cuda_indices: Sequence[int]) -> None:
+    for index in cuda_indices:
+        torch.cuda.synchronize(index)
+
+
+def _open_all(cuda_indices: Sequence[int]) -> list[NvmlDevice] | str:
+    opened = [open_nvml_device(index) for index in cuda_indices]
+    reasons = [device for device in opened if isinstance(device, str)]
+    return reasons[0] if reasons else opened  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    peak_bytes: int  # the headline figure; `peak_kind` says what it counts
+    peak_kind: str
+    baseline_bytes: int  # the same quantity when the window opened
+    peak_rss_bytes: int  # host resident set size, sampled over the window
+    process_peak_rss_bytes: int  # over the process's life, loading included
+    peak_device_memory_bytes: int | None  # NVML's view of device memory (CUDA only)
+    device_memory_scope: str | None  # "this process" or "whole device"
+    unavailable: Mapping[str, str] = field(default_factory=dict)
+
+
+class MemoryTracker:
+    """Peak memory over a window. CPU: resident set size, sampled by a thread every
+    `sample_interval_s` and at both ends (a short spike between samples can be missed).
+    CUDA: torch's peak allocated bytes, summed over the model's devices, and NVML's device
+    memory of this process, sampled."""
+
+    def __init__(self, devices: Sequence[torch.device], sample_interval_s: float = 0.005):
+        self._cuda = _cuda_indices(devices)
+        self._interval = sample_interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample_until_stopped, name="memory-tracker", daemon=True)
+        self._lock = threading.Lock()
+        self._nvml: list[NvmlDevice] | str = NO_CUDA_REASON.format(what="device memory")
+        self._peak_rss = 0
+        self._peak_nvml: int | None = None
+        self._nvml_scope: str | None = None
+        self._baseline = 0
+        self._reading: MemoryReading | None = None
+
+    def __enter__(self) -> MemoryTracker:
+        if self._cuda:
+            _synchronize(self._cuda)
+            for index in self._cuda:
+                torch.cuda.reset_peak_memory_stats(index)
+            self._baseline = sum(torch.cuda.memory_allocated(index) for index in self._cuda)
+            self._nvml = _open_all(self._cuda)
+        self._peak_rss = current_rss_bytes()
+        if not self._cuda:
+            self._baseline = self._peak_rss
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
+        if self._cuda:
+            _synchronize(self._cuda)
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        self._reading = self._read()
+
+    @property
+    def reading(self) -> MemoryReading:
+        if self._reading is None:
+            raise RuntimeError("MemoryTracker.reading is available after its `with` block ends")
+        return self._reading
+
+    def _sample_until_stopped(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._sample()
+
+    def _sample(self) -> None:
+        rss = current_rss_bytes()
+        device_bytes, scope = self._nvml_sample()
+        with self._lock:
+            self._peak_rss = max(self._peak_rss, rss)
+            if device_bytes is not None:
+                self._peak_nvml = max(self._peak_nvml or 0, device_bytes)
+                self._nvml_scope = scope
+
+    def _nvml_sample(self) -> tuple[int | None, str | None]:
+        if isinstance(self._nvml, str):
+            return None, None
+        per_process = [device.process_memory_bytes() for device in self._nvml]
+        if all(value is not None for value in per_process):
+            return sum(per_process), "this process"  # type: ignore[arg-type]
+        return sum(device.used_memory_bytes() for device in self._nvml), "whole device"
+
+    def _read(self) -> MemoryReading:
+        unavailable: dict[str, str] = {}
+        if self._peak_nvml is None:
+            unavailable["peak_device_memory_bytes"] = (
+                self._nvml if isinstance(self._nvml, str) else "NVML returned no memory sample"
+            )
+        if self._cuda:
+            peak = sum(torch.cuda.max_memory_allocated(index) for index in self._cuda)
+            kind = f"torch.cuda.max_memory_allocated, summed over cuda:{','.join(map(str, self._cuda))}"
+        else:
+            peak = self._peak_rss
+            kind = "peak resident set size of the process (sampled)"
+        return MemoryReading(
+            peak_bytes=peak,
+            peak_kind=kind,
+            baseline_bytes=self._baseline,
+            peak_rss_bytes=self._peak_rss,
+            process_peak_rss_bytes=process_peak_rss_bytes(),
+            peak_device_memory_bytes=self._peak_nvml,
+            device_memory_scope=self._nvml_scope,
+            unavailable=unavailable,
+        )
+
+
+@dataclass(frozen=True)
+class EnergyReading:
+    joules: float | None  # energy of the whole devices over the window, other processes included
+    unavailable_reason: str | None
+
+
+class EnergyTracker:
+    """Energy the model's GPUs drew over a window, from NVML's cumulative counters."""
+
+    def __init__(self, devices: Sequence[torch.device]):
+        self._cuda = _cuda_indices(devices)
+        self._nvml: list[NvmlDevice] | str = (
+            _open_all(self._cuda) if self._cuda else NO_CUDA_REASON.format(what="energy")
+        )
+        self._start_mj: list[int] = []
+        self._reading: EnergyReading | None = None
+
+    def __enter__(self) -> EnergyTracker:
+        if not isinstance(self._nvml, str):
+            _synchronize(self._cuda)
+            self._start_mj = self._counters()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
+        if not isinstance(self._nvml, str):
+            _synchronize(self._cuda)
+            end_mj = self._counters()
+        if isinstance(self._nvml, str):  # also when a counter read failed
+            self._reading = EnergyReading(None, self._nvml)
+            return
+        spent_mj = sum(end - start for start, end in zip(self._start_mj, end_mj))
+        self._reading = EnergyReading(spent_mj / 1000, None)
+
+    @property
+    def reading(self) -> EnergyReading:
+        if self._reading is None:
+            raise RuntimeError("EnergyTracker.reading is available after its `with` block ends")
+        return self._reading
+
+    def _counters(self) -> list[int]:
+        """Every device's counter in millijoules; on failure (pre-Volta GPUs have no energy
+        counter) the tracker records why and reports no figure."""
+        try:
+            return [device.energy_millijoules() for device in self._nvml]  # type: ignore[union-attr]
+        except Exception as error:  # NVML raises its own error types
+            self._nvml = f"NVML energy counter unavailable: {error}"
+            return []

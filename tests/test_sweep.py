@@ -1,0 +1,104 @@
+"""A real sweep of the tiny Llama into a temporary MLflow store: run layout, failure containment, exit codes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from recipes import tiny_recipe, write
+
+
+def quantlab(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "quantlab", *args], cwd=cwd, capture_output=True, text=True, timeout=900,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory, tiny_llama):
+    """bf16, fp8 and awq; the calibration text is too short for AWQ, a real failure found only at run time.
+
+    Only AWQ calibrates, so it must fail alone while bf16 and fp8 finish.
+    """
+    work = tmp_path_factory.mktemp("sweep")
+    (work / "short.txt").write_text("Far too short to calibrate on.\n")
+    recipe = tiny_recipe(tiny_llama.path, calibration={"source": "short.txt", "num_samples": 4, "seq_len": 32})
+    path = write(work / "recipe.yaml", recipe)
+    uri = f"sqlite:///{work / 'store.db'}"
+    result = quantlab("sweep", str(path), "--tracking-uri", uri, "--cache-dir", str(work / "cache"), cwd=work)
+    return work, uri, result
+
+
+def test_failed_variant_gives_exit_1_and_others_still_finish(swept):
+    _, uri, result = swept
+    assert result.returncode == 1, result.stdout + result.stderr
+    runs = _variant_runs(uri)
+    assert {name: run.info.status for name, run in runs.items()} == {
+        "bf16": "FINISHED", "fp8": "FINISHED", "awq": "FAILED",
+    }
+
+
+def test_failed_run_keeps_reason_and_traceback(swept):
+    _, uri, _ = swept
+    failed = _variant_runs(uri)["awq"]
+    assert "calibration.num_samples" in failed.data.tags["quantlab.failure"]
+    client = MlflowClient(uri)
+    artifacts = {item.path for item in client.list_artifacts(failed.info.run_id, "failure")}
+    assert artifacts == {"failure/traceback.txt"}
+    text = Path(client.download_artifacts(failed.info.run_id, "failure/traceback.txt")).read_text()
+    assert "Traceback" in text and "calibration" in text
+
+
+def test_run_layout_follows_the_contract(swept):
+    _, uri, _ = swept
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("tiny")
+    parent = client.search_runs([experiment.experiment_id], "tags.`quantlab.role` = 'sweep'",
+                                order_by=["attributes.start_time ASC"])[0]
+    runs = _variant_runs(uri)
+    for name, run in runs.items():
+        tags = run.data.tags
+        assert tags["mlflow.parentRunId"] == parent.info.run_id
+        assert tags["quantlab.role"] == "variant" and tags["quantlab.variant"] == name
+        assert tags["quantlab.method"] in {"bf16", "fp8", "awq_int4"}
+        assert tags["quantlab.on_frontier"] in {"true", "false"}
+    for name in ("bf16", "fp8"):
+        run = runs[name]
+        assert Path(run.data.tags["quantlab.checkpoint"], "config.json").is_file()
+        metrics = run.data.metrics
+        for task in ("mmlu_dev", "pydoc_cloze"):
+            assert 0.0 <= metrics[f"eval/{task}/acc"] <= 1.0
+            assert metrics[f"eval/{task}/acc_stderr"] > 0.0
+        assert run.data.params["variant.method"] == name
+        assert "versions.transformers" in run.data.params and "hardware.cpu_count" in run.data.params
+    assert runs["fp8"].data.metrics["cost/weight_bytes"] < runs["bf16"].data.metrics["cost/weight_bytes"]
+    parent_artifacts = {item.path for item in client.list_artifacts(parent.info.run_id)}
+    assert {"recipe.yaml", "frontier.json", "frontier.png", "frontier.html", "report.md"} <= parent_artifacts
+
+
+def test_unchanged_variants_are_copied_not_recomputed(swept):
+    work, uri, _ = swept
+    result = quantlab("sweep", str(work / "recipe.yaml"), "--tracking-uri", uri, "--cache-dir", str(work / "cache"),
+                      "--only", "fp8", cwd=work)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Reused (unchanged, not recomputed): bf16, fp8" in result.stdout
+    runs = _variant_runs(uri, newest=True)
+    first = _variant_runs(uri)
+    assert set(runs) == {"bf16", "fp8"}
+    assert runs["fp8"].data.tags["quantlab.reused_from"] == first["fp8"].info.run_id
+    assert runs["fp8"].data.metrics == first["fp8"].data.metrics
+
+
+def _variant_runs(uri: str, newest: bool = False) -> dict:
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("tiny")
+    parent = client.search_runs([experiment.experiment_id], "tags.`quantlab.role` = 'sweep'",
+                                order_by=[f"attributes.start_time {'DESC' if newest else 'ASC'}"])[0]
+    runs = client.search_runs([experiment.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    return {run.data.tags["quantlab.variant"]: run for run in runs}
