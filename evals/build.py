@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import random
 import re
 import sys
@@ -119,12 +120,11 @@ def pydoc_cloze_items() -> list[Item]:
         context = " ".join([*parts[:chosen], *words[:cut]])
         drafts.append((context, " ".join(words[cut:])))
 
-    endings = [ending for _, ending in drafts]
+    endings = {ending for _, ending in drafts}  # a set: some endings recur across paragraphs
     items: list[Item] = []
-    for index, (context, ending) in enumerate(drafts):
-        others = [e for j, e in enumerate(endings) if j != index and e != ending]
-        # Sort by length gap, ties by text, so the pool does not depend on corpus order.
-        others.sort(key=lambda e: (abs(len(e) - len(ending)), e))
+    for context, ending in drafts:
+        # Nearest in length first; ties broken by text so the pool is the same on every run.
+        others = sorted(endings - {ending}, key=lambda e: (abs(len(e) - len(ending)), e))
         distractors = rng.sample(others[:CLOZE_DISTRACTOR_POOL], 3)
         answer = rng.randrange(4)
         choices = [*distractors[:answer], ending, *distractors[answer:]]
@@ -144,15 +144,30 @@ def render_jsonl(items: Iterable[Item]) -> str:
     return "".join(json.dumps(item, ensure_ascii=False) + "\n" for item in items)
 
 
+SOURCES_FILE = "sources.json"
+
+
+def source_versions() -> dict[str, str]:
+    """The versions whose packaged files the data comes from (pydoc_data, lm-eval's prompts)."""
+    from importlib.metadata import version
+
+    return {"python": platform.python_version(), "lm_eval": version("lm_eval")}
+
+
 def build(out_dir: Path = DATA_DIR) -> dict[str, Path]:
-    """Write every dataset as ``<name>.jsonl`` under ``out_dir``; return the written paths."""
+    """Write every dataset as ``<name>.jsonl`` under ``out_dir``, and the source versions."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
     for name, make_items in DATASETS.items():
         path = out_dir / f"{name}.jsonl"
         path.write_text(render_jsonl(make_items()), encoding="utf-8")
         written[name] = path
+    (out_dir / SOURCES_FILE).write_text(json.dumps(source_versions(), indent=2) + "\n", encoding="utf-8")
     return written
+
+
+def recorded_source_versions(data_dir: Path = DATA_DIR) -> dict[str, str]:
+    return json.loads((data_dir / SOURCES_FILE).read_text(encoding="utf-8"))
 
 
 def stale_files(data_dir: Path = DATA_DIR) -> list[str]:
@@ -173,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         stale = stale_files()
         for name in stale:
             print(f"stale: {DATA_DIR / name}.jsonl (run python evals/build.py)")
+        if stale and recorded_source_versions() != source_versions():
+            print(f"built from {recorded_source_versions()}, this is {source_versions()}")
         return 1 if stale else 0
     for name, path in build().items():
         count = sum(1 for _ in path.open(encoding="utf-8"))

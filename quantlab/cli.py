@@ -18,6 +18,9 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from quantlab.errors import BadInput
 
+# MLflow's own download bars would interleave with ours.
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
 app = typer.Typer(
     help="Which precision should we ship? Quantize a model's variants, score them, measure their cost, "
     "log everything to MLflow, and pick one.",
@@ -25,7 +28,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console()
+out = Console(soft_wrap=True)
 err = Console(stderr=True)
 
 TrackingUri = Annotated[

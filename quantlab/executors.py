@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 
+from quantlab.errors import BadInput
 from quantlab.runner import VariantJob, VariantResult, run_variant
 
 StageCallback = Callable[[str, str], None]  # (variant, stage)
@@ -37,8 +38,14 @@ def _child_main(job: VariantJob, messages: multiprocessing.Queue, log_path: str)
         result = run_variant(job, lambda stage: messages.put(("stage", stage)))
         messages.put(("result", result))
     except BaseException as error:  # noqa: BLE001 - everything must reach the parent as a failure
-        messages.put(("error", (f"{type(error).__name__}: {error}", traceback.format_exc())))
+        messages.put(("error", (failure_reason(error), traceback.format_exc())))
         raise SystemExit(1) from None
+
+
+def failure_reason(error: BaseException) -> str:
+    if isinstance(error, BadInput):  # found only at run time, e.g. too little calibration text
+        return f"{error.problems[0].field or 'input'}: {error.problems[0].message}" if len(error.problems) == 1 else str(error)
+    return f"{type(error).__name__}: {error}"
 
 
 def run_local(job: VariantJob, log_path: Path, on_stage: StageCallback) -> VariantResult:
@@ -139,7 +146,7 @@ class RayExecutor:
                 yield job, ray.get(done[0]), log_path
             except ray.exceptions.RayTaskError as error:
                 cause = error.cause if isinstance(getattr(error, "cause", None), BaseException) else error
-                yield job, VariantFailed(f"{type(cause).__name__}: {cause}", str(error) + _log_tail(log_path)), log_path
+                yield job, VariantFailed(failure_reason(cause), str(error) + _log_tail(log_path)), log_path
             except ray.exceptions.RayError as error:  # worker died: killed, out of memory, node lost
                 yield job, VariantFailed(f"Ray worker failed: {type(error).__name__}", str(error) + _log_tail(log_path)), log_path
 

@@ -146,15 +146,15 @@ def load_recipe(path: str | Path) -> LoadedRecipe:
         raise BadInput([Problem(shown, where, f"YAML syntax error: {reason}")]) from None
     if not isinstance(data, dict):
         raise BadInput([Problem(shown, "", "a recipe is a YAML mapping (name:, model:, variants: ...)")])
+    problems = _problems_in_file(data, path.resolve().parent, shown)
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as error:
-        raise BadInput([_problem_from_pydantic(shown, data, item) for item in error.errors()]) from None
-    loaded = LoadedRecipe(path=path.resolve(), recipe=recipe, text=text)
-    problems = _problems_in_file(loaded, shown)
+        structural = [_problem_from_pydantic(shown, data, item) for item in error.errors()]
+        raise BadInput(structural + [p for p in problems if p.field not in {q.field for q in structural}]) from None
     if problems:
         raise BadInput(problems)
-    return loaded
+    return LoadedRecipe(path=path.resolve(), recipe=recipe, text=text)
 
 
 def _problem_from_pydantic(shown: str, data: dict, item: dict) -> Problem:
@@ -196,65 +196,70 @@ def did_you_mean(word: str, choices: list[str] | set[str]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-def _problems_in_file(loaded: LoadedRecipe, shown: str) -> list[Problem]:
-    """Checks that need only the recipe file and the method registry."""
+def _problems_in_file(data: dict, base_dir: Path, shown: str) -> list[Problem]:
+    """Checks across fields that need only the file and the method registry.
+
+    They read the raw YAML (guarding every type) so that they still run when the structure has
+    errors too: the user sees every problem in one go.
+    """
     from quantlab.quantize import METHODS
 
-    recipe = loaded.recipe
     problems: list[Problem] = []
+    variants = data.get("variants") if isinstance(data.get("variants"), list) else []
     seen: dict[str, int] = {}
-    for index, variant in enumerate(recipe.variants):
-        field = f"variants[{index}] ({variant.name})"
-        if variant.name in seen:
-            problems.append(
-                Problem(shown, f"{field}.name", f"duplicate variant name (also variants[{seen[variant.name]}])")
-            )
-        seen.setdefault(variant.name, index)
-        method = METHODS.get(variant.method)
+    for index, variant in enumerate(variants):
+        if not isinstance(variant, dict):
+            continue
+        name, method_name = variant.get("name"), variant.get("method")
+        field = f"variants[{index}] ({name})"
+        if isinstance(name, str):
+            if name in seen:
+                problems.append(Problem(shown, f"{field}.name", f"duplicate variant name (also variants[{seen[name]}])"))
+            seen.setdefault(name, index)
+        if not isinstance(method_name, str):
+            continue
+        method = METHODS.get(method_name)
         if method is None:
             known = ", ".join(sorted(METHODS))
-            problems.append(
-                Problem(
-                    shown,
-                    f"{field}.method",
-                    f"unknown method '{variant.method}'{did_you_mean(variant.method, set(METHODS))}; known: {known}",
-                )
-            )
+            problems.append(Problem(
+                shown, f"{field}.method",
+                f"unknown method '{method_name}'{did_you_mean(method_name, set(METHODS))}; known: {known}",
+            ))
             continue
+        params = variant.get("params") or {}
         try:
-            method.Params.model_validate(variant.params)
+            method.Params.model_validate(params)
         except ValidationError as error:
             for item in error.errors():
                 sub = ".".join(str(part) for part in item["loc"])
                 message = "unknown parameter" if item["type"] == "extra_forbidden" else item["msg"]
-                problems.append(Problem(shown, f"{field}.params.{sub}", message))
-    if recipe.baseline not in seen:
-        problems.append(
-            Problem(
-                shown,
-                "baseline",
-                f"'{recipe.baseline}' is not a variant name{did_you_mean(recipe.baseline, set(seen))}",
-            )
-        )
-    problems += _missing_files(loaded, shown)
-    return problems
+                problems.append(Problem(shown, f"{field}.params.{sub}".rstrip("."), message))
+    baseline = data.get("baseline")
+    if isinstance(baseline, str) and variants and baseline not in seen:
+        problems.append(Problem(shown, "baseline", f"'{baseline}' is not a variant name{did_you_mean(baseline, set(seen))}"))
+    return problems + _missing_files(data, base_dir, shown)
 
 
-def _missing_files(loaded: LoadedRecipe, shown: str) -> list[Problem]:
+def _section(data: dict, key: str) -> dict:
+    return data.get(key) if isinstance(data.get(key), dict) else {}
+
+
+def _missing_files(data: dict, base_dir: Path, shown: str) -> list[Problem]:
     from quantlab.corpora import text_source_problem
     from quantlab.models import source_problem
 
-    recipe = loaded.recipe
     problems: list[Problem] = []
-    if (message := source_problem(recipe.model.source, loaded.path.parent)) is not None:
-        problems.append(Problem(shown, "model.source", message))
-    if (message := text_source_problem(recipe.calibration.source, loaded.path.parent)) is not None:
-        problems.append(Problem(shown, "calibration.source", message))
-    if (message := text_source_problem(recipe.quality.corpus, loaded.path.parent)) is not None:
-        problems.append(Problem(shown, "quality.corpus", message))
-    include = loaded.include_path
-    if include is not None and not include.is_dir():
-        problems.append(Problem(shown, "evals.include_path", f"no such directory: {include}"))
+    checks = [
+        ("model.source", _section(data, "model").get("source"), source_problem),
+        ("calibration.source", _section(data, "calibration").get("source"), text_source_problem),
+        ("quality.corpus", _section(data, "quality").get("corpus"), text_source_problem),
+    ]
+    for field, value, check in checks:
+        if isinstance(value, str) and (message := check(value, base_dir)) is not None:
+            problems.append(Problem(shown, field, message))
+    include = _section(data, "evals").get("include_path")
+    if isinstance(include, str) and not (base_dir / include).resolve().is_dir():
+        problems.append(Problem(shown, "evals.include_path", f"no such directory: {(base_dir / include).resolve()}"))
     return problems
 
 

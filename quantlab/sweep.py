@@ -158,10 +158,15 @@ class _Sweep:
                 to_run.append(VariantJob(self.loaded, name, self.options.cache_root, self.baseline, self.options.force))
         executor = make_executor(self.options.executor, self.options.ray_address)
         for job, outcome, log_path in executor.run(to_run, logs, self._stage) if to_run else ():
-            if isinstance(outcome, VariantFailed):
-                self._log_failure(job.variant, outcome, log_path)
-            else:
-                self._log_result(job, outcome, log_path)
+            if isinstance(outcome, VariantResult):
+                try:
+                    self._log_result(job, outcome, log_path)
+                    continue
+                except Exception as error:  # noqa: BLE001 - one variant's bad record must not end the sweep
+                    import traceback
+
+                    outcome = VariantFailed(f"logging its result failed: {error}", traceback.format_exc())
+            self._log_failure(job.variant, outcome, log_path)
 
     def _run_for(self, name: str) -> str:
         if name not in self.runs:

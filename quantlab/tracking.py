@@ -8,6 +8,7 @@ quantlab.method, quantlab.checkpoint, quantlab.on_frontier.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import urllib.error
 import urllib.request
@@ -106,13 +107,18 @@ def log_values(
     client = store.client
     now = int(time.time() * 1000)
     entries = {
-        "metrics": [Metric(key, float(value), now, 0) for key, value in (metrics or {}).items()],
-        "params": [Param(key, str(value)[:6000]) for key, value in (params or {}).items()],
+        "metrics": [Metric(safe_key(key), float(value), now, 0) for key, value in (metrics or {}).items()],
+        "params": [Param(safe_key(key), str(value)[:6000]) for key, value in (params or {}).items()],
         "tags": [RunTag(key, str(value)) for key, value in (tags or {}).items()],
     }
     for kind, items in entries.items():
         for start in range(0, len(items), _BATCH[kind]):
             client.log_batch(run_id, **{kind: items[start : start + _BATCH[kind]]})
+
+
+def safe_key(key: str) -> str:
+    """MLflow keys allow letters, digits and _-. :/ only (lm-eval metric names may hold others)."""
+    return re.sub(r"[^\w\-. :/]", "_", key)
 
 
 def log_text_artifacts(store: Store, run_id: str, files: dict[str, str | bytes]) -> None:
@@ -161,7 +167,7 @@ def flatten(prefix: str, value: object) -> dict[str, str]:
     if isinstance(value, (list, tuple)) and value and all(isinstance(item, dict) for item in value):
         flat = {}
         for index, item in enumerate(value):
-            flat.update(flatten(f"{prefix}[{index}]", item))
+            flat.update(flatten(f"{prefix}.{index}", item))
         return flat
     return {prefix: str(value)}
 

@@ -74,7 +74,7 @@ def test_run_layout_follows_the_contract(swept):
         metrics = run.data.metrics
         for task in ("mmlu_dev", "pydoc_cloze"):
             assert 0.0 <= metrics[f"eval/{task}/acc"] <= 1.0
-            assert metrics[f"eval/{task}/acc_stderr"] > 0.0
+            assert metrics[f"eval/{task}/acc_stderr"] >= 0.0  # 0 when a tiny random model scores all alike
         assert run.data.params["variant.method"] == name
         assert "versions.transformers" in run.data.params and "hardware.cpu_count" in run.data.params
     assert runs["fp8"].data.metrics["cost/weight_bytes"] < runs["bf16"].data.metrics["cost/weight_bytes"]

@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 # The repository's offline tasks (mmlu_dev, pydoc_cloze); recipes point `evals.include_path` here.
 BUNDLED_EVALS_DIR = Path(__file__).resolve().parents[2] / "evals"
 
-# Fixed seeds (lm-eval's own defaults, spelled out so a change upstream cannot move our numbers):
-# python's random orders requests, few-shot examples are sampled with their own seed.
+# Seeds for python, numpy, torch and the few-shot sampler: lm-eval's defaults today, spelled out
+# so that a change of default upstream cannot silently move our numbers.
 RANDOM_SEED = 0
 NUMPY_SEED = 1234
 TORCH_SEED = 1234
@@ -48,7 +48,7 @@ class TaskScores:
     metrics: dict[str, MetricScore]  # lm-eval metric names, filter suffix dropped ("acc")
     per_sample: dict[int, float]  # doc_id -> the primary metric for that document
     primary_metric: str
-    documents: dict[int, str] = field(default_factory=dict)  # doc_id -> start of its prompt
+    documents: dict[int, str] = field(default_factory=dict)  # doc_id -> end of its prompt
 
 
 @dataclass(frozen=True)
@@ -103,14 +103,12 @@ def run_tasks(
     from lm_eval.models.huggingface import HFLM
 
     manager = task_manager(include_path)
-    language_model = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     scores: list[TaskScores] = []
-    for request in tasks:
-        if progress is not None:
-            shots = f", {request.num_fewshot}-shot" if request.num_fewshot else ""
-            limit = f", first {request.limit} docs" if request.limit is not None else ""
-            progress(f"lm-eval {request.name}{shots}{limit}")
-        with _quiet_lm_eval():
+    with _quiet_lm_eval():
+        language_model = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+        for request in tasks:
+            if progress is not None:
+                progress(_describe(request))
             results = simple_evaluate(
                 model=language_model,
                 tasks=[request.name],
@@ -123,23 +121,26 @@ def run_tasks(
                 torch_random_seed=TORCH_SEED,
                 fewshot_random_seed=FEWSHOT_SEED,
             )
-        if results is None:  # only non-zero ranks of a distributed run get None
-            raise RuntimeError(f"lm-eval returned no results for {request.name}")
-        scores.extend(_task_scores(request.name, results))
+            if results is None:  # only non-zero ranks of a distributed run get None
+                raise RuntimeError(f"lm-eval returned no results for {request.name}")
+            scores.extend(_task_scores(request.name, results))
     return scores
 
 
+def _describe(request: TaskRequest) -> str:
+    shots = f", {request.num_fewshot}-shot" if request.num_fewshot else ""
+    limit = f", first {request.limit} docs" if request.limit is not None else ""
+    return f"lm-eval {request.name}{shots}{limit}"
+
+
 def _task_scores(requested: str, results: dict[str, Any]) -> list[TaskScores]:
-    leaves = list(results.get("samples", {}))
-    names = ([requested] if requested in results["results"] and requested not in leaves else []) + leaves
-    return [
-        _scores_of(
-            name,
-            results["results"][name],
-            results.get("samples", {}).get(name, []),
-        )
-        for name in names
-    ]
+    samples: dict[str, list[dict[str, Any]]] = results.get("samples", {})
+    scores = [_scores_of(leaf, results["results"][leaf], leaf_samples) for leaf, leaf_samples in samples.items()]
+    group_metrics = results["results"].get(requested, {}) if requested not in samples else {}
+    # A group reports its own scores only when its YAML asks lm-eval to aggregate them.
+    if _reported_metrics(group_metrics):
+        scores.insert(0, _scores_of(requested, group_metrics, []))
+    return scores
 
 
 @dataclass(frozen=True)

@@ -204,20 +204,24 @@ class ModeledCost:
     target: str
     target_spec: AcceleratorSpec
     assumptions: str
-    unavailable: Mapping[str, str]  # metric key -> why it is absent
+    unavailable: Mapping[str, str]  # figure name -> why it is absent
 
     _NOT_FIGURES = ("target", "target_spec", "assumptions", "unavailable")
 
-    def to_metrics(self) -> dict[str, float]:
+    def figures(self) -> dict[str, float]:
+        """The available figures by name (the metric key without `cost/`)."""
         return {
-            f"cost/{field.name}": float(value)
+            field.name: float(value)
             for field in fields(self)
             if field.name not in self._NOT_FIGURES and (value := getattr(self, field.name)) is not None
         }
 
+    def to_metrics(self) -> dict[str, float]:
+        return {f"cost/{name}": value for name, value in self.figures().items()}
+
 
 class _Figures:
-    """Collects figures and, for the absent ones, the reason, keyed by metric name."""
+    """Collects figures and, for the absent ones, the reason, keyed by figure name."""
 
     def __init__(self) -> None:
         self.values: dict[str, Any] = {}
@@ -228,27 +232,37 @@ class _Figures:
 
     def absent(self, name: str, reason: str) -> None:
         self.values[name] = None
-        self.unavailable[f"cost/{name}"] = reason
+        self.unavailable[name] = reason
 
 
 def modeled_cost(config: Any, checkpoint_dir: Path | None, settings: MeasureSettings | None = None) -> ModeledCost:
     """Every modeled figure from a config (object, mapping, or None to read the checkpoint's
-    config.json) and a checkpoint directory's safetensors files; loads no model."""
+    config.json) and a checkpoint directory's safetensors headers; loads no model."""
+    if config is None and checkpoint_dir is not None:
+        config = Path(checkpoint_dir) / "config.json"
+    facts = CheckpointFacts.from_dir(checkpoint_dir) if checkpoint_dir is not None else None
+    return modeled_cost_from_facts(config, facts, settings, where=str(checkpoint_dir))
+
+
+def modeled_cost_from_facts(
+    config: Any, facts: CheckpointFacts | None, settings: MeasureSettings | None = None, where: str = "the checkpoint"
+) -> ModeledCost:
+    """`modeled_cost` on checkpoint facts already at hand (None: no checkpoint)."""
     settings = settings or MeasureSettings()
     target = settings.target
     target_name, spec = settings.target_accelerator()
-    if config is None and checkpoint_dir is not None:
-        config = Path(checkpoint_dir) / "config.json"
     values = config_dict(config)
-    facts = CheckpointFacts.from_dir(checkpoint_dir) if checkpoint_dir is not None else CheckpointFacts((), ())
     figures = _Figures()
+    if facts is None:
+        facts, no_weights = CheckpointFacts((), ()), "no checkpoint directory given"
+    else:
+        no_weights = "" if facts.has_weights else f"no *.safetensors files in {where}"
 
     try:
         shape: ModelShape | None = ModelShape.from_config(values)
         no_shape = ""
     except ValueError as error:
         shape, no_shape = None, str(error)
-    no_weights = f"no *.safetensors files in {checkpoint_dir}" if not facts.has_weights else ""
 
     if no_weights:
         for name in ("weight_bytes", "weight_bytes_in_memory", "bits_per_weight", "bits_per_parameter"):

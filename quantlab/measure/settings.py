@@ -58,6 +58,11 @@ class MeasureSettings(_Strict):
     warmup: int = Field(1, ge=0, le=1_000, description="Untimed generations per batch size before the repeats.")
     repeats: int = Field(3, gt=0, le=10_000, description="Timed generations per batch size; medians are reported.")
     seed: int = Field(0, description="Seeds the random prompt token ids.")
+    cpu_threads: int | None = Field(
+        None, gt=0, le=4096,
+        description="torch intra-op threads while measuring; None keeps the process's setting. On a shared "
+        "machine fewer threads than cores can be faster and steadier: a busy core stalls every worker thread.",
+    )
     bandwidth_probe_bytes: int = Field(
         256 * _MIB, gt=0, le=64 * _GIB, description="Size of the tensor copied to measure memory bandwidth."
     )

@@ -10,6 +10,7 @@ Figures a device cannot give are None, with the reason in `unavailable` (never z
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 from collections.abc import Mapping, Sequence
@@ -38,11 +39,31 @@ def current_rss_bytes() -> int:
 
 
 def process_peak_rss_bytes() -> int:
-    """The largest resident set size of this process's whole life (loading included)."""
+    """The largest resident set size this process reached (since the last high-water reset)."""
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
+
+
+def _read_high_water_mark() -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            match = re.search(r"^VmHWM:\s+(\d+) kB", status.read(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(match.group(1)) * 1024 if match else None
+
+
+def reset_high_water_mark() -> bool:
+    """Make the kernel's peak-RSS counter (VmHWM) start again from the current RSS (Linux >= 4.0:
+    writing 5 to /proc/self/clear_refs). False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        return False
+    return _read_high_water_mark() is not None
 
 
 def _cuda_indices(devices: Sequence[torch.device]) -> list[int]:
@@ -66,7 +87,7 @@ class MemoryReading:
     peak_bytes: int  # the headline figure; `peak_kind` says what it counts
     peak_kind: str
     baseline_bytes: int  # the same quantity when the window opened
-    peak_rss_bytes: int  # host resident set size, sampled over the window
+    peak_rss_bytes: int  # host resident set size over the window
     process_peak_rss_bytes: int  # over the process's life, loading included
     peak_device_memory_bytes: int | None  # NVML's view of device memory (CUDA only)
     device_memory_scope: str | None  # "this process" or "whole device"
@@ -74,18 +95,24 @@ class MemoryReading:
 
 
 class MemoryTracker:
-    """Peak memory over a window. CPU: resident set size, sampled by a thread every
-    `sample_interval_s` and at both ends (a short spike between samples can be missed).
-    CUDA: torch's peak allocated bytes, summed over the model's devices, and NVML's device
-    memory of this process, sampled."""
+    """Peak memory over a window.
 
-    def __init__(self, devices: Sequence[torch.device], sample_interval_s: float = 0.005):
+    Host: the kernel's exact peak-RSS counter, reset when the window opens, where Linux allows
+    it; elsewhere a thread samples the RSS every `sample_interval_s` (and may miss a short
+    spike). No sampling thread runs on CPU when the counter works: on a small machine a third
+    runnable thread stalls torch's worker threads and slows the very thing being timed.
+    CUDA: torch's peak allocated bytes summed over the model's devices (the headline), and
+    NVML's device memory of this process, sampled by a thread."""
+
+    def __init__(self, devices: Sequence[torch.device], sample_interval_s: float = 0.02):
         self._cuda = _cuda_indices(devices)
         self._interval = sample_interval_s
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample_until_stopped, name="memory-tracker", daemon=True)
+        self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._nvml: list[NvmlDevice] | str = NO_CUDA_REASON.format(what="device memory")
+        self._kernel_peak = False
+        self._peak_before = 0
         self._peak_rss = 0
         self._peak_nvml: int | None = None
         self._nvml_scope: str | None = None
@@ -99,19 +126,26 @@ class MemoryTracker:
                 torch.cuda.reset_peak_memory_stats(index)
             self._baseline = sum(torch.cuda.memory_allocated(index) for index in self._cuda)
             self._nvml = _open_all(self._cuda)
+        self._peak_before = _read_high_water_mark() or process_peak_rss_bytes()
+        self._kernel_peak = reset_high_water_mark()
         self._peak_rss = current_rss_bytes()
         if not self._cuda:
             self._baseline = self._peak_rss
         self._sample()
-        self._thread.start()
+        if not self._kernel_peak or not isinstance(self._nvml, str):
+            self._thread = threading.Thread(target=self._sample_until_stopped, name="memory-tracker", daemon=True)
+            self._thread.start()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
         if self._cuda:
             _synchronize(self._cuda)
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         self._sample()
+        if self._kernel_peak:
+            self._peak_rss = max(self._peak_rss, _read_high_water_mark() or 0)
         self._reading = self._read()
 
     @property
@@ -141,6 +175,11 @@ class MemoryTracker:
             return sum(per_process), "this process"  # type: ignore[arg-type]
         return sum(device.used_memory_bytes() for device in self._nvml), "whole device"
 
+    def _host_method(self) -> str:
+        if self._kernel_peak:
+            return "kernel high-water mark VmHWM, reset when the window opened"
+        return f"sampled every {self._interval * 1000:g} ms"
+
     def _read(self) -> MemoryReading:
         unavailable: dict[str, str] = {}
         if self._peak_nvml is None:
@@ -152,13 +191,13 @@ class MemoryTracker:
             kind = f"torch.cuda.max_memory_allocated, summed over cuda:{','.join(map(str, self._cuda))}"
         else:
             peak = self._peak_rss
-            kind = "peak resident set size of the process (sampled)"
+            kind = f"peak resident set size of the whole process ({self._host_method()})"
         return MemoryReading(
             peak_bytes=peak,
             peak_kind=kind,
             baseline_bytes=self._baseline,
             peak_rss_bytes=self._peak_rss,
-            process_peak_rss_bytes=process_peak_rss_bytes(),
+            process_peak_rss_bytes=max(self._peak_before, self._peak_rss),
             peak_device_memory_bytes=self._peak_nvml,
             device_memory_scope=self._nvml_scope,
             unavailable=unavailable,

@@ -1,0 +1,194 @@
+"""The cost of one variant, measured and modeled, as MLflow metrics and tags.
+
+Metric keys are `cost/<figure>`. With several batch sizes, the first configured one is the
+default and keeps the plain keys; figures of the others carry a `_bs<N>` suffix, e.g.
+`cost/decode_tokens_per_s` (batch 1) and `cost/decode_tokens_per_s_bs8`. A figure that
+could not be produced is never logged as zero: it is left out, and the tag
+`quantlab.cost.unavailable.<figure>` says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from quantlab.measure.bandwidth import BandwidthReading
+from quantlab.measure.generation import GenerationTiming
+from quantlab.measure.modeled import ModeledCost
+from quantlab.measure.provenance import Provenance
+from quantlab.measure.stats import median, percentile
+from quantlab.measure.trackers import EnergyReading, MemoryReading
+
+TAG_PREFIX = "quantlab.cost."
+PERCENTILES = (50, 90, 99)
+
+# Figures of one batch size, in key order; each gets a `_bs<N>` suffix off the default batch.
+BATCH_FIGURES = (
+    "prefill_tokens_per_s",
+    "decode_tokens_per_s",
+    *(f"ttft_ms_p{q}" for q in PERCENTILES),
+    *(f"itl_ms_p{q}" for q in PERCENTILES),
+    "energy_joules_per_token",
+    "local_roofline_decode_tokens_per_s",
+    "roofline_efficiency",
+)
+# Figures of the whole measurement window.
+WINDOW_FIGURES = (
+    "peak_memory_bytes",
+    "peak_device_memory_bytes",
+    "process_peak_rss_bytes",
+    "measured_bandwidth_bytes_per_s",
+    "loaded_weight_bytes",
+)
+DEFINITIONS = (
+    "weight_bytes: *.safetensors files on disk; weight_bytes_in_memory: their tensor payload (the stored format); "
+    "loaded_weight_bytes: parameters as loaded here; bits_per_weight: over decoder-block linear weights; "
+    "bits_per_parameter: over all parameters; ttft: prefill of the whole batch + first token; "
+    "itl: one decode step; energy_joules_per_token: GPU energy of the timed generations / tokens generated; "
+    "roofline_efficiency: decode_tokens_per_s / local_roofline_decode_tokens_per_s (measured copy bandwidth, "
+    "weights as loaded, KV at prompt + output/2 tokens)"
+)
+
+
+def batch_key(figure: str, batch_size: int, default_batch_size: int) -> str:
+    return figure if batch_size == default_batch_size else f"{figure}_bs{batch_size}"
+
+
+@dataclass(frozen=True)
+class BatchFigures:
+    """Medians and percentiles of one batch size's timed generations."""
+
+    batch_size: int
+    prefill_tokens_per_s: float  # median over repeats
+    decode_tokens_per_s: float  # median over repeats
+    ttft_ms_p50: float  # percentiles over repeats
+    ttft_ms_p90: float
+    ttft_ms_p99: float
+    itl_ms_p50: float  # percentiles over every decode step of every repeat
+    itl_ms_p90: float
+    itl_ms_p99: float
+    energy_joules_per_token: float | None
+    local_roofline_decode_tokens_per_s: float | None
+    roofline_efficiency: float | None
+    unavailable: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def summarize(
+        cls, timings: Sequence[GenerationTiming], energy: EnergyReading, local_roofline: float | str
+    ) -> BatchFigures:
+        """`local_roofline`: decode tokens/s ceiling on this hardware, or why there is none."""
+        ttft_ms = [timing.first_token_s * 1000 for timing in timings]
+        itl_ms = [step * 1000 for timing in timings for step in timing.inter_token_s]
+        decode = median([timing.decode_tokens_per_s for timing in timings])
+        generated = sum(timing.batch_size * timing.output_tokens for timing in timings)
+        unavailable = {}
+        if energy.joules is None:
+            unavailable["energy_joules_per_token"] = energy.unavailable_reason or "not measured"
+        if isinstance(local_roofline, str):
+            unavailable["local_roofline_decode_tokens_per_s"] = local_roofline
+            unavailable["roofline_efficiency"] = local_roofline
+        roofline = None if isinstance(local_roofline, str) else local_roofline
+        return cls(
+            batch_size=timings[0].batch_size,
+            prefill_tokens_per_s=median([timing.prefill_tokens_per_s for timing in timings]),
+            decode_tokens_per_s=decode,
+            **{f"ttft_ms_p{q}": percentile(ttft_ms, q) for q in PERCENTILES},
+            **{f"itl_ms_p{q}": percentile(itl_ms, q) for q in PERCENTILES},
+            energy_joules_per_token=None if energy.joules is None else energy.joules / generated,
+            local_roofline_decode_tokens_per_s=roofline,
+            roofline_efficiency=None if roofline is None else decode / roofline,
+            unavailable=unavailable,
+        )
+
+    def figures(self) -> dict[str, float]:
+        return {name: float(value) for name in BATCH_FIGURES if (value := getattr(self, name)) is not None}
+
+
+@dataclass(frozen=True)
+class MeasuredCost:
+    batches: tuple[BatchFigures, ...]  # in configured order: the first is the default batch size
+    memory: MemoryReading
+    bandwidth: BandwidthReading
+    loaded_weight_bytes: int
+    workload: str  # batch sizes, lengths, warm-up and repeats, in words
+    host_load: str  # load average around the measurement: other work on the machine skews timings
+
+    def figures(self) -> dict[str, float]:
+        default = self.batches[0].batch_size
+        values = {
+            batch_key(name, batch.batch_size, default): value
+            for batch in self.batches
+            for name, value in batch.figures().items()
+        }
+        window = {
+            "peak_memory_bytes": self.memory.peak_bytes,
+            "peak_device_memory_bytes": self.memory.peak_device_memory_bytes,
+            "process_peak_rss_bytes": self.memory.process_peak_rss_bytes,
+            "measured_bandwidth_bytes_per_s": self.bandwidth.bytes_per_s,
+            "loaded_weight_bytes": self.loaded_weight_bytes,
+        }
+        return {**values, **{name: float(value) for name, value in window.items() if value is not None}}
+
+    def unavailable(self) -> dict[str, str]:
+        default = self.batches[0].batch_size
+        reasons = {
+            batch_key(name, batch.batch_size, default): reason
+            for batch in self.batches
+            for name, reason in batch.unavailable.items()
+        }
+        return {**reasons, **self.memory.unavailable}
+
+
+@dataclass(frozen=True)
+class CostReport:
+    modeled: ModeledCost
+    measured: MeasuredCost | None  # None when measurement is disabled
+    provenance: Provenance | None  # of the measured figures
+    load_seconds: float | None
+    notes: Mapping[str, str] = field(default_factory=dict)  # other figures absent, and why
+
+    def figures(self) -> dict[str, float]:
+        values = dict(self.modeled.figures())
+        if self.load_seconds is not None:
+            values["load_seconds"] = float(self.load_seconds)
+        if self.measured is not None:
+            values.update(self.measured.figures())
+        return values
+
+    def unavailable(self) -> dict[str, str]:
+        """Why each absent figure is absent, by figure name."""
+        reasons = {**self.modeled.unavailable, **self.notes}
+        if self.measured is not None:
+            reasons.update(self.measured.unavailable())
+        return reasons
+
+    def to_metrics(self) -> dict[str, float]:
+        return {f"cost/{name}": value for name, value in self.figures().items()}
+
+    def to_tags(self) -> dict[str, str]:
+        spec = self.modeled.target_spec
+        tags = {
+            "target": (
+                f"{self.modeled.target}: {spec.memory_bytes} B, {spec.bandwidth_bytes_per_s:.4g} B/s ({spec.source})"
+            ),
+            "assumptions": self.modeled.assumptions,
+            "definitions": DEFINITIONS,
+        }
+        if self.provenance is not None:
+            tags.update(
+                engine=self.provenance.engine,
+                kernel_path=self.provenance.kernel_path,
+                hardware=self.provenance.hardware,
+                clock=self.provenance.clock,
+            )
+        if self.measured is not None:
+            tags.update(
+                workload=self.measured.workload,
+                peak_memory=self.measured.memory.peak_kind,
+                bandwidth_probe=self.measured.bandwidth.method,
+                host_load=self.measured.host_load,
+            )
+            if self.measured.memory.device_memory_scope:
+                tags["device_memory_scope"] = self.measured.memory.device_memory_scope
+        tags.update({f"unavailable.{name}": reason for name, reason in self.unavailable().items()})
+        return {f"{TAG_PREFIX}{name}": value for name, value in tags.items()}

@@ -1,0 +1,134 @@
+"""The bundled offline lm-eval tasks (evals/) and the runner that scores a loaded model on them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from quantlab import corpora
+from quantlab.evaluate.lm_eval_runner import (
+    BUNDLED_EVALS_DIR,
+    TaskRequest,
+    known_tasks,
+    run_tasks,
+    unknown_tasks,
+)
+
+DATA_DIR = BUNDLED_EVALS_DIR / "data"
+BUNDLED_TASKS = ("mmlu_dev", "pydoc_cloze")
+
+
+def load_build_script() -> ModuleType:
+    # evals/ is a directory of task files, not a package: load its script by path.
+    spec = importlib.util.spec_from_file_location("evals_build", BUNDLED_EVALS_DIR / "build.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def read_items(task: str) -> list[dict]:
+    return [json.loads(line) for line in (DATA_DIR / f"{task}.jsonl").read_text(encoding="utf-8").splitlines()]
+
+
+def test_committed_data_is_what_build_script_makes(tmp_path: Path) -> None:
+    build = load_build_script()
+    recorded, current = build.recorded_source_versions(), build.source_versions()
+    if recorded != current:
+        pytest.skip(f"evals/data was built from {recorded}; this is {current}, whose sources may differ")
+
+    build.build(tmp_path)
+
+    for task in BUNDLED_TASKS:
+        fresh = (tmp_path / f"{task}.jsonl").read_text(encoding="utf-8")
+        assert fresh == (DATA_DIR / f"{task}.jsonl").read_text(encoding="utf-8"), f"{task}: run python evals/build.py"
+
+
+@pytest.mark.parametrize("task", BUNDLED_TASKS)
+def test_items_are_well_formed_four_way_choices(task: str) -> None:
+    items = read_items(task)
+
+    assert len(items) >= 250
+    for item in items:
+        assert len(item["choices"]) == 4 and all(choice.strip() for choice in item["choices"])
+        assert item["answer"] in range(4)
+    # A seeded shuffle spreads the right answer over all four positions.
+    positions = [item["answer"] for item in items]
+    assert min(positions.count(p) for p in range(4)) > len(items) / 8
+
+
+def test_eval_items_contain_no_calibration_text() -> None:
+    eval_text = "\n".join(json.dumps(item, ensure_ascii=False) for task in BUNDLED_TASKS for item in read_items(task))
+    calibration = corpora.paragraphs("calibration")
+    calibration_sentences = {s for p in calibration for s in re.split(r"(?<=[.!?])\s+", p) if len(s.split()) >= 8}
+
+    # Items are JSON-encoded: compare against the same encoding of the calibration text.
+    leaked = [s for s in [*calibration, *calibration_sentences] if json.dumps(s, ensure_ascii=False)[1:-1] in eval_text]
+
+    assert calibration_sentences and not leaked
+
+
+def test_cloze_answers_are_real_eval_split_sentences_among_distinct_choices() -> None:
+    eval_text = corpora.text("eval")
+
+    for item in read_items("pydoc_cloze"):
+        assert f"{item['context']} {item['choices'][item['answer']]}" in eval_text
+        # (MMLU itself has a question with a repeated option; it is kept as shipped.)
+        assert len(set(item["choices"])) == 4
+
+
+def test_known_tasks_include_bundled_and_standard_names() -> None:
+    known = known_tasks(BUNDLED_EVALS_DIR)
+
+    assert {"mmlu_dev", "pydoc_cloze", "quantlab_bundled", "hellaswag", "mmlu"} <= known
+
+
+def test_unknown_tasks_suggest_the_closest_name() -> None:
+    names = ["mmlu_dve", "mmlu_dev", "hellaswag", "no_such_task_at_all"]
+
+    assert unknown_tasks(names, BUNDLED_EVALS_DIR) == [("mmlu_dve", "mmlu_dev"), ("no_such_task_at_all", None)]
+
+
+def test_run_tasks_scores_bundled_tasks_from_any_directory(tiny_llama, tmp_path, monkeypatch) -> None:
+    model, tokenizer = tiny_llama.load()
+    monkeypatch.chdir(tmp_path)  # the data must not be looked up relative to the working directory
+    requests = [
+        TaskRequest("mmlu_dev", limit=8),
+        TaskRequest("pydoc_cloze", limit=8),
+        TaskRequest("pydoc_cloze", num_fewshot=2, limit=4),
+    ]
+    steps: list[str] = []
+
+    scores = run_tasks(model, tokenizer, requests, BUNDLED_EVALS_DIR, batch_size=4, progress=steps.append)
+
+    assert [s.task for s in scores] == ["mmlu_dev", "pydoc_cloze", "pydoc_cloze"]
+    assert len(steps) == 3 and "2-shot" in steps[2]
+    assert set(scores[0].metrics) == {"acc"} and set(scores[1].metrics) == {"acc", "acc_norm"}
+    for task_scores, request in zip(scores, requests, strict=True):
+        assert task_scores.primary_metric == "acc"
+        assert sorted(task_scores.per_sample) == list(range(request.limit))
+        assert set(task_scores.per_sample.values()) <= {0.0, 1.0}
+        acc = task_scores.metrics["acc"]
+        assert acc.value == pytest.approx(sum(task_scores.per_sample.values()) / request.limit)
+        assert acc.stderr is not None and acc.stderr >= 0
+        assert set(task_scores.documents) == set(task_scores.per_sample)
+    # A document's label is the end of its prompt: its own text, after any few-shot examples.
+    first_cloze = read_items("pydoc_cloze")[0]["context"]
+    assert scores[1].documents[0].endswith(first_cloze[-50:])
+    assert scores[2].documents[0].endswith(first_cloze[-50:])
+
+
+def test_run_tasks_expands_a_tag_and_repeats_itself(tiny_llama) -> None:
+    model, tokenizer = tiny_llama.load()
+    request = TaskRequest("quantlab_bundled", limit=3)
+
+    first = run_tasks(model, tokenizer, [request], BUNDLED_EVALS_DIR, batch_size=2)
+    second = run_tasks(model, tokenizer, [request], BUNDLED_EVALS_DIR, batch_size=3)
+
+    assert sorted(s.task for s in first) == ["mmlu_dev", "pydoc_cloze"]
+    assert [s.per_sample for s in first] == [s.per_sample for s in second]

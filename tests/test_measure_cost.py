@@ -1,0 +1,136 @@
+"""measure_cost end to end on a tiny random Llama saved to disk, on CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantlab.measure import measure_cost
+from quantlab.measure.settings import MeasureSettings
+from quantlab.measure.stage import measure
+
+REPO = Path(__file__).resolve().parents[1]
+MEASURED_KEYS = [
+    "cost/load_seconds", "cost/peak_memory_bytes", "cost/prefill_tokens_per_s", "cost/decode_tokens_per_s",
+    "cost/ttft_ms_p50", "cost/ttft_ms_p90", "cost/ttft_ms_p99", "cost/itl_ms_p50", "cost/itl_ms_p90",
+    "cost/itl_ms_p99", "cost/roofline_efficiency",
+]
+MODELED_KEYS = [
+    "cost/weight_bytes", "cost/weight_bytes_in_memory", "cost/bits_per_weight", "cost/kv_bytes_per_token",
+    "cost/max_concurrent_sequences", "cost/roofline_decode_tokens_per_s", "cost/usd_per_million_output_tokens",
+]
+SMALL = dict(prompt_tokens=8, output_tokens=4, warmup=1, repeats=2, bandwidth_probe_bytes=4_000_000,
+             bandwidth_probe_repeats=2, target={"accelerator": "L4", "price_per_hour": 0.8})
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama-measure")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def report(tiny_model, tiny_checkpoint):
+    settings = MeasureSettings(batch_sizes=[1, 2], **SMALL)
+    return measure_cost(tiny_model, None, settings, tiny_checkpoint, load_seconds=0.25)
+
+
+def test_every_measured_and_modeled_key_is_there_and_positive(report):
+    metrics = report.to_metrics()
+    for key in MEASURED_KEYS + MODELED_KEYS:
+        assert key in metrics, key
+        assert metrics[key] > 0, key
+    assert metrics["cost/load_seconds"] == 0.25
+    assert metrics["cost/bits_per_weight"] == pytest.approx(32.0)
+
+
+def test_percentiles_are_ordered(report):
+    metrics = report.to_metrics()
+    for prefix in ("cost/ttft_ms", "cost/itl_ms"):
+        assert metrics[f"{prefix}_p50"] <= metrics[f"{prefix}_p90"] <= metrics[f"{prefix}_p99"]
+
+
+def test_other_batch_sizes_carry_their_size_in_the_key(report):
+    metrics = report.to_metrics()
+    assert metrics["cost/decode_tokens_per_s_bs2"] > 0
+    assert "cost/ttft_ms_p99_bs2" in metrics
+    assert not any(key.endswith("_bs1") for key in metrics)
+
+
+def test_gpu_only_figures_are_absent_with_a_reason_never_zero(report):
+    metrics, tags = report.to_metrics(), report.to_tags()
+    for figure in ("energy_joules_per_token", "energy_joules_per_token_bs2", "peak_device_memory_bytes"):
+        assert f"cost/{figure}" not in metrics
+        assert "no CUDA device" in tags[f"quantlab.cost.unavailable.{figure}"]
+
+
+def test_figures_say_which_engine_kernel_path_and_hardware_produced_them(report):
+    tags = report.to_tags()
+    assert tags["quantlab.cost.engine"].startswith("transformers ")
+    assert tags["quantlab.cost.kernel_path"] == "FP32 matmul (15 Linear) on CPU"
+    assert tags["quantlab.cost.hardware"].startswith("CPU: ")
+    assert tags["quantlab.cost.clock"] == "time.perf_counter"
+    assert tags["quantlab.cost.target"].startswith("L4: ")
+    assert all(key.startswith("quantlab.cost.") for key in tags)
+
+
+def test_decode_is_timed_step_by_step(report):
+    default, larger = report.measured.batches
+    assert (default.batch_size, larger.batch_size) == (1, 2)
+    assert default.roofline_efficiency == pytest.approx(
+        default.decode_tokens_per_s / default.local_roofline_decode_tokens_per_s
+    )
+
+
+def test_cpu_threads_apply_during_the_measurement_only(tiny_model, tiny_checkpoint):
+    before = torch.get_num_threads()
+    settings = MeasureSettings(cpu_threads=1, **SMALL)
+    report = measure_cost(tiny_model, None, settings, tiny_checkpoint)
+    assert "1 torch threads" in report.to_tags()["quantlab.cost.hardware"]
+    assert torch.get_num_threads() == before
+    assert "load_seconds" in report.unavailable()
+
+
+def test_disabled_measurement_keeps_the_modeled_figures(tiny_model, tiny_checkpoint):
+    report = measure_cost(tiny_model, None, MeasureSettings(enabled=False, **SMALL), tiny_checkpoint, 0.1)
+    metrics = report.to_metrics()
+    assert "cost/decode_tokens_per_s" not in metrics
+    assert metrics["cost/weight_bytes"] > 0
+    assert report.to_tags()["quantlab.cost.unavailable.decode_tokens_per_s"] == "measure.enabled is false"
+
+
+def test_a_workload_longer_than_the_model_allows_is_refused(tiny_model, tiny_checkpoint):
+    settings = MeasureSettings(prompt_tokens=120, output_tokens=16)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        measure_cost(tiny_model, None, settings, tiny_checkpoint)
+
+
+def test_the_runner_stage_returns_metrics_and_tags(tiny_model, tiny_checkpoint):
+    output = measure(tiny_model, None, MeasureSettings(**SMALL), tiny_checkpoint, 0.5)
+    assert output.metrics["cost/decode_tokens_per_s"] > 0
+    assert output.tags["quantlab.cost.kernel_path"]
+
+
+def test_the_spread_table_of_the_benchmark_script():
+    spec = importlib.util.spec_from_file_location("measure_spread", REPO / "benchmarks" / "measure_spread.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rows = script.spread_rows([{"a": 10.0, "b": 0.0}, {"a": 12.0, "b": 0.0}, {"a": 11.0}])
+    assert rows == [("a", 3, 11.0, 10.0, 12.0, pytest.approx(2 / 11)), ("b", 2, 0.0, 0.0, 0.0, None)]
+    assert "n/a" in script.format_table(rows)
