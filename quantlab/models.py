@@ -186,8 +186,11 @@ def materialize(source: ModelSource, cache_root: Path) -> ModelSource:
     if not cache.is_complete(target):
         location, kwargs = _from_pretrained_args(source)
         dequantized = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, **kwargs)
-        # A GGUF-loaded model refuses save_pretrained; a fresh one from its config does not.
-        model = AutoModelForCausalLM.from_config(dequantized.config, dtype=torch.float32)
+        # A GGUF-loaded model refuses save_pretrained; a fresh one from its config, minus the
+        # GGUF quantization_config (the weights are dequantized now), does not.
+        settings = {k: v for k, v in dequantized.config.to_dict().items() if k != "quantization_config"}
+        config = type(dequantized.config).from_dict(settings)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(dequantized.state_dict())
         model.generation_config = dequantized.generation_config
         with cache.writing(target, identity) as scratch:

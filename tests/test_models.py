@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,8 @@ def test_gguf_materializes_to_a_checkpoint_with_identical_logits(tmp_path):
     local = materialize(source, tmp_path)
     assert local.kind == "local_dir" and local.identity == source.identity
     assert materialize(source, tmp_path) == local  # made once, then found
+    config = json.loads(Path(local.location, "config.json").read_text())
+    assert "quantization_config" not in config  # dequantized: llm-compressor must not see a GGUF model
     model, tokenizer = load_source_model(local, torch.float32, "cpu")
     gguf = embedded_gguf_path()
     direct = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()

@@ -79,8 +79,9 @@ LOGPROBS_FILE = "logprobs.npy"
 
 BLOCK_BYTES = 4 * 2**20
 """Largest float32 block of log-probability rows processed at once. Small on purpose: on CPU,
-blocks above glibc's 32 MiB mmap threshold are page-faulted afresh for every temporary, which
-measured about ten times slower than 4 MiB blocks."""
+temporaries above glibc's mmap threshold (at most 32 MiB) are page-faulted afresh each time; on a
+shared 2-core machine 4 MiB blocks compared 1,020 rows of SmolLM2's vocabulary in about 0.4 s,
+32 MiB blocks in 0.6 to 3.6 s over repeated runs."""
 
 FP16_LOWEST = float(torch.finfo(torch.float16).min)
 """Stored log-probabilities are clamped here (-65504): below it a probability is 0 in float32."""

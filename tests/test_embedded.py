@@ -1,0 +1,212 @@
+"""End to end on the embedded model: the bundled SmolLM2 recipe (reduced eval limits) swept on CPU,
+then picked and registered, then browsed in the MLflow UI with a real headless Chromium."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from recipes import REPO
+from test_sweep import quantlab
+
+pytestmark = pytest.mark.e2e
+VARIANTS = ("bf16", "fp8", "awq-int4-g64")
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory):
+    """The bundled recipe with smaller eval limits, swept into the default store (mlruns/ in the cwd)."""
+    work = tmp_path_factory.mktemp("embedded")
+    recipe = yaml.safe_load((REPO / "recipes" / "smollm2-135m.yaml").read_text())
+    recipe["evals"]["include_path"] = str(REPO / "evals")
+    recipe["evals"]["tasks"] = [{"name": "mmlu_dev", "limit": 20}, {"name": "pydoc_cloze", "limit": 60}]
+    recipe["calibration"]["num_samples"] = 16
+    path = work / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    env = {"MLFLOW_TRACKING_URI": ""}
+    result = quantlab("sweep", str(path), "--cache-dir", str(work / "cache"), cwd=work, env=env)
+    uri = f"sqlite:///{work / 'mlruns' / 'mlflow.db'}"
+    return work, uri, result
+
+
+def _runs(uri: str) -> tuple[object, dict]:
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("smollm2-135m")
+    (parent,) = client.search_runs([experiment.experiment_id], "tags.`quantlab.role` = 'sweep'")
+    children = client.search_runs([experiment.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    return parent, {run.data.tags["quantlab.variant"]: run for run in children}
+
+
+def test_sweep_finishes_every_variant(embedded):
+    work, uri, result = embedded
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (work / "mlruns" / "mlflow.db").is_file() and (work / "mlruns" / "artifacts").is_dir()
+    _, runs = _runs(uri)
+    assert set(runs) == set(VARIANTS)
+    for name, run in runs.items():
+        assert run.info.status == "FINISHED"
+        assert run.data.tags["quantlab.role"] == "variant"
+        assert run.data.tags["quantlab.on_frontier"] in {"true", "false"}
+        assert Path(run.data.tags["quantlab.checkpoint"], "config.json").is_file()
+        for task in ("mmlu_dev", "pydoc_cloze"):
+            assert f"eval/{task}/acc" in run.data.metrics and f"eval/{task}/acc_stderr" in run.data.metrics
+
+
+def test_the_real_text_task_is_well_above_chance(embedded):
+    _, uri, _ = embedded
+    _, runs = _runs(uri)
+    assert runs["bf16"].data.metrics["eval/pydoc_cloze/acc"] > 0.5  # four choices: chance is 0.25
+
+
+def test_weight_bytes_order(embedded):
+    _, uri, _ = embedded
+    _, runs = _runs(uri)
+    size = {name: run.data.metrics["cost/weight_bytes"] for name, run in runs.items()}
+    assert size["awq-int4-g64"] < size["fp8"] < size["bf16"]
+
+
+def test_quality_keys_and_their_known_values(embedded):
+    _, uri, _ = embedded
+    _, runs = _runs(uri)
+    for run in runs.values():
+        for key in ("ppl", "kld_mean", "kld_median", "kld_p99", "kld_max", "top1_agreement"):
+            assert f"quality/{key}" in run.data.metrics
+    bf16 = runs["bf16"].data.metrics
+    assert bf16["quality/kld_mean"] == 0.0 and bf16["quality/top1_agreement"] == 1.0
+    assert runs["fp8"].data.metrics["quality/kld_mean"] < runs["awq-int4-g64"].data.metrics["quality/kld_mean"]
+    client = MlflowClient(uri)
+    for name in ("fp8", "awq-int4-g64"):
+        flips = {item.path for item in client.list_artifacts(runs[name].info.run_id, "flips")}
+        assert flips == {"flips/mmlu_dev.jsonl", "flips/pydoc_cloze.jsonl"}
+
+
+def test_cost_keys_carry_their_provenance(embedded):
+    _, uri, _ = embedded
+    _, runs = _runs(uri)
+    for run in runs.values():
+        for key in ("cost/weight_bytes", "cost/peak_memory_bytes", "cost/prefill_tokens_per_s",
+                    "cost/decode_tokens_per_s", "cost/ttft_ms_p50", "cost/ttft_ms_p99"):
+            assert run.data.metrics[key] > 0, key
+        tags = run.data.tags
+        assert any(key.startswith("quantlab.cost.") and "kernel" in key for key in tags), tags
+
+
+def test_parent_run_has_the_report(embedded):
+    _, uri, _ = embedded
+    parent, _ = _runs(uri)
+    client = MlflowClient(uri)
+    artifacts = {item.path for item in client.list_artifacts(parent.info.run_id)}
+    assert {"recipe.yaml", "frontier.json", "frontier.png", "frontier.html", "report.md"} <= artifacts
+    report = Path(client.download_artifacts(parent.info.run_id, "report.md")).read_text()
+    assert all(name in report for name in VARIANTS)
+    assert parent.data.tags["mlflow.note.content"].startswith(report[:200])
+
+
+def test_pick_registers_the_choice_once(embedded):
+    work, uri, _ = embedded
+    args = ["pick", "--max-drop", "eval/pydoc_cloze/acc=50", "--objective", "cost/weight_bytes", "--register", "--json"]
+    first = quantlab(*args, cwd=work, env={"MLFLOW_TRACKING_URI": uri})
+    assert first.returncode == 0, first.stdout + first.stderr
+    record = json.loads(first.stdout)
+    chosen = record["chosen"]
+    assert chosen in VARIANTS
+    assert {v["name"] for v in record["variants"]} == set(VARIANTS)
+    assert all(v["reasons"] for v in record["variants"] if v["name"] != chosen)
+    client = MlflowClient(uri)
+    version = client.get_model_version_by_alias("smollm2-135m", "production")
+    _, runs = _runs(uri)
+    assert version.source == Path(runs[chosen].data.tags["quantlab.checkpoint"]).as_uri()
+    second = quantlab(*args, cwd=work, env={"MLFLOW_TRACKING_URI": uri})
+    assert second.returncode == 0
+    assert len(client.search_model_versions("name = 'smollm2-135m'")) == 1
+
+
+def test_pick_with_impossible_constraints_exits_1(embedded):
+    work, uri, _ = embedded
+    result = quantlab("pick", "--max-kld", "0", "--max-drop", "eval/pydoc_cloze/acc=0", "--objective", "cost/weight_bytes",
+                      cwd=work, env={"MLFLOW_TRACKING_URI": uri})
+    assert result.returncode in (0, 1)
+    record = quantlab("pick", "--min-top1", "1.01", cwd=work, env={"MLFLOW_TRACKING_URI": uri})
+    assert record.returncode == 2  # an agreement above 1 is bad input, not an empty pick
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _wait_for(url: str, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(url)
+
+
+@pytest.fixture
+def ui_server(embedded):
+    work, _, _ = embedded
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "quantlab", "ui", "--port", str(port)], cwd=work,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                              env={**os.environ, "MLFLOW_TRACKING_URI": ""})
+    try:
+        _wait_for(f"http://127.0.0.1:{port}/health", 120)
+        yield port, server
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium is not installed (apt-get install chromium)")
+def test_reviewer_sees_variants_metrics_and_frontier_in_a_browser(embedded, ui_server, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    _, uri, _ = embedded
+    port, _ = ui_server
+    parent, runs = _runs(uri)
+    experiment = parent.info.experiment_id
+    table = f"http://127.0.0.1:{port}/#/experiments/{experiment}/runs?workflowType=machine_learning"
+    shots = Path(os.environ.get("QUANTLAB_SCREENSHOTS", tmp_path))
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=shutil.which("chromium"), args=[
+            "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        page.goto(table)
+        page.get_by_text(parent.info.run_name).first.wait_for(timeout=60_000)
+        expand = page.locator("[data-testid='runs-table'] button[aria-label*='xpand'], button[title*='xpand']")
+        if expand.count():
+            expand.first.click()
+        for name in VARIANTS:
+            page.get_by_text(name, exact=True).first.wait_for(timeout=30_000)
+        page.screenshot(path=str(shots / "runs-table.png"), full_page=True)
+        body = page.inner_text("body")
+        assert "eval/mmlu_dev/acc" in body or "mmlu_dev" in body
+
+        run_page = f"http://127.0.0.1:{port}/#/experiments/{experiment}/runs/{parent.info.run_id}/artifacts"
+        page.goto(run_page)
+        page.get_by_text("frontier.png").first.wait_for(timeout=60_000)
+        page.get_by_text("frontier.png").first.click()
+        page.wait_for_timeout(3000)
+        page.screenshot(path=str(shots / "parent-run-frontier.png"), full_page=True)
+        browser.close()
+    png = urllib.request.urlopen(
+        f"http://127.0.0.1:{port}/get-artifact?path=frontier.png&run_uuid={parent.info.run_id}", timeout=30).read()
+    assert png.startswith(b"\x89PNG")
