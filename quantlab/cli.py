@@ -150,7 +150,10 @@ def ui(
         return
     command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", host, "--port", str(port)]
     # mlflow ui starts helper processes: a session of its own lets us stop them all together.
-    server = subprocess.Popen(command, start_new_session=True)
+    _stop_on_sigterm()
+    # Its job runners (seven huey consumers) serve GenAI features, not the runs we browse.
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")}
+    server = subprocess.Popen(command, start_new_session=True, env=env)
     for name, address in ui_addresses(store, host, port):
         out.print(f"{name}: {address}", highlight=False)
     out.print("Press Ctrl-C to stop.")

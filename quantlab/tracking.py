@@ -50,8 +50,8 @@ class Store:
         return MlflowClient(tracking_uri=self.uri)
 
     @property
-    def is_default_layout(self) -> bool:
-        return self.uri.startswith("sqlite:///") and not self.uri.startswith("sqlite:////")
+    def sqlite_path(self) -> Path | None:
+        return Path(self.uri.removeprefix("sqlite:///")) if self.uri.startswith("sqlite:///") else None
 
 
 def open_store(uri: str) -> Store:
@@ -81,8 +81,9 @@ def experiment_id(store: Store, name: str, create: bool = True) -> str | None:
         return experiment.experiment_id
     if not create:
         return None
-    # The default store keeps artifacts under mlruns/ beside the database, as the contract says.
-    location = (Path("mlruns") / "artifacts" / name).resolve().as_uri() if store.is_default_layout else None
+    # A SQLite store keeps its artifacts beside the database (the default: under mlruns/), not
+    # wherever the first sweep happened to run, as MLflow's cwd-relative default would.
+    location = (store.sqlite_path.parent / "artifacts" / name).resolve().as_uri() if store.sqlite_path else None
     return client.create_experiment(name, artifact_location=location)
 
 

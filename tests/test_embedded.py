@@ -189,23 +189,27 @@ def test_reviewer_sees_variants_metrics_and_frontier_in_a_browser(embedded, ui_s
             "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
             "--disable-component-update", "--disable-sync"])
         page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        # The runs table: the sweep is one parent run; expanding it shows one nested run per variant.
         page.goto(table)
-        page.get_by_text(parent.info.run_name).first.wait_for(timeout=60_000)
-        expand = page.locator("[data-testid='runs-table'] button[aria-label*='xpand'], button[title*='xpand']")
-        if expand.count():
-            expand.first.click()
+        parent_row = page.locator(f"[role=row][row-id='{parent.info.run_id}']")
+        parent_row.wait_for(timeout=90_000)
+        parent_row.locator("button[data-component-id*='runnamecellrenderer']").click()
         for name in VARIANTS:
-            page.get_by_text(name, exact=True).first.wait_for(timeout=30_000)
-        page.screenshot(path=str(shots / "runs-table.png"), full_page=True)
-        body = page.inner_text("body")
-        assert "eval/mmlu_dev/acc" in body or "mmlu_dev" in body
-
-        run_page = f"http://127.0.0.1:{port}/#/experiments/{experiment}/runs/{parent.info.run_id}/artifacts"
-        page.goto(run_page)
-        page.get_by_text("frontier.png").first.wait_for(timeout=60_000)
-        page.get_by_text("frontier.png").first.click()
-        page.wait_for_timeout(3000)
-        page.screenshot(path=str(shots / "parent-run-frontier.png"), full_page=True)
+            page.locator(f"[role=row][row-id='{runs[name].info.run_id}']").wait_for(timeout=30_000)
+            assert page.get_by_text(name, exact=True).first.is_visible()
+        page.screenshot(path=str(shots / "runs-table.png"))
+        # The parent run's page: its description is the report, a table of every variant's key figures.
+        page.goto(f"http://127.0.0.1:{port}/#/experiments/{experiment}/runs/{parent.info.run_id}")
+        page.get_by_text("Which precision to ship").first.wait_for(timeout=60_000)
+        description = page.inner_text("body")
+        for figure in ["weight size", "mean KL divergence", "pydoc_cloze acc", *VARIANTS]:
+            assert figure in description, figure
+        page.screenshot(path=str(shots / "parent-run.png"))
+        # Its artifacts: the frontier plot is one click away.
+        page.goto(f"http://127.0.0.1:{port}/#/experiments/{experiment}/runs/{parent.info.run_id}/artifacts")
+        page.get_by_text("frontier.png").first.click(timeout=60_000)
+        page.locator("img[src*='frontier.png'], img[alt*='frontier']").first.wait_for(timeout=30_000)
+        page.screenshot(path=str(shots / "parent-run-frontier.png"))
         browser.close()
     png = urllib.request.urlopen(
         f"http://127.0.0.1:{port}/get-artifact?path=frontier.png&run_uuid={parent.info.run_id}", timeout=30).read()

@@ -333,10 +333,11 @@ def stored_kld(reference: torch.Tensor, variant_logprobs: torch.Tensor) -> tuple
     log_q, _, _ = _renormalized(encode_logprobs(exact_variant).float())
     kld = torch.linalg.vecdot(p, log_p - log_q)
 
-    # The bound's terms, per entry: ``rounding`` is d, ``distance`` |ln P̃ - m|. The first two
-    # terms share their factor P̃·expm1(d): (distance + d) + e^d·expm1(d) = ... + expm1(d)² + expm1(d).
+    # Per entry, ``rounding`` is the docstring's d and ``distance`` is |ln P̃ - m|. The first two
+    # terms are summed as one, P̃·expm1(d)·(distance + d + expm1(d)² + expm1(d)), as e^d = 1 + expm1(d).
     distance = (log_p - exact_variant).abs_()
-    rounding = stored.abs().mul_(FP16_UNIT_ROUNDOFF / (1 - FP16_UNIT_ROUNDOFF)).add_(FP16_SUBNORMAL_ERROR + shift.abs())
+    rounding = stored.abs().mul_(FP16_UNIT_ROUNDOFF / (1 - FP16_UNIT_ROUNDOFF))
+    rounding.add_(FP16_SUBNORMAL_ERROR + shift.abs())
     rounding_m1 = rounding.expm1()
     weights_and_chi_square = torch.addcmul(rounding_m1, rounding_m1, rounding_m1).add_(distance).add_(rounding)
     weights_and_chi_square.mul_(rounding_m1)
@@ -354,7 +355,8 @@ def _renormalized(logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     """
     probs = logprobs.exp()
     total = probs.sum(-1, keepdim=True)
-    return logprobs - total.log(), probs.div_(total), total.log()
+    shift = total.log()
+    return logprobs - shift, probs.div_(total), shift
 
 
 def _logprob_blocks(
