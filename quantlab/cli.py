@@ -251,7 +251,7 @@ def pick_command(
 
     from quantlab import tracking
     from quantlab.decision import ConstraintParseError, Constraints, parse_max_drops
-    from quantlab.publish import decide
+    from quantlab.publish import decide, json_safe
 
     try:
         store, view = _sweep_view(experiment, tracking_uri)
@@ -268,7 +268,7 @@ def pick_command(
     except BadInput as error:
         _fail_on_bad_input(error)
         return
-    record = decision.to_dict()
+    record = json_safe(decision.to_dict())
     if decision.chosen and register:
         run = next(r for r in tracking.child_runs(store, view.parent_run_id)
                    if r.data.tags.get(tracking.VARIANT) == decision.chosen)

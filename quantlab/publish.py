@@ -7,6 +7,7 @@ sweep exactly as the sweep itself did), computes with the pure modules, writes a
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,9 +101,20 @@ def render_artifacts(view: SweepView, out_dir: Path) -> dict[str, Path]:
         "frontier.html": render_html(results, out_dir / "frontier.html", variants=view.variants),
         "report.md": out_dir / "report.md",
     }
-    files["frontier.json"].write_text(json.dumps(frontiers_to_dict(results), indent=2))
+    files["frontier.json"].write_text(json.dumps(json_safe(frontiers_to_dict(results)), indent=2, allow_nan=False))
     files["report.md"].write_text(render_markdown(view.variants, results, decision, view.notes))
     return files
+
+
+def json_safe(value):
+    """JSON has no NaN: an undefined figure (e.g. recovery against a zero baseline) becomes null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    return value
 
 
 def publish_sweep(store: tracking.Store, parent_run_id: str) -> SweepView:

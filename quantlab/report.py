@@ -490,12 +490,13 @@ def render_markdown(
     """A report for someone who has never seen quantlab: compared what, found what, ship what."""
     sections = [
         f"# {title}",
+        # The answer first: a release manager may read no further.
+        _recommendation_section(decision),
         _what_was_compared(variants),
         "## Variants\n\n" + frontier_table(variants, frontier_results).to_markdown()
         + "\n\n_pts_: percentage points against the baseline. _within noise_: the difference is "
         "smaller than its standard error, so it is not evidence of a change.",
         _frontier_section(frontier_results),
-        _recommendation_section(decision),
         _caveats_section(variants, frontier_results, notes),
         _GLOSSARY,
     ]

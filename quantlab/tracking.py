@@ -145,16 +145,21 @@ def child_runs(store: Store, parent_run_id: str) -> list:
     )
 
 
-def latest_sweep(store: Store, experiment_name: str):
-    """The newest parent run of an experiment, or BadInput naming the experiment."""
-    experiment = experiment_id(store, experiment_name, create=False)
-    if experiment is None:
-        raise BadInput([Problem("--experiment", "", f"no experiment named '{experiment_name}' in {store.uri}")])
+def latest_sweep(store: Store, experiment_name: str | None):
+    """The newest parent run of an experiment (of any experiment when None), or BadInput saying why not."""
+    if experiment_name is None:
+        experiments = [experiment.experiment_id for experiment in store.client.search_experiments()]
+        where = f"the store {store.uri}"
+    else:
+        found = experiment_id(store, experiment_name, create=False)
+        if found is None:
+            raise BadInput([Problem("--experiment", "", f"no experiment named '{experiment_name}' in {store.uri}")])
+        experiments, where = [found], f"experiment '{experiment_name}'"
     runs = store.client.search_runs(
-        [experiment], filter_string=f"tags.`{ROLE}` = 'sweep'", order_by=["attributes.start_time DESC"], max_results=1
-    )
+        experiments, filter_string=f"tags.`{ROLE}` = 'sweep'", order_by=["attributes.start_time DESC"], max_results=1
+    ) if experiments else []
     if not runs:
-        raise BadInput([Problem("--experiment", "", f"experiment '{experiment_name}' has no sweep runs")])
+        raise BadInput([Problem("--experiment", "", f"{where} has no sweep runs; run `quantlab sweep RECIPE` first")])
     return runs[0]
 
 
