@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import queue
 import signal
+import sys
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,6 +32,7 @@ class VariantFailed(Exception):
 
 
 def _child_main(job: VariantJob, messages: multiprocessing.Queue, log_path: str) -> None:
+    _name_process(f"quantlab-{job.variant}")
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -40,6 +42,21 @@ def _child_main(job: VariantJob, messages: multiprocessing.Queue, log_path: str)
     except BaseException as error:  # noqa: BLE001 - everything must reach the parent as a failure
         messages.put(("error", (failure_reason(error), traceback.format_exc())))
         raise SystemExit(1) from None
+
+
+def _name_process(name: str) -> None:
+    """Let ps, top and psutil show which variant a process runs (Linux keeps 15 bytes of it).
+
+    multiprocessing's `Process(name=...)` is only a Python attribute; the OS sees "python".
+    """
+    if sys.platform != "linux":
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 def failure_reason(error: BaseException) -> str:
@@ -131,7 +148,10 @@ class RayExecutor:
             else:
                 ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
         # max_calls=1: a fresh worker process per variant, as with the local executor.
-        remote = ray.remote(max_calls=1)(_ray_task)
+        # max_retries=0: a variant whose worker died (OOM killer, Ray's memory monitor, a lost
+        # node) fails like a local one instead of being run again, up to 3 times or, for Ray's
+        # memory monitor, without end; the next sweep recomputes only what did not finish.
+        remote = ray.remote(max_calls=1, max_retries=0)(_ray_task)
         pending = {}
         for job in jobs:
             runtime = job.loaded.recipe.runtime

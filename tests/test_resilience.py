@@ -1,0 +1,545 @@
+"""Sweeps that scale out and survive: Ray, SIGKILL and resume, Ctrl-C, a killed or starved variant,
+a real MLflow tracking server, two sweeps sharing one SQLite store, and secrets kept out of MLflow.
+
+Everything here is real: real `quantlab sweep` processes over the tiny Llama, a real Ray cluster,
+a real `mlflow server`, real signals. Each tiny sweep costs one to two minutes on 2 shared cores,
+so recipes turn off what the point under test does not need (evals, quality, measure).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+from mlflow.tracking import MlflowClient
+
+from recipes import tiny_recipe, write
+from test_sweep import quantlab
+
+FP8_MIXED = {"name": "fp8-mixed", "method": "fp8", "params": {"ignore": ["lm_head", "re:.*down_proj$"]}}
+
+
+def _recipe(tiny_llama, name: str, variants: list, **overrides) -> dict:
+    """A tiny recipe that only quantizes, loads and logs: no evals, no quality pass, no timing."""
+    settings = {"evals": {"tasks": []}, "quality": {"enabled": False}, "measure": {"enabled": False}} | overrides
+    return tiny_recipe(tiny_llama.path, name=name, variants=[
+        v if isinstance(v, dict) else {"name": v, "method": v} for v in variants
+    ], **settings)
+
+
+def _sweep_args(recipe: Path, uri: str, cache: Path, *extra: str) -> list[str]:
+    return ["sweep", str(recipe), "--tracking-uri", uri, "--cache-dir", str(cache), *extra]
+
+
+class Sweep:
+    """`quantlab sweep` in a session of its own, so that a signal reaches it and its variant processes."""
+
+    def __init__(self, args: list[str], cwd: Path, env: dict | None = None, label: str = "sweep"):
+        self.output = cwd / f"{label}-{time.monotonic_ns()}.out"
+        self.started = time.monotonic()
+        with self.output.open("w") as sink:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "quantlab", *args], cwd=cwd, stdout=sink, stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})}, start_new_session=True,
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace")
+
+    def wait(self, timeout: float = 900) -> tuple[int, float]:
+        try:
+            code = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_group()
+            pytest.fail(f"sweep still running after {timeout} s:\n{self.text()[-3000:]}")
+        return code, time.monotonic() - self.started
+
+    def signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def kill_group(self) -> None:
+        self.signal_group(signal.SIGKILL)
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def variant_process(self, variant: str) -> psutil.Process | None:
+        """The variant's process, by the name the local executor gives it (`quantlab-<variant>`)."""
+        wanted = f"quantlab-{variant}"[:15]  # Linux keeps 15 bytes of a process name
+        try:
+            children = psutil.Process(self.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return None
+        for child in children:
+            try:
+                if child.name() == wanted:
+                    return child
+            except psutil.NoSuchProcess:
+                continue
+        return None
+
+
+@pytest.fixture
+def sweeps():
+    """Started sweeps; any still running when the test ends is killed with its whole process group."""
+    started: list[Sweep] = []
+    yield started
+    for sweep in started:
+        if sweep.process.poll() is None:
+            sweep.kill_group()
+
+
+def _wait_until(condition, sweep: Sweep | None, what: str, timeout: float = 600):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = condition()
+        except Exception:  # noqa: BLE001 - a store being written by the sweep may be briefly locked
+            value = None
+        if value:
+            return value
+        if sweep is not None and sweep.process.poll() is not None:
+            pytest.fail(f"the sweep exited ({sweep.process.returncode}) before {what}:\n{sweep.text()[-3000:]}")
+        time.sleep(0.5)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}" + (f":\n{sweep.text()[-3000:]}" if sweep else ""))
+
+
+def _init_store(uri: str) -> None:
+    """Create the store's tables before a sweep starts, so that polling it never races their creation."""
+    MlflowClient(uri).search_experiments()
+
+
+def _parents(uri: str, experiment: str) -> list:
+    client = MlflowClient(uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return []
+    return client.search_runs([found.experiment_id], "tags.`quantlab.role` = 'sweep'", order_by=["attributes.start_time ASC"])
+
+
+def _variants(uri: str, parent_run_id: str) -> dict:
+    client = MlflowClient(uri)
+    experiment = client.get_run(parent_run_id).info.experiment_id
+    runs = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parent_run_id}'", max_results=1000)
+    named = {run.data.tags["quantlab.variant"]: run for run in runs}
+    assert len(named) == len(runs), f"two runs of one sweep name the same variant: {[r.data.tags for r in runs]}"
+    return named
+
+
+def _statuses(uri: str, parent_run_id: str) -> dict[str, str]:
+    return {name: run.info.status for name, run in _variants(uri, parent_run_id).items()}
+
+
+def _all_runs(uri: str, experiment: str) -> list:
+    client = MlflowClient(uri)
+    found = client.get_experiment_by_name(experiment)
+    return client.search_runs([found.experiment_id], max_results=1000) if found else []
+
+
+def _seconds(run) -> float:
+    return (run.info.end_time - run.info.start_time) / 1000
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# --- 1. Ray ---------------------------------------------------------------------------------------
+
+
+def test_ray_sweep_gives_the_same_layout_as_local(tmp_path, tiny_llama):
+    """`--executor ray` without an address starts a local Ray cluster (2 CPUs, 1 per variant): the
+    baseline runs first, then fp8 and fp8-mixed side by side; only the driver logs to MLflow."""
+    recipe = write(tmp_path / "recipe.yaml", _recipe(tiny_llama, "tiny-ray", ["bf16", "fp8", FP8_MIXED]))
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "quantlab", *_sweep_args(recipe, uri, tmp_path / "cache", "--executor", "ray")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env | {"RAY_USAGE_STATS_ENABLED": "0"},
+    )
+    print(f"ray sweep: {time.monotonic() - started:.0f} s")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Ray" in result.stderr  # ray.init's own "Started a local Ray instance"
+
+    (parent,) = _parents(uri, "tiny-ray")
+    assert parent.info.status == "FINISHED"
+    runs = _variants(uri, parent.info.run_id)
+    assert {name: run.info.status for name, run in runs.items()} == {"bf16": "FINISHED", "fp8": "FINISHED", "fp8-mixed": "FINISHED"}
+    for name, run in runs.items():
+        assert run.data.tags["quantlab.role"] == "variant" and run.data.tags["quantlab.on_frontier"] in {"true", "false"}
+        assert run.data.metrics["cost/weight_bytes"] > 0 and "time/quantize_seconds" in run.data.metrics
+        assert Path(run.data.tags["quantlab.checkpoint"], "config.json").is_file()
+        assert run.data.params["variant.name"] == name
+    # The baseline first: the others were not even queued before it finished.
+    assert all(runs["bf16"].info.end_time <= runs[name].info.start_time for name in ("fp8", "fp8-mixed"))
+    assert runs["fp8"].data.metrics["cost/weight_bytes"] < runs["bf16"].data.metrics["cost/weight_bytes"]
+    artifacts = {item.path for item in MlflowClient(uri).list_artifacts(parent.info.run_id)}
+    assert {"recipe.yaml", "frontier.json", "frontier.png", "frontier.html", "report.md"} <= artifacts
+    assert not (tmp_path / "mlruns").exists()  # nothing logged beside the store given
+
+
+# --- 2. Kill and resume ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory, tiny_llama):
+    """SIGKILL a sweep after its baseline finished, while fp8 runs; then sweep again twice.
+
+    Returns the store, the timings, and snapshots of the store after each step.
+    """
+    work = tmp_path_factory.mktemp("resume")
+    recipe = write(work / "recipe.yaml", _recipe(tiny_llama, "tiny", ["bf16", "fp8", FP8_MIXED]))
+    uri = f"sqlite:///{work / 'store.db'}"
+    _init_store(uri)
+    args = _sweep_args(recipe, uri, work / "cache")
+    found: dict = {"work": work, "uri": uri, "args": args, "recipe": recipe}
+
+    first = Sweep(args, work, label="first")
+    try:
+        def first_done_second_running():
+            parents = _parents(uri, "tiny")
+            statuses = _statuses(uri, parents[0].info.run_id) if parents else {}
+            return statuses.get("bf16") == "FINISHED" and statuses.get("fp8") == "RUNNING"
+
+        _wait_until(first_done_second_running, first, "bf16 FINISHED and fp8 RUNNING", timeout=600)
+        child = _wait_until(lambda: first.variant_process("fp8"), first, "the fp8 variant process", timeout=60)
+        # The sweep process alone first: its variant process must not outlive it.
+        os.kill(first.pid, signal.SIGKILL)
+        first.process.wait(timeout=60)
+        found["orphan_survived"] = not _gone(child, timeout=30)
+        first.kill_group()  # and then the whole group, as a scheduler would
+    finally:
+        first.kill_group()
+    found["first_seconds"] = time.monotonic() - first.started
+    (dead_parent,) = _parents(uri, "tiny")
+    found["dead_parent"] = dead_parent
+    found["after_kill"] = {"parent": dead_parent.info.status, **_statuses(uri, dead_parent.info.run_id)}
+    found["dead_variants"] = _variants(uri, dead_parent.info.run_id)
+
+    second = Sweep(args, work, label="second")
+    found["second_code"], found["second_seconds"] = second.wait()
+    found["second_output"] = second.text()
+    third = Sweep(args, work, label="third")
+    found["third_code"], found["third_seconds"] = third.wait()
+    found["third_output"] = third.text()
+    print(f"\nkill and resume: first sweep killed after {found['first_seconds']:.0f} s, "
+          f"resumed sweep {found['second_seconds']:.0f} s, unchanged re-run {found['third_seconds']:.0f} s")
+    return found
+
+
+def _gone(process: psutil.Process, timeout: float) -> bool:
+    try:
+        process.wait(timeout=timeout)
+        return True
+    except psutil.TimeoutExpired:
+        return False
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_sigkilled_sweep_leaves_its_runs_running_and_no_orphan(resumed):
+    assert resumed["after_kill"] == {"parent": "RUNNING", "bf16": "FINISHED", "fp8": "RUNNING"}
+    assert not resumed["orphan_survived"], "the variant process kept running after its sweep was killed"
+
+
+def test_resumed_sweep_kills_dead_runs_copies_finished_and_recomputes_the_rest(resumed):
+    uri = resumed["uri"]
+    assert resumed["second_code"] == 0, resumed["second_output"]
+    dead_parent = resumed["dead_parent"]
+    client = MlflowClient(uri)
+    assert client.get_run(dead_parent.info.run_id).info.status == "KILLED"
+    dead = resumed["dead_variants"]
+    assert client.get_run(dead["fp8"].info.run_id).info.status == "KILLED"
+    assert client.get_run(dead["bf16"].info.run_id).info.status == "FINISHED"
+
+    parents = _parents(uri, "tiny")
+    assert len(parents) == 3
+    runs = _variants(uri, parents[1].info.run_id)
+    assert set(runs) == {"bf16", "fp8", "fp8-mixed"}  # exactly one run per variant
+    assert {name: run.info.status for name, run in runs.items()} == dict.fromkeys(runs, "FINISHED")
+    assert runs["bf16"].data.tags["quantlab.reused_from"] == dead["bf16"].info.run_id
+    assert runs["bf16"].data.metrics == dead["bf16"].data.metrics
+    for name in ("fp8", "fp8-mixed"):
+        assert "quantlab.reused_from" not in runs[name].data.tags
+        assert "time/quantize_seconds" in runs[name].data.metrics
+    assert "Reused (unchanged, not recomputed): bf16;" in resumed["second_output"]
+
+
+def test_unchanged_rerun_copies_every_variant_in_seconds(resumed):
+    uri = resumed["uri"]
+    assert resumed["third_code"] == 0, resumed["third_output"]
+    parents = _parents(uri, "tiny")
+    second, third = _variants(uri, parents[1].info.run_id), _variants(uri, parents[2].info.run_id)
+    assert set(third) == {"bf16", "fp8", "fp8-mixed"}
+    for name, run in third.items():
+        assert run.info.status == "FINISHED"
+        assert run.data.tags["quantlab.reused_from"] == (
+            resumed["dead_variants"]["bf16"].info.run_id if name == "bf16" else second[name].info.run_id
+        )
+        assert run.data.tags["quantlab.variant"] == name and run.data.params["variant.name"] == name
+    # Its own work (the parent run, from its creation to its end) takes seconds; the process as a
+    # whole also imports torch and lm-eval and validates the recipe first, the same in every sweep.
+    own = _seconds(parents[2])
+    print(f"unchanged re-run: {resumed['third_seconds']:.0f} s in all, {own:.1f} s of sweep work "
+          f"(resumed sweep: {resumed['second_seconds']:.0f} s, {_seconds(parents[1]):.1f} s of sweep work)")
+    assert own < 60
+    assert own < _seconds(parents[1]) / 2
+    assert resumed["third_seconds"] < resumed["second_seconds"]
+
+
+def test_renamed_variant_is_copied_under_its_new_name(resumed, tiny_llama):
+    """Resume is by content: a variant renamed in the recipe is copied, but the copy is the new name's."""
+    uri = resumed["uri"]
+    renamed = _recipe(tiny_llama, "tiny", ["bf16", {"name": "fp8-dynamic", "method": "fp8"}, FP8_MIXED])
+    recipe = write(resumed["work"] / "renamed.yaml", renamed)
+    result = quantlab(*_sweep_args(recipe, uri, resumed["work"] / "cache"), cwd=resumed["work"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    parents = _parents(uri, "tiny")
+    runs = _variants(uri, parents[-1].info.run_id)
+    assert set(runs) == {"bf16", "fp8-dynamic", "fp8-mixed"}
+    copy = runs["fp8-dynamic"]
+    source = MlflowClient(uri).get_run(copy.data.tags["quantlab.reused_from"])
+    assert source.data.tags["quantlab.variant"] == "fp8"
+    assert copy.data.tags["quantlab.variant"] == "fp8-dynamic" and copy.info.run_name == "fp8-dynamic"
+    assert copy.data.params["variant.name"] == "fp8-dynamic"
+    assert copy.data.tags["quantlab.baseline"] == "false"
+    assert copy.data.metrics == source.data.metrics
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_interrupted_sweep_leaves_no_run_running(tmp_path, tiny_llama, sweeps, signum):
+    """Ctrl-C in a terminal sends SIGINT to the foreground process group; a scheduler sends SIGTERM."""
+    recipe = write(tmp_path / "recipe.yaml", _recipe(tiny_llama, "tiny", ["bf16", "fp8"]))
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    _init_store(uri)
+    sweep = Sweep(_sweep_args(recipe, uri, tmp_path / "cache"), tmp_path)
+    sweeps.append(sweep)
+
+    def baseline_running():
+        parents = _parents(uri, "tiny")
+        return parents and _statuses(uri, parents[0].info.run_id).get("bf16") == "RUNNING"
+
+    _wait_until(baseline_running, sweep, "the bf16 run to start")
+    child = _wait_until(lambda: sweep.variant_process("bf16"), sweep, "the bf16 variant process", timeout=60)
+    sweep.signal_group(signum)
+    code, _ = sweep.wait(timeout=120)
+    assert code != 0
+    assert "Traceback" not in sweep.text()
+    assert _gone(child, timeout=30)
+    statuses = {run.info.run_name: run.info.status for run in _all_runs(uri, "tiny")}
+    assert statuses == {"sweep tiny": "KILLED", "bf16": "KILLED"}, sweep.text()[-3000:]
+
+
+# --- 3. Failure isolation -------------------------------------------------------------------------
+
+
+def test_killed_and_starved_variants_fail_alone(tmp_path, tiny_llama, sweeps):
+    """`kill` is SIGKILLed while it quantizes (what the kernel's OOM killer does); `oom` runs out of
+    address space: its RLIMIT_AS is lowered from outside with prlimit(2) to what it has mapped
+    already, so its next allocation fails with ENOMEM, a real allocation failure at whatever point it
+    hits, without putting the machine near its memory limit. The OOM killer itself is not invoked:
+    that needs a memory cgroup this test does not own, and its only visible effect on the sweep is
+    the SIGKILL tested here. The baseline before and the fp8 variant after them must finish."""
+    variants = ["bf16", {"name": "kill", "method": "fp8"}, {"name": "oom", "method": "fp8"}, "fp8"]
+    recipe = write(tmp_path / "recipe.yaml", _recipe(tiny_llama, "tiny", variants))
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    _init_store(uri)
+    sweep = Sweep(_sweep_args(recipe, uri, tmp_path / "cache"), tmp_path)
+    sweeps.append(sweep)
+
+    def running(name):
+        def check():
+            parents = _parents(uri, "tiny")
+            return parents and _statuses(uri, parents[0].info.run_id).get(name) == "RUNNING"
+        return check
+
+    _wait_until(running("kill"), sweep, "the kill run to start")
+    victim = _wait_until(lambda: sweep.variant_process("kill"), sweep, "the kill variant process", timeout=60)
+    victim.send_signal(signal.SIGKILL)
+    _wait_until(running("oom"), sweep, "the oom run to start")
+    starved = _wait_until(lambda: sweep.variant_process("oom"), sweep, "the oom variant process", timeout=60)
+    mapped = starved.memory_info().vms
+    starved.rlimit(psutil.RLIMIT_AS, (mapped, mapped))
+    code, seconds = sweep.wait()
+    print(f"failure isolation sweep: {seconds:.0f} s")
+
+    assert code == 1, sweep.text()[-3000:]
+    (parent,) = _parents(uri, "tiny")
+    runs = _variants(uri, parent.info.run_id)
+    assert {name: run.info.status for name, run in runs.items()} == {
+        "bf16": "FINISHED", "kill": "FAILED", "oom": "FAILED", "fp8": "FINISHED",
+    }
+    assert "killed by SIGKILL" in runs["kill"].data.tags["quantlab.failure"]
+    client = MlflowClient(uri)
+    for name in ("kill", "oom"):
+        assert {item.path for item in client.list_artifacts(runs[name].info.run_id, "failure")} == {"failure/traceback.txt"}
+    oom_reason = runs["oom"].data.tags["quantlab.failure"]
+    oom_details = Path(client.download_artifacts(runs["oom"].info.run_id, "failure/traceback.txt", str(tmp_path))).read_text()
+    print(f"starved variant: {oom_reason}")
+    assert re.search(r"memory|alloc|map|ENOMEM|SIGABRT|SIGSEGV|SIGKILL|thread", oom_reason + oom_details, re.IGNORECASE), oom_reason
+    assert runs["fp8"].data.metrics["cost/weight_bytes"] > 0
+    assert parent.info.status == "FAILED"
+    assert {item.path for item in client.list_artifacts(parent.info.run_id)} >= {"report.md", "frontier.json"}
+
+
+# --- 4. A shared tracking server ------------------------------------------------------------------
+
+
+@pytest.fixture
+def tracking_server(tmp_path):
+    """A real `mlflow server` on loopback, in its own process group (it starts worker processes)."""
+    port = _free_port()
+    artifacts = tmp_path / "server-artifacts"
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+         "--artifacts-destination", str(artifacts), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        def healthy():
+            if server.poll() is not None:
+                pytest.fail(f"mlflow server exited: {(tmp_path / 'server.log').read_text()[-3000:]}")
+            with urllib.request.urlopen(f"{uri}/health", timeout=5) as response:
+                return response.status == 200
+
+        _wait_until(healthy, None, "the mlflow server", timeout=300)
+        yield uri, artifacts
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(server.pid, signum)
+                server.wait(timeout=30)
+                break
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        log.close()
+
+
+def test_sweep_through_a_tracking_server(tmp_path, tiny_llama, tracking_server):
+    uri, artifacts = tracking_server
+    work = tmp_path / "work"
+    work.mkdir()
+    recipe_path = write(work / "recipe.yaml", _recipe(tiny_llama, "tiny-server", ["bf16", "fp8"]))
+    result = quantlab(*_sweep_args(recipe_path, uri, work / "cache"), cwd=work)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    (parent,) = _parents(uri, "tiny-server")
+    assert parent.info.status == "FINISHED"
+    runs = _variants(uri, parent.info.run_id)
+    assert {name: run.info.status for name, run in runs.items()} == {"bf16": "FINISHED", "fp8": "FINISHED"}
+    assert all(run.data.metrics["cost/weight_bytes"] > 0 for run in runs.values())
+    client = MlflowClient(uri)
+    recipe = Path(client.download_artifacts(parent.info.run_id, "recipe.yaml", str(tmp_path)))
+    assert recipe.read_text() == recipe_path.read_text()
+    report = Path(client.download_artifacts(parent.info.run_id, "report.md", str(tmp_path)))
+    assert "fp8" in report.read_text()
+    logs = Path(client.download_artifacts(runs["fp8"].info.run_id, "logs", str(tmp_path / "fp8")))
+    assert (logs / "variant.log").is_file()
+    # The artifacts went through the server to its store, none to the sweep's working directory.
+    stored = {path.name for path in artifacts.rglob("*") if path.is_file()}
+    assert {"recipe.yaml", "report.md", "frontier.json", "variant.log"} <= stored
+    assert not (work / "mlruns").exists() and not (work / "mlartifacts").exists()
+
+    # The same recipe again through the server: everything is copied, artifacts included.
+    again = quantlab(*_sweep_args(recipe_path, uri, work / "cache"), cwd=work)
+    assert again.returncode == 0, again.stdout + again.stderr
+    copied = _variants(uri, _parents(uri, "tiny-server")[-1].info.run_id)
+    assert all("quantlab.reused_from" in run.data.tags for run in copied.values())
+    assert {item.path for item in client.list_artifacts(copied["fp8"].info.run_id)} >= {"logs", "samples.json"}
+
+
+# --- 5. Two sweeps, one SQLite store --------------------------------------------------------------
+
+
+def test_two_sweeps_share_one_sqlite_store(tmp_path, tiny_llama, sweeps):
+    """Started together on a store that does not exist yet, with one checkpoint cache."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    for name in ("tiny-a", "tiny-b"):
+        recipe = write(tmp_path / f"{name}.yaml", _recipe(tiny_llama, name, ["bf16", "fp8"]))
+        sweeps.append(Sweep(_sweep_args(recipe, uri, tmp_path / "cache"), tmp_path, label=name))
+    results = [sweep.wait() for sweep in sweeps]
+    print("concurrent sweeps: " + ", ".join(f"{seconds:.0f} s" for _, seconds in results))
+    for sweep, (code, _) in zip(sweeps, results):
+        assert code == 0, sweep.text()[-5000:]
+    for name in ("tiny-a", "tiny-b"):
+        (parent,) = _parents(uri, name)
+        statuses = {run.info.run_name: run.info.status for run in _all_runs(uri, name)}
+        assert statuses == {f"sweep {name}": "FINISHED", "bf16": "FINISHED", "fp8": "FINISHED"}
+        assert set(_variants(uri, parent.info.run_id)) == {"bf16", "fp8"}
+
+
+# --- 6. Secrets -----------------------------------------------------------------------------------
+
+CANARIES = {"HF_TOKEN": "hf_secret_canary_123", "MLFLOW_TRACKING_PASSWORD": "pw_canary_456"}
+
+
+def test_secrets_never_reach_mlflow(tmp_path, tiny_llama):
+    """A sweep with evals and the quality pass on, so that every kind of artifact is written."""
+    recipe = write(tmp_path / "recipe.yaml", _recipe(
+        tiny_llama, "tiny", ["bf16", "fp8"],
+        evals={"include_path": str(Path(__file__).resolve().parents[1] / "evals"), "batch_size": 4,
+               "tasks": [{"name": "pydoc_cloze", "limit": 3}]},
+        quality={"max_tokens": 64, "window": 32},
+    ))
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    result = quantlab(*_sweep_args(recipe, uri, tmp_path / "cache"), cwd=tmp_path, env=CANARIES)
+    assert result.returncode == 0, result.stdout + result.stderr
+    runs = _all_runs(uri, "tiny")
+    assert len(runs) == 3
+    client = MlflowClient(uri)
+    for run in runs:
+        exposed = [run.info.run_name, *run.data.params, *run.data.params.values(), *run.data.tags,
+                   *run.data.tags.values(), *run.data.metrics]
+        folder = Path(client.download_artifacts(run.info.run_id, "", str(tmp_path / "artifacts" / run.info.run_id)))
+        files = [path for path in folder.rglob("*") if path.is_file()]
+        assert files
+        exposed += [path.read_bytes().decode("utf-8", errors="replace") for path in files]
+        for secret in CANARIES.values():
+            assert not [text for text in exposed if secret in text], f"{secret} reached run {run.info.run_name}"
+    for secret in CANARIES.values():
+        assert secret not in result.stdout + result.stderr
+    variants = [run for run in runs if run.data.tags.get("quantlab.role") == "variant"]
+    assert {"samples.json", "logs"} <= {item.path for item in client.list_artifacts(variants[0].info.run_id)}
+    assert all(run.data.params["model.trust_remote_code"] == "False" for run in variants)
+
+
+def test_trust_remote_code_is_logged_when_the_recipe_opts_in(tmp_path, tiny_llama):
+    recipe = _recipe(tiny_llama, "tiny-trusted", ["bf16"])
+    recipe["model"]["trust_remote_code"] = True
+    path = write(tmp_path / "recipe.yaml", recipe)
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    result = quantlab(*_sweep_args(path, uri, tmp_path / "cache"), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (run,) = [run for run in _all_runs(uri, "tiny-trusted") if run.data.tags.get("quantlab.role") == "variant"]
+    assert run.data.params["model.trust_remote_code"] == "True"
+
+
+def test_ui_binds_loopback_by_default(tmp_path):
+    result = quantlab("ui", "--help", cwd=tmp_path, env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert result.returncode == 0
+    text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", result.stdout).split())
+    assert re.search(r"--host TEXT .*\[default: 127\.0\.0\.1\]", text), result.stdout
