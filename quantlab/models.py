@@ -220,8 +220,26 @@ def load_checkpoint(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, **_placement(device))
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, **_placement(device), **_fast_kernels(checkpoint, device))
     return model.eval(), tokenizer
+
+
+def _fast_kernels(checkpoint: Path, device: str) -> dict:
+    """On CUDA, keep FP8 compressed-tensors weights in FP8 and run FP8 matmuls (SM 8.9+).
+
+    transformers otherwise dequantizes them; where the GPU lacks FP8 matmuls it falls back to
+    that with a warning, and the measured kernel path (quantlab.measure.kernels) says which ran.
+    """
+    import json
+
+    if device != "cuda":
+        return {}
+    config = json.loads((checkpoint / "config.json").read_text())
+    if (config.get("quantization_config") or {}).get("quant_method") != "compressed-tensors":
+        return {}
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    return {"quantization_config": CompressedTensorsConfig(use_optimized_inference=True)}
 
 
 def _placement(device: str) -> dict:
