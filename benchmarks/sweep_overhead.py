@@ -239,7 +239,8 @@ def same_scores(direct_scores: Mapping[str, Mapping[str, float]], sweep_metrics:
         for task, metrics in direct_scores.items() if "acc,none" in metrics
     }
     agree = all(sweep is not None and abs(direct - sweep) < 1e-9 for direct, sweep in pairs.values())
-    shown = ", ".join(f"{task} acc {direct:.3f} vs {sweep}" for task, (direct, sweep) in pairs.items())
+    shown = ", ".join(f"{task} acc {direct:.3f} direct vs {'-' if sweep is None else f'{sweep:.3f}'} sweep"
+                      for task, (direct, sweep) in pairs.items())
     return f"{'yes' if agree else 'NO'} ({shown}; last repetition)"
 
 
@@ -292,7 +293,9 @@ def benchmark(args: argparse.Namespace, work: Path) -> str:
                       "store": "each timed sweep logs to a fresh MLflow store (its table creation is timed too)"}[args.isolation],
         "machine": f"{cpu_model_name()}, {visible_cores()} cores visible, device {device}",
         "load": f"1-minute load average {load_before:.2f} before the timed runs, {os.getloadavg()[0]:.2f} after",
-        "first sweep (quantizes)": f"{first_seconds:.1f} s",
+        "first sweep (untimed)": f"{first_seconds:.1f} s, checkpoint "
+                                 + ("reused from the cache" if first_run.data.tags.get("quantlab.checkpoint_reused") == "true"
+                                    else "quantized into the cache"),
         "same scores both sides": same_scores(direct_scores, sweep_run.data.metrics),
     }
     return report(args, repetitions, context)

@@ -32,7 +32,7 @@ class VariantFailed(Exception):
 
 
 def _child_main(job: VariantJob, messages: multiprocessing.Queue, log_path: str) -> None:
-    _name_process(f"quantlab-{job.variant}")
+    _bind_to_sweep(f"quantlab-{job.variant}")
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -44,19 +44,27 @@ def _child_main(job: VariantJob, messages: multiprocessing.Queue, log_path: str)
         raise SystemExit(1) from None
 
 
-def _name_process(name: str) -> None:
-    """Let ps, top and psutil show which variant a process runs (Linux keeps 15 bytes of it).
+def _bind_to_sweep(name: str) -> None:
+    """Name the variant's process and make it die with its sweep (Linux; elsewhere a no-op).
 
-    multiprocessing's `Process(name=...)` is only a Python attribute; the OS sees "python".
+    The name lets ps, top and psutil show which variant a process runs (Linux keeps 15 bytes);
+    multiprocessing's `Process(name=...)` is only a Python attribute. A sweep killed outright
+    (SIGKILL, the OOM killer) cannot kill its variant: the kernel does (PR_SET_PDEATHSIG), rather
+    than leave it computing for nobody, holding memory the next sweep needs.
     """
     if sys.platform != "linux":
         return
     try:
         import ctypes
 
-        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass
+        return
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # the sweep died before the line above
+        os._exit(1)
 
 
 def failure_reason(error: BaseException) -> str:

@@ -26,6 +26,7 @@ from quantlab.runner import BaselineOutputs, VariantJob, VariantResult
 
 RUN_KEY = "quantlab.run_key"
 REUSED_FROM = "quantlab.reused_from"
+PID_STARTED = "quantlab.pid_started"  # the sweep process's start time: with host and pid, who it was
 REFERENCE_DIR = "quantlab.reference_dir"
 SAMPLES_ARTIFACT = "samples.json"
 
@@ -116,13 +117,19 @@ def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay
     reusable = {} if options.force else finished_runs(store, experiment, set(keys.values()))
     parent = tracking.start_run(store, experiment, f"sweep {loaded.recipe.name}", {
         tracking.ROLE: "sweep", "quantlab.host": socket.gethostname(), "quantlab.pid": str(os.getpid()),
+        PID_STARTED: str(_started_at(os.getpid())),
     })
     sweep = _Sweep(store, experiment, parent, loaded, options, display, keys)
     try:
         tracking.log_text_artifacts(store, parent, {"recipe.yaml": loaded.text})
         tracking.log_values(store, parent, params={"recipe.path": str(loaded.path), "variants": ",".join(order)})
         display.sweep_started(loaded.recipe.name, parent, order)
-        with tempfile.TemporaryDirectory(prefix="quantlab-logs-") as logs:
+        # Ray workers on other nodes write their logs where the driver can read them: under the
+        # cache directory, which a cluster shares (a local /tmp path would not exist there).
+        log_root = options.cache_root / "logs" if options.executor == "ray" else None
+        if log_root is not None:
+            log_root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="quantlab-logs-", dir=log_root) as logs:
             baseline_name, others = order[0], order[1:]
             sweep.run_batch([baseline_name], reusable, Path(logs))
             sweep.run_batch(others, reusable, Path(logs))
@@ -213,9 +220,15 @@ class _Sweep:
     def _copy(self, name: str, previous) -> None:
         """A finished run with the same run key: its numbers hold for this sweep too."""
         run_id = self._run_for(name)
-        tags = {k: v for k, v in previous.data.tags.items() if not k.startswith("mlflow.") and k != tracking.ON_FRONTIER}
-        tracking.log_values(self.store, run_id, metrics=dict(previous.data.metrics), params=dict(previous.data.params),
-                            tags=tags | {REUSED_FROM: previous.info.run_id})
+        # The numbers are the content's; who the run is (variant name, baseline or not) is this
+        # sweep's, set by _run_for: a renamed variant is copied under its new name. reused_from
+        # names the run that computed the numbers, not a copy of a copy.
+        own = {tracking.ON_FRONTIER, tracking.ROLE, tracking.VARIANT, "quantlab.baseline"}
+        tags = {k: v for k, v in previous.data.tags.items() if not k.startswith("mlflow.") and k not in own}
+        params = dict(previous.data.params) | ({"variant.name": name} if "variant.name" in previous.data.params else {})
+        origin = previous.data.tags.get(REUSED_FROM, previous.info.run_id)
+        tracking.log_values(self.store, run_id, metrics=dict(previous.data.metrics), params=params,
+                            tags=tags | {REUSED_FROM: origin})
         with tempfile.TemporaryDirectory() as scratch:
             local = self.store.client.download_artifacts(previous.info.run_id, "", scratch)
             self.store.client.log_artifacts(run_id, local)
@@ -262,7 +275,7 @@ def mark_dead_sweeps(store: tracking.Store, experiment: str) -> list[str]:
     killed = []
     for sweep in sweeps:
         tags = sweep.data.tags
-        if tags.get("quantlab.host") != host or _process_alive(int(tags.get("quantlab.pid", "0"))):
+        if tags.get("quantlab.host") != host or _process_alive(int(tags.get("quantlab.pid", "0")), tags.get(PID_STARTED)):
             continue
         for child in tracking.child_runs(store, sweep.info.run_id):
             if child.info.status == "RUNNING":
@@ -273,16 +286,35 @@ def mark_dead_sweeps(store: tracking.Store, experiment: str) -> list[str]:
     return killed
 
 
-def _process_alive(pid: int) -> bool:
-    if pid <= 0:
+def _process_alive(pid: int, started: str | None = None) -> bool:
+    """Whether the sweep process that recorded (pid, start time) still runs.
+
+    A pid alone is not enough: a restarted container gives the next sweep the same small pid
+    (then it is this very process), and a busy host reuses pids.
+    """
+    if pid <= 0 or pid == os.getpid():
         return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass
+    try:
+        recorded = float(started)  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # not recorded (a sweep from before start times were)
         return True
-    return True
+    now = _started_at(pid)
+    return now is None or abs(now - recorded) < 1.0
+
+
+def _started_at(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.Error, OSError):
+        return None
 
 
 def _log_artifact(log_path: Path) -> dict[str, str]:

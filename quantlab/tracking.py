@@ -33,6 +33,7 @@ PARENT = "mlflow.parentRunId"
 NOTE = "mlflow.note.content"
 # MLflow's batch endpoint limits.
 _BATCH = {"metrics": 1000, "params": 100, "tags": 100}
+_CREATED: set[str] = set()  # SQLite stores this process has opened (and so created, if new)
 
 
 def tracking_uri(flag: str | None) -> str:
@@ -47,7 +48,18 @@ class Store:
     def client(self) -> MlflowClient:
         from mlflow.tracking import MlflowClient
 
-        return MlflowClient(tracking_uri=self.uri)
+        if self.sqlite_path is None or self.uri in _CREATED:
+            return MlflowClient(tracking_uri=self.uri)
+        # MLflow creates a new database's tables (alembic migrations) when a process first opens
+        # it; two sweeps doing that at once corrupt the schema version ("expected to match one
+        # row ... in 'alembic_version'"). One process at a time, under a lock file beside it.
+        import fcntl
+
+        with open(f"{self.sqlite_path}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            client = MlflowClient(tracking_uri=self.uri)  # MLflow keeps this store for the process
+        _CREATED.add(self.uri)
+        return client
 
     @property
     def sqlite_path(self) -> Path | None:

@@ -1,6 +1,7 @@
 """GPU check: BF16 vs FP8 vs AWQ-INT4 of a Llama-3.1-8B-shaped model, quantized and measured by quantlab.
 
-What it does, in one process (about 5 minutes on one H200 for the 8B shape):
+What it does, in one process (sized to finish well under 10 minutes on one H200 for the 8B
+shape; the 2-layer `tiny` shape takes about a minute of CPU):
 1. Builds a model with Llama-3.1-8B's shape from its config, with random weights, in BF16
    directly on the GPU (no download), and saves it as the BF16 variant (quantlab's `bf16` method).
 2. Reloads that checkpoint and quantizes it with quantlab's `fp8` and `awq_int4` (group 128)
@@ -123,7 +124,6 @@ class NoUsableDevice(Exception):
 class VariantResult:
     name: str
     checkpoint: Path
-    quantize_seconds: float
     figures: dict[str, float]  # CostReport.figures() for the first target
     tags: dict[str, str]  # CostReport.to_tags()
     modeled_by_target: dict[str, dict[str, float]]  # target -> ModeledCost.figures()
@@ -210,7 +210,8 @@ def build_bf16_checkpoint(preset: ShapePreset, tokenizer: Any, device: str, targ
     method = METHODS["bf16"]
     method.apply(model, method.Params(), None)
     save_checkpoint(model, tokenizer, target)
-    release(model)
+    del model
+    free_memory()
 
 
 def save_checkpoint(model: Any, tokenizer: Any, target: Path) -> None:
@@ -220,14 +221,18 @@ def save_checkpoint(model: Any, tokenizer: Any, target: Path) -> None:
 
 
 def calibration_samples(preset: ShapePreset, tokenizer: Any) -> Any:
-    """Seeded random token ids below the tokenizer's vocabulary, special tokens excluded."""
+    """Seeded random token ids, special tokens excluded: below both vocabularies with SmolLM2's
+    tokenizer (so every id is one it knows), below the model's with the stub (which knows none)."""
     import torch
     from datasets import Dataset
 
     from quantlab.measure.generation import random_prompt_ids
 
+    model_vocabulary = preset.config["vocab_size"]
+    real_tokenizer = len(tokenizer) > len(tokenizer.all_special_ids)
+    id_bound = min(len(tokenizer), model_vocabulary) if real_tokenizer else model_vocabulary
     ids = random_prompt_ids(
-        preset.calibration_samples, preset.calibration_seq_len, len(tokenizer), SEED, torch.device("cpu"),
+        preset.calibration_samples, preset.calibration_seq_len, id_bound, SEED, torch.device("cpu"),
         tokenizer.all_special_ids,
     ).tolist()
     return Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(row) for row in ids]})
@@ -238,6 +243,8 @@ def quantize_checkpoint(source_dir: Path, method_name: str, params: dict[str, An
     """Load the BF16 checkpoint the way quantlab's quantize stage does, apply the method, save."""
     import torch
 
+    from llmcompressor.core import reset_session
+
     from quantlab.models import load_source_model, resolve_source
     from quantlab.quantize import METHODS
     from quantlab.recipe import ModelSpec
@@ -247,7 +254,11 @@ def quantize_checkpoint(source_dir: Path, method_name: str, params: dict[str, An
     model, tokenizer = load_source_model(source, torch.bfloat16, device)
     method.apply(model, method.Params.model_validate(params), calibration if method.needs_calibration else None)
     save_checkpoint(model, tokenizer, target)
-    release(model)
+    # llm-compressor's global session keeps the model it compressed until the next oneshot; a
+    # quantized model left on the GPU would count in every later measurement's peak memory.
+    reset_session()
+    del model
+    free_memory()
 
 
 def measure_checkpoint(checkpoint: Path, preset: ShapePreset, device: str) -> tuple[dict[str, float], dict[str, str], dict[str, dict[str, float]]]:
@@ -262,18 +273,18 @@ def measure_checkpoint(checkpoint: Path, preset: ShapePreset, device: str) -> tu
     # BF16 on CUDA, float32 on CPU (where BF16 matmuls are emulated): quantlab's runtime default.
     model, tokenizer = load_checkpoint(checkpoint, pick_dtype(RuntimeSettings(), device), device)
     report = measure_cost(model, tokenizer, settings[first_target], checkpoint, time.perf_counter() - started)
-    release(model)
+    del model
+    free_memory()
     modeled = {first_target: report.modeled.figures()}
     for name in TARGET_ACCELERATORS[1:]:
         modeled[name] = modeled_cost(None, checkpoint, settings[name]).figures()
     return report.figures(), report.to_tags(), modeled
 
 
-def release(model: Any) -> None:
-    """Free a model before the next one, so each measurement's peak memory is its own."""
+def free_memory() -> None:
+    """Return a dropped model's memory before the next one, so each measurement's peak is its own."""
     import torch
 
-    del model
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -299,8 +310,7 @@ def run_check(preset: ShapePreset, device: str, out: Path, step_seconds: dict[st
     for name, checkpoint in checkpoints.items():
         with timed(step_seconds, f"measure {name}"):
             figures, tags, modeled = measure_checkpoint(checkpoint, preset, device)
-        quantize_seconds = step_seconds.get(f"quantize {name}", step_seconds["build + save bf16"])
-        results.append(VariantResult(name, checkpoint, quantize_seconds, figures, tags, modeled))
+        results.append(VariantResult(name, checkpoint, figures, tags, modeled))
     return results, tokenizer_note
 
 

@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
 GPU_CHECK = REPO / "scripts" / "gpu_check.py"
 VARIANTS = ("bf16", "fp8", "awq-int4-g128")
