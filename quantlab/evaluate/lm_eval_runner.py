@@ -65,6 +65,8 @@ def known_tasks(include_path: Path | None) -> set[str]:
 
 def unknown_tasks(names: list[str], include_path: Path | None) -> list[tuple[str, str | None]]:
     """The names lm-eval cannot resolve, each with the closest known name (or None)."""
+    if not names:  # indexing lm-eval's ~10k task files costs 10-60 s; nothing to look up
+        return []
     known = known_tasks(include_path)
     return [
         (name, next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.75)), None))
