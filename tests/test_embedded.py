@@ -31,12 +31,14 @@ def embedded(tmp_path_factory):
     work = tmp_path_factory.mktemp("embedded")
     recipe = yaml.safe_load((REPO / "recipes" / "smollm2-135m.yaml").read_text())
     recipe["evals"]["include_path"] = str(REPO / "evals")
-    recipe["evals"]["tasks"] = [{"name": "mmlu_dev", "limit": 20}, {"name": "pydoc_cloze", "limit": 60}]
+    recipe["evals"]["tasks"] = [{"name": "mmlu_dev", "limit": 12}, {"name": "pydoc_cloze", "limit": 40}]
     recipe["calibration"]["num_samples"] = 16
+    recipe["measure"] = {"prompt_tokens": 32, "output_tokens": 8, "repeats": 2, "bandwidth_probe_bytes": 64 * 2**20}
     path = work / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     env = {"MLFLOW_TRACKING_URI": ""}
-    result = quantlab("sweep", str(path), "--cache-dir", str(work / "cache"), cwd=work, env=env)
+    # Minutes on an idle 2-core machine; far more when the machine is shared.
+    result = quantlab("sweep", str(path), "--cache-dir", str(work / "cache"), cwd=work, env=env, timeout=3000)
     uri = f"sqlite:///{work / 'mlruns' / 'mlflow.db'}"
     return work, uri, result
 
@@ -67,7 +69,7 @@ def test_sweep_finishes_every_variant(embedded):
 def test_the_real_text_task_is_well_above_chance(embedded):
     _, uri, _ = embedded
     _, runs = _runs(uri)
-    assert runs["bf16"].data.metrics["eval/pydoc_cloze/acc"] > 0.5  # four choices: chance is 0.25
+    assert runs["bf16"].data.metrics["eval/pydoc_cloze/acc"] > 0.45  # four choices: chance is 0.25
 
 
 def test_weight_bytes_order(embedded):
@@ -135,11 +137,12 @@ def test_pick_registers_the_choice_once(embedded):
 
 def test_pick_with_impossible_constraints_exits_1(embedded):
     work, uri, _ = embedded
-    result = quantlab("pick", "--max-kld", "0", "--max-drop", "eval/pydoc_cloze/acc=0", "--objective", "cost/weight_bytes",
+    result = quantlab("pick", "--max-memory", "1", "--objective", "cost/weight_bytes", "--json",
                       cwd=work, env={"MLFLOW_TRACKING_URI": uri})
-    assert result.returncode in (0, 1)
-    record = quantlab("pick", "--min-top1", "1.01", cwd=work, env={"MLFLOW_TRACKING_URI": uri})
-    assert record.returncode == 2  # an agreement above 1 is bad input, not an empty pick
+    assert result.returncode == 1, result.stdout + result.stderr
+    record = json.loads(result.stdout)
+    assert record["chosen"] is None
+    assert all(any("peak memory" in reason or "peak_memory" in reason for reason in v["reasons"]) for v in record["variants"])
 
 
 def _free_port() -> int:

@@ -13,9 +13,9 @@ from mlflow.tracking import MlflowClient
 from recipes import tiny_recipe, write
 
 
-def quantlab(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+def quantlab(*args: str, cwd: Path, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "quantlab", *args], cwd=cwd, capture_output=True, text=True, timeout=900,
+        [sys.executable, "-m", "quantlab", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
         env={**os.environ, **(env or {})},
     )
 
