@@ -194,11 +194,12 @@ def test_reviewer_sees_variants_metrics_and_frontier_in_a_browser(embedded, ui_s
         page = browser.new_page(viewport={"width": 1600, "height": 1000})
         # The runs table: the sweep is one parent run; expanding it shows one nested run per variant.
         page.goto(table)
-        parent_row = page.locator(f"[role=row][row-id='{parent.info.run_id}']")
+        # ag-grid renders each row in several containers (pinned and scrolling parts): take the first.
+        parent_row = page.locator(f"[role=row][row-id='{parent.info.run_id}']").first
         parent_row.wait_for(timeout=90_000)
         parent_row.locator("button[data-component-id*='runnamecellrenderer']").click()
         for name in VARIANTS:
-            page.locator(f"[role=row][row-id='{runs[name].info.run_id}']").wait_for(timeout=30_000)
+            page.locator(f"[role=row][row-id='{runs[name].info.run_id}']").first.wait_for(timeout=30_000)
             assert page.get_by_text(name, exact=True).first.is_visible()
         page.screenshot(path=str(shots / "runs-table.png"))
         # The parent run's page: its description is the report, a table of every variant's key figures.
