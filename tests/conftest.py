@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,3 +55,10 @@ def tiny_llama(tmp_path_factory) -> TinyLlama:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return TinyLlama(path)
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now (for servers the tests start)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -8,14 +8,11 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
+from conftest import free_port
 from recipes import tiny_recipe, write
 from test_sweep import quantlab
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture
@@ -39,7 +36,7 @@ def test_broken_recipe_exits_2_with_one_line_and_no_run(tmp_path, broken, comman
 def test_unreachable_tracking_server_exits_2_before_any_work(tmp_path, tiny_llama):
     recipe = write(tmp_path / "recipe.yaml", tiny_recipe(tiny_llama.path))
     started = time.monotonic()
-    result = quantlab("sweep", str(recipe), "--tracking-uri", f"http://127.0.0.1:{_free_port()}",
+    result = quantlab("sweep", str(recipe), "--tracking-uri", f"http://127.0.0.1:{free_port()}",
                       "--cache-dir", str(tmp_path / "cache"), cwd=tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "is unreachable" in result.stderr and "Traceback" not in result.stderr

@@ -18,6 +18,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
+from conftest import free_port
 from recipes import REPO
 from test_sweep import quantlab
 
@@ -145,10 +146,6 @@ def test_pick_with_impossible_constraints_exits_1(embedded):
     assert all(any("peak memory" in reason or "peak_memory" in reason for reason in v["reasons"]) for v in record["variants"])
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _wait_for(url: str, seconds: float) -> None:
@@ -165,7 +162,7 @@ def _wait_for(url: str, seconds: float) -> None:
 @pytest.fixture
 def ui_server(embedded):
     work, _, _ = embedded
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "quantlab", "ui", "--port", str(port)], cwd=work,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                               env={**os.environ, "MLFLOW_TRACKING_URI": ""})

@@ -22,6 +22,7 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
+from conftest import free_port
 from recipes import tiny_recipe, write
 from test_sweep import quantlab
 
@@ -158,10 +159,6 @@ def _seconds(run) -> float:
     return (run.info.end_time - run.info.start_time) / 1000
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 # --- 1. Ray ---------------------------------------------------------------------------------------
@@ -468,7 +465,7 @@ def test_killed_and_starved_variants_fail_alone(tmp_path, tiny_llama, sweeps):
 @pytest.fixture
 def tracking_server(tmp_path):
     """A real `mlflow server` on loopback, in its own process group (it starts worker processes)."""
-    port = _free_port()
+    port = free_port()
     artifacts = tmp_path / "server-artifacts"
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen(
