@@ -3,7 +3,8 @@
 A checkpoint's key hashes everything that decides its bytes: the model's content identity,
 the method and its resolved parameters, the calibration settings (for methods that calibrate)
 and the library versions. A checkpoint is written beside its final place and renamed into it
-only once complete, so a crash leaves a `.partial-*` directory that is never taken for a result.
+only once complete, so a crash leaves a `.partial-*` directory that is never taken for a result;
+the next writer of the same key on that host removes it once its process is gone.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +21,10 @@ from typing import Any
 
 COMPLETE_MARKER = "quantlab-checkpoint.json"
 LIBRARIES = ("torch", "transformers", "llmcompressor", "compressed-tensors", "quantlab")
+
+
+def default_root() -> Path:
+    return Path(os.environ.get("QUANTLAB_CACHE_DIR") or Path.home() / ".cache" / "quantlab")
 
 
 def library_versions() -> dict[str, str]:
@@ -38,6 +44,17 @@ def cache_key(identity: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:20]
 
 
+def tasks_digest(directory: Path | None) -> str | None:
+    """Hash of the lm-eval task files (YAML, data, helper code) under a task directory."""
+    if directory is None:
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(directory.rglob("*")):
+        if path.is_file() and path.suffix in (".yaml", ".yml", ".jsonl", ".json", ".py"):
+            digest.update(str(path.relative_to(directory)).encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
 def checkpoint_dir(cache_root: Path, variant_name: str, key: str) -> Path:
     return cache_root / "checkpoints" / f"{variant_name}-{key}"
 
@@ -50,20 +67,53 @@ def discard(checkpoint: Path) -> None:
     shutil.rmtree(checkpoint, ignore_errors=True)
 
 
+def _scratch_prefix(checkpoint: Path) -> str:
+    """Scratch directories are named by writer: `<checkpoint>.partial-<host>-<pid>`."""
+    return f"{checkpoint.name}.partial-{socket.gethostname()}-"
+
+
+def remove_abandoned_scratch(checkpoint: Path) -> list[Path]:
+    """Remove scratch directories of `checkpoint` left by dead processes on this host.
+
+    A SIGKILLed quantization leaves one behind, as large as the checkpoint. Scratch directories
+    of other hosts (a cache shared by a Ray cluster) are left alone: only their host can tell
+    whether their writer still lives.
+    """
+    import psutil
+
+    prefix = _scratch_prefix(checkpoint)
+    removed = []
+    for scratch in checkpoint.parent.glob(f"{checkpoint.name}.partial-*"):
+        pid = scratch.name[len(prefix):]
+        if scratch.name.startswith(prefix) and pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(scratch, ignore_errors=True)
+            removed.append(scratch)
+    return removed
+
+
 @contextmanager
 def writing(checkpoint: Path, identity: dict[str, Any]) -> Iterator[Path]:
     """Yield a scratch directory; on success it becomes `checkpoint`, on failure it is removed."""
     checkpoint.parent.mkdir(parents=True, exist_ok=True)
-    scratch = checkpoint.with_name(f"{checkpoint.name}.partial-{os.getpid()}")
+    remove_abandoned_scratch(checkpoint)
+    scratch = checkpoint.with_name(f"{_scratch_prefix(checkpoint)}{os.getpid()}")
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir()
     try:
         yield scratch
         (scratch / COMPLETE_MARKER).write_text(json.dumps(identity, indent=2, sort_keys=True, default=str))
-        if checkpoint.exists():  # another process finished the same key first; theirs is equal
-            shutil.rmtree(scratch)
-        else:
-            os.replace(scratch, checkpoint)
+        _move_into_place(scratch, checkpoint)
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
+
+
+def _move_into_place(scratch: Path, checkpoint: Path) -> None:
+    try:
+        os.replace(scratch, checkpoint)
+    except OSError:
+        # Another process finished the same key first (renaming onto a non-empty directory
+        # fails); theirs has the same content, so ours is dropped.
+        if not is_complete(checkpoint):
+            raise
+        shutil.rmtree(scratch)

@@ -88,17 +88,19 @@ def sweep(
 ) -> None:
     """Quantize, evaluate, measure and log every variant of RECIPE; then publish the frontier."""
     from quantlab.recipe import validate
-    from quantlab.sweep import SweepOptions, default_cache_root, run_sweep
+    from quantlab.cache import default_root
+    from quantlab.sweep import SweepOptions, run_sweep
     from quantlab.tracking import open_store, tracking_uri as resolve_uri
 
     try:
         if executor not in ("local", "ray"):
             raise BadInput([_flag_problem("--executor", f"'{executor}' is not one of: local, ray")])
-        loaded = validate(recipe)
+        cache_root = (cache_dir or default_root()).resolve()
+        loaded = validate(recipe, cache_root)
         uri = resolve_uri(tracking_uri)
         open_store(uri)
         options = SweepOptions(
-            tracking_uri=uri, cache_root=(cache_dir or default_cache_root()).resolve(), executor=executor,  # type: ignore[arg-type]
+            tracking_uri=uri, cache_root=cache_root, executor=executor,  # type: ignore[arg-type]
             force=force, only=tuple(only or ()), ray_address=ray_address,
         )
         _stop_on_sigterm()
@@ -120,9 +122,10 @@ def sweep(
 def validate_command(recipe: Annotated[Path, typer.Argument(help="Recipe YAML to check.")]) -> None:
     """Check RECIPE the way a sweep would before any work (model config, group sizes, tasks); run nothing."""
     from quantlab.recipe import validate
+    from quantlab.cache import default_root
 
     try:
-        loaded = validate(recipe)
+        loaded = validate(recipe, default_root())
     except BadInput as error:
         _fail_on_bad_input(error)
         return

@@ -263,9 +263,12 @@ def _missing_files(data: dict, base_dir: Path, shown: str) -> list[Problem]:
     return problems
 
 
-def check_recipe(loaded: LoadedRecipe) -> None:
-    """Checks that look outside the file: model config and lm-eval's task index. Raises BadInput."""
-    from quantlab.evaluate.lm_eval_runner import unknown_tasks
+def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None) -> None:
+    """Checks that look outside the file: model config and lm-eval's task index. Raises BadInput.
+
+    With `cache_root`, lm-eval's task names are remembered under it between runs.
+    """
+    from quantlab.evaluate.lm_eval_runner import known_tasks, remember_tasks, unknown_tasks
     from quantlab.models import linear_input_widths, resolve_source
     from quantlab.quantize import METHODS
 
@@ -284,16 +287,20 @@ def check_recipe(loaded: LoadedRecipe) -> None:
             for field, message in method.check_model(params, widths):
                 problems.append(Problem(shown, f"variants[{index}] ({variant.name}).params.{field}", message))
     task_names = [task.name for task in recipe.evals.tasks]
-    for name, suggestion in unknown_tasks(task_names, loaded.include_path):
+    index_dir = cache_root / "lm-eval-tasks" if cache_root is not None else None
+    known = known_tasks(loaded.include_path, index_dir) if task_names else set()
+    for name, suggestion in unknown_tasks(task_names, known):
         index = task_names.index(name)
         hint = f" (did you mean '{suggestion}'?)" if suggestion else ""
         problems.append(Problem(shown, f"evals.tasks[{index}].name", f"lm-eval cannot resolve task '{name}'{hint}"))
     if problems:
         raise BadInput(problems)
+    if task_names and index_dir is not None:  # only a valid recipe leaves anything in the cache
+        remember_tasks(known, loaded.include_path, index_dir)
 
 
-def validate(path: str | Path) -> LoadedRecipe:
+def validate(path: str | Path, cache_root: Path | None = None) -> LoadedRecipe:
     """Everything a sweep needs to know before spending compute. Raises BadInput."""
     loaded = load_recipe(path)
-    check_recipe(loaded)
+    check_recipe(loaded, cache_root)
     return loaded

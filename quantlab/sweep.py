@@ -9,7 +9,6 @@ died on this host (SIGKILL, power loss) are marked KILLED when the next sweep st
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import socket
@@ -60,10 +59,6 @@ class SweepOutcome:
         return 1 if self.failures else 0
 
 
-def default_cache_root() -> Path:
-    return Path(os.environ.get("QUANTLAB_CACHE_DIR") or Path.home() / ".cache" / "quantlab")
-
-
 def plan(loaded: LoadedRecipe, only: tuple[str, ...]) -> list[str]:
     """Variant names in run order: the baseline first, since the others compare against it."""
     recipe = loaded.recipe
@@ -84,7 +79,7 @@ def run_keys(loaded: LoadedRecipe, names: list[str], cache_root: Path) -> dict[s
     source = resolve_source(recipe.model, loaded.path.parent)
     shared = {
         "evals": recipe.evals.model_dump(exclude={"include_path"}),
-        "tasks_files": _directory_digest(loaded.include_path),
+        "tasks_files": cache.tasks_digest(loaded.include_path),
         "quality": recipe.quality.model_dump(),
         "measure": recipe.measure.model_dump(),
         "runtime": recipe.runtime.model_dump(),
@@ -94,16 +89,6 @@ def run_keys(loaded: LoadedRecipe, names: list[str], cache_root: Path) -> dict[s
         name: cache.cache_key({"checkpoint": checkpoint_identity(source, recipe.variant(name), recipe.calibration), **shared})
         for name in names
     }
-
-
-def _directory_digest(directory: Path | None) -> str | None:
-    if directory is None:
-        return None
-    digest = hashlib.sha256()
-    for path in sorted(directory.rglob("*")):
-        if path.is_file() and path.suffix in (".yaml", ".yml", ".jsonl", ".json", ".py"):
-            digest.update(str(path.relative_to(directory)).encode() + path.read_bytes())
-    return digest.hexdigest()
 
 
 def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay) -> SweepOutcome:

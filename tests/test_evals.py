@@ -15,6 +15,7 @@ from quantlab.evaluate.lm_eval_runner import (
     BUNDLED_EVALS_DIR,
     TaskRequest,
     known_tasks,
+    remember_tasks,
     run_tasks,
     unknown_tasks,
 )
@@ -91,7 +92,20 @@ def test_known_tasks_include_bundled_and_standard_names() -> None:
 def test_unknown_tasks_suggest_the_closest_name() -> None:
     names = ["mmlu_dve", "mmlu_dev", "hellaswag", "no_such_task_at_all"]
 
-    assert unknown_tasks(names, BUNDLED_EVALS_DIR) == [("mmlu_dve", "mmlu_dev"), ("no_such_task_at_all", None)]
+    assert unknown_tasks(names, known_tasks(BUNDLED_EVALS_DIR)) == [("mmlu_dve", "mmlu_dev"), ("no_such_task_at_all", None)]
+
+
+def test_remembered_task_names_are_read_back_and_keyed_by_the_task_files(tmp_path) -> None:
+    tasks, index_dir = tmp_path / "tasks", tmp_path / "index"
+    tasks.mkdir()
+    (tasks / "mine.yaml").write_text("task: mine\n")
+    remember_tasks({"mine", "hellaswag"}, tasks, index_dir)
+    # Read back as stored: a rebuilt index would hold lm-eval's thousands of names.
+    assert known_tasks(tasks, index_dir) == {"mine", "hellaswag"}
+    (tasks / "mine.yaml").write_text("task: mine_renamed\n")
+    remember_tasks({"mine_renamed"}, tasks, index_dir)
+    assert known_tasks(tasks, index_dir) == {"mine_renamed"}
+    assert len(list(index_dir.glob("*.json"))) == 2
 
 
 def test_run_tasks_scores_bundled_tasks_from_any_directory(tiny_llama, tmp_path, monkeypatch) -> None:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -99,6 +103,37 @@ def test_partial_checkpoint_is_never_taken_as_complete(tmp_path):
     # A crash that leaves a scratch directory behind (SIGKILL) is not a cache hit either.
     (tmp_path / "checkpoints" / "x-123.partial-999").mkdir()
     assert not cache.is_complete(target)
+
+
+def test_next_writer_removes_scratch_of_dead_writers_on_this_host_only(tmp_path):
+    target = tmp_path / "checkpoints" / "x-123"
+    target.parent.mkdir(parents=True)
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    host = socket.gethostname()
+    dead = target.with_name(f"x-123.partial-{host}-{finished.stdout.strip()}")
+    alive = target.with_name(f"x-123.partial-{host}-{os.getppid()}")
+    elsewhere = target.with_name(f"x-123.partial-other-node-{finished.stdout.strip()}")
+    for scratch in (dead, alive, elsewhere):
+        (scratch / "model.safetensors").parent.mkdir()
+        (scratch / "model.safetensors").write_bytes(b"half")
+    with cache.writing(target, {"k": 1}) as scratch:
+        (scratch / "model.safetensors").write_bytes(b"whole")
+    assert cache.is_complete(target)
+    assert not dead.exists() and alive.exists() and elsewhere.exists()
+
+
+def test_losing_the_race_to_an_equal_checkpoint_keeps_the_winner(tmp_path):
+    target = tmp_path / "checkpoints" / "x-123"
+    other_writer = (
+        "import sys; from pathlib import Path; from quantlab import cache\n"
+        "with cache.writing(Path(sys.argv[1]), {'k': 1}) as scratch:\n"
+        "    (scratch / 'model.safetensors').write_bytes(b'theirs')\n"
+    )
+    with cache.writing(target, {"k": 1}) as ours:
+        (ours / "model.safetensors").write_bytes(b"ours")
+        subprocess.run([sys.executable, "-c", other_writer, str(target)], check=True)  # finishes the same key first
+    assert (target / "model.safetensors").read_bytes() == b"theirs" and cache.is_complete(target)
+    assert [path.name for path in target.parent.iterdir()] == ["x-123"]
 
 
 def test_force_recomputes(quantized):

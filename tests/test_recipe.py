@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from quantlab.errors import BadInput
@@ -97,6 +99,17 @@ def test_group_128_does_not_fit_smollm2(tmp_path):
     path = write(tmp_path / "recipe.yaml", text.replace("../evals", str(REPO / "evals")))
     (problem,) = _problems(path)
     assert "variants[2] (awq-int4-g64).params.group_size: 128 does not divide" in problem and "576" in problem
+
+
+def test_only_a_valid_recipe_leaves_its_task_index_in_the_cache(tmp_path, tiny_llama):
+    cache_root = tmp_path / "cache"
+    misfit = [_variant("bf16", "bf16"), _variant("w4", "awq_int4", group_size=48)]
+    with pytest.raises(BadInput):
+        validate(write(tmp_path / "bad.yaml", tiny_recipe(tiny_llama.path, variants=misfit)), cache_root)
+    assert not cache_root.exists()
+    validate(write(tmp_path / "good.yaml", tiny_recipe(tiny_llama.path)), cache_root)
+    (index,) = (cache_root / "lm-eval-tasks").glob("*.json")
+    assert {"mmlu_dev", "pydoc_cloze", "hellaswag"} <= set(json.loads(index.read_text()))
 
 
 def test_load_recipe_does_not_touch_the_model(tmp_path):
