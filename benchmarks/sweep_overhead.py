@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -308,11 +308,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.direct_checkpoint is not None:
         print(json.dumps(direct_lm_eval(args.direct_checkpoint, args.tasks, args.limit, args.batch_size)))
         return 0
+    return run_benchmark(benchmark, args, "quantlab-sweep-overhead-")
+
+
+def run_benchmark(benchmark: Callable[[argparse.Namespace, Path], str], args: argparse.Namespace, prefix: str) -> int:
+    """Print `benchmark(args, work)`, run offline in `args.work_dir` or else a temporary directory."""
+    for name, value in OFFLINE_ENV.items():
+        os.environ.setdefault(name, value)
     if args.work_dir is not None:
         args.work_dir.mkdir(parents=True, exist_ok=True)
         print(benchmark(args, args.work_dir.resolve()))
         return 0
-    with tempfile.TemporaryDirectory(prefix="quantlab-sweep-overhead-") as work:
+    with tempfile.TemporaryDirectory(prefix=prefix) as work:
         print(benchmark(args, Path(work)))
     return 0
 

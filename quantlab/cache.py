@@ -44,6 +44,27 @@ def cache_key(identity: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:20]
 
 
+def recall(directory: Path | None, identity: dict[str, Any]) -> Any:
+    """What `remember` stored under `directory` for `identity`, or None."""
+    if directory is None:
+        return None
+    try:
+        return json.loads((directory / f"{cache_key(identity)}.json").read_text())
+    except (OSError, ValueError):  # absent, or unreadable: the caller computes it again
+        return None
+
+
+def remember(directory: Path, identity: dict[str, Any], fact: Any) -> None:
+    """Store a JSON-able `fact` that is slow to find out and fixed by `identity`."""
+    path = directory / f"{cache_key(identity)}.json"
+    if path.exists():
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    scratch.write_text(json.dumps(fact, sort_keys=True))
+    os.replace(scratch, path)
+
+
 def tasks_digest(directory: Path | None) -> str | None:
     """Hash of the lm-eval task files (YAML, data, helper code) under a task directory."""
     if directory is None:
@@ -75,7 +96,7 @@ def _scratch_prefix(checkpoint: Path) -> str:
 def remove_abandoned_scratch(checkpoint: Path) -> list[Path]:
     """Remove scratch directories of `checkpoint` left by dead processes on this host.
 
-    A SIGKILLed quantization leaves one behind, as large as the checkpoint. Scratch directories
+    A SIGKILLed quantization (or baseline reference pass) leaves one behind, as large as the result. Scratch directories
     of other hosts (a cache shared by a Ray cluster) are left alone: only their host can tell
     whether their writer still lives.
     """
@@ -91,14 +112,20 @@ def remove_abandoned_scratch(checkpoint: Path) -> list[Path]:
     return removed
 
 
+def fresh_scratch(target: Path) -> Path:
+    """An empty directory beside `target` for this process to write it in, then rename into place."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned_scratch(target)
+    scratch = target.with_name(f"{_scratch_prefix(target)}{os.getpid()}")
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
+    return scratch
+
+
 @contextmanager
 def writing(checkpoint: Path, identity: dict[str, Any]) -> Iterator[Path]:
     """Yield a scratch directory; on success it becomes `checkpoint`, on failure it is removed."""
-    checkpoint.parent.mkdir(parents=True, exist_ok=True)
-    remove_abandoned_scratch(checkpoint)
-    scratch = checkpoint.with_name(f"{_scratch_prefix(checkpoint)}{os.getpid()}")
-    shutil.rmtree(scratch, ignore_errors=True)
-    scratch.mkdir()
+    scratch = fresh_scratch(checkpoint)
     try:
         yield scratch
         (scratch / COMPLETE_MARKER).write_text(json.dumps(identity, indent=2, sort_keys=True, default=str))

@@ -90,7 +90,7 @@ def sweep(
     from quantlab.recipe import validate
     from quantlab.cache import default_root
     from quantlab.sweep import SweepOptions, run_sweep
-    from quantlab.tracking import open_store, tracking_uri as resolve_uri
+    from quantlab.tracking import open_store, shown_uri, tracking_uri as resolve_uri
 
     try:
         if executor not in ("local", "ray"):
@@ -113,22 +113,26 @@ def sweep(
     failed = ", ".join(outcome.failures)
     if outcome.reused:
         out.print(f"Reused (unchanged, not recomputed): {', '.join(outcome.reused)}; --force recomputes.", highlight=False)
-    out.print(f"Logged to {uri}, experiment '{loaded.recipe.name}', parent run {outcome.parent_run_id}."
+    out.print(f"Logged to {shown_uri(uri)}, experiment '{loaded.recipe.name}', parent run {outcome.parent_run_id}."
               + (f" [red]Failed: {failed}[/]" if failed else ""))
+    if uri.startswith(("http://", "https://")):
+        out.print(f"View it at {shown_uri(uri).rstrip('/')}/#/experiments/{outcome.experiment_id}/runs/{outcome.parent_run_id}",
+                  highlight=False)
     raise typer.Exit(outcome.exit_code)
 
 
 @app.command("validate")
 def validate_command(recipe: Annotated[Path, typer.Argument(help="Recipe YAML to check.")]) -> None:
     """Check RECIPE the way a sweep would before any work (model config, group sizes, tasks); run nothing."""
-    from quantlab.recipe import validate
     from quantlab.cache import default_root
+    from quantlab.recipe import remember_lookups, validate
 
     try:
         loaded = validate(recipe, default_root())
     except BadInput as error:
         _fail_on_bad_input(error)
         return
+    remember_lookups(loaded, default_root())
     names = ", ".join(f"{variant.name} ({variant.method})" for variant in loaded.recipe.variants)
     out.print(f"{recipe}: OK - {len(loaded.recipe.variants)} variants: {names}", highlight=False)
 

@@ -134,6 +134,14 @@ def load_config(source: ModelSource) -> PretrainedConfig:
         raise BadInput([Problem("", "model.source", f"cannot read the model config of {source.display}: {error}")]) from None
 
 
+def widths_identity(source: ModelSource) -> dict[str, str]:
+    """What decides `linear_input_widths`: the model's content and the transformers that builds it."""
+    from importlib.metadata import version
+
+    return {"widths_of": source.identity, "trust_remote_code": str(source.trust_remote_code),
+            "transformers": version("transformers")}
+
+
 def linear_input_widths(source: ModelSource) -> dict[str, int]:
     """Input width of every nn.Linear except lm_head, from the config alone (meta device, no weights)."""
     import torch

@@ -10,7 +10,7 @@ Loading happens in two passes, and both collect every problem before reporting:
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -110,6 +110,17 @@ class Recipe(StrictModel):
         return next(variant for variant in self.variants if variant.name == name)
 
 
+RECIPE_CHECKS_DIR = "recipe-checks"  # under the cache root: what `check_recipe` looked up
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """Something `check_recipe` found outside the file, slow to find and fixed by `identity`."""
+
+    identity: dict[str, Any]
+    fact: Any
+
+
 @dataclass(frozen=True)
 class LoadedRecipe:
     """A recipe with where it came from: relative paths in it are relative to `path`."""
@@ -117,6 +128,7 @@ class LoadedRecipe:
     path: Path
     recipe: Recipe
     text: str
+    lookups: tuple[Lookup, ...] = ()  # filled by check_recipe; see remember_lookups
 
     def resolve(self, relative: str) -> Path:
         return (self.path.parent / relative).resolve()
@@ -263,20 +275,27 @@ def _missing_files(data: dict, base_dir: Path, shown: str) -> list[Problem]:
     return problems
 
 
-def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None) -> None:
+def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None) -> LoadedRecipe:
     """Checks that look outside the file: model config and lm-eval's task index. Raises BadInput.
 
-    With `cache_root`, lm-eval's task names are remembered under it between runs.
+    Both are slow to find out (the model's config through transformers, ~10k lm-eval task files)
+    and fixed by content. With `cache_root`, what `remember_lookups` stored there after an earlier
+    check is read instead; the recipe comes back with what this check looked up.
     """
-    from quantlab.evaluate.lm_eval_runner import known_tasks, remember_tasks, unknown_tasks
-    from quantlab.models import linear_input_widths, resolve_source
+    from quantlab import cache
+    from quantlab.evaluate.lm_eval_runner import known_tasks, task_index_identity, unknown_tasks
+    from quantlab.models import linear_input_widths, resolve_source, widths_identity
     from quantlab.quantize import METHODS
 
     recipe = loaded.recipe
     shown = str(loaded.path)
+    remembered = cache_root / RECIPE_CHECKS_DIR if cache_root is not None else None
+    lookups: list[Lookup] = []
     problems: list[Problem] = []
     try:
-        widths = linear_input_widths(resolve_source(recipe.model, loaded.path.parent))
+        source = resolve_source(recipe.model, loaded.path.parent)
+        widths = cache.recall(remembered, widths_identity(source)) or linear_input_widths(source)
+        lookups.append(Lookup(widths_identity(source), widths))
     except BadInput as error:
         problems += [Problem(shown, "model.source", problem.message) for problem in error.problems]
         widths = None
@@ -287,20 +306,28 @@ def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None) -> None:
             for field, message in method.check_model(params, widths):
                 problems.append(Problem(shown, f"variants[{index}] ({variant.name}).params.{field}", message))
     task_names = [task.name for task in recipe.evals.tasks]
-    index_dir = cache_root / "lm-eval-tasks" if cache_root is not None else None
-    known = known_tasks(loaded.include_path, index_dir) if task_names else set()
-    for name, suggestion in unknown_tasks(task_names, known):
-        index = task_names.index(name)
-        hint = f" (did you mean '{suggestion}'?)" if suggestion else ""
-        problems.append(Problem(shown, f"evals.tasks[{index}].name", f"lm-eval cannot resolve task '{name}'{hint}"))
+    if task_names:
+        index_identity = task_index_identity(loaded.include_path)
+        known = set(cache.recall(remembered, index_identity) or known_tasks(loaded.include_path))
+        lookups.append(Lookup(index_identity, sorted(known)))
+        for name, suggestion in unknown_tasks(task_names, known):
+            index = task_names.index(name)
+            hint = f" (did you mean '{suggestion}'?)" if suggestion else ""
+            problems.append(Problem(shown, f"evals.tasks[{index}].name", f"lm-eval cannot resolve task '{name}'{hint}"))
     if problems:
         raise BadInput(problems)
-    if task_names and index_dir is not None:  # only a valid recipe leaves anything in the cache
-        remember_tasks(known, loaded.include_path, index_dir)
+    return replace(loaded, lookups=tuple(lookups))
+
+
+def remember_lookups(loaded: LoadedRecipe, cache_root: Path) -> None:
+    """Keep what the check of a recipe looked up, for the next check; call it once work starts
+    (so that bad input, or an unreachable tracking server, leaves nothing in the cache)."""
+    from quantlab import cache
+
+    for lookup in loaded.lookups:
+        cache.remember(cache_root / RECIPE_CHECKS_DIR, lookup.identity, lookup.fact)
 
 
 def validate(path: str | Path, cache_root: Path | None = None) -> LoadedRecipe:
     """Everything a sweep needs to know before spending compute. Raises BadInput."""
-    loaded = load_recipe(path)
-    check_recipe(loaded, cache_root)
-    return loaded
+    return check_recipe(load_recipe(path), cache_root)

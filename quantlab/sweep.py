@@ -20,7 +20,7 @@ from typing import Literal, Protocol
 from quantlab import cache, tracking
 from quantlab.errors import BadInput, Problem
 from quantlab.executors import VariantFailed, make_executor
-from quantlab.recipe import LoadedRecipe
+from quantlab.recipe import LoadedRecipe, remember_lookups
 from quantlab.runner import BaselineOutputs, VariantJob, VariantResult
 
 RUN_KEY = "quantlab.run_key"
@@ -96,6 +96,7 @@ def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay
 
     order = plan(loaded, options.only)
     store = tracking.open_store(options.tracking_uri)
+    remember_lookups(loaded, options.cache_root)
     experiment = tracking.experiment_id(store, loaded.recipe.name)
     mark_dead_sweeps(store, experiment)
     keys = run_keys(loaded, order, options.cache_root)

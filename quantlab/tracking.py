@@ -7,10 +7,12 @@ quantlab.method, quantlab.checkpoint, quantlab.on_frontier.
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import tempfile
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -66,21 +68,44 @@ class Store:
         return Path(self.uri.removeprefix("sqlite:///")) if self.uri.startswith("sqlite:///") else None
 
 
+def shown_uri(uri: str) -> str:
+    """The URI with any password masked, for messages (`postgresql://user:pw@host/db` is common)."""
+    parts = urllib.parse.urlsplit(uri)
+    if parts.password is None:
+        return uri
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+
+
+def _health_request(uri: str) -> urllib.request.Request:
+    """GET <server>/health, with the URI's user and password (if any) as basic auth, as MLflow sends them."""
+    parts = urllib.parse.urlsplit(uri)
+    address = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    request = urllib.request.Request(address.rstrip("/") + "/health")
+    if parts.username is not None:
+        user = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+        request.add_header("Authorization", "Basic " + base64.b64encode(user.encode()).decode())
+    return request
+
+
 def open_store(uri: str) -> Store:
     """Check the store is usable before any work: an unreachable server is bad input (exit 2)."""
     if uri.startswith(("http://", "https://")):
         # MLflow's own client retries for minutes; one direct probe answers in seconds.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        # MLflow prints "View run ... at <tracking URI>" as each run ends: the URI's password
+        # with it, between the sweep's progress lines. The sweep prints a masked link instead.
+        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
         try:
-            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=10) as response:
+            with urllib.request.urlopen(_health_request(uri), timeout=10) as response:
                 response.read()
         except (urllib.error.URLError, OSError) as error:
-            raise BadInput([Problem("--tracking-uri", "", f"tracking server {uri} is unreachable: {error}")]) from None
+            raise BadInput([Problem("--tracking-uri", "", f"tracking server {shown_uri(uri)} is unreachable: {error}")]) from None
     elif uri.startswith("sqlite:///"):
         database = Path(uri.removeprefix("sqlite:///"))
         database.parent.mkdir(parents=True, exist_ok=True)
     elif not uri.startswith(("file:", "databricks", "postgresql", "mysql", "mssql")) and "://" in uri:
-        raise BadInput([Problem("--tracking-uri", "", f"unsupported tracking URI scheme: {uri}")])
+        raise BadInput([Problem("--tracking-uri", "", f"unsupported tracking URI scheme: {shown_uri(uri)}")])
     return Store(uri)
 
 

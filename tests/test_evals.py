@@ -15,8 +15,8 @@ from quantlab.evaluate.lm_eval_runner import (
     BUNDLED_EVALS_DIR,
     TaskRequest,
     known_tasks,
-    remember_tasks,
     run_tasks,
+    task_index_identity,
     unknown_tasks,
 )
 
@@ -95,17 +95,15 @@ def test_unknown_tasks_suggest_the_closest_name() -> None:
     assert unknown_tasks(names, known_tasks(BUNDLED_EVALS_DIR)) == [("mmlu_dve", "mmlu_dev"), ("no_such_task_at_all", None)]
 
 
-def test_remembered_task_names_are_read_back_and_keyed_by_the_task_files(tmp_path) -> None:
-    tasks, index_dir = tmp_path / "tasks", tmp_path / "index"
-    tasks.mkdir()
-    (tasks / "mine.yaml").write_text("task: mine\n")
-    remember_tasks({"mine", "hellaswag"}, tasks, index_dir)
-    # Read back as stored: a rebuilt index would hold lm-eval's thousands of names.
-    assert known_tasks(tasks, index_dir) == {"mine", "hellaswag"}
-    (tasks / "mine.yaml").write_text("task: mine_renamed\n")
-    remember_tasks({"mine_renamed"}, tasks, index_dir)
-    assert known_tasks(tasks, index_dir) == {"mine_renamed"}
-    assert len(list(index_dir.glob("*.json"))) == 2
+def test_the_task_index_identity_follows_the_task_files(tmp_path) -> None:
+    (tmp_path / "mine.yaml").write_text("task: mine\n")
+    before = task_index_identity(tmp_path)
+    assert task_index_identity(tmp_path) == before
+    (tmp_path / "mine.yaml").write_text("task: mine_renamed\n")
+    after = task_index_identity(tmp_path)
+    assert after != before
+    (tmp_path / "notes.md").write_text("not a task file")
+    assert task_index_identity(tmp_path) == after
 
 
 def test_run_tasks_scores_bundled_tasks_from_any_directory(tiny_llama, tmp_path, monkeypatch) -> None:

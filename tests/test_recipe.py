@@ -7,13 +7,13 @@ import json
 import pytest
 
 from quantlab.errors import BadInput
-from quantlab.recipe import load_recipe, validate
+from quantlab.recipe import load_recipe, remember_lookups, validate
 from recipes import REPO, tiny_recipe, write
 
 
-def _problems(path) -> list[str]:
+def _problems(path, cache_root=None) -> list[str]:
     with pytest.raises(BadInput) as caught:
-        validate(path)
+        validate(path, cache_root)
     return [str(problem) for problem in caught.value.problems]
 
 
@@ -101,15 +101,25 @@ def test_group_128_does_not_fit_smollm2(tmp_path):
     assert "variants[2] (awq-int4-g64).params.group_size: 128 does not divide" in problem and "576" in problem
 
 
-def test_only_a_valid_recipe_leaves_its_task_index_in_the_cache(tmp_path, tiny_llama):
+def test_a_valid_recipe_check_is_remembered_and_used_again(tmp_path, tiny_llama):
     cache_root = tmp_path / "cache"
     misfit = [_variant("bf16", "bf16"), _variant("w4", "awq_int4", group_size=48)]
     with pytest.raises(BadInput):
         validate(write(tmp_path / "bad.yaml", tiny_recipe(tiny_llama.path, variants=misfit)), cache_root)
-    assert not cache_root.exists()
-    validate(write(tmp_path / "good.yaml", tiny_recipe(tiny_llama.path)), cache_root)
-    (index,) = (cache_root / "lm-eval-tasks").glob("*.json")
-    assert {"mmlu_dev", "pydoc_cloze", "hellaswag"} <= set(json.loads(index.read_text()))
+    good = write(tmp_path / "good.yaml", tiny_recipe(tiny_llama.path))
+    loaded = validate(good, cache_root)
+    assert not cache_root.exists()  # a check alone leaves nothing behind; the sweep remembers it
+    remember_lookups(loaded, cache_root)
+    facts = {path: json.loads(path.read_text()) for path in (cache_root / "recipe-checks").glob("*.json")}
+    (widths,) = [path for path, fact in facts.items() if isinstance(fact, dict)]
+    (names,) = [path for path, fact in facts.items() if isinstance(fact, list)]
+    assert set(facts[widths].values()) == {64, 128} and {"mmlu_dev", "pydoc_cloze", "hellaswag"} <= set(facts[names])
+    # The next check reads what was remembered instead of asking transformers and lm-eval again.
+    widths.write_text(json.dumps({"model.layers.0.mlp.down_proj": 48}))
+    names.write_text(json.dumps(["pydoc_cloze"]))
+    task_problem, width_problem = sorted(_problems(good, cache_root))
+    assert task_problem.startswith(f"{good}: evals.tasks[0].name: lm-eval cannot resolve task 'mmlu_dev'")
+    assert width_problem.startswith(f"{good}: variants[2] (awq).params.group_size: 32 does not divide") and "[48]" in width_problem
 
 
 def test_load_recipe_does_not_touch_the_model(tmp_path):

@@ -521,9 +521,14 @@ def test_sweep_through_a_tracking_server(tmp_path, tiny_llama, tracking_server):
     assert {"recipe.yaml", "report.md", "frontier.json", "variant.log"} <= stored
     assert not (work / "mlruns").exists() and not (work / "mlartifacts").exists()
 
-    # The same recipe again through the server: everything is copied, artifacts included.
-    again = quantlab(*_sweep_args(recipe_path, uri, work / "cache"), cwd=work)
+    # The same recipe again through the server: everything is copied, artifacts included. This
+    # time the URI carries credentials (sent as basic auth; this server ignores them): they are
+    # used, and never printed.
+    with_password = uri.replace("http://", "http://alice:s3cret-canary@")
+    again = quantlab(*_sweep_args(recipe_path, with_password, work / "cache"), cwd=work)
     assert again.returncode == 0, again.stdout + again.stderr
+    assert "s3cret-canary" not in again.stdout + again.stderr
+    assert f"View it at {with_password.replace('s3cret-canary', '***')}/#/experiments/" in again.stdout
     copied = _variants(uri, _parents(uri, "tiny-server")[-1].info.run_id)
     assert all("quantlab.reused_from" in run.data.tags for run in copied.values())
     assert {item.path for item in client.list_artifacts(copied["fp8"].info.run_id)} >= {"logs", "samples.json"}

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import difflib
 import functools
-import json
 import logging
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,21 +58,22 @@ class TaskRequest:
     limit: int | None = None
 
 
-def known_tasks(include_path: Path | None, index_dir: Path | None = None) -> set[str]:
-    """Every name lm-eval can resolve: its tasks, groups and tags, plus those under include_path.
-
-    Building lm-eval's index walks ~10k task files (10-60 s), and every sweep checks its task
-    names before any work. With `index_dir`, names that `remember_tasks` stored there are read
-    instead, keyed by the lm-eval version and the content of `include_path`.
-    """
-    return _read_names(_remembered_index(include_path, index_dir)) or set(task_manager(include_path).all_tasks)
+def known_tasks(include_path: Path | None) -> set[str]:
+    """Every name lm-eval can resolve: its tasks, groups and tags, plus those under include_path."""
+    return set(task_manager(include_path).all_tasks)
 
 
-def remember_tasks(known: set[str], include_path: Path | None, index_dir: Path) -> None:
-    """Store `known` for the next `known_tasks` with the same lm-eval and include_path."""
-    path = _remembered_index(include_path, index_dir)
-    if path is not None and not path.exists():
-        _write_names(path, known)
+def task_index_identity(include_path: Path | None) -> dict[str, Any]:
+    """What decides `known_tasks`: lm-eval's installed version and the task files under include_path."""
+    from importlib.metadata import version
+
+    from quantlab import cache
+
+    return {
+        "lm_eval": version("lm-eval"),
+        "include_path": str(include_path.resolve()) if include_path else None,
+        "include_files": cache.tasks_digest(include_path),
+    }
 
 
 def unknown_tasks(names: list[str], known: set[str]) -> list[tuple[str, str | None]]:
@@ -84,37 +83,6 @@ def unknown_tasks(names: list[str], known: set[str]) -> list[tuple[str, str | No
         for name in names
         if name not in known
     ]
-
-
-def _remembered_index(include_path: Path | None, index_dir: Path | None) -> Path | None:
-    if index_dir is None:
-        return None
-    from importlib.metadata import version
-
-    import lm_eval
-
-    from quantlab import cache
-
-    key = cache.cache_key({
-        "lm_eval": version("lm-eval"), "lm_eval_dir": str(Path(lm_eval.__file__).parent),
-        "include_path": str(include_path.resolve()) if include_path else None,
-        "include_files": cache.tasks_digest(include_path),
-    })
-    return index_dir / f"{key}.json"
-
-
-def _read_names(path: Path | None) -> set[str]:
-    try:
-        return set(json.loads(path.read_text())) if path is not None else set()
-    except (OSError, ValueError):  # absent, or unreadable: build the index instead
-        return set()
-
-
-def _write_names(path: Path, names: set[str]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    scratch = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    scratch.write_text(json.dumps(sorted(names)))
-    os.replace(scratch, path)
 
 
 def task_manager(include_path: Path | None) -> TaskManager:

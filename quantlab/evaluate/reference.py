@@ -68,6 +68,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from quantlab import cache
 from quantlab.evaluate.damage import TokenDamage, perplexity, token_damage
 
 FORMAT = "quantlab.reference/1"
@@ -186,9 +187,7 @@ def write_reference(
     out_dir = Path(out_dir)
     _refuse_foreign(out_dir)
     # Same parent, so the final rename stays on one filesystem and is atomic.
-    staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    staging = cache.fresh_scratch(out_dir)
     try:
         np.save(staging / TOKENS_FILE, token_ids.numpy().astype(np.int32))
         nll = np.empty(n_scored, dtype=np.float32)
