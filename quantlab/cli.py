@@ -50,6 +50,7 @@ class _RichSweepDisplay:
         self.progress = progress
         self.task = None
         self.order: list[str] = []
+        self.done = 0
         self.started = 0.0
 
     def sweep_started(self, experiment: str, run_id: str, variants: list[str]) -> None:
@@ -64,7 +65,8 @@ class _RichSweepDisplay:
         self.progress.update(self.task, description=f"[{index}/{len(self.order)}] [bold]{variant}[/]: {stage}")
 
     def variant_finished(self, variant: str, result, failure: str | None, reused: bool = False) -> None:
-        self.progress.advance(self.task)
+        self.done += 1
+        self.progress.update(self.task, advance=1, description=f"{self.done}/{len(self.order)} variants done")
         if reused:
             self.progress.console.print(f"[green]✓[/] {variant}: unchanged since a finished run, copied from it", highlight=False)
             return
@@ -82,7 +84,7 @@ def sweep(
     tracking_uri: TrackingUri = None,
     executor: Annotated[str, typer.Option(help="local: one spawned process per variant. ray: one Ray task per variant.")] = "local",
     ray_address: Annotated[Optional[str], typer.Option(help="Ray cluster address (with --executor ray); default starts a local cluster.")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Recompute checkpoints even when the cache holds them.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Recompute every variant: copy no finished run, rebuild checkpoints and the baseline's reference pass even when cached.")] = False,
     only: Annotated[Optional[list[str]], typer.Option("--only", help="Run only this variant (repeatable); the baseline always runs as the reference.")] = None,
     cache_dir: Annotated[Optional[Path], typer.Option(help="Checkpoint cache. Default: $QUANTLAB_CACHE_DIR or ~/.cache/quantlab.")] = None,
 ) -> None:
@@ -110,6 +112,10 @@ def sweep(
     except BadInput as error:
         _fail_on_bad_input(error)
         return
+    except KeyboardInterrupt:
+        err.print("Interrupted: this sweep's unfinished runs are marked KILLED. Run the same command again to resume; "
+                  "finished variants are copied, not recomputed.", highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
     failed = ", ".join(outcome.failures)
     if outcome.reused:
         out.print(f"Reused (unchanged, not recomputed): {', '.join(outcome.reused)}; --force recomputes.", highlight=False)

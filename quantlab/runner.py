@@ -32,7 +32,7 @@ class VariantJob:
     variant: str
     cache_root: Path
     baseline: BaselineOutputs | None  # None for the baseline itself
-    force: bool = False  # recompute the checkpoint even when the cache holds it
+    force: bool = False  # rebuild the checkpoint and the baseline's reference pass even when cached
 
     @property
     def is_baseline(self) -> bool:

@@ -95,6 +95,23 @@ def test_unchanged_variants_are_copied_not_recomputed(swept):
     assert runs["fp8"].data.metrics == first["fp8"].data.metrics
 
 
+def test_force_recomputes_every_variant_and_the_reference(swept):
+    work, uri, _ = swept
+    before = _variant_runs(uri, newest=True)
+    reference = Path(before["bf16"].data.tags["quantlab.reference_dir"]) / "reference.json"
+    written = reference.stat().st_mtime_ns
+    result = quantlab("sweep", str(work / "recipe.yaml"), "--tracking-uri", uri, "--cache-dir", str(work / "cache"),
+                      "--only", "fp8", "--force", cwd=work)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Reused" not in result.stdout
+    runs = _variant_runs(uri, newest=True)
+    assert set(runs) == {"bf16", "fp8"}
+    for run in runs.values():
+        assert "quantlab.reused_from" not in run.data.tags
+        assert run.data.tags["quantlab.checkpoint_reused"] == "false"
+    assert reference.stat().st_mtime_ns > written
+
+
 def _variant_runs(uri: str, newest: bool = False) -> dict:
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("tiny")

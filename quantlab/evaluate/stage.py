@@ -69,7 +69,7 @@ def token_damage(model, tokenizer, settings: QualitySettings, recipe_dir: Path, 
     if job.is_baseline:
         identity = {"baseline": checkpoint_key, "quality": settings.model_dump()}
         reference_dir = job.cache_root / "references" / cache.cache_key(identity)
-        if not (reference_dir / "reference.json").is_file():
+        if job.force or not (reference_dir / "reference.json").is_file():
             text = "\n\n".join(load_texts(settings.corpus, recipe_dir))
             token_ids = corpus_token_ids(tokenizer, text, settings.max_tokens)
             write_reference(model, token_ids, reference_dir, window=settings.window, stride=settings.stride)
