@@ -453,7 +453,10 @@ def test_killed_and_starved_variants_fail_alone(tmp_path, tiny_llama, sweeps):
     oom_reason = runs["oom"].data.tags["quantlab.failure"]
     oom_details = Path(client.download_artifacts(runs["oom"].info.run_id, "failure/traceback.txt", str(tmp_path))).read_text()
     print(f"starved variant: {oom_reason}")
-    assert re.search(r"memory|alloc|map|ENOMEM|SIGABRT|SIGSEGV|SIGKILL|thread", oom_reason + oom_details, re.IGNORECASE), oom_reason
+    # Where the allocation fails decides how it surfaces: MemoryError, a failed mmap or thread
+    # start, a signal, or (seen once in CI) a C extension returning NULL without an exception.
+    assert re.search(r"memory|alloc|map|ENOMEM|SIGABRT|SIGSEGV|SIGKILL|thread|error return without exception",
+                     oom_reason + oom_details, re.IGNORECASE), oom_reason
     assert runs["fp8"].data.metrics["cost/weight_bytes"] > 0
     assert parent.info.status == "FAILED"
     assert {item.path for item in client.list_artifacts(parent.info.run_id)} >= {"report.md", "frontier.json"}
