@@ -93,29 +93,26 @@ def _scratch_prefix(checkpoint: Path) -> str:
     return f"{checkpoint.name}.partial-{socket.gethostname()}-"
 
 
-def remove_abandoned_scratch(checkpoint: Path) -> list[Path]:
+def _remove_abandoned_scratch(checkpoint: Path) -> None:
     """Remove scratch directories of `checkpoint` left by dead processes on this host.
 
-    A SIGKILLed quantization (or baseline reference pass) leaves one behind, as large as the result. Scratch directories
-    of other hosts (a cache shared by a Ray cluster) are left alone: only their host can tell
-    whether their writer still lives.
+    A SIGKILLed quantization (or baseline reference pass) leaves one behind, as large as the
+    result. Scratch directories of other hosts (a cache shared by a Ray cluster) are left alone:
+    only their host can tell whether their writer still lives.
     """
     import psutil
 
     prefix = _scratch_prefix(checkpoint)
-    removed = []
-    for scratch in checkpoint.parent.glob(f"{checkpoint.name}.partial-*"):
+    for scratch in checkpoint.parent.glob(f"{prefix}*"):
         pid = scratch.name[len(prefix):]
-        if scratch.name.startswith(prefix) and pid.isdigit() and not psutil.pid_exists(int(pid)):
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
             shutil.rmtree(scratch, ignore_errors=True)
-            removed.append(scratch)
-    return removed
 
 
 def fresh_scratch(target: Path) -> Path:
     """An empty directory beside `target` for this process to write it in, then rename into place."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    remove_abandoned_scratch(target)
+    _remove_abandoned_scratch(target)
     scratch = target.with_name(f"{_scratch_prefix(target)}{os.getpid()}")
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir()

@@ -92,7 +92,7 @@ def sweep(
     from quantlab.recipe import validate
     from quantlab.cache import default_root
     from quantlab.sweep import SweepOptions, run_sweep
-    from quantlab.tracking import open_store, shown_uri, tracking_uri as resolve_uri
+    from quantlab.tracking import open_store, run_address, shown_uri, tracking_uri as resolve_uri
 
     try:
         if executor not in ("local", "ray"):
@@ -121,9 +121,8 @@ def sweep(
         out.print(f"Reused (unchanged, not recomputed): {', '.join(outcome.reused)}; --force recomputes.", highlight=False)
     out.print(f"Logged to {shown_uri(uri)}, experiment '{loaded.recipe.name}', parent run {outcome.parent_run_id}."
               + (f" [red]Failed: {failed}[/]" if failed else ""))
-    if uri.startswith(("http://", "https://")):
-        out.print(f"View it at {shown_uri(uri).rstrip('/')}/#/experiments/{outcome.experiment_id}/runs/{outcome.parent_run_id}",
-                  highlight=False)
+    if (address := run_address(uri, outcome.experiment_id, outcome.parent_run_id)) is not None:
+        out.print(f"View it at {address}", highlight=False)
     raise typer.Exit(outcome.exit_code)
 
 
@@ -133,12 +132,13 @@ def validate_command(recipe: Annotated[Path, typer.Argument(help="Recipe YAML to
     from quantlab.cache import default_root
     from quantlab.recipe import remember_lookups, validate
 
+    cache_root = default_root()
     try:
-        loaded = validate(recipe, default_root())
+        loaded = validate(recipe, cache_root)
     except BadInput as error:
         _fail_on_bad_input(error)
         return
-    remember_lookups(loaded, default_root())
+    remember_lookups(loaded, cache_root)
     names = ", ".join(f"{variant.name} ({variant.method})" for variant in loaded.recipe.variants)
     out.print(f"{recipe}: OK - {len(loaded.recipe.variants)} variants: {names}", highlight=False)
 

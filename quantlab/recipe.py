@@ -10,6 +10,7 @@ Loading happens in two passes, and both collect every problem before reporting:
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -291,11 +292,16 @@ def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None) -> Loaded
     shown = str(loaded.path)
     remembered = cache_root / RECIPE_CHECKS_DIR if cache_root is not None else None
     lookups: list[Lookup] = []
+
+    def look_up(identity: dict[str, Any], find: Callable[[], Any]) -> Any:
+        fact = cache.recall(remembered, identity) or find()
+        lookups.append(Lookup(identity, fact))
+        return fact
+
     problems: list[Problem] = []
     try:
         source = resolve_source(recipe.model, loaded.path.parent)
-        widths = cache.recall(remembered, widths_identity(source)) or linear_input_widths(source)
-        lookups.append(Lookup(widths_identity(source), widths))
+        widths = look_up(widths_identity(source), lambda: linear_input_widths(source))
     except BadInput as error:
         problems += [Problem(shown, "model.source", problem.message) for problem in error.problems]
         widths = None
@@ -307,9 +313,7 @@ def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None) -> Loaded
                 problems.append(Problem(shown, f"variants[{index}] ({variant.name}).params.{field}", message))
     task_names = [task.name for task in recipe.evals.tasks]
     if task_names:
-        index_identity = task_index_identity(loaded.include_path)
-        known = set(cache.recall(remembered, index_identity) or known_tasks(loaded.include_path))
-        lookups.append(Lookup(index_identity, sorted(known)))
+        known = set(look_up(task_index_identity(loaded.include_path), lambda: sorted(known_tasks(loaded.include_path))))
         for name, suggestion in unknown_tasks(task_names, known):
             index = task_names.index(name)
             hint = f" (did you mean '{suggestion}'?)" if suggestion else ""

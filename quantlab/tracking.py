@@ -68,20 +68,28 @@ class Store:
         return Path(self.uri.removeprefix("sqlite:///")) if self.uri.startswith("sqlite:///") else None
 
 
+def _with_userinfo(parts: urllib.parse.SplitResult, userinfo: str) -> str:
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{userinfo}@{host}" if userinfo else host))
+
+
 def shown_uri(uri: str) -> str:
     """The URI with any password masked, for messages (`postgresql://user:pw@host/db` is common)."""
     parts = urllib.parse.urlsplit(uri)
-    if parts.password is None:
-        return uri
-    host = parts.netloc.rpartition("@")[2]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+    return uri if parts.password is None else _with_userinfo(parts, f"{parts.username}:***")
+
+
+def run_address(uri: str, experiment_id: str, run_id: str) -> str | None:
+    """Where a tracking server shows a run (password masked); None for a store without a UI of its own."""
+    if not uri.startswith(("http://", "https://")):
+        return None
+    return f"{shown_uri(uri).rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
 def _health_request(uri: str) -> urllib.request.Request:
     """GET <server>/health, with the URI's user and password (if any) as basic auth, as MLflow sends them."""
     parts = urllib.parse.urlsplit(uri)
-    address = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
-    request = urllib.request.Request(address.rstrip("/") + "/health")
+    request = urllib.request.Request(_with_userinfo(parts, "").rstrip("/") + "/health")
     if parts.username is not None:
         user = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
         request.add_header("Authorization", "Basic " + base64.b64encode(user.encode()).decode())
