@@ -1,0 +1,310 @@
+"""The metric contract: every metric key quantlab logs, with its direction, scale and meaning.
+
+Frontier, report, `pick` and the registry read directions and scales from here; nothing guesses
+from a name. Keys come in three families:
+
+- Fixed keys (``quality/ppl``, ``cost/weight_bytes``, ...) and templated ones
+  (``quality/flips/<task>``, ``cost/<figure>_bs<N>``, ``time/<stage>_seconds``) declared below.
+- lm-eval scores, ``eval/<task>/<metric>[:<filter>]``: lm-eval's own ``metric,filter`` with the
+  comma written as a colon (MLflow keys allow no comma) and the filter ``none`` left out, so
+  ``exact_match,strict-match`` of gsm8k is ``eval/gsm8k/exact_match:strict-match`` and
+  ``acc,none`` of arc_easy is ``eval/arc_easy/acc``. Standard errors put ``_stderr`` after the
+  metric, as lm-eval does: ``eval/gsm8k/exact_match_stderr:strict-match``. Their direction is
+  lm-eval's ``higher_is_better`` for that task and metric, recorded by the sweep with the run
+  (see `Declared`); their scale is what the scores were (0-1 fractions, perplexities, bits).
+- Paired comparisons with the baseline, ``quality/paired/<quality metric key>/<statistic>``
+  (see `PAIRED_STATISTICS`), e.g. ``quality/paired/eval/gsm8k/exact_match:strict-match/ci95_low``.
+
+A key with no entry, or an lm-eval score whose direction was not recorded, gets direction None:
+callers name it ("direction unknown") instead of dropping it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+
+EVAL_PREFIX = "eval/"
+PAIRED_PREFIX = "quality/paired/"
+STDERR_SUFFIX = "_stderr"
+NO_FILTER = "none"
+
+
+class Scale(str, Enum):
+    FRACTION = "fraction"  # 0-1, shown as %, limits and differences in percentage points
+    NATS = "nats"
+    PERPLEXITY = "perplexity"
+    BITS = "bits"
+    BYTES = "bytes"
+    TOKENS_PER_S = "tokens_per_s"
+    MILLISECONDS = "ms"
+    SECONDS = "s"
+    JOULES = "J"
+    USD = "USD"
+    COUNT = "count"
+    RATIO = "ratio"  # unitless ratio of two like figures
+    P_VALUE = "p_value"
+    SCORE = "score"  # an lm-eval score that is not a 0-1 fraction (e.g. BLEU)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    key: str
+    entry: str  # the contract entry that declares it, e.g. "eval/<task>/<metric>[:<filter>]"
+    higher_is_better: bool | None  # None: not known (named, never dropped)
+    scale: Scale
+    label: str
+    meaning: str
+
+    @property
+    def direction_known(self) -> bool:
+        return self.higher_is_better is not None
+
+
+@dataclass(frozen=True)
+class Declared:
+    """What the sweep recorded about one lm-eval score: lm-eval's direction and the scale seen."""
+
+    higher_is_better: bool | None
+    scale: Scale
+
+
+# --------------------------------------------------------------------------------------
+# lm-eval keys: a documented, reversible spelling of (task, metric, filter)
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EvalKey:
+    task: str
+    metric: str
+    filter: str = NO_FILTER
+    stderr: bool = False
+
+    def __str__(self) -> str:
+        metric = self.metric + (STDERR_SUFFIX if self.stderr else "")
+        suffix = "" if self.filter == NO_FILTER else f":{self.filter}"
+        return f"{EVAL_PREFIX}{self.task}/{metric}{suffix}"
+
+    @property
+    def score_key(self) -> str:
+        """The score this key belongs to (itself, or the score of a stderr key)."""
+        return str(EvalKey(self.task, self.metric, self.filter))
+
+    @property
+    def label(self) -> str:
+        shown = self.metric if self.filter == NO_FILTER else f"{self.metric} ({self.filter})"
+        return f"{self.task} {shown}" + (" stderr" if self.stderr else "")
+
+    @classmethod
+    def parse(cls, key: str) -> EvalKey | None:
+        """The inverse of str(): None for a key that is not an lm-eval score."""
+        if not key.startswith(EVAL_PREFIX):
+            return None
+        task, slash, last = key[len(EVAL_PREFIX):].rpartition("/")
+        if not slash or not task or not last:
+            return None
+        metric, _, filter_name = last.partition(":")
+        stderr = metric.endswith(STDERR_SUFFIX)
+        metric = metric[: -len(STDERR_SUFFIX)] if stderr else metric
+        if not metric:
+            return None
+        return cls(task, metric, filter_name or NO_FILTER, stderr)
+
+
+def eval_key(task: str, metric: str, filter_name: str = NO_FILTER, stderr: bool = False) -> str:
+    return str(EvalKey(task, metric, filter_name, stderr))
+
+
+def is_eval_score(key: str) -> bool:
+    """`eval/<task>/<metric>[:<filter>]`, not its stderr companion."""
+    parsed = EvalKey.parse(key)
+    return parsed is not None and not parsed.stderr
+
+
+# --------------------------------------------------------------------------------------
+# Paired comparisons with the baseline
+# --------------------------------------------------------------------------------------
+
+# statistic -> (scale relative to the metric: None = the metric's own, meaning)
+PAIRED_STATISTICS: dict[str, tuple[Scale | None, str]] = {
+    "diff": (None, "variant minus baseline, over the documents (or tokens) both scored"),
+    "se": (None, "paired standard error of diff"),
+    "ci95_low": (None, "lower end of the two-sided 95% interval of diff (normal approximation)"),
+    "ci95_high": (None, "upper end of the two-sided 95% interval of diff (normal approximation)"),
+    "p_value": (Scale.P_VALUE, "two-sided p of no difference: exact McNemar for 0/1 scores, paired t "
+                "for continuous scores, z on the per-document log ratio for perplexities"),
+    "n": (Scale.COUNT, "documents (or tokens) paired"),
+    "correct_to_wrong": (Scale.COUNT, "0/1 scores only: documents right for the baseline, wrong for the variant"),
+    "wrong_to_correct": (Scale.COUNT, "0/1 scores only: documents wrong for the baseline, right for the variant"),
+}
+
+
+def paired_key(metric_key: str, statistic: str) -> str:
+    if statistic not in PAIRED_STATISTICS:
+        raise ValueError(f"unknown paired statistic {statistic!r}; known: {sorted(PAIRED_STATISTICS)}")
+    return f"{PAIRED_PREFIX}{metric_key}/{statistic}"
+
+
+def parse_paired_key(key: str) -> tuple[str, str] | None:
+    """(quality metric key, statistic) of a paired key; None for any other key."""
+    if not key.startswith(PAIRED_PREFIX):
+        return None
+    metric_key, slash, statistic = key[len(PAIRED_PREFIX):].rpartition("/")
+    if not slash or statistic not in PAIRED_STATISTICS or not metric_key:
+        return None
+    return metric_key, statistic
+
+
+# --------------------------------------------------------------------------------------
+# Fixed and templated keys
+# --------------------------------------------------------------------------------------
+
+_FIXED: dict[str, tuple[bool | None, Scale, str, str]] = {
+    # key: (higher_is_better, scale, label, meaning)
+    "quality/ppl": (False, Scale.PERPLEXITY, "perplexity", "token perplexity on the quality corpus"),
+    "quality/ppl_tokens": (None, Scale.COUNT, "scored tokens", "tokens scored for quality/ppl (a count, not a quality)"),
+    "quality/kld_mean": (False, Scale.NATS, "mean KL divergence", "mean per-token KL(baseline || variant) on the quality corpus"),
+    "quality/kld_mean_stderr": (None, Scale.NATS, "mean KL stderr", "standard error of quality/kld_mean over tokens"),
+    "quality/kld_median": (False, Scale.NATS, "median KL divergence", "median per-token KL"),
+    "quality/kld_p90": (False, Scale.NATS, "p90 KL divergence", "90th percentile of per-token KL"),
+    "quality/kld_p95": (False, Scale.NATS, "p95 KL divergence", "95th percentile of per-token KL"),
+    "quality/kld_p99": (False, Scale.NATS, "p99 KL divergence", "99th percentile of per-token KL"),
+    "quality/kld_p999": (False, Scale.NATS, "p99.9 KL divergence", "99.9th percentile of per-token KL"),
+    "quality/kld_max": (False, Scale.NATS, "max KL divergence", "largest per-token KL"),
+    "quality/top1_agreement": (True, Scale.FRACTION, "top-1 agreement", "share of tokens whose top-1 prediction matches the baseline's"),
+    "quality/delta_p_mean": (None, Scale.FRACTION, "mean change in p(correct)", "mean of p_variant - p_baseline of the correct token (sign says direction, not size)"),
+    "quality/delta_p_rms": (False, Scale.FRACTION, "RMS change in p(correct)", "root mean square of p_variant - p_baseline of the correct token"),
+    "quality/ln_ppl_ratio": (False, Scale.NATS, "ln(PPL ratio)", "ln(ppl variant / ppl baseline): difference of mean token NLLs"),
+    "cost/weight_bytes": (False, Scale.BYTES, "weight size", "*.safetensors files of the checkpoint on disk"),
+    "cost/weight_bytes_in_memory": (False, Scale.BYTES, "weights in memory", "tensor payload of the checkpoint in its stored format"),
+    "cost/loaded_weight_bytes": (False, Scale.BYTES, "weights as loaded here", "parameters as loaded by the measuring engine"),
+    "cost/peak_memory_bytes": (False, Scale.BYTES, "peak memory", "peak memory while measuring (device memory on GPU, RSS on CPU)"),
+    "cost/peak_device_memory_bytes": (False, Scale.BYTES, "peak device memory", "peak accelerator memory while measuring"),
+    "cost/process_peak_rss_bytes": (False, Scale.BYTES, "process peak RSS", "peak resident memory of the variant's process"),
+    "cost/measured_bandwidth_bytes_per_s": (None, Scale.SCORE, "measured copy bandwidth", "memory copy bandwidth probed on this machine (a property of the machine)"),
+    "cost/bits_per_weight": (False, Scale.BITS, "bits per weight", "stored bits per decoder-block linear weight"),
+    "cost/bits_per_parameter": (False, Scale.BITS, "bits per parameter", "stored bits per parameter"),
+    "cost/parameter_count": (None, Scale.COUNT, "parameters", "parameters of the model (a size, not a cost)"),
+    "cost/kv_bytes_per_token": (False, Scale.BYTES, "KV cache per token", "modeled KV-cache bytes per token"),
+    "cost/max_concurrent_sequences": (True, Scale.COUNT, "concurrent sequences on target", "modeled sequences that fit beside the weights on the target"),
+    "cost/roofline_decode_tokens_per_s": (True, Scale.TOKENS_PER_S, "decode roofline on target", "modeled memory-bound decode rate on the target"),
+    "cost/serving_decode_tokens_per_s": (True, Scale.TOKENS_PER_S, "serving decode on target (modeled)", "modeled batched decode rate on the target"),
+    "cost/usd_per_million_output_tokens": (False, Scale.USD, "USD per million output tokens", "modeled price of a million output tokens on the target"),
+    "cost/load_seconds": (False, Scale.SECONDS, "load time", "seconds to load the checkpoint"),
+}
+
+# Figures measured once per batch size: `cost/<figure>` and `cost/<figure>_bs<N>`.
+_BATCH_FIGURES: dict[str, tuple[bool, Scale, str]] = {
+    "prefill_tokens_per_s": (True, Scale.TOKENS_PER_S, "prefill throughput"),
+    "decode_tokens_per_s": (True, Scale.TOKENS_PER_S, "decode throughput"),
+    "ttft_ms_p50": (False, Scale.MILLISECONDS, "time to first token (p50)"),
+    "ttft_ms_p90": (False, Scale.MILLISECONDS, "time to first token (p90)"),
+    "ttft_ms_p99": (False, Scale.MILLISECONDS, "time to first token (p99)"),
+    "itl_ms_p50": (False, Scale.MILLISECONDS, "inter-token latency (p50)"),
+    "itl_ms_p90": (False, Scale.MILLISECONDS, "inter-token latency (p90)"),
+    "itl_ms_p99": (False, Scale.MILLISECONDS, "inter-token latency (p99)"),
+    "energy_joules_per_token": (False, Scale.JOULES, "energy per output token"),
+    "local_roofline_decode_tokens_per_s": (True, Scale.TOKENS_PER_S, "decode roofline here"),
+    "roofline_efficiency": (True, Scale.FRACTION, "roofline efficiency"),
+}
+
+_BATCH_KEY = re.compile(r"^cost/(?P<figure>[a-z0-9_]+?)(?:_bs(?P<batch>\d+))?$")
+_TIME_KEY = re.compile(r"^time/(?P<stage>[\w .-]+)_seconds$")
+_TASK_TEMPLATES: tuple[tuple[re.Pattern[str], str, bool | None, Scale, str, str], ...] = (
+    (re.compile(r"^quality/flips/(?P<task>[^/]+)$"), "quality/flips/<task>", False, Scale.COUNT,
+     "{task} answer flips", "documents whose 0/1 score differs from the baseline's (a group: sum of its leaves)"),
+    (re.compile(r"^quality/flips/(?P<task>[^/]+)/correct_to_wrong$"), "quality/flips/<task>/correct_to_wrong", False,
+     Scale.COUNT, "{task} right-to-wrong flips", "documents right for the baseline, wrong for the variant"),
+    (re.compile(r"^quality/flips/(?P<task>[^/]+)/wrong_to_correct$"), "quality/flips/<task>/wrong_to_correct", True,
+     Scale.COUNT, "{task} wrong-to-right flips", "documents wrong for the baseline, right for the variant"),
+    (re.compile(r"^quality/mcnemar_p/(?P<task>[^/]+)$"), "quality/mcnemar_p/<task>", None, Scale.P_VALUE,
+     "{task} McNemar p", "exact McNemar p of the task's primary 0/1 score against the baseline"),
+)
+_RECOVERY = re.compile(r"^quality/recovery/(?P<score>[^/]+/[^/]+)$")  # <task>/<metric>[:<filter>]
+
+
+def spec(key: str, declared: Mapping[str, Declared] | None = None) -> MetricSpec:
+    """The contract entry of a logged key. `declared`: what the sweep recorded for lm-eval scores."""
+    declared = declared or {}
+    if key in _FIXED:
+        higher, scale, label, meaning = _FIXED[key]
+        return MetricSpec(key, key, higher, scale, label, meaning)
+    parsed = EvalKey.parse(key)
+    if parsed is not None:
+        found = declared.get(parsed.score_key)
+        scale = found.scale if found else Scale.SCORE
+        if parsed.stderr:
+            return MetricSpec(key, "eval/<task>/<metric>_stderr[:<filter>]", None, scale, parsed.label,
+                              "lm-eval's standard error of the score (unpaired; quantlab's verdicts use the paired ones)")
+        higher = found.higher_is_better if found else None
+        return MetricSpec(key, "eval/<task>/<metric>[:<filter>]", higher, scale, parsed.label,
+                          "lm-eval's score, direction from lm-eval's higher_is_better")
+    paired = parse_paired_key(key)
+    if paired is not None:
+        metric_key, statistic = paired
+        base = spec(metric_key, declared)
+        own_scale, meaning = PAIRED_STATISTICS[statistic]
+        # A difference is better the more it favours the variant in the metric's direction.
+        higher = base.higher_is_better if statistic in ("diff", "ci95_low", "ci95_high") else None
+        return MetricSpec(key, f"quality/paired/<metric>/{statistic}", higher, own_scale or base.scale,
+                          f"{base.label}: paired {statistic}", meaning)
+    if (match := _RECOVERY.match(key)) is not None:
+        base = spec(EVAL_PREFIX + match["score"], declared)
+        return MetricSpec(key, "quality/recovery/<task>/<metric>[:<filter>]", base.higher_is_better, Scale.RATIO,
+                          f"{base.label} recovery", "variant score / baseline score (above 1 is worse for lower-is-better scores)")
+    for pattern, entry, higher, scale, label, meaning in _TASK_TEMPLATES:
+        if (match := pattern.match(key)) is not None:
+            return MetricSpec(key, entry, higher, scale, label.format(task=match["task"]), meaning)
+    if (match := _TIME_KEY.match(key)) is not None:
+        return MetricSpec(key, "time/<stage>_seconds", False, Scale.SECONDS, f"{match['stage']} time",
+                          "wall seconds of one stage of the variant's run")
+    if (match := _BATCH_KEY.match(key)) is not None and match["figure"] in _BATCH_FIGURES:
+        higher, scale, label = _BATCH_FIGURES[match["figure"]]
+        batch = f" at batch {match['batch']}" if match["batch"] else ""
+        return MetricSpec(key, "cost/<figure>[_bs<N>]", higher, scale, label + batch,
+                          "measured on this machine by the measure stage (see the run's quantlab.cost.* tags)")
+    return MetricSpec(key, "", None, Scale.SCORE, key, "not in quantlab's metric contract")
+
+
+def has_entry(key: str, declared: Mapping[str, Declared] | None = None) -> bool:
+    """Whether the contract declares the key (lm-eval scores: with a recorded direction)."""
+    found = spec(key, declared)
+    if not found.entry:
+        return False
+    parsed = EvalKey.parse(key)
+    return parsed is None or parsed.stderr or found.higher_is_better is not None
+
+
+def unknown_directions(keys: Iterable[str], declared: Mapping[str, Declared] | None = None) -> list[str]:
+    """Quality scores among `keys` whose direction nobody declared: to be named, not dropped."""
+    return sorted(key for key in keys if is_eval_score(key) and spec(key, declared).higher_is_better is None)
+
+
+# --------------------------------------------------------------------------------------
+# How declarations travel with a run: one tag per lm-eval score
+# --------------------------------------------------------------------------------------
+
+DECLARED_TAG_PREFIX = "quantlab.metric/"
+
+
+def declared_tags(declared: Mapping[str, Declared]) -> dict[str, str]:
+    """Tags `quantlab.metric/<score key>` = "higher|lower|unknown <scale>"."""
+    words = {True: "higher", False: "lower", None: "unknown"}
+    return {f"{DECLARED_TAG_PREFIX}{key}": f"{words[d.higher_is_better]} {d.scale.value}" for key, d in declared.items()}
+
+
+def declared_from_tags(tags: Mapping[str, str]) -> dict[str, Declared]:
+    directions = {"higher": True, "lower": False, "unknown": None}
+    found: dict[str, Declared] = {}
+    for tag, value in tags.items():
+        if not tag.startswith(DECLARED_TAG_PREFIX):
+            continue
+        direction, _, scale = value.partition(" ")
+        try:
+            found[tag[len(DECLARED_TAG_PREFIX):]] = Declared(directions[direction], Scale(scale))
+        except (KeyError, ValueError):
+            continue  # a tag this version cannot read counts as undeclared, and gets named
+    return found
