@@ -19,6 +19,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from quantlab.metrics import Declared, MetricSpec
+from quantlab.metrics import spec as metric_spec
+
 STDERR_SUFFIX = "_stderr"
 EVAL_PREFIX = "eval/"
 
@@ -38,6 +41,12 @@ class VariantSummary:
     metrics: dict[str, float]
     tags: dict[str, str] = field(default_factory=dict)
     is_baseline: bool = False
+    # What the sweep recorded about each lm-eval score (direction from lm-eval, scale seen).
+    declared: dict[str, Declared] = field(default_factory=dict)
+
+    def spec(self, key: str) -> MetricSpec:
+        """The metric contract's entry for one of this run's keys."""
+        return metric_spec(key, self.declared)
 
     def value(self, metric: str) -> float | None:
         """The metric's value, or None when it was not logged or is not a finite number.

@@ -17,6 +17,7 @@ import yaml
 from quantlab import tracking
 from quantlab.decision import Constraints, Decision, DecisionError, pick
 from quantlab.errors import BadInput, Problem
+from quantlab.metrics import declared_from_tags
 from quantlab.frontier import FrontierResult, FrontierSettings, VariantSummary, compute_frontiers, frontiers_to_dict, on_frontier_names
 from quantlab.report import render_html, render_markdown, render_png
 
@@ -50,6 +51,7 @@ def _summary(run) -> VariantSummary:
         metrics=dict(run.data.metrics),
         tags={key: value for key, value in tags.items() if key.startswith("quantlab.")},
         is_baseline=tags.get("quantlab.baseline") == "true",
+        declared=declared_from_tags(tags),
     )
 
 
