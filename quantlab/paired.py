@@ -256,3 +256,31 @@ def documents_to_settle(drop: float, se: float, n: int, limit: float) -> int | N
 def _slack(limit: float) -> float:
     # Float arithmetic turns a 1.0-point drop into 1.0000000000000009 points: forgive that much.
     return 1e-9 * max(1.0, abs(limit))
+
+
+# --------------------------------------------------------------------------------------
+# Per-document scores as JSON (the variant run's samples.json carries them)
+# --------------------------------------------------------------------------------------
+
+
+def documents_to_json(scores: Mapping[str, DocumentScores]) -> dict[str, dict]:
+    """{metric key: {"aggregation", "values": {doc: value}, "weights": {doc: weight}}}."""
+    return {
+        key: {
+            "aggregation": doc.aggregation.value,
+            "values": {str(d): v for d, v in doc.values.items()},
+            "weights": {str(d): w for d, w in doc.weights.items()},
+        }
+        for key, doc in scores.items()
+    }
+
+
+def documents_from_json(data: Mapping[str, Mapping]) -> dict[str, DocumentScores]:
+    return {
+        key: DocumentScores(
+            Aggregation(item["aggregation"]),
+            {int(d): float(v) for d, v in item["values"].items()},
+            {int(d): float(w) for d, w in item.get("weights", {}).items()},
+        )
+        for key, item in data.items()
+    }
