@@ -70,6 +70,7 @@ import torch
 
 from quantlab import cache
 from quantlab.evaluate.damage import TokenDamage, perplexity, token_damage
+from quantlab.paired import Aggregation, DocumentScores
 
 FORMAT = "quantlab.reference/1"
 INFO_FILE = "reference.json"
@@ -269,6 +270,31 @@ class TokenComparison:
 
     def damage(self) -> TokenDamage:
         return token_damage(self.kld, self.baseline_nll, self.variant_nll, self.top1_match, self.kld_error_bound)
+
+    def documents(self) -> dict[str, DocumentScores]:
+        """The variant's per-token scores, for paired statistics against the baseline's
+        (`baseline_documents`) and between variants."""
+        return token_documents(self.variant_nll, self.kld, self.top1_match)
+
+
+def token_documents(nll: np.ndarray, kld: np.ndarray, top1_match: np.ndarray) -> dict[str, DocumentScores]:
+    """Per scored token, in the shapes `quantlab.paired` compares: perplexity as a weighted
+    perplexity of one token each (so the paired difference is the ratio of perplexities), KL
+    and top-1 agreement as means. Tokens are the paired units here; neighbouring tokens are
+    correlated, so these standard errors are on the small side (documents would be the honest
+    unit, and the quality corpus is one long text)."""
+    ones = {index: 1.0 for index in range(len(nll))}
+    return {
+        "quality/ppl": DocumentScores(Aggregation.WEIGHTED_PERPLEXITY, dict(enumerate((-np.asarray(nll, dtype=np.float64)).tolist())), ones),
+        "quality/kld_mean": DocumentScores(Aggregation.MEAN, dict(enumerate(np.asarray(kld, dtype=np.float64).tolist()))),
+        "quality/top1_agreement": DocumentScores(Aggregation.MEAN, dict(enumerate(np.asarray(top1_match, dtype=np.float64).tolist()))),
+    }
+
+
+def baseline_documents(ref_dir: Path) -> dict[str, DocumentScores]:
+    """The baseline's per-token scores: its own NLL, no KL from itself, always its own top-1."""
+    nll = np.load(read_reference(ref_dir).path / NLL_FILE)
+    return token_documents(nll, np.zeros_like(nll), np.ones(nll.shape, dtype=bool))
 
 
 def compare_tokens(model: torch.nn.Module, ref_dir: Path, progress: Progress | None = None) -> TokenComparison:

@@ -1,0 +1,95 @@
+"""The metric contract: key spelling, directions and scales."""
+
+from __future__ import annotations
+
+import pytest
+
+from quantlab.metrics import (
+    Declared,
+    EvalKey,
+    Scale,
+    declared_from_tags,
+    declared_tags,
+    eval_key,
+    has_entry,
+    paired_key,
+    parse_paired_key,
+    spec,
+    unknown_directions,
+)
+
+GSM8K = {"eval/gsm8k/exact_match:strict-match": Declared(True, Scale.FRACTION),
+         "eval/wikitext/word_perplexity": Declared(False, Scale.PERPLEXITY)}
+
+
+@pytest.mark.parametrize(
+    ("task", "metric", "filter_name", "stderr", "key"),
+    [
+        ("arc_easy", "acc", "none", False, "eval/arc_easy/acc"),
+        ("arc_easy", "acc_norm", "none", True, "eval/arc_easy/acc_norm_stderr"),
+        ("gsm8k", "exact_match", "strict-match", False, "eval/gsm8k/exact_match:strict-match"),
+        ("gsm8k", "exact_match", "flexible-extract", True, "eval/gsm8k/exact_match_stderr:flexible-extract"),
+        ("wikitext", "word_perplexity", "none", False, "eval/wikitext/word_perplexity"),
+    ],
+)
+def test_eval_keys_are_reversible(task: str, metric: str, filter_name: str, stderr: bool, key: str) -> None:
+    assert eval_key(task, metric, filter_name, stderr) == key
+    assert EvalKey.parse(key) == EvalKey(task, metric, filter_name, stderr)
+
+
+@pytest.mark.parametrize("key", ["quality/ppl", "eval/", "eval/acc", "eval/task/", "eval/task/_stderr"])
+def test_non_eval_keys_do_not_parse(key: str) -> None:
+    assert EvalKey.parse(key) is None
+
+
+@pytest.mark.parametrize(
+    ("key", "higher_is_better", "scale"),
+    [
+        ("eval/gsm8k/exact_match:strict-match", True, Scale.FRACTION),
+        ("eval/gsm8k/exact_match:flexible-extract", None, Scale.SCORE),  # not declared: unknown, not guessed
+        ("eval/wikitext/word_perplexity", False, Scale.PERPLEXITY),
+        ("eval/gsm8k/exact_match_stderr:strict-match", None, Scale.FRACTION),
+        ("quality/ppl", False, Scale.PERPLEXITY),
+        ("quality/kld_mean", False, Scale.NATS),
+        ("quality/top1_agreement", True, Scale.FRACTION),
+        ("cost/weight_bytes", False, Scale.BYTES),
+        ("cost/decode_tokens_per_s", True, Scale.TOKENS_PER_S),
+        ("cost/decode_tokens_per_s_bs8", True, Scale.TOKENS_PER_S),
+        ("cost/ttft_ms_p99_bs4", False, Scale.MILLISECONDS),
+        ("time/prepare model_seconds", False, Scale.SECONDS),
+        ("quality/flips/mmlu", False, Scale.COUNT),
+        ("quality/mcnemar_p/mmlu", None, Scale.P_VALUE),
+        ("quality/recovery/gsm8k/exact_match:strict-match", True, Scale.RATIO),
+        ("quality/paired/eval/gsm8k/exact_match:strict-match/ci95_low", True, Scale.FRACTION),
+        ("quality/paired/quality/ppl/diff", False, Scale.PERPLEXITY),
+        ("quality/paired/quality/ppl/n", None, Scale.COUNT),
+        ("quality/paired/eval/wikitext/word_perplexity/p_value", None, Scale.P_VALUE),
+    ],
+)
+def test_contract_directions_and_scales(key: str, higher_is_better: bool | None, scale: Scale) -> None:
+    found = spec(key, GSM8K)
+    assert (found.higher_is_better, found.scale) == (higher_is_better, scale)
+    assert found.entry, f"{key} has no contract entry"
+
+
+def test_unknown_keys_are_named_not_guessed() -> None:
+    assert not has_entry("cost/something_new")
+    assert not has_entry("eval/gsm8k/exact_match:flexible-extract", GSM8K)
+    assert has_entry("eval/gsm8k/exact_match:strict-match", GSM8K)
+    keys = ["eval/gsm8k/exact_match:strict-match", "eval/gsm8k/exact_match:flexible-extract", "quality/ppl"]
+    assert unknown_directions(keys, GSM8K) == ["eval/gsm8k/exact_match:flexible-extract"]
+
+
+def test_paired_keys_round_trip() -> None:
+    key = paired_key("eval/gsm8k/exact_match:strict-match", "se")
+    assert key == "quality/paired/eval/gsm8k/exact_match:strict-match/se"
+    assert parse_paired_key(key) == ("eval/gsm8k/exact_match:strict-match", "se")
+    with pytest.raises(ValueError, match="unknown paired statistic"):
+        paired_key("quality/ppl", "stderr")
+
+
+def test_declarations_travel_as_tags() -> None:
+    declared = {**GSM8K, "eval/custom/score": Declared(None, Scale.SCORE)}
+    tags = declared_tags(declared)
+    assert tags["quantlab.metric/eval/gsm8k/exact_match:strict-match"] == "higher fraction"
+    assert declared_from_tags({**tags, "quantlab.variant": "fp8"}) == declared
