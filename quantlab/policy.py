@@ -1,0 +1,399 @@
+"""The release policy: one pydantic model for the recipe's `frontier.default_policy` and `quantlab pick`'s flags.
+
+A policy says what a variant must meet to be shipped: drops against the baseline at most so
+much (judged by non-inferiority in `quantlab.decision`), and plain bounds on measured figures.
+The recipe and the command line share this model, its field names and its validation; the
+command line only maps its flags onto the fields (`--max-drop` -> `max_drop`, `--max-kld` ->
+`max_kld`, `--min-top1` -> `min_top1_agreement`, `--max-memory` -> `max_peak_memory_bytes`).
+
+Drop limits (`max_drop`, METRIC=LIMIT on the command line) are read in the metric's own terms,
+from the metric contract (`quantlab.metrics`):
+- a plain number is percentage points for a 0-1 metric (`eval/mmlu_dev/acc=1`: one point) and
+  the metric's own unit otherwise (`quality/ppl=0.5`: half a unit of perplexity);
+- `N pts` says points explicitly, and is accepted only for 0-1 metrics;
+- `+N%` (or `N%`) is relative to the baseline's value (`quality/ppl=+2%`: 10.00 may become
+  10.20), and is refused for 0-1 metrics, where "2%" could mean points or a share of the score.
+A limit that does not fit its metric (points on a perplexity, a cost metric, a standard error, a
+metric whose better direction is unknown) is bad input. What the key alone shows is checked when
+the model is built; what needs the sweep (an lm-eval score's direction and scale, recorded with
+its runs) is checked by `Policy.drop_rules` before any variant is judged.
+
+Pure: imports only the metric contract and pydantic, so frontier.py can embed it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, WithJsonSchema, field_validator
+from pydantic_core import PydanticCustomError
+
+from quantlab.metrics import (
+    PAIRED_PREFIX,
+    STDERR_SUFFIX,
+    Declared,
+    EvalKey,
+    MetricSpec,
+    Scale,
+    is_eval_score,
+    parse_paired_key,
+    spec,
+)
+
+KLD_MEAN = "quality/kld_mean"
+TOP1_AGREEMENT = "quality/top1_agreement"
+PEAK_MEMORY = "cost/peak_memory_bytes"
+
+# Prefixes of keys that measure cost or time: they have an objective and bounds, never a "drop".
+_NOT_QUALITY = ("cost/", "time/")
+
+
+# --------------------------------------------------------------------------------------
+# A drop limit as written: "1", "1 pts", "+2%"
+# --------------------------------------------------------------------------------------
+
+
+class LimitKind(str, Enum):
+    OWN = "own"  # the metric's own unit; percentage points for a 0-1 metric
+    POINTS = "points"  # explicit percentage points: 0-1 metrics only
+    RELATIVE = "relative"  # percent of the baseline's value: metrics that are not 0-1
+
+
+@dataclass(frozen=True)
+class Limit:
+    amount: float  # as written: points, the metric's unit, or percent of the baseline
+    kind: LimitKind
+    text: str  # as the user wrote it, for messages and the decision record
+
+    def allowed(self, metric: MetricSpec, baseline_value: float | None) -> float | None:
+        """The largest allowed drop in the metric's own units (0-1 for fractions); None when a
+        relative limit has no baseline value to be relative to."""
+        if metric.scale is Scale.FRACTION:
+            return self.amount / 100
+        if self.kind is LimitKind.RELATIVE:
+            return None if baseline_value is None else self.amount / 100 * abs(baseline_value)
+        return self.amount
+
+    def describe(self, metric: MetricSpec, baseline_value: float | None = None) -> str:
+        """'1 pt', '0.5', '+2% of the baseline (0.2)'."""
+        if metric.scale is Scale.FRACTION:
+            return _points(self.amount)
+        if self.kind is LimitKind.RELATIVE:
+            allowed = self.allowed(metric, baseline_value)
+            shown = "" if allowed is None else f" ({format_value(metric, allowed)})"
+            return f"+{self.amount:g}% of the baseline{shown}"
+        return format_value(metric, self.amount)
+
+
+_UNIT = re.compile(r"^(?P<number>.*?)\s*(?P<unit>%|pts?|points?)?$", re.IGNORECASE)
+
+
+def parse_limit(value: Any) -> Limit:
+    """A number, or a string "N", "N pts" or "+N%" -> Limit; ValueError saying what is wrong."""
+    if isinstance(value, Limit):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"a limit is a number, 'N pts' or '+N%', got {value!r}")
+    text = str(value).strip()
+    match = _UNIT.match(text)
+    try:
+        amount = float(match["number"]) if match else math.nan
+    except ValueError:
+        raise ValueError(f"limit {text!r} is not a number, 'N pts' or '+N%' (e.g. 1, 0.5, +2%)") from None
+    if not math.isfinite(amount):
+        raise ValueError(f"limit {text!r} must be a finite number")
+    if amount < 0:
+        raise ValueError(f"limit {text!r} must be >= 0 (it is the largest drop allowed)")
+    unit = (match["unit"] or "").lower()
+    kind = LimitKind.RELATIVE if unit == "%" else LimitKind.POINTS if unit else LimitKind.OWN
+    return Limit(amount, kind, text)
+
+
+def _limit_text(limit: Limit) -> str | float:
+    # Plain numbers stay numbers in a dumped recipe; "1 pts" and "+2%" stay as written.
+    return limit.amount if limit.kind is LimitKind.OWN else limit.text
+
+
+def _validate_limit(value: Any) -> Limit:
+    try:
+        return parse_limit(value)
+    except ValueError as error:
+        raise PydanticCustomError("drop_limit", str(error)) from None
+
+
+DropLimit = Annotated[
+    Limit,
+    PlainValidator(_validate_limit),
+    PlainSerializer(_limit_text),
+    WithJsonSchema({"anyOf": [{"type": "number", "minimum": 0}, {"type": "string", "pattern": r"^\+?[0-9.]+\s*(%|pts?|points?)?$"}]}),
+]
+
+
+def limit_problem(key: str, limit: Limit, metric: MetricSpec | None = None) -> str | None:
+    """Why `limit` cannot bound the drop of `key`, or None. Without `metric` (the contract entry
+    as the sweep declared it) only what the key alone shows is checked."""
+    if not key:
+        return "the metric name is empty"
+    if parse_paired_key(key) is not None or key.startswith(PAIRED_PREFIX):
+        return "is a paired statistic; name the quality metric itself (its paired figures are read from the runs)"
+    parsed = EvalKey.parse(key)
+    if (parsed is not None and parsed.stderr) or key.endswith(STDERR_SUFFIX):
+        return "is a standard error, not a quality metric"
+    if key.startswith(_NOT_QUALITY):
+        return "is a cost, not a quality metric: bound it with at_most/at_least or choose it as the objective"
+    if metric is None:
+        if is_eval_score(key):
+            return None  # direction and scale come with the sweep's runs: checked by Policy.drop_rules
+        metric = spec(key)
+    if not metric.entry:
+        return "is not in quantlab's metric contract, so its better direction is unknown"
+    if metric.higher_is_better is None:
+        return "has no known better direction, so a drop cannot be told from a gain"
+    if metric.scale is Scale.FRACTION and limit.kind is LimitKind.RELATIVE:
+        return (f"is a 0-1 metric, whose limits are percentage points: write {key}={limit.amount:g} "
+                f"for {limit.amount:g} pts ('%' could mean points or a share of the score)")
+    if metric.scale is not Scale.FRACTION and limit.kind is LimitKind.POINTS:
+        return (f"is not a 0-1 metric ({metric.scale.value}), so points do not apply: give its own unit "
+                f"({key}={limit.amount:g}) or a limit relative to the baseline ({key}=+{limit.amount:g}%)")
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# The policy
+# --------------------------------------------------------------------------------------
+
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class Policy(BaseModel):
+    """What a variant must meet to be shipped. Every field is optional."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # METRIC -> largest allowed drop against the baseline (see the module's doc for units),
+    # e.g. {"eval/mmlu_dev/acc": 1, "quality/ppl": "+2%"}.
+    max_drop: dict[str, DropLimit] = Field(default_factory=dict)
+    # Percentage points; applies to every 0-1 lm-eval score of known direction the baseline
+    # logged that `max_drop` does not name.
+    max_drop_any_task: float | None = Field(default=1.0, ge=0, allow_inf_nan=False)
+    max_kld: float | None = Field(default=None, ge=0, allow_inf_nan=False)  # bounds quality/kld_mean
+    min_top1_agreement: float | None = Field(default=None, ge=0, le=1)  # 0-1, bounds quality/top1_agreement
+    max_peak_memory_bytes: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    # Any other logged figure, e.g. {"cost/ttft_ms_p99": 200}; a key here overrides the named
+    # field for the same metric.
+    at_most: dict[str, FiniteFloat] = Field(default_factory=dict)
+    at_least: dict[str, FiniteFloat] = Field(default_factory=dict)
+
+    @field_validator("max_drop")
+    @classmethod
+    def _limits_fit_their_metrics(cls, drops: dict[str, Limit]) -> dict[str, Limit]:
+        for key, limit in drops.items():
+            problem = limit_problem(key, limit)
+            if problem:
+                raise PydanticCustomError("drop_limit", "{subject}: {problem}",
+                                          {"subject": f"{key}={limit.text}", "problem": problem})
+        return drops
+
+    @field_validator("at_most", "at_least")
+    @classmethod
+    def _named_metrics(cls, bounds: dict[str, float]) -> dict[str, float]:
+        if any(not key for key in bounds):
+            raise PydanticCustomError("bound", "a bound with an empty metric name")
+        return bounds
+
+    @property
+    def measures_drops(self) -> bool:
+        return bool(self.max_drop) or self.max_drop_any_task is not None
+
+    def drop_rules(self, baseline: Mapping[str, float], declared: Mapping[str, Declared]) -> tuple[DropRule, ...]:
+        """The drop limits made concrete against the baseline's logged metrics: `max_drop_any_task`
+        expands to its 0-1 lm-eval scores of known direction. Raises PolicyError for a named
+        limit that does not fit its metric as the sweep declared it."""
+        rules = []
+        for key, limit in self.max_drop.items():
+            metric = spec(key, declared)
+            value = _finite(baseline.get(key))
+            if value is not None:  # a metric the baseline lacks is reported per variant, not bad input
+                problem = limit_problem(key, limit, metric)
+                if problem:
+                    raise PolicyError("max_drop", f"{key}={limit.text}", problem)
+            rules.append(DropRule(key, metric, limit, limit.allowed(metric, value), value, "max_drop"))
+        if self.max_drop_any_task is not None:
+            limit = Limit(self.max_drop_any_task, LimitKind.POINTS, f"{self.max_drop_any_task:g}")
+            for key in sorted(any_task_metrics(baseline, declared)):
+                if key not in self.max_drop:
+                    metric = spec(key, declared)
+                    rules.append(DropRule(key, metric, limit, limit.allowed(metric, None), baseline[key],
+                                          "max_drop_any_task"))
+        return tuple(rules)
+
+    def bounds(self) -> tuple[Bound, ...]:
+        named_upper = {KLD_MEAN: (self.max_kld, "max_kld"), PEAK_MEMORY: (self.max_peak_memory_bytes, "max_peak_memory_bytes")}
+        upper = {key: (limit, name) for key, (limit, name) in named_upper.items() if limit is not None}
+        upper.update({key: (limit, "at_most") for key, limit in self.at_most.items()})
+        lower = {TOP1_AGREEMENT: (self.min_top1_agreement, "min_top1_agreement")} if self.min_top1_agreement is not None else {}
+        lower.update({key: (limit, "at_least") for key, limit in self.at_least.items()})
+        return (*(Bound(key, limit, True, name) for key, (limit, name) in upper.items()),
+                *(Bound(key, limit, False, name) for key, (limit, name) in lower.items()))
+
+    def check_logged(self, logged: Collection[str]) -> None:
+        """PolicyError for a `max_drop` metric that no run logged (a typo, most likely)."""
+        for key, limit in self.max_drop.items():
+            if key not in logged:
+                raise PolicyError("max_drop", f"{key}={limit.text}", _unlogged_message(key, logged))
+
+
+@dataclass(frozen=True)
+class DropRule:
+    """One drop limit made concrete against the baseline."""
+
+    metric: str
+    spec: MetricSpec  # as the sweep declared it
+    limit: Limit
+    allowed: float | None  # the largest allowed drop in the metric's own units; None: no baseline value
+    baseline_value: float | None
+    source: str  # the policy field it came from: "max_drop" or "max_drop_any_task"
+
+    def describe(self) -> str:
+        return f"{self.metric} at most {self.limit.describe(self.spec, self.baseline_value)} worse than the baseline"
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A plain limit on a logged figure: at most `limit` when `upper`, else at least."""
+
+    metric: str
+    limit: float
+    upper: bool
+    source: str  # the policy field it came from
+
+    def describe(self) -> str:
+        return f"{self.metric} {'at most' if self.upper else 'at least'} {format_value(spec(self.metric), self.limit)}"
+
+
+class PolicyError(ValueError):
+    """A policy that cannot be applied as written. `field` is the policy field; the CLI names its
+    flag, the recipe `frontier.default_policy.<field>`."""
+
+    def __init__(self, field: str, subject: str, reason: str):
+        self.field, self.subject, self.reason = field, subject, reason
+        super().__init__(f"{subject}: {reason}")
+
+    @property
+    def recipe_field(self) -> str:
+        return f"frontier.default_policy.{self.field}"
+
+
+def any_task_metrics(baseline: Mapping[str, float], declared: Mapping[str, Declared]) -> list[str]:
+    """The baseline's 0-1 lm-eval scores of known direction: what `max_drop_any_task` checks."""
+    found = []
+    for key, value in baseline.items():
+        metric = spec(key, declared)
+        if (is_eval_score(key) and _finite(value) is not None and metric.scale is Scale.FRACTION
+                and metric.higher_is_better is not None):
+            found.append(key)
+    return found
+
+
+def unchecked_by_any_task(baseline: Mapping[str, float], declared: Mapping[str, Declared]) -> list[str]:
+    """The baseline's lm-eval scores that `max_drop_any_task` cannot check, with why: to be named."""
+    reasons = []
+    for key in sorted(baseline):
+        if not is_eval_score(key):
+            continue
+        metric = spec(key, declared)
+        if metric.higher_is_better is None:
+            reasons.append(f"{key} (better direction unknown)")
+        elif metric.scale is not Scale.FRACTION:
+            reasons.append(f"{key} (not a 0-1 score: {metric.scale.value}; give it its own max_drop)")
+    return reasons
+
+
+# --------------------------------------------------------------------------------------
+# Command-line text: METRIC=LIMIT
+# --------------------------------------------------------------------------------------
+
+_EXAMPLE = "eval/mmlu_dev/acc=1"
+
+
+def parse_max_drop(text: str) -> tuple[str, Limit]:
+    """`METRIC=LIMIT` -> (metric, limit); ValueError saying what is wrong."""
+    metric, separator, limit_text = text.partition("=")
+    metric, limit_text = metric.strip(), limit_text.strip()
+    if not separator:
+        raise ValueError(f"{text!r}: expected METRIC=LIMIT, e.g. {_EXAMPLE} or quality/ppl=+2%")
+    if not metric:
+        raise ValueError(f"{text!r}: the metric name before '=' is missing")
+    if not limit_text:
+        raise ValueError(f"{text!r}: the limit after '=' is missing")
+    try:
+        return metric, parse_limit(limit_text)
+    except ValueError as error:
+        raise ValueError(f"{metric}={limit_text}: {error}") from None
+
+
+def parse_max_drops(texts: Iterable[str]) -> dict[str, Limit]:
+    drops: dict[str, Limit] = {}
+    for text in texts:
+        metric, limit = parse_max_drop(text)
+        if metric in drops:
+            raise ValueError(f"{metric} given twice ({drops[metric].text} and {limit.text})")
+        drops[metric] = limit
+    return drops
+
+
+def _unlogged_message(metric: str, logged: Collection[str]) -> str:
+    candidates = sorted(key for key in logged if not key.endswith(STDERR_SUFFIX) and not key.startswith(PAIRED_PREFIX))
+    close = difflib.get_close_matches(metric, candidates, n=1)
+    if close:
+        return f"no variant logged this metric; did you mean {close[0]}?"
+    scores = [key for key in candidates if is_eval_score(key)]
+    return f"no variant logged this metric; logged: {', '.join(scores or candidates) or 'none'}"
+
+
+# --------------------------------------------------------------------------------------
+# Values in the metric's own terms
+# --------------------------------------------------------------------------------------
+
+
+def format_value(metric: MetricSpec, value: float | None) -> str:
+    """58.0%, 270.9 MB, 1,234 tok/s, 12.3 ms, 0.03."""
+    if value is None or not math.isfinite(value):
+        return "n/a"
+    if metric.scale is Scale.FRACTION:
+        return f"{value * 100:.1f}%"
+    if metric.scale is Scale.BYTES:
+        for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+            if abs(value) >= size:
+                return f"{value / size:.1f} {unit}"
+        return f"{value:.0f} B"
+    if metric.scale is Scale.TOKENS_PER_S:
+        return f"{value:,.1f} tok/s" if value < 100 else f"{value:,.0f} tok/s"
+    if metric.scale is Scale.MILLISECONDS:
+        return f"{value:,.1f} ms"
+    return f"{value:.4g}" if abs(value) < 1000 else f"{value:,.0f}"
+
+
+def format_change(metric: MetricSpec, change: float, *, signed: bool = True) -> str:
+    """A difference or a drop: percentage points for 0-1 metrics, the metric's own units otherwise."""
+    sign = ("+" if change >= 0 else "-") if signed else ""
+    if metric.scale is Scale.FRACTION:
+        return f"{sign}{abs(change) * 100:.2f} pts"
+    return sign + format_value(metric, abs(change))
+
+
+def _points(amount: float) -> str:
+    return f"{amount:g} pt" if amount == 1 else f"{amount:g} pts"
+
+
+def _finite(value: float | None) -> float | None:
+    if value is None:
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
