@@ -124,6 +124,39 @@ def _from_pretrained_args(source: ModelSource) -> tuple[str, dict]:
     return source.location, kwargs
 
 
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether this machine can reach the model hub now (HF_HUB_OFFLINE says no without asking).
+
+    Asked once before reading a hub model's config: without it, an offline machine spends about
+    40 s in huggingface_hub's retries before saying what one TCP connection says in a moment.
+    """
+    import socket
+    import urllib.parse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    endpoint = urllib.parse.urlsplit(constants.ENDPOINT)
+    try:
+        with socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def in_local_cache(source: ModelSource) -> bool:
+    """Whether a hub model's config is already in the local Hugging Face cache."""
+    from transformers import AutoConfig
+
+    location, kwargs = _from_pretrained_args(source)
+    try:
+        AutoConfig.from_pretrained(location, local_files_only=True, **kwargs)
+    except Exception:  # noqa: BLE001 - any failure means "not usable offline"
+        return False
+    return True
+
+
 def load_config(source: ModelSource) -> PretrainedConfig:
     from transformers import AutoConfig
 

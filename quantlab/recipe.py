@@ -130,6 +130,7 @@ class LoadedRecipe:
     recipe: Recipe
     text: str
     lookups: tuple[Lookup, ...] = ()  # filled by check_recipe; see remember_lookups
+    needs_hub: tuple[str, ...] = ()  # what check_recipe(hub_optional=True) could not check offline
 
     def resolve(self, relative: str) -> Path:
         return (self.path.parent / relative).resolve()
@@ -276,13 +277,19 @@ def _missing_files(data: dict, base_dir: Path, shown: str) -> list[Problem]:
     return problems
 
 
-def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None) -> LoadedRecipe:
+def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None, hub_optional: bool = False) -> LoadedRecipe:
     """Checks that look outside the file: model config and lm-eval's task index. Raises BadInput.
 
     Both are slow to find out (the model's config through transformers, ~10k lm-eval task files)
     and fixed by content. With `cache_root`, what `remember_lookups` stored there after an earlier
     check is read instead; the recipe comes back with what this check looked up.
+
+    A hub model on a machine that cannot reach the hub (and has no cached copy) is bad input for
+    a sweep; with `hub_optional` (`quantlab validate`) the checks that need it are skipped and
+    listed in `needs_hub` instead, with the lm-eval tasks whose data comes from the hub.
     """
+    from quantlab.models import hub_reachable, in_local_cache
+
     from quantlab import cache
     from quantlab.evaluate.lm_eval_runner import known_tasks, task_index_identity, unknown_tasks
     from quantlab.models import linear_input_widths, resolve_source, widths_identity
@@ -299,9 +306,21 @@ def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None) -> Loaded
         return fact
 
     problems: list[Problem] = []
+    needs_hub: list[str] = []
     try:
         source = resolve_source(recipe.model, loaded.path.parent)
-        widths = look_up(widths_identity(source), lambda: linear_input_widths(source))
+        offline_hub_model = (
+            source.kind == "hub" and cache.recall(remembered, widths_identity(source)) is None
+            and not in_local_cache(source) and not hub_reachable()
+        )
+        if offline_hub_model and hub_optional:
+            needs_hub.append(f"model.source: the config of {source.display} (layer widths against group sizes)")
+            widths = None
+        elif offline_hub_model:
+            raise BadInput([Problem("", "", f"{source.display} is a hub model, this machine cannot reach the "
+                                    "hub, and the local Hugging Face cache has no copy")])
+        else:
+            widths = look_up(widths_identity(source), lambda: linear_input_widths(source))
     except BadInput as error:
         problems += [Problem(shown, "model.source", problem.message) for problem in error.problems]
         widths = None
@@ -318,9 +337,30 @@ def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None) -> Loaded
             index = task_names.index(name)
             hint = f" (did you mean '{suggestion}'?)" if suggestion else ""
             problems.append(Problem(shown, f"evals.tasks[{index}].name", f"lm-eval cannot resolve task '{name}'{hint}"))
+    if hub_optional and task_names:
+        local = _tasks_defined_under(loaded.include_path)
+        hub_tasks = [name for name in task_names if name not in local]
+        if hub_tasks:
+            needs_hub.append(f"evals.tasks: the data of {', '.join(hub_tasks)} (lm-eval downloads it when a sweep runs, "
+                             "unless the Hugging Face datasets cache has it)")
     if problems:
         raise BadInput(problems)
-    return replace(loaded, lookups=tuple(lookups))
+    return replace(loaded, lookups=tuple(lookups), needs_hub=tuple(needs_hub))
+
+
+def _tasks_defined_under(include_path: Path | None) -> set[str]:
+    """Task, group and tag names that the YAMLs under include_path define (their data is local or theirs)."""
+    names: set[str] = set()
+    for path in sorted(include_path.rglob("*.yaml")) if include_path else ():
+        try:
+            # lm-eval's YAMLs use custom tags (!function); a plain line scan reads their names.
+            for line in path.read_text(encoding="utf-8").splitlines():
+                key, _, value = line.partition(":")
+                if key in ("task", "group", "tag") and value.strip():
+                    names.add(value.strip().strip("'\""))
+        except (OSError, UnicodeDecodeError):
+            continue
+    return names
 
 
 def remember_lookups(loaded: LoadedRecipe, cache_root: Path) -> None:
@@ -332,6 +372,6 @@ def remember_lookups(loaded: LoadedRecipe, cache_root: Path) -> None:
         cache.remember(cache_root / RECIPE_CHECKS_DIR, lookup.identity, lookup.fact)
 
 
-def validate(path: str | Path, cache_root: Path | None = None) -> LoadedRecipe:
+def validate(path: str | Path, cache_root: Path | None = None, hub_optional: bool = False) -> LoadedRecipe:
     """Everything a sweep needs to know before spending compute. Raises BadInput."""
-    return check_recipe(load_recipe(path), cache_root)
+    return check_recipe(load_recipe(path), cache_root, hub_optional)
