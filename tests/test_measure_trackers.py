@@ -1,4 +1,4 @@
-"""Trackers on CPU: percentiles, peak RSS, GPU-only figures absent with a reason, clocks, bandwidth."""
+"""Trackers on CPU: peak RSS, GPU-only figures absent with a reason, clocks, bandwidth."""
 
 from __future__ import annotations
 
@@ -8,36 +8,10 @@ import torch
 from quantlab.measure import trackers
 from quantlab.measure.bandwidth import measure_copy_bandwidth
 from quantlab.measure.clocks import CpuClock, clock_for
-from quantlab.measure.stats import median, percentile
 from quantlab.measure.trackers import EnergyTracker, MemoryTracker
 
 CPU = [torch.device("cpu")]
 MB = 1_000_000
-
-
-@pytest.mark.parametrize(
-    ("samples", "q", "expected"),
-    [
-        (list(range(1, 11)), 50, 5.5),  # rank 4.5: midway between 5 and 6
-        (list(range(1, 11)), 90, 9.1),  # rank 8.1
-        (list(range(1, 11)), 99, 9.91),  # rank 8.91
-        (list(range(1, 11)), 0, 1),
-        (list(range(1, 11)), 100, 10),
-        ([10, 1, 7], 50, 7),  # order of samples does not matter
-        ([3.0], 99, 3.0),
-        ([2, 4], 75, 3.5),
-    ],
-)
-def test_percentiles_of_known_samples(samples, q, expected):
-    assert percentile(samples, q) == pytest.approx(expected)
-
-
-def test_percentile_refuses_nonsense():
-    with pytest.raises(ValueError):
-        percentile([], 50)
-    with pytest.raises(ValueError):
-        percentile([1], 101)
-    assert median([4, 1, 3, 2]) == 2.5
 
 
 def allocate_and_hold(megabytes: int) -> torch.Tensor:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from quantlab.measure.clocks import clock_for
-from quantlab.measure.stats import median
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> B
         samples.append(2 * nbytes / clock.seconds(start, end))
     del source, target
     return BandwidthReading(
-        bytes_per_s=median(samples),
+        bytes_per_s=float(np.median(samples)),
         samples_bytes_per_s=tuple(samples),
         method=f"torch copy of {nbytes} B on {device} (read + write counted), median of {repeats}",
     )

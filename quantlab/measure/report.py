@@ -12,11 +12,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from quantlab.measure.bandwidth import BandwidthReading
 from quantlab.measure.generation import GenerationTiming
 from quantlab.measure.modeled import ModeledCost
 from quantlab.measure.provenance import Provenance
-from quantlab.measure.stats import median, percentile
 from quantlab.measure.trackers import EnergyReading, MemoryReading
 
 TAG_PREFIX = "quantlab.cost."
@@ -79,7 +80,7 @@ class BatchFigures:
         """`local_roofline`: decode tokens/s ceiling on this hardware, or why there is none."""
         ttft_ms = [timing.first_token_s * 1000 for timing in timings]
         itl_ms = [step * 1000 for timing in timings for step in timing.inter_token_s]
-        decode = median([timing.decode_tokens_per_s for timing in timings])
+        decode = float(np.median([timing.decode_tokens_per_s for timing in timings]))
         generated = sum(timing.batch_size * timing.output_tokens for timing in timings)
         unavailable = {}
         if energy.joules is None:
@@ -90,10 +91,10 @@ class BatchFigures:
         roofline = None if isinstance(local_roofline, str) else local_roofline
         return cls(
             batch_size=timings[0].batch_size,
-            prefill_tokens_per_s=median([timing.prefill_tokens_per_s for timing in timings]),
+            prefill_tokens_per_s=float(np.median([timing.prefill_tokens_per_s for timing in timings])),
             decode_tokens_per_s=decode,
-            **{f"ttft_ms_p{q}": percentile(ttft_ms, q) for q in PERCENTILES},
-            **{f"itl_ms_p{q}": percentile(itl_ms, q) for q in PERCENTILES},
+            **{f"ttft_ms_p{q}": float(np.percentile(ttft_ms, q)) for q in PERCENTILES},
+            **{f"itl_ms_p{q}": float(np.percentile(itl_ms, q)) for q in PERCENTILES},
             energy_joules_per_token=None if energy.joules is None else energy.joules / generated,
             local_roofline_decode_tokens_per_s=roofline,
             roofline_efficiency=None if roofline is None else decode / roofline,
