@@ -120,16 +120,27 @@ def fresh_scratch(target: Path) -> Path:
 
 
 @contextmanager
-def writing(checkpoint: Path, identity: dict[str, Any]) -> Iterator[Path]:
-    """Yield a scratch directory; on success it becomes `checkpoint`, on failure it is removed."""
-    scratch = fresh_scratch(checkpoint)
+def atomic_directory(target: Path, *, replace_existing: bool = False) -> Iterator[Path]:
+    """Yield an empty scratch directory beside `target` (same file system, so the final rename is
+    atomic); on success it becomes `target`, on failure it is removed. An existing `target` is
+    replaced with `replace_existing`; otherwise a complete one another process wrote first wins."""
+    scratch = fresh_scratch(target)
     try:
         yield scratch
-        (scratch / COMPLETE_MARKER).write_text(json.dumps(identity, indent=2, sort_keys=True, default=str))
-        _move_into_place(scratch, checkpoint)
+        if replace_existing and target.exists():
+            shutil.rmtree(target)
+        _move_into_place(scratch, target)
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
+
+
+@contextmanager
+def writing(checkpoint: Path, identity: dict[str, Any]) -> Iterator[Path]:
+    """A checkpoint written atomically, with the completion marker that `is_complete` reads."""
+    with atomic_directory(checkpoint) as scratch:
+        yield scratch
+        (scratch / COMPLETE_MARKER).write_text(json.dumps(identity, indent=2, sort_keys=True, default=str))
 
 
 def _move_into_place(scratch: Path, checkpoint: Path) -> None:

@@ -58,8 +58,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,9 +185,7 @@ def write_reference(
     n_scored = sum(w.n_scored for w in windows)
     out_dir = Path(out_dir)
     _refuse_foreign(out_dir)
-    # Same parent, so the final rename stays on one filesystem and is atomic.
-    staging = cache.fresh_scratch(out_dir)
-    try:
+    with cache.atomic_directory(out_dir, replace_existing=True) as staging:
         np.save(staging / TOKENS_FILE, token_ids.numpy().astype(np.int32))
         nll = np.empty(n_scored, dtype=np.float32)
         top1 = np.empty(n_scored, dtype=np.int32)
@@ -223,12 +219,6 @@ def write_reference(
             "logprobs_dtype": "float16",
         }
         (staging / INFO_FILE).write_text(json.dumps(info, indent=1))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return read_reference(out_dir)
 
 
