@@ -27,7 +27,7 @@ import difflib
 import math
 import re
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Annotated, Any
 
@@ -69,7 +69,7 @@ class LimitKind(str, Enum):
 class Limit:
     amount: float  # as written: points, the metric's unit, or percent of the baseline
     kind: LimitKind
-    text: str  # as the user wrote it, for messages and the decision record
+    text: str = field(compare=False)  # as the user wrote it, for messages and the record ("1" == "1.0")
 
     def allowed(self, metric: MetricSpec, baseline_value: float | None) -> float | None:
         """The largest allowed drop in the metric's own units (0-1 for fractions); None when a
@@ -79,16 +79,6 @@ class Limit:
         if self.kind is LimitKind.RELATIVE:
             return None if baseline_value is None else self.amount / 100 * abs(baseline_value)
         return self.amount
-
-    def describe(self, metric: MetricSpec, baseline_value: float | None = None) -> str:
-        """'1 pt', '0.5', '+2% of the baseline (0.2)'."""
-        if metric.scale is Scale.FRACTION:
-            return _points(self.amount)
-        if self.kind is LimitKind.RELATIVE:
-            allowed = self.allowed(metric, baseline_value)
-            shown = "" if allowed is None else f" ({format_value(metric, allowed)})"
-            return f"+{self.amount:g}% of the baseline{shown}"
-        return format_value(metric, self.amount)
 
 
 _UNIT = re.compile(r"^(?P<number>.*?)\s*(?P<unit>%|pts?|points?)?$", re.IGNORECASE)
@@ -260,9 +250,6 @@ class DropRule:
     baseline_value: float | None
     source: str  # the policy field it came from: "max_drop" or "max_drop_any_task"
 
-    def describe(self) -> str:
-        return f"{self.metric} at most {self.limit.describe(self.spec, self.baseline_value)} worse than the baseline"
-
 
 @dataclass(frozen=True)
 class Bound:
@@ -272,9 +259,6 @@ class Bound:
     limit: float
     upper: bool
     source: str  # the policy field it came from
-
-    def describe(self) -> str:
-        return f"{self.metric} {'at most' if self.upper else 'at least'} {format_value(spec(self.metric), self.limit)}"
 
 
 class PolicyError(ValueError):
@@ -386,10 +370,6 @@ def format_change(metric: MetricSpec, change: float, *, signed: bool = True) -> 
     if metric.scale is Scale.FRACTION:
         return f"{sign}{abs(change) * 100:.2f} pts"
     return sign + format_value(metric, abs(change))
-
-
-def _points(amount: float) -> str:
-    return f"{amount:g} pt" if amount == 1 else f"{amount:g} pts"
 
 
 def _finite(value: float | None) -> float | None:
