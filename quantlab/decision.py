@@ -1,49 +1,38 @@
-"""Pick the variant to ship: the cheapest one that meets every constraint (pure).
+"""Pick the variant to ship: the best by the objective among those shown to meet the policy (pure).
 
-Constraints are what a release manager says out loud: "at most 1 point lost on any task,
-mean KL under 0.05, fits in 16 GB". `pick` checks every variant against every constraint
-and returns a `Decision` that names the chosen variant and, for each other variant, the
-reasons it was not chosen. A metric that a constraint needs and a variant did not log
-rejects that variant with that reason: a missing measurement never counts as a pass.
+A policy (`quantlab.policy.Policy`) is what a release manager says out loud: "at most 1 point
+lost on any task, mean KL under 0.05, fits in 16 GB". `pick` checks every variant against every
+limit and returns a `Decision` that names the chosen variant and, for each other one, why not.
 
-Drops are judged on the point estimate. A drop over the limit but smaller than its
-standard error is still rejected (a small eval set must not wave every variant through),
-and the reason says it is within noise so the reader can weigh it.
+Drops are judged by non-inferiority on the paired statistics each variant run logged against the
+baseline (`quality/paired/<metric>/{diff,se,n}`): a drop check passes when the one-sided 95%
+upper bound of the drop is within the limit ("shown within the limit"), fails when even the
+lower bound exceeds it ("shown over the limit"), and otherwise is undecided ("not enough
+evidence"), with about how many documents would settle it. Without logged paired statistics a
+drop check is undecided too: a point estimate alone, or two unpaired standard errors, decide
+nothing. Only a variant whose every check passes can be chosen; one with an undecided check and
+no failed one is UNDECIDED, and the summary says what it would take.
+
+Bounds on measured figures (max KL, min top-1 agreement, max memory, at_most/at_least) compare
+the logged value. A metric a check needs that a variant did not log rejects that variant: a
+missing measurement never counts as a pass.
 """
 
 from __future__ import annotations
 
-import difflib
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any, Union
 
-from quantlab.frontier import (
-    STDERR_SUFFIX,
-    Axis,
-    PolicySettings,
-    Unit,
-    VariantSummary,
-    ensure_unique_names,
-    format_difference,
-    format_metric,
-    is_eval_quality_metric,
-    metric_info,
-    quality_delta,
-)
-
-KLD_MEAN = "quality/kld_mean"
-TOP1_AGREEMENT = "quality/top1_agreement"
-PEAK_MEMORY = "cost/peak_memory_bytes"
+from quantlab.frontier import Axis, VariantSummary, ensure_unique_names
+from quantlab.metrics import MetricSpec, Scale, paired_key, spec
+from quantlab.paired import Outcome, non_inferiority
+from quantlab.policy import KLD_MEAN, Bound, DropRule, LimitKind, Policy, format_change, format_value, unchecked_by_any_task
 
 # Float arithmetic turns a 1.0-point drop into 1.0000000000000009 points: forgive that much.
 _RELATIVE_TOLERANCE = 1e-9
-
-
-class ConstraintParseError(ValueError):
-    """A constraint given on the command line that cannot be understood."""
 
 
 class DecisionError(ValueError):
@@ -51,96 +40,133 @@ class DecisionError(ValueError):
 
 
 # --------------------------------------------------------------------------------------
-# Constraints and the checks they expand to
+# One check of one variant
 # --------------------------------------------------------------------------------------
+
+
+class CheckStatus(str, Enum):
+    PASSED = "passed"
+    FAILED = "failed"
+    UNDECIDED = "undecided"  # not enough evidence either way: not a pass
+
+
+_BY_OUTCOME = {Outcome.WITHIN: CheckStatus.PASSED, Outcome.OVER: CheckStatus.FAILED, Outcome.UNSURE: CheckStatus.UNDECIDED}
 
 
 @dataclass(frozen=True)
 class CheckResult:
-    constraint: str  # the constraint in words
+    constraint: str  # the limit in words
     metric: str
-    passed: bool
-    detail: str  # what was measured; the rejection reason when not passed
-    within_noise: bool = False
+    status: CheckStatus
+    detail: str  # the verdict in words, with the interval; the reason when not passed
+    # Drop checks only, in the metric's own units (0-1 for fractions; positive = worse):
+    outcome: Outcome | None = None
+    drop: float | None = None
+    lower: float | None = None  # one-sided 95% bounds of the drop
+    upper: float | None = None
+    limit: float | None = None  # the largest allowed drop
+    n: int | None = None  # documents (or tokens) paired
+    documents_needed: int | None = None  # undecided: about how many would settle it
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "constraint": self.constraint,
-            "metric": self.metric,
-            "passed": self.passed,
-            "detail": self.detail,
-            "within_noise": self.within_noise,
-        }
-
-
-def _missing(metric: str, constraint: str) -> CheckResult:
-    return CheckResult(constraint, metric, False, f"missing metric {metric}")
-
-
-def _within(value: float, limit: float, *, upper: bool) -> bool:
-    slack = _RELATIVE_TOLERANCE * max(1.0, abs(limit))
-    return value <= limit + slack if upper else value >= limit - slack
+    @property
+    def passed(self) -> bool:
+        return self.status is CheckStatus.PASSED
 
 
 @dataclass(frozen=True)
-class MaxDrop:
-    """Lose at most `max_points` percentage points of `metric` against the baseline."""
+class DropCheck:
+    """Lose at most `rule.allowed` of `rule.metric` against the baseline, shown by non-inferiority."""
 
-    metric: str
-    max_points: float
-    higher_is_better: bool
+    rule: DropRule
 
     def describe(self) -> str:
-        return f"{self.metric} at most {self.max_points:g} pts worse than the baseline"
+        return f"{self.rule.metric} at most {_limit_words(self.rule)} worse than the baseline"
 
     def evaluate(self, variant: VariantSummary, baseline: VariantSummary) -> CheckResult:
-        if baseline.value(self.metric) is None:
-            return CheckResult(
-                self.describe(), self.metric, False, f"baseline lacks metric {self.metric}"
-            )
-        delta = quality_delta(variant, baseline, self.metric, self.higher_is_better)
-        if delta is None:
-            return _missing(self.metric, self.describe())
-        worsening = -delta.difference if self.higher_is_better else delta.difference
-        drop_points = worsening * 100
-        passed = _within(drop_points, self.max_points, upper=True)
-        if passed:
-            change = format_difference(self.metric, delta.difference)
-            detail = f"{self.metric} {change} vs the baseline (limit: {self.max_points:g} pts lost)"
-        else:
-            detail = (
-                f"{self.metric} dropped {drop_points:.2f} pts, over the {self.max_points:g} pts limit"
-            )
-        if delta.within_noise:
-            noise = format_difference(self.metric, delta.combined_stderr or 0.0, signed=False)
-            detail += f", within noise (±{noise})"
-        return CheckResult(self.describe(), self.metric, passed, detail, delta.within_noise)
-
-
-@dataclass(frozen=True)
-class Bound:
-    """An absolute limit on a metric: at most `limit` when `upper`, else at least."""
-
-    metric: str
-    limit: float
-    upper: bool
-
-    def describe(self) -> str:
-        relation = "at most" if self.upper else "at least"
-        return f"{self.metric} {relation} {format_metric(self.metric, self.limit)}"
-
-    def evaluate(self, variant: VariantSummary, baseline: VariantSummary) -> CheckResult:
-        value = variant.value(self.metric)
+        rule, metric = self.rule, self.rule.metric
+        result = _drop_result(self.describe(), metric)
+        if rule.baseline_value is None or rule.allowed is None:
+            return result(CheckStatus.FAILED, f"baseline lacks metric {metric}")
+        if variant.name == baseline.name:
+            # Compared with itself the difference is zero on every document: nothing to estimate.
+            return result(CheckStatus.PASSED, f"{metric}: the baseline itself, no drop by definition",
+                          outcome=Outcome.WITHIN, drop=0.0, lower=0.0, upper=0.0, limit=rule.allowed)
+        value = variant.value(metric)
         if value is None:
-            return _missing(self.metric, self.describe())
-        passed = _within(value, self.limit, upper=self.upper)
-        shown, limit = format_metric(self.metric, value), format_metric(self.metric, self.limit)
-        if passed:
-            detail = f"{self.metric} is {shown}"
-        else:
-            side = "above the maximum" if self.upper else "below the minimum"
-            detail = f"{self.metric} is {shown}, {side} of {limit}"
-        return CheckResult(self.describe(), self.metric, passed, detail)
+            return result(CheckStatus.FAILED, f"missing metric {metric}")
+        diff, se = variant.value(paired_key(metric, "diff")), variant.value(paired_key(metric, "se"))
+        n = int(variant.value(paired_key(metric, "n")) or 0)
+        if diff is None or se is None:
+            shown = f"{format_value(rule.spec, rule.baseline_value)} -> {format_value(rule.spec, value)}"
+            return result(CheckStatus.UNDECIDED, f"{metric}: {Outcome.UNSURE.value}: no paired statistics logged ({shown})",
+                          outcome=Outcome.UNSURE, limit=rule.allowed)
+        drop = -diff if rule.spec.higher_is_better else diff
+        found = non_inferiority(drop, se, n, rule.allowed)
+        return result(
+            _BY_OUTCOME[found.outcome], _non_inferiority_words(rule, found.outcome, drop, found.lower, found.upper, n,
+                                                              found.documents_needed),
+            outcome=found.outcome, drop=drop, lower=found.lower, upper=found.upper, limit=rule.allowed, n=n,
+            documents_needed=found.documents_needed,
+        )
+
+
+def _drop_result(constraint: str, metric: str):
+    def result(status: CheckStatus, detail: str, **figures: Any) -> CheckResult:
+        return CheckResult(constraint, metric, status, detail, **figures)
+    return result
+
+
+def _non_inferiority_words(
+    rule: DropRule, outcome: Outcome, drop: float, lower: float, upper: float, n: int, needed: int | None
+) -> str:
+    """'eval/x/acc: shown over the limit: drop 2.00 pts, one-sided 95% bounds [1.11, 2.89] pts, limit 1 pt (paired, n=1000)'."""
+    metric = rule.spec
+    text = (f"{rule.metric}: {outcome.value}: drop {_amount(metric, drop)}, one-sided 95% bounds "
+            f"[{_amount(metric, lower)}, {_amount(metric, upper)}], limit {_limit_words(rule)} (paired, n={n:,})")
+    if outcome is Outcome.UNSURE:
+        text += f"; about {needed:,} documents would settle it" if needed else "; more documents would settle it"
+    return text
+
+
+def _amount(metric: MetricSpec, amount: float) -> str:
+    # A drop is shown unsigned; a negative one (a gain) keeps its sign.
+    return format_change(metric, amount, signed=amount < 0)
+
+
+def _limit_words(rule: DropRule) -> str:
+    """'1 pt', '0.5', '+2% of the baseline (0.2)'."""
+    limit, metric = rule.limit, rule.spec
+    if metric.scale is Scale.FRACTION:
+        return f"{limit.amount:g} pt" if limit.amount == 1 else f"{limit.amount:g} pts"
+    if limit.kind is LimitKind.RELATIVE:
+        allowed = "" if rule.allowed is None else f" ({format_value(metric, rule.allowed)})"
+        return f"+{limit.amount:g}% of the baseline{allowed}"
+    return format_value(metric, limit.amount)
+
+
+@dataclass(frozen=True)
+class BoundCheck:
+    """A plain limit on a logged figure."""
+
+    bound: Bound
+
+    def describe(self) -> str:
+        shown = format_value(spec(self.bound.metric), self.bound.limit)
+        return f"{self.bound.metric} {'at most' if self.bound.upper else 'at least'} {shown}"
+
+    def evaluate(self, variant: VariantSummary, baseline: VariantSummary) -> CheckResult:
+        metric, limit, upper = self.bound.metric, self.bound.limit, self.bound.upper
+        value = variant.value(metric)
+        if value is None:
+            return CheckResult(self.describe(), metric, CheckStatus.FAILED, f"missing metric {metric}")
+        slack = _RELATIVE_TOLERANCE * max(1.0, abs(limit))
+        passed = value <= limit + slack if upper else value >= limit - slack
+        contract = variant.spec(metric)
+        shown = f"{metric} is {format_value(contract, value)}"
+        if not passed:
+            side = "above the maximum" if upper else "below the minimum"
+            shown += f", {side} of {format_value(contract, limit)}"
+        return CheckResult(self.describe(), metric, CheckStatus.PASSED if passed else CheckStatus.FAILED, shown)
 
 
 @dataclass(frozen=True)
@@ -154,122 +180,22 @@ class BaselineUsable:
 
     def evaluate(self, variant: VariantSummary, baseline: VariantSummary) -> CheckResult:
         detail = f"baseline {self.baseline} failed, so drops against it cannot be measured"
-        return CheckResult(self.describe(), "", False, detail)
+        return CheckResult(self.describe(), "", CheckStatus.FAILED, detail)
 
 
-Check = Union[MaxDrop, Bound, BaselineUsable]
+Check = Union[DropCheck, BoundCheck, BaselineUsable]
 
 
-def _check_limits(name: str, limits: Mapping[str, float], *, non_negative: bool) -> None:
-    for metric, limit in limits.items():
-        if not metric:
-            raise ValueError(f"{name}: empty metric name")
-        if not math.isfinite(limit):
-            raise ValueError(f"{name}: limit for {metric} must be a finite number, got {limit}")
-        if non_negative and limit < 0:
-            raise ValueError(f"{name}: limit for {metric} must be >= 0, got {limit}")
-
-
-@dataclass(frozen=True)
-class Constraints:
-    """What a variant must meet to be shippable. Every field is optional."""
-
-    # Percentage points of a 0-1 metric, e.g. {"eval/mmlu_dev/acc": 1.0}.
-    max_drop_points: Mapping[str, float] = field(default_factory=dict)
-    # Applies to every 0-1 `eval/<task>/<metric>` the baseline logged and max_drop_points omits.
-    max_drop_points_any_task: float | None = None
-    max_kld_mean: float | None = None
-    min_top1_agreement: float | None = None
-    max_peak_memory_bytes: float | None = None
-    # Any other logged metric, e.g. {"cost/ttft_ms_p99": 200.0}; a key here overrides the
-    # named field for the same metric.
-    at_most: Mapping[str, float] = field(default_factory=dict)
-    at_least: Mapping[str, float] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        _check_limits("max drop", self.max_drop_points, non_negative=True)
-        if self.max_drop_points_any_task is not None:
-            _check_limits("max drop (any task)", {"*": self.max_drop_points_any_task}, non_negative=True)
-        _check_limits("at most", self._upper_bounds(), non_negative=False)
-        _check_limits("at least", self._lower_bounds(), non_negative=False)
-
-    @classmethod
-    def from_policy(cls, policy: PolicySettings) -> Constraints:
-        return cls(
-            max_drop_points=dict(policy.max_drop),
-            max_drop_points_any_task=policy.max_drop_any_task,
-            max_kld_mean=policy.max_kld,
-            min_top1_agreement=policy.min_top1_agreement,
-            max_peak_memory_bytes=policy.max_peak_memory_bytes,
-        )
-
-    def _upper_bounds(self) -> dict[str, float]:
-        named = {KLD_MEAN: self.max_kld_mean, PEAK_MEMORY: self.max_peak_memory_bytes}
-        return {**{k: v for k, v in named.items() if v is not None}, **self.at_most}
-
-    def _lower_bounds(self) -> dict[str, float]:
-        named = {TOP1_AGREEMENT: self.min_top1_agreement}
-        return {**{k: v for k, v in named.items() if v is not None}, **self.at_least}
-
-    @property
-    def measures_drops(self) -> bool:
-        return bool(self.max_drop_points) or self.max_drop_points_any_task is not None
-
-    def checks_for(self, baseline: VariantSummary) -> tuple[Check, ...]:
-        """The concrete checks: the any-task limit expands to the baseline's 0-1 eval metrics."""
-        checks: list[Check] = []
-        if self.measures_drops and not baseline.succeeded:
-            checks.append(BaselineUsable(baseline.name))
-        drops = dict(self.max_drop_points)
-        if self.max_drop_points_any_task is not None:
-            for metric in sorted(baseline.metrics):
-                if _is_task_fraction(metric) and metric not in drops:
-                    drops[metric] = self.max_drop_points_any_task
-        checks += [
-            MaxDrop(metric, points, _drop_direction(metric)) for metric, points in drops.items()
-        ]
-        checks += [Bound(metric, limit, upper=True) for metric, limit in self._upper_bounds().items()]
-        checks += [Bound(metric, limit, upper=False) for metric, limit in self._lower_bounds().items()]
-        return tuple(checks)
-
-    def describe(self) -> tuple[str, ...]:
-        """The constraints in words, before expansion against a baseline."""
-        lines = [
-            MaxDrop(metric, points, _drop_direction(metric)).describe()
-            for metric, points in self.max_drop_points.items()
-        ]
-        if self.max_drop_points_any_task is not None:
-            others = "every other" if self.max_drop_points else "every"
-            lines.append(
-                f"{others} 0-1 eval metric at most {self.max_drop_points_any_task:g} pts worse "
-                "than the baseline"
-            )
-        lines += [Bound(m, v, upper=True).describe() for m, v in self._upper_bounds().items()]
-        lines += [Bound(m, v, upper=False).describe() for m, v in self._lower_bounds().items()]
-        return tuple(lines)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "max_drop_points": dict(self.max_drop_points),
-            "max_drop_points_any_task": self.max_drop_points_any_task,
-            "max_kld_mean": self.max_kld_mean,
-            "min_top1_agreement": self.min_top1_agreement,
-            "max_peak_memory_bytes": self.max_peak_memory_bytes,
-            "at_most": dict(self.at_most),
-            "at_least": dict(self.at_least),
-        }
-
-
-def _is_task_fraction(metric: str) -> bool:
-    info = metric_info(metric)
-    return is_eval_quality_metric(metric) and info.unit is Unit.FRACTION and info.higher_is_better is not None
-
-
-def _drop_direction(metric: str) -> bool:
-    # A "drop" is a loss in the metric's known direction; an unknown metric (a custom task's
-    # score) is taken to be higher-is-better, as the word "drop" implies.
-    known = metric_info(metric).higher_is_better
-    return True if known is None else known
+def checks_for(policy: Policy, baseline: VariantSummary) -> tuple[Check, ...]:
+    """The concrete checks of a policy against a baseline (raises PolicyError for a limit that
+    does not fit its metric as the sweep declared it)."""
+    checks: list[Check] = []
+    if policy.measures_drops and not baseline.succeeded:
+        checks.append(BaselineUsable(baseline.name))
+    else:
+        checks += [DropCheck(rule) for rule in policy.drop_rules(baseline.metrics, baseline.declared)]
+    checks += [BoundCheck(bound) for bound in policy.bounds()]
+    return tuple(checks)
 
 
 # --------------------------------------------------------------------------------------
@@ -279,9 +205,23 @@ def _drop_direction(metric: str) -> bool:
 
 class Status(str, Enum):
     CHOSEN = "chosen"
-    COSTS_MORE = "costs_more"  # satisfies every constraint, but another is cheaper
+    COSTS_MORE = "costs_more"  # shown within every limit, but another is better by the objective
+    UNDECIDED = "undecided"  # no limit shown exceeded, but not every one shown met: not enough evidence
     REJECTED = "rejected"
     FAILED = "failed"
+
+
+    @property
+    def words(self) -> str:
+        """The status as the report and `pick` say it."""
+        return _STATUS_WORDS[self]
+
+
+_STATUS_WORDS = {
+    Status.CHOSEN: "chosen", Status.COSTS_MORE: "shown within every limit, costs more",
+    Status.UNDECIDED: "not enough evidence", Status.REJECTED: "rejected", Status.FAILED: "failed",
+}
+_RANK = {Status.CHOSEN: 0, Status.COSTS_MORE: 1, Status.UNDECIDED: 2, Status.REJECTED: 3, Status.FAILED: 4}
 
 
 @dataclass(frozen=True)
@@ -291,15 +231,8 @@ class Verdict:
     reasons: tuple[str, ...]  # empty for the chosen variant
     objective_value: float | None
     checks: tuple[CheckResult, ...]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "status": self.status.value,
-            "reasons": list(self.reasons),
-            "objective_value": self.objective_value,
-            "checks": [check.to_dict() for check in self.checks],
-        }
+    # UNDECIDED: about how many documents would settle its undecided checks (None: unknown).
+    documents_needed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -307,9 +240,10 @@ class Decision:
     chosen: str | None
     baseline: str
     objective: Axis
-    constraints: Constraints
-    checks: tuple[str, ...]  # the constraints as checked, after expansion
-    verdicts: tuple[Verdict, ...]  # chosen first, then cheapest first
+    policy: Policy
+    checks: tuple[str, ...]  # the limits as checked, after expansion against the baseline
+    verdicts: tuple[Verdict, ...]  # chosen first, then by status and objective
+    unchecked: tuple[str, ...] = ()  # lm-eval scores max_drop_any_task could not check, with why
 
     @property
     def reasons(self) -> dict[str, tuple[str, ...]]:
@@ -323,14 +257,23 @@ class Decision:
     def summary(self) -> str:
         direction = "higher" if self.objective.higher_is_better else "lower"
         objective = f"{self.objective.metric} ({direction} is better)"
+        undecided = self._undecided_better_than_chosen()
         if self.chosen is None:
-            return f"No variant satisfies every constraint; nothing chosen (objective: {objective})."
+            head = ("No variant shown within the limits; nothing chosen" if undecided
+                    else "No variant satisfies every constraint; nothing chosen")
+            return f"{head} (objective: {objective}).{_would_need(undecided)}"
         passing = sum(v.status in (Status.CHOSEN, Status.COSTS_MORE) for v in self.verdicts)
-        value = format_metric(self.objective.metric, self.verdict(self.chosen).objective_value)
-        return (
-            f"Chosen: {self.chosen}, the best by {objective} at {value} among "
-            f"{passing} of {len(self.verdicts)} variants that satisfy every constraint."
-        )
+        value = _shown(self.objective, self.verdict(self.chosen).objective_value)
+        text = (f"Chosen: {self.chosen}, the best by {objective} at {value} among "
+                f"{passing} of {len(self.verdicts)} variants shown within every limit.")
+        if undecided:
+            text += f" Better by the objective but not shown within the limits:{_would_need(undecided)}"
+        return text
+
+    def _undecided_better_than_chosen(self) -> list[Verdict]:
+        chosen = self.verdict(self.chosen).objective_value if self.chosen else None
+        return [v for v in self.verdicts if v.status is Status.UNDECIDED and (
+            chosen is None or v.objective_value is None or self.objective.is_better(v.objective_value, chosen))]
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON decision record."""
@@ -339,170 +282,111 @@ class Decision:
             "summary": self.summary,
             "baseline": self.baseline,
             "objective": self.objective.to_dict(),
-            "constraints": self.constraints.to_dict(),
+            "policy": self.policy.model_dump(mode="json"),
             "checks": list(self.checks),
-            "variants": [verdict.to_dict() for verdict in self.verdicts],
+            "unchecked": list(self.unchecked),
+            "variants": [asdict(verdict, dict_factory=_plain) for verdict in self.verdicts],
         }
 
 
-def pick(
-    variants: Sequence[VariantSummary],
-    baseline_name: str,
-    constraints: Constraints,
-    objective: Axis,
-) -> Decision:
-    """The best variant by `objective` among those that satisfy every constraint.
+def _plain(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    return {key: value.value if isinstance(value, Enum) else value for key, value in items}
 
-    Ties on the objective go to the smaller total drop over the checked eval metrics, then
-    the lower mean KL, then the name, so the same inputs always give the same answer.
+
+def _shown(objective: Axis, value: float | None) -> str:
+    return format_value(spec(objective.metric), value)
+
+
+def _would_need(undecided: Sequence[Verdict]) -> str:
+    words = [f"{v.name} would need ~{v.documents_needed:,} documents" if v.documents_needed
+             else f"{v.name} lacks paired evidence" for v in undecided]
+    return f" {'; '.join(words)}." if words else ""
+
+
+def pick(variants: Sequence[VariantSummary], baseline_name: str, policy: Policy, objective: Axis) -> Decision:
+    """The best variant by `objective` among those shown within every limit of `policy`.
+
+    Ties on the objective go to the smaller use of the drop limits (sum of drop / limit over the
+    drop checks), then the lower mean KL, then the name, so the same inputs give the same answer.
     """
     ensure_unique_names(variants)
     baseline = next((v for v in variants if v.name == baseline_name), None)
     if baseline is None:
         names = ", ".join(v.name for v in variants) or "none"
         raise DecisionError(f"baseline {baseline_name!r} is not among the variants ({names})")
-    checks = constraints.checks_for(baseline)
+    checks = checks_for(policy, baseline)
     judged = {variant.name: _judge(variant, baseline, checks, objective) for variant in variants}
 
-    satisfying = [v for v in variants if judged[v.name].status is Status.COSTS_MORE]
-    satisfying.sort(key=lambda v: (objective.sort_key(judged[v.name].objective_value),  # type: ignore[arg-type]
-                                   *_quality_tie_break(v, baseline, checks), v.name))
-    chosen = judged[satisfying[0].name] if satisfying else None
+    by_name = {variant.name: variant for variant in variants}
+    satisfying = sorted(
+        (verdict for verdict in judged.values() if verdict.status is Status.COSTS_MORE),
+        key=lambda v: (objective.sort_key(v.objective_value), *_quality_tie_break(v, by_name[v.name]), v.name),  # type: ignore[arg-type]
+    )
+    chosen = satisfying[0] if satisfying else None
     if chosen is not None:
         judged[chosen.name] = _with_status(chosen, Status.CHOSEN, ())
-        for variant in satisfying[1:]:
-            runner_up = judged[variant.name]
-            judged[variant.name] = _with_status(
-                runner_up, Status.COSTS_MORE, (_costs_more_reason(runner_up, chosen, objective),)
-            )
+        for runner_up in satisfying[1:]:
+            judged[runner_up.name] = _with_status(runner_up, Status.COSTS_MORE, (_costs_more_reason(runner_up, chosen, objective),))
 
-    rank = {Status.CHOSEN: 0, Status.COSTS_MORE: 1, Status.REJECTED: 2, Status.FAILED: 3}
-    ordered = sorted(
-        judged.values(),
-        key=lambda v: (
-            rank[v.status],
-            math.inf if v.objective_value is None else objective.sort_key(v.objective_value),
-            v.name,
-        ),
-    )
+    ordered = sorted(judged.values(), key=lambda v: (
+        _RANK[v.status], math.inf if v.objective_value is None else objective.sort_key(v.objective_value), v.name))
     return Decision(
         chosen=chosen.name if chosen else None,
         baseline=baseline.name,
         objective=objective,
-        constraints=constraints,
+        policy=policy,
         checks=tuple(check.describe() for check in checks),
         verdicts=tuple(ordered),
+        unchecked=tuple(unchecked_by_any_task(baseline.metrics, baseline.declared))
+        if policy.max_drop_any_task is not None and baseline.succeeded else (),
     )
 
 
-def _judge(
-    variant: VariantSummary,
-    baseline: VariantSummary,
-    checks: Sequence[Check],
-    objective: Axis,
-) -> Verdict:
+def _judge(variant: VariantSummary, baseline: VariantSummary, checks: Sequence[Check], objective: Axis) -> Verdict:
     if not variant.succeeded:
         return Verdict(variant.name, Status.FAILED, ("failed",), None, ())
     results = tuple(check.evaluate(variant, baseline) for check in checks)
-    reasons = [result.detail for result in results if not result.passed]
+    failed = [result.detail for result in results if result.status is CheckStatus.FAILED]
+    undecided = [result for result in results if result.status is CheckStatus.UNDECIDED]
     objective_value = variant.value(objective.metric)
     if objective_value is None:
-        reasons.append(f"missing metric {objective.metric} (the objective)")
-    status = Status.REJECTED if reasons else Status.COSTS_MORE  # provisional until ranked
-    return Verdict(variant.name, status, tuple(reasons), objective_value, results)
+        failed.append(f"missing metric {objective.metric} (the objective)")
+    if failed:
+        # Undecided checks are reasons too: the reader sees everything that stands in the way.
+        return Verdict(variant.name, Status.REJECTED, (*failed, *(r.detail for r in undecided)), objective_value, results)
+    if undecided:
+        needed = [r.documents_needed for r in undecided]
+        most = None if any(n is None for n in needed) else max(needed)  # type: ignore[type-var]
+        return Verdict(variant.name, Status.UNDECIDED, tuple(r.detail for r in undecided), objective_value, results, most)
+    return Verdict(variant.name, Status.COSTS_MORE, (), objective_value, results)  # provisional until ranked
 
 
-def _quality_tie_break(
-    variant: VariantSummary, baseline: VariantSummary, checks: Sequence[Check]
-) -> tuple[float, float]:
-    """(total drop over the checked eval metrics, mean KL): smaller is better."""
-    total_drop = 0.0
-    for check in checks:
-        if isinstance(check, MaxDrop):
-            delta = quality_delta(variant, baseline, check.metric, check.higher_is_better)
-            if delta is not None:
-                total_drop += -delta.difference if check.higher_is_better else delta.difference
+def _quality_tie_break(verdict: Verdict, variant: VariantSummary) -> tuple[float, float]:
+    """(share of the drop limits used, mean KL): smaller is better."""
+    used = 0.0
+    for result in verdict.checks:
+        if result.drop is not None and result.limit is not None:
+            used += result.drop / result.limit if result.limit > 0 else result.drop
     kld = variant.value(KLD_MEAN)
-    return total_drop, math.inf if kld is None else kld
+    return used, math.inf if kld is None else kld
 
 
 def _with_status(verdict: Verdict, status: Status, reasons: tuple[str, ...]) -> Verdict:
-    return Verdict(verdict.name, status, reasons, verdict.objective_value, verdict.checks)
+    return Verdict(verdict.name, status, reasons, verdict.objective_value, verdict.checks, verdict.documents_needed)
 
 
 def _costs_more_reason(verdict: Verdict, chosen: Verdict, objective: Axis) -> str:
-    value = format_metric(objective.metric, verdict.objective_value)
-    best = format_metric(objective.metric, chosen.objective_value)
+    value, best = _shown(objective, verdict.objective_value), _shown(objective, chosen.objective_value)
     if verdict.objective_value == chosen.objective_value:
-        return (
-            f"satisfies constraints but ties {chosen.name} on {objective.metric} ({value}) "
-            "and loses the tie-break (larger drop, higher KL, or later name)"
-        )
-    return f"satisfies constraints but costs more: {objective.metric} {value} vs {best} for {chosen.name}"
+        return (f"shown within every limit but ties {chosen.name} on {objective.metric} ({value}) "
+                "and loses the tie-break (more of the drop limits used, higher KL, or later name)")
+    return f"shown within every limit but costs more: {objective.metric} {value} vs {best} for {chosen.name}"
 
 
-# --------------------------------------------------------------------------------------
-# Command-line strings
-# --------------------------------------------------------------------------------------
+class Constraints:
+    """Transitional: publish.decide still calls `Constraints.from_policy(settings.default_policy)`.
+    Remove once it passes the recipe's `Policy` (frontier.FrontierSettings.default_policy) itself."""
 
-_EXAMPLE = "eval/mmlu_dev/acc=1.0"
-
-
-def parse_max_drop(text: str) -> tuple[str, float]:
-    """`METRIC=POINTS` (percentage points of a 0-1 metric) -> (metric, points)."""
-    metric, separator, points_text = text.partition("=")
-    metric, points_text = metric.strip(), points_text.strip()
-    if not separator:
-        raise ConstraintParseError(f"max drop {text!r}: expected METRIC=POINTS, e.g. {_EXAMPLE}")
-    if not metric:
-        raise ConstraintParseError(f"max drop {text!r}: the metric name before '=' is missing")
-    if not points_text:
-        raise ConstraintParseError(f"max drop {text!r}: the points after '=' are missing")
-    if metric.endswith(STDERR_SUFFIX):
-        raise ConstraintParseError(
-            f"max drop {text!r}: {metric} is a standard error, not a quality metric"
-        )
-    if points_text.endswith("%"):
-        raise ConstraintParseError(
-            f"max drop {text!r}: POINTS is a plain number of percentage points; "
-            f"write {metric}={points_text.rstrip('%').strip()}"
-        )
-    try:
-        points = float(points_text)
-    except ValueError:
-        raise ConstraintParseError(
-            f"max drop {text!r}: POINTS must be a number of percentage points, got {points_text!r}"
-        ) from None
-    if not math.isfinite(points):
-        raise ConstraintParseError(f"max drop {text!r}: POINTS must be a finite number")
-    if points < 0:
-        raise ConstraintParseError(f"max drop {text!r}: POINTS must be >= 0, got {points:g}")
-    return metric, points
-
-
-def parse_max_drops(
-    texts: Iterable[str],
-    known_metrics: Collection[str] | None = None,
-) -> dict[str, float]:
-    """Several `METRIC=POINTS`; with `known_metrics`, an unknown metric is an error."""
-    drops: dict[str, float] = {}
-    for text in texts:
-        metric, points = parse_max_drop(text)
-        if metric in drops:
-            raise ConstraintParseError(
-                f"max drop for {metric} given twice ({drops[metric]:g} and {points:g})"
-            )
-        if known_metrics is not None and metric not in known_metrics:
-            raise ConstraintParseError(_unknown_metric_message(metric, known_metrics))
-        drops[metric] = points
-    return drops
-
-
-def _unknown_metric_message(metric: str, known_metrics: Collection[str]) -> str:
-    candidates = sorted(m for m in known_metrics if not m.endswith(STDERR_SUFFIX))
-    close = difflib.get_close_matches(metric, candidates, n=1)
-    if close:
-        return f"no variant logged metric {metric}; did you mean {close[0]}?"
-    evals = [m for m in candidates if is_eval_quality_metric(m)]
-    listing = ", ".join(evals or candidates) or "none"
-    return f"no variant logged metric {metric}; logged: {listing}"
+    @staticmethod
+    def from_policy(policy: Any) -> Policy:
+        return policy if isinstance(policy, Policy) else Policy.model_validate(policy.model_dump())
