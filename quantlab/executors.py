@@ -1,12 +1,15 @@
-"""Where a variant runs: its own spawned process (local) or a Ray task. Both return a VariantResult.
+"""Where a variant runs: its own spawned process (local), a Ray task, or the sweep's own process
+(inprocess). All yield the same outcomes: a VariantResult, or VariantFailed with the traceback.
 
 One process per variant keeps memory figures clean (nothing left over from the previous
 variant) and contains crashes: a segfault or the OOM killer takes one variant, not the sweep.
-The child's stdout and stderr go to a log file that is kept as the run's artifact.
+The child's stdout and stderr go to a log file that is kept as the run's artifact. The
+in-process executor gives both up for one process and one CUDA context (see InProcessExecutor).
 """
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import queue
@@ -136,6 +139,50 @@ class LocalExecutor:
                 yield job, failed, log_path
 
 
+class InProcessExecutor:
+    """Every variant in the sweep's own process, one after another: no isolation at all.
+
+    For notebooks, debuggers (a breakpoint in a stage just works) and scripts such as
+    scripts/gpu_check.py that want one process and one CUDA context. The price:
+    - a crash is the sweep's crash: a segfault, the OOM killer or os._exit ends the whole sweep
+      (its runs stay RUNNING until the next sweep marks them KILLED); an exception still fails
+      only its variant, with the traceback;
+    - nothing leaks between variants as far as Python can tell (see `_release_memory`), but
+      allocator caches and imported libraries stay, so memory figures are less clean than with
+      a fresh process;
+    - no log file: the variant writes to the sweep's own stdout and stderr, and its run has no
+      `logs/variant.log` artifact (capturing file descriptors 1 and 2 would also swallow the
+      sweep's own progress display).
+    """
+
+    def run(self, jobs: list[VariantJob], log_dir: Path, on_stage: StageCallback) -> Iterator[Outcome]:
+        for job in jobs:
+            log_path = log_dir / f"{job.variant}.log"  # never written: the sweep logs no file that is absent
+            try:
+                outcome: VariantResult | VariantFailed = run_variant(job, lambda stage, name=job.variant: on_stage(name, stage))
+            except Exception as error:  # noqa: BLE001 - one variant's error must not end the sweep; Ctrl-C still does
+                outcome = VariantFailed(failure_reason(error), traceback.format_exc())
+            finally:
+                _release_memory()
+            yield job, outcome, log_path
+
+
+def _release_memory() -> None:
+    """Give back what a finished variant held, so the next one's peak memory is its own.
+
+    llm-compressor's global session keeps the last model it compressed until it is reset; a
+    spawned process drops it on exit, here it would stay on the GPU through every later variant.
+    """
+    if "llmcompressor" in sys.modules:
+        from llmcompressor.core import reset_session
+
+        reset_session()
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 class RayExecutor:
     """One Ray task per variant, all at once, each with the resources its recipe asks for.
 
@@ -188,4 +235,9 @@ def _ray_task(job: VariantJob, log_path: str) -> VariantResult:
 
 
 def make_executor(kind: str, ray_address: str | None) -> Executor:
-    return RayExecutor(ray_address) if kind == "ray" else LocalExecutor()
+    executors: dict[str, Callable[[], Executor]] = {
+        "local": LocalExecutor, "inprocess": InProcessExecutor, "ray": lambda: RayExecutor(ray_address),
+    }
+    if kind not in executors:
+        raise ValueError(f"unknown executor '{kind}'; known: {', '.join(executors)}")
+    return executors[kind]()

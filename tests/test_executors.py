@@ -1,0 +1,171 @@
+"""The in-process executor: the same outcomes and MLflow layout as the spawned-process one, in this process."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from quantlab.executors import InProcessExecutor, VariantFailed
+from quantlab.recipe import validate
+from quantlab.runner import VariantResult
+from quantlab.sweep import SweepOptions, run_sweep
+from recipes import tiny_recipe, write
+
+
+class RecordingDisplay:
+    """A SweepDisplay that keeps what the sweep told it."""
+
+    def __init__(self):
+        self.stages: list[tuple[str, str, int]] = []  # variant, stage, pid of the process that reported it
+        self.finished: dict[str, str | None] = {}
+
+    def sweep_started(self, experiment, run_id, variants):
+        pass
+
+    def stage(self, variant, stage):
+        self.stages.append((variant, stage, os.getpid()))
+
+    def variant_finished(self, variant, result, failure, reused=False):
+        self.finished[variant] = failure
+
+
+@pytest.fixture(scope="module")
+def two_sweeps(tmp_path_factory, tiny_llama):
+    """One recipe swept by the local and the in-process executor, each into its own store and cache.
+
+    bf16 and fp8 finish; `awq` calibrates on a text far too short, a real failure found only at
+    run time (a BadInput raised inside run_variant), so it must fail alone under both executors.
+    """
+    work = tmp_path_factory.mktemp("executors")
+    (work / "short.txt").write_text("Far too short to calibrate on.\n")
+    recipe = tiny_recipe(
+        tiny_llama.path,
+        variants=[{"name": "bf16", "method": "bf16"}, {"name": "fp8", "method": "fp8"},
+                  {"name": "awq", "method": "awq_int4", "params": {"group_size": 32}}],
+        calibration={"source": "short.txt", "num_samples": 4, "seq_len": 32},
+        evals={"include_path": str(Path(__file__).resolve().parents[1] / "evals"), "batch_size": 4,
+               "tasks": [{"name": "pydoc_cloze", "limit": 4}]},
+        quality={"max_tokens": 64, "window": 32},
+        measure={"prompt_tokens": 8, "output_tokens": 2, "repeats": 1, "warmup": 0,
+                 "bandwidth_probe_bytes": 1 << 20, "bandwidth_probe_repeats": 1},
+    )
+    loaded = validate(write(work / "recipe.yaml", recipe), work / "cache-check")
+    swept = {}
+    for executor in ("local", "inprocess"):
+        uri = f"sqlite:///{work / executor}.db"
+        display = RecordingDisplay()
+        options = SweepOptions(tracking_uri=uri, cache_root=work / f"cache-{executor}", executor=executor)
+        swept[executor] = (uri, run_sweep(loaded, options, display), display)
+    return swept
+
+
+def _layout(uri: str, parent_run_id: str) -> dict:
+    """What the sweep logged, by variant: status, tag / metric / param keys, artifact paths."""
+    client = MlflowClient(uri)
+    experiment = client.get_run(parent_run_id).info.experiment_id
+    runs = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parent_run_id}'")
+    return {
+        run.data.tags["quantlab.variant"]: {
+            "status": run.info.status,
+            "tags": {key for key in run.data.tags if key not in {"mlflow.runName"}},
+            "metrics": set(run.data.metrics),
+            "params": set(run.data.params),
+            "artifacts": _artifact_paths(client, run.info.run_id),
+        }
+        for run in runs
+    }
+
+
+def _artifact_paths(client: MlflowClient, run_id: str, path: str = "") -> set[str]:
+    found = set()
+    for item in client.list_artifacts(run_id, path):
+        found |= _artifact_paths(client, run_id, item.path) if item.is_dir else {item.path}
+    return found
+
+
+def test_in_process_sweep_logs_the_same_layout_as_the_local_executor(two_sweeps):
+    (local_uri, local, _), (inproc_uri, inproc, _) = two_sweeps["local"], two_sweeps["inprocess"]
+    assert local.failures.keys() == inproc.failures.keys() == {"awq"}
+    assert local.exit_code == inproc.exit_code == 1
+    expected = _layout(local_uri, local.parent_run_id)
+    got = _layout(inproc_uri, inproc.parent_run_id)
+    assert {name: run["status"] for name, run in got.items()} == {"bf16": "FINISHED", "fp8": "FINISHED", "awq": "FAILED"}
+    for name, run in expected.items():
+        assert got[name]["tags"] == run["tags"], name
+        assert got[name]["metrics"] == run["metrics"], name
+        assert got[name]["params"] == run["params"], name
+        # The one documented difference: no variant log file in process.
+        assert run["artifacts"] - got[name]["artifacts"] == {"logs/variant.log"}, name
+        assert got[name]["artifacts"] <= run["artifacts"], name
+    assert _artifact_paths(MlflowClient(inproc_uri), inproc.parent_run_id) == _artifact_paths(
+        MlflowClient(local_uri), local.parent_run_id
+    )
+
+
+def test_in_process_figures_match_the_local_ones(two_sweeps):
+    """Same checkpoints, same data: the figures that do not depend on timing agree."""
+    (local_uri, local, _), (inproc_uri, inproc, _) = two_sweeps["local"], two_sweeps["inprocess"]
+    client = {uri: MlflowClient(uri) for uri in (local_uri, inproc_uri)}
+
+    def metrics(uri, parent):
+        experiment = client[uri].get_run(parent).info.experiment_id
+        runs = client[uri].search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parent}'")
+        return {run.data.tags["quantlab.variant"]: run.data.metrics for run in runs}
+
+    expected, got = metrics(local_uri, local.parent_run_id), metrics(inproc_uri, inproc.parent_run_id)
+    for name in ("bf16", "fp8"):
+        for key in ("cost/weight_bytes", "cost/bits_per_weight", "eval/pydoc_cloze/acc"):
+            assert got[name][key] == expected[name][key], (name, key)
+    assert got["fp8"]["quality/ppl"] == pytest.approx(expected["fp8"]["quality/ppl"], rel=1e-4)
+    assert got["fp8"]["cost/weight_bytes"] < got["bf16"]["cost/weight_bytes"]
+
+
+def test_in_process_variant_that_raises_fails_alone_with_its_traceback(two_sweeps):
+    uri, outcome, display = two_sweeps["inprocess"]
+    assert outcome.finished == ["bf16", "fp8"]
+    assert display.finished == {"bf16": None, "fp8": None, "awq": outcome.failures["awq"]}
+    assert "calibration.num_samples" in outcome.failures["awq"]
+    client = MlflowClient(uri)
+    runs = client.search_runs([outcome.experiment_id], "tags.`quantlab.variant` = 'awq'")
+    assert runs[0].data.tags["quantlab.failure"] == outcome.failures["awq"]
+    text = Path(client.download_artifacts(runs[0].info.run_id, "failure/traceback.txt")).read_text()
+    assert "Traceback" in text and "calibration_dataset" in text
+
+
+def test_in_process_stages_are_reported_from_this_process(two_sweeps):
+    _, _, display = two_sweeps["inprocess"]
+    assert {pid for _, _, pid in display.stages} == {os.getpid()}
+    stages = [(variant, stage) for variant, stage, _ in display.stages]
+    for name in ("bf16", "fp8"):
+        assert [stage for variant, stage in stages if variant == name][:3] == ["prepare model", "quantize", "load"]
+    assert ("awq", "quantize") in stages  # where it failed
+
+
+class _Job:
+    def __init__(self, variant):
+        self.variant = variant
+
+
+def test_a_keyboard_interrupt_is_not_a_variant_failure(monkeypatch, tmp_path):
+    """An exception fails its variant; Ctrl-C ends the sweep (which marks its runs KILLED)."""
+
+    def run_variant(job, report):
+        report("quantize")
+        if job.variant == "interrupted":
+            raise KeyboardInterrupt
+        raise RuntimeError(f"{job.variant} broke")
+
+    monkeypatch.setattr("quantlab.executors.run_variant", run_variant)
+    seen = []
+    outcomes = InProcessExecutor().run([_Job("broken"), _Job("interrupted"), _Job("never")], tmp_path,
+                                       lambda variant, stage: seen.append((variant, stage)))
+    job, failed, log_path = next(outcomes)
+    assert isinstance(failed, VariantFailed) and not isinstance(failed, VariantResult)
+    assert failed.reason == "RuntimeError: broken broke" and "Traceback" in failed.details
+    assert log_path == tmp_path / "broken.log" and not log_path.exists()
+    with pytest.raises(KeyboardInterrupt):
+        next(outcomes)
+    assert seen == [("broken", "quantize"), ("interrupted", "quantize")]
