@@ -203,34 +203,44 @@ def _print_table(table) -> None:
 
 @app.command()
 def frontier(experiment: Experiment = None, tracking_uri: TrackingUri = None, as_json: AsJson = False) -> None:
-    """Print the quality-versus-cost frontier of the newest sweep of an experiment."""
+    """Print the quality-versus-cost frontier of the newest sweep of an experiment (ties within paired noise named)."""
     import json
 
     from quantlab.frontier import frontiers_to_dict
-    from quantlab.publish import frontiers
-    from quantlab.report import frontier_table
+    from quantlab.publish import frontiers, json_safe
+    from quantlab.report import variants_table
 
     try:
         _, view = _sweep_view(experiment, tracking_uri)
     except BadInput as error:
         _fail_on_bad_input(error)
         return
-    results = frontiers(view)
+    found = frontiers(view)
     if as_json:
-        out.print_json(json.dumps(frontiers_to_dict(results)))
+        out.print_json(json.dumps(json_safe(frontiers_to_dict(found))))
         return
-    _print_table(frontier_table(view.variants, results))
-    for result in results:
+    _print_table(variants_table(view.variants, found))
+    for result in found.results:
         out.print(f"[bold]{result.pair.title}[/]: frontier {', '.join(result.on_front) or 'empty'}", highlight=False)
+        for point in result.points:
+            if point.dominated_by:
+                out.print(f"  {point.name} dominated by {', '.join(point.dominated_by)}", highlight=False)
+            if point.tied_with:
+                out.print(f"  {point.name}: tie within noise with {', '.join(point.tied_with)}", highlight=False)
         for exclusion in result.excluded:
             out.print(f"  left out {exclusion.name}: {exclusion.reason}", highlight=False)
+        if result.point_compared:
+            pairs = ", ".join(f"{a} vs {b}" for a, b in result.point_compared)
+            out.print(f"  no paired noise available for {pairs}: compared on the point estimates", highlight=False)
+    if found.direction_unknown:
+        out.print(f"direction unknown: {', '.join(found.direction_unknown)} (not placed on a frontier)", highlight=False)
 
 
 @app.command()
 def report(
     experiment: Experiment = None,
     tracking_uri: TrackingUri = None,
-    out_dir: Annotated[Path, typer.Option("--out", help="Directory for report.md, frontier.png/.html/.json.")] = Path("quantlab-report"),
+    out_dir: Annotated[Path, typer.Option("--out", help="Directory for report.md, frontier.png/.html/.json and plots/ (PNG + SVG per frontier).")] = Path("quantlab-report"),
 ) -> None:
     """Write the newest sweep's report and frontier plots to a directory."""
     from quantlab.publish import render_artifacts
@@ -240,7 +250,7 @@ def report(
     except BadInput as error:
         _fail_on_bad_input(error)
         return
-    for name, path in render_artifacts(view, out_dir).items():
+    for path in render_artifacts(view, out_dir):
         out.print(f"wrote {path}", highlight=False)
 
 

@@ -1,30 +1,42 @@
-"""Quality-versus-cost Pareto frontiers of a finished sweep (pure: no MLflow, no I/O).
+"""Quality-versus-cost Pareto frontiers of a finished sweep, judged against paired noise (pure).
 
-A sweep yields one `VariantSummary` per variant, keyed by the logged MLflow metric names.
-For each `AxisPair` (one quality metric against one cost metric) `pareto_front` says which
-variants nobody beats on both axes at once, which are beaten and by whom, and which could
-not be placed at all (failed, or missing a metric). Differences against the baseline that
-are smaller than their combined standard error are flagged "within noise" so a report
-does not call them a loss.
+Directions and scales come from the metric contract (`quantlab.metrics`): lm-eval scores take
+lm-eval's own `higher_is_better`, recorded by the sweep and merged across its variants. A score
+whose direction nobody declared is named (`Frontiers.direction_unknown`), never placed or dropped
+in silence.
+
+Dominance. On one quality/cost pair, variant B is dominated by A when A costs no more, A is at
+least as good on quality beyond the paired noise (the lower end of the paired 95% interval of
+A - B, taken in the metric's better direction, is >= 0), and A is strictly better on one axis
+(cheaper, or that lower end > 0). Two variants whose quality interval straddles 0
+are a tie within noise: neither can dominate the other on quality, both are reported as tied.
+Paired noise comes from a `Noise` callable (per-document scores of both runs, or the figures each
+run logged against the baseline); where it has none the pair is compared on the point estimates
+and the result says so. Unpaired standard errors are never used: baseline and variants answer the
+same documents, and treating them as independent overstates the noise several times.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
 from collections import Counter
-from dataclasses import dataclass, field, replace
-from enum import Enum
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from quantlab.metrics import Declared, MetricSpec
+from quantlab.metrics import Declared, MetricSpec, Scale, is_eval_score, paired_key
 from quantlab.metrics import spec as metric_spec
-
-STDERR_SUFFIX = "_stderr"
-EVAL_PREFIX = "eval/"
-
+from quantlab.metrics import unknown_directions as contract_unknown_directions
+from quantlab.paired import (
+    DocumentScores,
+    NotPaired,
+    PairedComparison,
+    combine,
+    compare,
+)
+from quantlab.policy import Policy, format_change
 
 # --------------------------------------------------------------------------------------
 # Input
@@ -59,139 +71,55 @@ class VariantSummary:
         number = float(raw)
         return number if math.isfinite(number) else None
 
-    def stderr(self, metric: str) -> float | None:
-        return self.value(metric + STDERR_SUFFIX)
+
+def merged_declared(variants: Iterable[VariantSummary]) -> dict[str, Declared]:
+    """Every variant's declarations in one; runs that disagree on a direction make it unknown."""
+    merged: dict[str, Declared] = {}
+    for variant in variants:
+        for key, declared in variant.declared.items():
+            seen = merged.setdefault(key, declared)
+            if seen.higher_is_better != declared.higher_is_better:
+                merged[key] = Declared(None, seen.scale)
+    return merged
+
+
+def find_baseline(variants: Sequence[VariantSummary]) -> VariantSummary | None:
+    """The one variant marked as baseline; None if none is, an error if several are."""
+    baselines = [variant for variant in variants if variant.is_baseline]
+    if len(baselines) > 1:
+        raise ValueError(f"several variants are marked as baseline: {[v.name for v in baselines]}")
+    return baselines[0] if baselines else None
+
+
+def ensure_unique_names(variants: Sequence[VariantSummary]) -> None:
+    counts = Counter(variant.name for variant in variants)
+    duplicates = sorted(name for name, count in counts.items() if count > 1)
+    if duplicates:
+        raise ValueError(f"variant names must be unique; repeated: {duplicates}")
 
 
 # --------------------------------------------------------------------------------------
-# What quantlab knows about its metric keys: direction, unit, a readable label
+# Paired comparisons in words (values through policy.py's formatting, in the contract's scale)
 # --------------------------------------------------------------------------------------
 
 
-class Unit(str, Enum):
-    FRACTION = "fraction"  # 0-1, shown as %, differences in percentage points
-    BYTES = "bytes"
-    TOKENS_PER_S = "tokens_per_s"
-    MILLISECONDS = "ms"
-    PLAIN = "plain"
-
-
-@dataclass(frozen=True)
-class MetricInfo:
-    key: str
-    label: str
-    higher_is_better: bool | None  # None: unknown, the user must say
-    unit: Unit
-
-
-_EXACT_METRICS: dict[str, tuple[str, bool, Unit]] = {
-    "quality/ppl": ("perplexity", False, Unit.PLAIN),
-    "quality/kld_mean": ("mean KL divergence", False, Unit.PLAIN),
-    "quality/kld_median": ("median KL divergence", False, Unit.PLAIN),
-    "quality/kld_p99": ("p99 KL divergence", False, Unit.PLAIN),
-    "quality/kld_max": ("max KL divergence", False, Unit.PLAIN),
-    "quality/top1_agreement": ("top-1 agreement", True, Unit.FRACTION),
-    "cost/weight_bytes": ("weight size", False, Unit.BYTES),
-    "cost/peak_memory_bytes": ("peak memory", False, Unit.BYTES),
-    "cost/prefill_tokens_per_s": ("prefill throughput", True, Unit.TOKENS_PER_S),
-    "cost/decode_tokens_per_s": ("decode throughput", True, Unit.TOKENS_PER_S),
-    "cost/ttft_ms_p50": ("time to first token (p50)", False, Unit.MILLISECONDS),
-    "cost/ttft_ms_p99": ("time to first token (p99)", False, Unit.MILLISECONDS),
-    "cost/ttft_ms_p90": ("time to first token (p90)", False, Unit.MILLISECONDS),
-    "cost/itl_ms_p50": ("inter-token latency (p50)", False, Unit.MILLISECONDS),
-    "cost/itl_ms_p90": ("inter-token latency (p90)", False, Unit.MILLISECONDS),
-    "cost/itl_ms_p99": ("inter-token latency (p99)", False, Unit.MILLISECONDS),
-    "cost/weight_bytes_in_memory": ("weights in memory", False, Unit.BYTES),
-    "cost/loaded_weight_bytes": ("weights as loaded here", False, Unit.BYTES),
-    "cost/process_peak_rss_bytes": ("process peak RSS", False, Unit.BYTES),
-    "cost/peak_device_memory_bytes": ("peak device memory", False, Unit.BYTES),
-    "cost/bits_per_weight": ("bits per weight", False, Unit.PLAIN),
-    "cost/bits_per_parameter": ("bits per parameter", False, Unit.PLAIN),
-    "cost/kv_bytes_per_token": ("KV cache per token", False, Unit.BYTES),
-    "cost/max_concurrent_sequences": ("concurrent sequences on target", True, Unit.PLAIN),
-    "cost/roofline_decode_tokens_per_s": ("decode roofline on target", True, Unit.TOKENS_PER_S),
-    "cost/serving_decode_tokens_per_s": ("serving decode on target (modeled)", True, Unit.TOKENS_PER_S),
-    "cost/local_roofline_decode_tokens_per_s": ("decode roofline here", True, Unit.TOKENS_PER_S),
-    "cost/roofline_efficiency": ("roofline efficiency", True, Unit.FRACTION),
-    "cost/usd_per_million_output_tokens": ("USD per million output tokens", False, Unit.PLAIN),
-    "cost/energy_joules_per_token": ("energy per output token (J)", False, Unit.PLAIN),
-    "cost/load_seconds": ("load time (s)", False, Unit.PLAIN),
-    "quality/kld_p90": ("p90 KL divergence", False, Unit.PLAIN),
-    "quality/kld_p95": ("p95 KL divergence", False, Unit.PLAIN),
-    "quality/kld_p999": ("p99.9 KL divergence", False, Unit.PLAIN),
-    "quality/ln_ppl_ratio": ("ln(PPL ratio)", False, Unit.PLAIN),
-    "quality/delta_p_rms": ("RMS change in p(correct)", False, Unit.PLAIN),
-}
-
-# lm-eval metric names (the last part of `eval/<task>/<metric>`) whose direction is standard.
-_EVAL_METRIC_KINDS: dict[str, tuple[bool, Unit]] = {
-    "acc": (True, Unit.FRACTION),
-    "acc_norm": (True, Unit.FRACTION),
-    "exact_match": (True, Unit.FRACTION),
-    "f1": (True, Unit.FRACTION),
-    "mc1": (True, Unit.FRACTION),
-    "mc2": (True, Unit.FRACTION),
-    "mcc": (True, Unit.PLAIN),
-    "bleu": (True, Unit.PLAIN),
-    "perplexity": (False, Unit.PLAIN),
-    "word_perplexity": (False, Unit.PLAIN),
-    "byte_perplexity": (False, Unit.PLAIN),
-    "bits_per_byte": (False, Unit.PLAIN),
-}
-
-
-def metric_info(key: str) -> MetricInfo:
-    """Label, direction and unit of a logged metric key; direction None when unknown."""
-    if key in _EXACT_METRICS:
-        label, higher, unit = _EXACT_METRICS[key]
-        return MetricInfo(key, label, higher, unit)
-    parts = key.split("/")
-    if key.startswith(EVAL_PREFIX) and len(parts) == 3 and not key.endswith(STDERR_SUFFIX):
-        _, task, name = parts
-        higher, unit = _EVAL_METRIC_KINDS.get(name, (None, Unit.PLAIN))
-        return MetricInfo(key, f"{task} {name}", higher, unit)
-    if key.startswith("quality/recovery/") and len(parts) == 4:
-        return MetricInfo(key, f"{parts[2]} {parts[3]} recovery", True, Unit.FRACTION)
-    if key.startswith("quality/flips/") and len(parts) == 3:
-        return MetricInfo(key, f"{parts[2]} answer flips", False, Unit.PLAIN)
-    return MetricInfo(key, key, None, Unit.PLAIN)
-
-
-def is_eval_quality_metric(key: str) -> bool:
-    """`eval/<task>/<metric>` (not its stderr companion)."""
-    return key.startswith(EVAL_PREFIX) and key.count("/") == 2 and not key.endswith(STDERR_SUFFIX)
-
-
-def format_metric(key: str, value: float | None) -> str:
-    """A value in human units: 24.5%, 270.9 MB, 1,234 tok/s, 12.3 ms, 0.0300."""
-    if value is None:
+def format_p(p: float) -> str:
+    if not math.isfinite(p):
         return "n/a"
-    unit = metric_info(key).unit
-    if unit is Unit.FRACTION:
-        return f"{value * 100:.1f}%"
-    if unit is Unit.BYTES:
-        return format_bytes(value)
-    if unit is Unit.TOKENS_PER_S:
-        return f"{value:,.1f} tok/s" if value < 100 else f"{value:,.0f} tok/s"
-    if unit is Unit.MILLISECONDS:
-        return f"{value:,.1f} ms"
-    return f"{value:.4g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return f"{p:.0e}".replace("e-0", "e-") if p < 1e-3 else f"{p:.2g}"
 
 
-def format_bytes(value: float) -> str:
-    # Decimal units, as model cards and disk tools print them.
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(value) >= scale:
-            return f"{value / scale:.1f} {unit}"
-    return f"{value:.0f} B"
-
-
-def format_difference(key: str, difference: float, *, signed: bool = True) -> str:
-    """A difference: percentage points for 0-1 metrics, the metric's own units otherwise."""
-    sign = ("+" if difference >= 0 else "-") if signed else ""
-    if metric_info(key).unit is Unit.FRACTION:
-        return f"{sign}{abs(difference) * 100:.1f} pts"
-    return sign + format_metric(key, abs(difference))
+def describe_comparison(comparison: PairedComparison, metric: MetricSpec) -> str:
+    """"-2.00 pts [-3.10, -0.90], p=3e-4, 25 right→wrong / 5 wrong→right" (variant minus baseline)."""
+    text = format_change(metric, comparison.diff)
+    if math.isfinite(comparison.ci95_low) and math.isfinite(comparison.ci95_high):
+        ends = (comparison.ci95_low, comparison.ci95_high)
+        low, high = (format_change(metric, end).removesuffix(" pts") for end in ends)
+        text += f" [{low}, {high}]"
+    text += f", p={format_p(comparison.p_value)}"
+    if comparison.correct_to_wrong is not None and comparison.wrong_to_correct is not None:
+        text += f", {comparison.correct_to_wrong} right→wrong / {comparison.wrong_to_correct} wrong→right"
+    return text
 
 
 # --------------------------------------------------------------------------------------
@@ -200,35 +128,38 @@ def format_difference(key: str, difference: float, *, signed: bool = True) -> st
 
 
 class UnknownDirectionError(ValueError):
-    """A metric whose better direction quantlab does not know and the user did not give."""
-
-
-def resolve_direction(metric: str, higher_is_better: bool | None = None) -> bool:
-    if higher_is_better is not None:
-        return higher_is_better
-    known = metric_info(metric).higher_is_better
-    if known is None:
-        raise UnknownDirectionError(
-            f"quantlab does not know whether higher or lower {metric!r} is better; "
-            "say it explicitly (higher_is_better: true/false)"
-        )
-    return known
+    """A metric whose better direction the contract does not know and the user did not give."""
 
 
 @dataclass(frozen=True)
 class Axis:
     metric: str
     higher_is_better: bool
+    # How to show and scale its values; None: the contract's scale for the key alone.
+    scale: Scale | None = field(default=None, compare=False)
 
     @classmethod
-    def of(cls, metric: str, higher_is_better: bool | None = None) -> Axis:
-        """An axis whose direction comes from the known-metric table unless given."""
-        return cls(metric, resolve_direction(metric, higher_is_better))
+    def of(
+        cls, metric: str, higher_is_better: bool | None = None, declared: Mapping[str, Declared] | None = None
+    ) -> Axis:
+        """An axis whose direction is given, or else the metric contract's."""
+        found = metric_spec(metric, declared)
+        direction = found.higher_is_better if higher_is_better is None else higher_is_better
+        if direction is None:
+            raise UnknownDirectionError(
+                f"the metric contract has no direction for {metric!r}; "
+                "say it explicitly (higher_is_better: true/false)"
+            )
+        return cls(metric, direction, found.scale)
+
+    @property
+    def unit(self) -> Scale:
+        return self.scale or metric_spec(self.metric).scale
 
     @property
     def label(self) -> str:
         arrow = "higher is better" if self.higher_is_better else "lower is better"
-        return f"{metric_info(self.metric).label} ({arrow})"
+        return f"{metric_spec(self.metric).label} ({arrow})"
 
     def is_better(self, first: float, second: float) -> bool:
         """Whether `first` is strictly better than `second` on this axis."""
@@ -253,7 +184,7 @@ class AxisPair:
 
     @property
     def title(self) -> str:
-        return f"{metric_info(self.quality.metric).label} vs {metric_info(self.cost.metric).label}"
+        return f"{metric_spec(self.quality.metric).label} vs {metric_spec(self.cost.metric).label}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"quality": self.quality.to_dict(), "cost": self.cost.to_dict()}
@@ -261,140 +192,134 @@ class AxisPair:
 
 DEFAULT_COST_METRICS: tuple[str, ...] = ("cost/weight_bytes", "cost/decode_tokens_per_s")
 DEFAULT_DAMAGE_METRICS: tuple[str, ...] = ("quality/kld_mean",)
+# Token-level figures shown beside the task scores (paired noise for them comes later, per token).
+DAMAGE_METRICS: tuple[str, ...] = ("quality/kld_mean", "quality/top1_agreement", "quality/ppl")
 
 
-def default_axis_pairs(variants: Sequence[VariantSummary]) -> tuple[AxisPair, ...]:
-    """Every eval metric of known direction, and mean KL, against weight size and decode speed.
+def logged_keys(variants: Iterable[VariantSummary]) -> set[str]:
+    return {key for variant in variants if variant.succeeded for key in variant.metrics}
+
+
+def task_scores(variants: Sequence[VariantSummary], declared: Mapping[str, Declared]) -> list[str]:
+    """Every lm-eval score (filtered ones too) whose direction is declared, sorted."""
+    return sorted(
+        key for key in logged_keys(variants) if is_eval_score(key) and metric_spec(key, declared).direction_known
+    )
+
+
+def default_axis_pairs(
+    variants: Sequence[VariantSummary], declared: Mapping[str, Declared] | None = None
+) -> tuple[AxisPair, ...]:
+    """Every lm-eval score of known direction, and mean KL, against weight size and decode speed.
 
     Only pairs that at least one succeeded variant can be placed on are returned, so a CPU
     sweep without throughput numbers simply has no speed plots.
     """
+    declared = merged_declared(variants) if declared is None else declared
     succeeded = [variant for variant in variants if variant.succeeded]
-    logged = {key for variant in succeeded for key in variant.metrics}
-    eval_metrics = sorted(
-        key for key in logged
-        if is_eval_quality_metric(key) and metric_info(key).higher_is_better is not None
+    logged = logged_keys(variants)
+    qualities = [*task_scores(variants, declared), *(key for key in DEFAULT_DAMAGE_METRICS if key in logged)]
+    return tuple(
+        AxisPair(Axis.of(quality, declared=declared), Axis.of(cost, declared=declared))
+        for cost in DEFAULT_COST_METRICS
+        for quality in qualities
+        if any(v.value(quality) is not None and v.value(cost) is not None for v in succeeded)
     )
-    quality_metrics = [*eval_metrics, *(key for key in DEFAULT_DAMAGE_METRICS if key in logged)]
-    pairs = []
-    for cost in DEFAULT_COST_METRICS:
-        for quality in quality_metrics:
-            if any(v.value(quality) is not None and v.value(cost) is not None for v in succeeded):
-                pairs.append(AxisPair(Axis.of(quality), Axis.of(cost)))
-    return tuple(pairs)
 
 
 # --------------------------------------------------------------------------------------
-# Differences against the baseline, and whether they are noise
+# Paired noise: second variant minus first, on one metric
 # --------------------------------------------------------------------------------------
+
+Noise = Callable[[str, str, str], "PairedComparison | None"]
+"""(metric key, first variant, second variant) -> the paired comparison of second minus first,
+or None when no paired figures exist for them."""
+
+
+def no_noise(metric: str, first: str, second: str) -> None:
+    """Point comparison everywhere (tests, and sweeps that logged no paired figures)."""
+    return
 
 
 @dataclass(frozen=True)
-class QualityDelta:
-    """A variant's quality metric against the baseline's."""
+class Group:
+    """A group score as lm-eval aggregates it: sum(weight * leaf score)."""
 
-    variant: str
-    metric: str
-    higher_is_better: bool
-    value: float
-    baseline_value: float
-    combined_stderr: float | None  # None: neither side logged a standard error
-
-    @property
-    def difference(self) -> float:
-        return self.value - self.baseline_value
-
-    @property
-    def within_noise(self) -> bool:
-        """Smaller than the standard error of the difference: not evidence of a change."""
-        return (
-            self.combined_stderr is not None
-            and self.difference != 0
-            and abs(self.difference) < self.combined_stderr
-        )
-
-    @property
-    def is_worse(self) -> bool:
-        return self.difference < 0 if self.higher_is_better else self.difference > 0
-
-    @property
-    def is_loss(self) -> bool:
-        """Worse than the baseline by more than the noise."""
-        return self.is_worse and not self.within_noise
-
-    def describe(self) -> str:
-        text = format_difference(self.metric, self.difference)
-        if self.within_noise:
-            noise = format_difference(self.metric, self.combined_stderr or 0.0, signed=False)
-            text += f", within noise (±{noise})"
-        return text
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "variant": self.variant,
-            "metric": self.metric,
-            "value": self.value,
-            "baseline_value": self.baseline_value,
-            "difference": self.difference,
-            "combined_stderr": self.combined_stderr,
-            "within_noise": self.within_noise,
-            "is_loss": self.is_loss,
-        }
+    leaves: tuple[str, ...]
+    weights: tuple[float, ...]
 
 
-def combined_stderr(first: float | None, second: float | None) -> float | None:
-    """Standard error of a difference of two independent estimates; a missing one counts as 0."""
-    present = [error for error in (first, second) if error is not None]
-    if not present:
-        return None
-    return math.sqrt(sum(error * error for error in present))
-
-
-def quality_delta(
-    variant: VariantSummary,
-    baseline: VariantSummary,
-    metric: str,
-    higher_is_better: bool | None = None,
-) -> QualityDelta | None:
-    """The variant's difference to the baseline on one metric; None if either lacks it."""
-    value, baseline_value = variant.value(metric), baseline.value(metric)
-    if value is None or baseline_value is None:
-        return None
-    return QualityDelta(
-        variant=variant.name,
-        metric=metric,
-        higher_is_better=resolve_direction(metric, higher_is_better),
-        value=value,
-        baseline_value=baseline_value,
-        combined_stderr=combined_stderr(variant.stderr(metric), baseline.stderr(metric)),
+def reversed_comparison(c: PairedComparison) -> PairedComparison:
+    """first minus second from second minus first."""
+    return replace(
+        c, baseline=c.variant, variant=c.baseline, diff=-c.diff, ci95_low=-c.ci95_high, ci95_high=-c.ci95_low,
+        correct_to_wrong=c.wrong_to_correct, wrong_to_correct=c.correct_to_wrong,
     )
 
 
-def quality_deltas(
+def logged_comparison(variant: VariantSummary, metric: str) -> PairedComparison | None:
+    """The variant-minus-baseline figures its run logged under `quality/paired/<metric>/...`."""
+    figure = {stat: variant.value(paired_key(metric, stat)) for stat in (
+        "diff", "se", "ci95_low", "ci95_high", "p_value", "n", "correct_to_wrong", "wrong_to_correct")}
+    value = variant.value(metric)
+    if value is None or any(figure[stat] is None for stat in ("diff", "ci95_low", "ci95_high")):
+        return None
+    flips = [None if figure[s] is None else int(figure[s]) for s in ("correct_to_wrong", "wrong_to_correct")]
+    return PairedComparison(
+        n=int(figure["n"] or 0), baseline=value - figure["diff"], variant=value, diff=figure["diff"],
+        se=math.nan if figure["se"] is None else figure["se"], ci95_low=figure["ci95_low"],
+        ci95_high=figure["ci95_high"], p_value=math.nan if figure["p_value"] is None else figure["p_value"],
+        test="logged", correct_to_wrong=flips[0], wrong_to_correct=flips[1],
+    )
+
+
+def paired_noise(
     variants: Sequence[VariantSummary],
-    metrics: Iterable[str],
-) -> tuple[QualityDelta, ...]:
-    """Every succeeded non-baseline variant against the baseline, on each metric both logged."""
+    documents: Mapping[str, Mapping[str, DocumentScores]],
+    groups: Mapping[str, Group],
+) -> Noise:
+    """Paired comparisons between any two variants.
+
+    From both runs' per-document scores when both have them (`documents`: variant -> metric key ->
+    scores; a group score from its leaves with lm-eval's weights); otherwise, between a variant and
+    the baseline, from what the variant's run logged. Each answer is computed once.
+    """
+    by_name = {variant.name: variant for variant in variants}
     baseline = find_baseline(variants)
-    if baseline is None or not baseline.succeeded:
-        return ()
-    metric_list = list(metrics)
-    found = (
-        quality_delta(variant, baseline, metric)
-        for variant in variants
-        if variant.succeeded and variant.name != baseline.name
-        for metric in metric_list
-        if metric_info(metric).higher_is_better is not None
-    )
-    return tuple(delta for delta in found if delta is not None)
+    cache: dict[tuple[str, str, str], PairedComparison | None] = {}
 
+    def from_documents(metric: str, first: str, second: str) -> PairedComparison | None:
+        a, b = documents.get(first, {}), documents.get(second, {})
+        group = groups.get(metric)
+        try:
+            if group is None:
+                return compare(metric, a[metric], b[metric]) if metric in a and metric in b else None
+            if not all(leaf in a and leaf in b for leaf in group.leaves):
+                return None
+            return combine([compare(leaf, a[leaf], b[leaf]) for leaf in group.leaves], group.weights)
+        except NotPaired:
+            return None  # other documents (another limit): not comparable pairwise
 
-def find_baseline(variants: Sequence[VariantSummary]) -> VariantSummary | None:
-    """The one variant marked as baseline; None if none is, an error if several are."""
-    baselines = [variant for variant in variants if variant.is_baseline]
-    if len(baselines) > 1:
-        raise ValueError(f"several variants are marked as baseline: {[v.name for v in baselines]}")
-    return baselines[0] if baselines else None
+    def from_logged(metric: str, first: str, second: str) -> PairedComparison | None:
+        if baseline is None:
+            return None
+        if first == baseline.name and second in by_name:
+            return logged_comparison(by_name[second], metric)
+        if second == baseline.name and first in by_name:
+            found = logged_comparison(by_name[first], metric)
+            return None if found is None else reversed_comparison(found)
+        return None
+
+    def noise(metric: str, first: str, second: str) -> PairedComparison | None:
+        key = (metric, first, second)
+        if key not in cache:
+            found = from_documents(*key) or from_logged(*key)
+            # n < 2 leaves no standard error: such a comparison says nothing about noise.
+            usable = found is not None and math.isfinite(found.ci95_low) and math.isfinite(found.ci95_high)
+            cache[key] = found if usable else None
+        return cache[key]
+
+    return noise
 
 
 # --------------------------------------------------------------------------------------
@@ -408,23 +333,22 @@ class FrontierPoint:
     method: str
     quality: float
     cost: float
-    dominated_by: tuple[str, ...]  # empty: on the front
+    dominated_by: tuple[str, ...] = ()  # empty: on the front
+    tied_with: tuple[str, ...] = ()  # quality differences within the paired noise
     is_baseline: bool = False
+    vs_baseline: PairedComparison | None = None  # on the quality axis: this variant minus the baseline
 
     @property
     def on_front(self) -> bool:
         return not self.dominated_by
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "method": self.method,
-            "quality": self.quality,
-            "cost": self.cost,
-            "on_front": self.on_front,
-            "dominated_by": list(self.dominated_by),
-            "is_baseline": self.is_baseline,
-        }
+    @property
+    def interval(self) -> tuple[float, float] | None:
+        """The paired 95% interval of the difference to the baseline, placed around this value."""
+        c = self.vs_baseline
+        if c is None:
+            return None
+        return self.quality + (c.ci95_low - c.diff), self.quality + (c.ci95_high - c.diff)
 
 
 @dataclass(frozen=True)
@@ -441,7 +365,8 @@ class FrontierResult:
     points: tuple[FrontierPoint, ...]  # best cost first
     excluded: tuple[Exclusion, ...]
     baseline: str | None
-    deltas: tuple[QualityDelta, ...]  # on the quality axis, against the baseline
+    # Placed pairs whose quality difference had no paired noise: compared on point estimates.
+    point_compared: tuple[tuple[str, str], ...] = ()
 
     @property
     def on_front(self) -> tuple[str, ...]:
@@ -451,11 +376,12 @@ class FrontierResult:
     def dominated(self) -> dict[str, tuple[str, ...]]:
         return {point.name: point.dominated_by for point in self.points if not point.on_front}
 
+    @property
+    def ties(self) -> dict[str, tuple[str, ...]]:
+        return {point.name: point.tied_with for point in self.points if point.tied_with}
+
     def point(self, name: str) -> FrontierPoint | None:
         return next((point for point in self.points if point.name == name), None)
-
-    def delta(self, name: str) -> QualityDelta | None:
-        return next((delta for delta in self.deltas if delta.variant == name), None)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -463,9 +389,9 @@ class FrontierResult:
             **self.pair.to_dict(),
             "baseline": self.baseline,
             "on_front": list(self.on_front),
-            "points": [point.to_dict() for point in self.points],
-            "excluded": [{"name": e.name, "reason": e.reason} for e in self.excluded],
-            "deltas": [delta.to_dict() for delta in self.deltas],
+            "points": [asdict(point) | {"on_front": point.on_front, "interval": point.interval} for point in self.points],
+            "excluded": [asdict(exclusion) for exclusion in self.excluded],
+            "no_paired_noise": [list(names) for names in self.point_compared],
         }
 
 
@@ -474,75 +400,84 @@ def exclusion_reason(variant: VariantSummary, required_metrics: Iterable[str]) -
     if not variant.succeeded:
         return "failed"
     missing = [metric for metric in required_metrics if variant.value(metric) is None]
-    if missing:
-        return "missing metric " + ", ".join(missing)
-    return None
+    return "missing metric " + ", ".join(missing) if missing else None
 
 
-def dominates(first: FrontierPoint, second: FrontierPoint, pair: AxisPair) -> bool:
-    """No worse on both axes and strictly better on one; equal points do not dominate."""
-    no_worse = not pair.quality.is_better(second.quality, first.quality) and not pair.cost.is_better(
-        second.cost, first.cost
-    )
-    strictly_better = pair.quality.is_better(first.quality, second.quality) or pair.cost.is_better(
-        first.cost, second.cost
-    )
-    return no_worse and strictly_better
+@dataclass(frozen=True)
+class Margin:
+    """How much better the first point is than the second on quality, in the better direction."""
+
+    point: float
+    low: float  # lower end of the paired 95% interval (= point without paired noise)
+    high: float
+    paired: bool
 
 
-def pareto_front(variants: Sequence[VariantSummary], pair: AxisPair) -> FrontierResult:
-    """Place every variant on one quality/cost pair and find the non-dominated ones."""
+def quality_margin(pair: AxisPair, first: FrontierPoint, second: FrontierPoint, noise: Noise) -> Margin:
+    found = noise(pair.quality.metric, second.name, first.name)  # first minus second
+    if found is None:
+        point = first.quality - second.quality
+        low = high = point
+    else:
+        point, low, high = found.diff, found.ci95_low, found.ci95_high
+    if not pair.quality.higher_is_better:
+        point, low, high = -point, -high, -low
+    return Margin(point, low, high, found is not None)
+
+
+def dominates(pair: AxisPair, first: FrontierPoint, second: FrontierPoint, margin: Margin) -> bool:
+    """First costs no more, is at least as good on quality beyond the noise, and is strictly
+    better on one axis."""
+    costs_no_more = not pair.cost.is_better(second.cost, first.cost)
+    strictly = pair.cost.is_better(first.cost, second.cost) or margin.low > 0
+    return costs_no_more and margin.low >= 0 and strictly
+
+
+def pareto_front(variants: Sequence[VariantSummary], pair: AxisPair, noise: Noise = no_noise) -> FrontierResult:
+    """Place every variant on one quality/cost pair; find the dominated ones and the ties within noise."""
     ensure_unique_names(variants)
+    baseline = find_baseline(variants)
     required = (pair.quality.metric, pair.cost.metric)
     excluded: list[Exclusion] = []
     placed: list[FrontierPoint] = []
     for variant in variants:
         reason = exclusion_reason(variant, required)
-        quality, cost = variant.value(pair.quality.metric), variant.value(pair.cost.metric)
-        if reason is not None or quality is None or cost is None:
-            excluded.append(Exclusion(variant.name, reason or "missing metric"))
+        if reason is not None:
+            excluded.append(Exclusion(variant.name, reason))
             continue
-        placed.append(
-            FrontierPoint(variant.name, variant.method, quality, cost, (), variant.is_baseline)
-        )
+        versus = None
+        if baseline is not None and baseline.succeeded and variant.name != baseline.name:
+            versus = noise(pair.quality.metric, baseline.name, variant.name)
+        placed.append(FrontierPoint(
+            variant.name, variant.method, variant.value(pair.quality.metric),  # type: ignore[arg-type]
+            variant.value(pair.cost.metric), is_baseline=variant.is_baseline, vs_baseline=versus,  # type: ignore[arg-type]
+        ))
+    margins = {(a.name, b.name): quality_margin(pair, a, b, noise) for a in placed for b in placed if a is not b}
     judged = [
         replace(
             point,
-            dominated_by=tuple(sorted(o.name for o in placed if dominates(o, point, pair))),
+            dominated_by=tuple(sorted(o.name for o in placed if o is not point
+                                      and dominates(pair, o, point, margins[o.name, point.name]))),
+            tied_with=tuple(sorted(o.name for o in placed if o is not point
+                                   and margins[o.name, point.name].low < 0 < margins[o.name, point.name].high)),
         )
         for point in placed
     ]
-    judged.sort(
-        key=lambda p: (pair.cost.sort_key(p.cost), pair.quality.sort_key(p.quality), p.name)
-    )
-    baseline = find_baseline(variants)
-    deltas = ()
-    if baseline is not None and baseline.succeeded:
-        found = (
-            quality_delta(variant, baseline, pair.quality.metric, pair.quality.higher_is_better)
-            for variant in variants
-            if variant.succeeded and variant.name != baseline.name
-        )
-        deltas = tuple(delta for delta in found if delta is not None)
-    return FrontierResult(
-        pair=pair,
-        points=tuple(judged),
-        excluded=tuple(excluded),
-        baseline=baseline.name if baseline else None,
-        deltas=deltas,
-    )
-
-
-def ensure_unique_names(variants: Sequence[VariantSummary]) -> None:
-    counts = Counter(variant.name for variant in variants)
-    duplicates = sorted(name for name, count in counts.items() if count > 1)
-    if duplicates:
-        raise ValueError(f"variant names must be unique; repeated: {duplicates}")
+    judged.sort(key=lambda p: (pair.cost.sort_key(p.cost), pair.quality.sort_key(p.quality), p.name))
+    unpaired = tuple(sorted((a, b) for (a, b), margin in margins.items() if a < b and not margin.paired))
+    return FrontierResult(pair, tuple(judged), tuple(excluded), baseline.name if baseline else None, unpaired)
 
 
 # --------------------------------------------------------------------------------------
 # Settings (embedded in the recipe under `frontier:`)
 # --------------------------------------------------------------------------------------
+
+
+def _check_direction(metric: str, given: bool | None) -> None:
+    # lm-eval scores get their direction from lm-eval during the sweep; every other key must be
+    # in the contract or given a direction, checked when the recipe loads, not after an hour.
+    if given is None and not is_eval_score(metric):
+        Axis.of(metric)
 
 
 class AxisSettings(BaseModel):
@@ -557,36 +492,15 @@ class AxisSettings(BaseModel):
 
     @model_validator(mode="after")
     def _directions_are_known(self) -> AxisSettings:
-        # Checked when the recipe loads, not after an hour of sweeping.
-        self.to_pair()
+        _check_direction(self.quality, self.quality_higher_is_better)
+        _check_direction(self.cost, self.cost_higher_is_better)
         return self
 
-    def to_pair(self) -> AxisPair:
+    def to_pair(self, declared: Mapping[str, Declared] | None = None) -> AxisPair:
         return AxisPair(
-            Axis.of(self.quality, self.quality_higher_is_better),
-            Axis.of(self.cost, self.cost_higher_is_better),
+            Axis.of(self.quality, self.quality_higher_is_better, declared),
+            Axis.of(self.cost, self.cost_higher_is_better, declared),
         )
-
-
-class PolicySettings(BaseModel):
-    """Constraints of the report's recommendation (a `quantlab pick` without flags)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    # Percentage points of a 0-1 metric, e.g. {"eval/mmlu_dev/acc": 1.0}.
-    max_drop: dict[str, float] = Field(default_factory=dict)
-    # Applies to every 0-1 eval metric the baseline logged that `max_drop` does not name.
-    max_drop_any_task: float | None = Field(default=1.0, ge=0)
-    max_kld: float | None = Field(default=None, ge=0)
-    min_top1_agreement: float | None = Field(default=None, ge=0, le=1)
-    max_peak_memory_bytes: float | None = Field(default=None, gt=0)
-
-    @model_validator(mode="after")
-    def _drops_are_non_negative(self) -> PolicySettings:
-        negative = sorted(metric for metric, points in self.max_drop.items() if points < 0)
-        if negative:
-            raise ValueError(f"max_drop must be >= 0 percentage points; negative for {negative}")
-        return self
 
 
 class FrontierSettings(BaseModel):
@@ -597,20 +511,31 @@ class FrontierSettings(BaseModel):
     axes: list[AxisSettings] | None = None  # None: `default_axis_pairs`
     objective: str = "cost/weight_bytes"
     objective_higher_is_better: bool | None = None
-    default_policy: PolicySettings = Field(default_factory=PolicySettings)
+    default_policy: Policy = Field(default_factory=Policy)  # the report's recommendation: a `quantlab pick` without flags
 
     @model_validator(mode="after")
     def _objective_direction_is_known(self) -> FrontierSettings:
-        self.objective_axis()
+        _check_direction(self.objective, self.objective_higher_is_better)
         return self
 
-    def objective_axis(self) -> Axis:
-        return Axis.of(self.objective, self.objective_higher_is_better)
+    def objective_axis(self, declared: Mapping[str, Declared] | None = None) -> Axis:
+        return Axis.of(self.objective, self.objective_higher_is_better, declared)
 
-    def axis_pairs(self, variants: Sequence[VariantSummary]) -> tuple[AxisPair, ...]:
+    def axis_pairs(
+        self, variants: Sequence[VariantSummary], declared: Mapping[str, Declared] | None = None
+    ) -> tuple[AxisPair, ...]:
+        """The pairs to draw; an explicit axis whose direction is still unknown is left out (and
+        its metric named by `compute_frontiers`)."""
+        declared = merged_declared(variants) if declared is None else declared
         if self.axes is None:
-            return default_axis_pairs(variants)
-        return tuple(axis.to_pair() for axis in self.axes)
+            return default_axis_pairs(variants, declared)
+        pairs = []
+        for axis in self.axes:
+            try:
+                pairs.append(axis.to_pair(declared))
+            except UnknownDirectionError:
+                continue
+        return tuple(pairs)
 
 
 # --------------------------------------------------------------------------------------
@@ -618,23 +543,58 @@ class FrontierSettings(BaseModel):
 # --------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Frontiers:
+    results: tuple[FrontierResult, ...]
+    declared: dict[str, Declared]  # merged over the sweep's variants
+    direction_unknown: tuple[str, ...]  # quality scores named, not placed on any frontier
+    # variant -> quality metric -> paired comparison with the baseline (variant minus baseline)
+    vs_baseline: dict[str, dict[str, PairedComparison]]
+
+    @property
+    def on_front(self) -> frozenset[str]:
+        """Variants on the front of at least one pair: the `quantlab.on_frontier=true` ones."""
+        return on_frontier_names(self.results)
+
+    def scale(self, key: str) -> Scale:
+        return metric_spec(key, self.declared).scale
+
+
 def compute_frontiers(
     variants: Sequence[VariantSummary],
     settings: FrontierSettings | None = None,
-) -> tuple[FrontierResult, ...]:
-    """One `FrontierResult` per axis pair of the settings (defaults when None)."""
-    pairs = (settings or FrontierSettings()).axis_pairs(variants)
-    return tuple(pareto_front(variants, pair) for pair in pairs)
+    noise: Noise = no_noise,
+) -> Frontiers:
+    """One `FrontierResult` per axis pair of the settings (defaults when None), the metrics whose
+    direction is unknown, and every variant's paired comparison with the baseline."""
+    declared = merged_declared(variants)
+    pairs = (settings or FrontierSettings()).axis_pairs(variants, declared)
+    baseline = find_baseline(variants)
+    versus: dict[str, dict[str, PairedComparison]] = {}
+    if baseline is not None and baseline.succeeded:
+        logged = logged_keys(variants)
+        qualities = [*task_scores(variants, declared), *(key for key in DAMAGE_METRICS if key in logged)]
+        for variant in variants:
+            if variant.succeeded and variant.name != baseline.name:
+                found = {metric: noise(metric, baseline.name, variant.name) for metric in qualities}
+                versus[variant.name] = {metric: c for metric, c in found.items() if c is not None}
+    return Frontiers(
+        results=tuple(pareto_front(variants, pair, noise) for pair in pairs),
+        declared=declared,
+        direction_unknown=tuple(contract_unknown_directions(logged_keys(variants), declared)),
+        vs_baseline=versus,
+    )
 
 
 def on_frontier_names(results: Iterable[FrontierResult]) -> frozenset[str]:
-    """Variants on the front of at least one pair: the `quantlab.on_frontier=true` ones."""
     return frozenset(name for result in results for name in result.on_front)
 
 
-def frontiers_to_dict(results: Sequence[FrontierResult]) -> dict[str, Any]:
+def frontiers_to_dict(frontiers: Frontiers) -> dict[str, Any]:
     """The `frontier.json` artifact."""
     return {
-        "on_frontier": sorted(on_frontier_names(results)),
-        "frontiers": [result.to_dict() for result in results],
+        "on_frontier": sorted(frontiers.on_front),
+        "direction_unknown": list(frontiers.direction_unknown),
+        "frontiers": [result.to_dict() for result in frontiers.results],
     }
+

@@ -15,11 +15,27 @@ from pathlib import Path
 import yaml
 
 from quantlab import tracking
-from quantlab.decision import Constraints, Decision, DecisionError, pick
+from quantlab.decision import Decision, DecisionError, pick
 from quantlab.errors import BadInput, Problem
+from quantlab.frontier import (
+    Axis,
+    Frontiers,
+    FrontierSettings,
+    Group,
+    Noise,
+    VariantSummary,
+    compute_frontiers,
+    frontiers_to_dict,
+    merged_declared,
+    paired_noise,
+)
 from quantlab.metrics import declared_from_tags
-from quantlab.frontier import FrontierResult, FrontierSettings, VariantSummary, compute_frontiers, frontiers_to_dict, on_frontier_names
-from quantlab.report import render_html, render_markdown, render_png
+from quantlab.paired import DocumentScores, documents_from_json
+from quantlab.policy import Policy, PolicyError
+from quantlab.report import render_html, render_markdown, render_plots
+
+SAMPLES_ARTIFACT = "samples.json"
+SAMPLES_VERSION = 2  # per-document scores of every metric, and the groups' leaves and weights
 
 
 @dataclass(frozen=True)
@@ -30,16 +46,45 @@ class SweepView:
     settings: FrontierSettings
     baseline: str
     notes: tuple[str, ...]
+    model: str  # the recipe's model.source, as figures and the report name it
+    noise: Noise  # paired comparisons between variants, from their runs' per-document scores
 
 
 def read_sweep(store: tracking.Store, parent_run_id: str) -> SweepView:
     parent = store.client.get_run(parent_run_id)
     recipe = _logged_recipe(store, parent_run_id)
-    variants = [_summary(run) for run in tracking.child_runs(store, parent_run_id)]
+    runs = tracking.child_runs(store, parent_run_id)
+    variants = [_summary(run) for run in runs]
+    documents: dict[str, dict[str, DocumentScores]] = {}
+    groups: dict[str, Group] = {}
+    for run, variant in zip(runs, variants):
+        samples = _samples(store, run.info.run_id) if variant.succeeded else None
+        if samples is not None:
+            documents[variant.name] = documents_from_json(samples.get("documents") or {})
+            groups.update({key: Group(tuple(g["leaves"]), tuple(g["weights"])) for key, g in (samples.get("groups") or {}).items()})
     variants.sort(key=lambda v: (not v.is_baseline, v.name))
     settings = FrontierSettings.model_validate(recipe.get("frontier") or {})
     baseline = recipe.get("baseline") or next((v.name for v in variants if v.is_baseline), "")
-    return SweepView(parent_run_id, parent.info.experiment_id, variants, settings, baseline, _notes(recipe))
+    model = model_label(str((recipe.get("model") or {}).get("source", "")) or parent.info.experiment_id)
+    return SweepView(parent_run_id, parent.info.experiment_id, variants, settings, baseline, _notes(recipe),
+                     model, paired_noise(variants, documents, groups))
+
+
+def model_label(source: str) -> str:
+    """A hub id as written; a file or packaged file by its name (a long path would crowd a title)."""
+    if source.startswith(("/", ".", "~", "pkg://")) or source.endswith(".gguf"):
+        return Path(source.removeprefix("pkg://")).name
+    return source
+
+
+def _samples(store: tracking.Store, run_id: str) -> dict | None:
+    """The run's samples.json when it is version 2 (per-document scores); None otherwise."""
+    with tempfile.TemporaryDirectory() as scratch:
+        try:
+            data = json.loads(Path(store.client.download_artifacts(run_id, SAMPLES_ARTIFACT, scratch)).read_text())
+        except Exception:  # noqa: BLE001 - no samples (an older run): its noise comes from logged figures
+            return None
+    return data if isinstance(data, dict) and data.get("version") == SAMPLES_VERSION else None
 
 
 def _summary(run) -> VariantSummary:
@@ -67,45 +112,43 @@ def _logged_recipe(store: tracking.Store, run_id: str) -> dict:
 def _notes(recipe: dict) -> tuple[str, ...]:
     source = str((recipe.get("model") or {}).get("source", ""))
     if source.endswith(".gguf"):
-        return (f"The baseline comes from a GGUF file ({source}): its weights are that file's "
-                "quantized values dequantized, so 'BF16' means BF16 of the dequantized GGUF, "
-                "not of the original full-precision release.",)
+        return ((f"The baseline comes from a GGUF file ({source}): its weights are that file's "
+                 "quantized values dequantized, so 'BF16' means BF16 of the dequantized GGUF, "
+                 "not of the original full-precision release."),)
     return ()
 
 
-def frontiers(view: SweepView) -> tuple[FrontierResult, ...]:
-    return compute_frontiers(view.variants, view.settings)
+def frontiers(view: SweepView) -> Frontiers:
+    return compute_frontiers(view.variants, view.settings, view.noise)
 
 
-def decide(view: SweepView, constraints: Constraints | None = None, objective: str | None = None) -> Decision:
-    """`quantlab pick`: explicit constraints, or the recipe's default policy."""
-    from quantlab.frontier import Axis
-
+def decide(view: SweepView, policy: Policy | None = None, objective: str | None = None) -> Decision:
+    """`quantlab pick`: an explicit policy (the CLI's flags), or the recipe's default policy."""
+    declared = merged_declared(view.variants)
     try:
-        axis = Axis.of(objective) if objective else view.settings.objective_axis()
-        chosen_constraints = constraints or Constraints.from_policy(view.settings.default_policy)
-        return pick(view.variants, view.baseline, chosen_constraints, axis)
+        axis = Axis.of(objective, declared=declared) if objective else view.settings.objective_axis(declared)
+        return pick(view.variants, view.baseline, policy or view.settings.default_policy, axis)
+    except PolicyError as error:  # names the recipe's field, or the policy field behind a CLI flag
+        raise BadInput([Problem("recipe" if policy is None else "policy", error.recipe_field if policy is None else error.field,
+                                str(error))]) from None
     except (DecisionError, ValueError) as error:
         raise BadInput([Problem("--objective" if objective else "sweep", "", str(error))]) from None
 
 
-def render_artifacts(view: SweepView, out_dir: Path) -> dict[str, Path]:
-    """frontier.json, frontier.png, frontier.html and report.md for a sweep, into out_dir."""
+def render_artifacts(view: SweepView, out_dir: Path) -> list[Path]:
+    """frontier.json, frontier.png, frontier.html, report.md and plots/ (PNG and SVG per frontier)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = frontiers(view)
+    found = frontiers(view)
     try:
         decision = decide(view)
     except BadInput:
         decision = None
-    files = {
-        "frontier.json": out_dir / "frontier.json",
-        "frontier.png": render_png(results, out_dir / "frontier.png", title=f"{view.baseline} and its variants"),
-        "frontier.html": render_html(results, out_dir / "frontier.html", variants=view.variants),
-        "report.md": out_dir / "report.md",
-    }
-    files["frontier.json"].write_text(json.dumps(json_safe(frontiers_to_dict(results)), indent=2, allow_nan=False))
-    files["report.md"].write_text(render_markdown(view.variants, results, decision, view.notes))
-    return files
+    plots = render_plots(found, out_dir, view.model)
+    (out_dir / "frontier.json").write_text(json.dumps(json_safe(frontiers_to_dict(found)), indent=2, allow_nan=False))
+    render_html(found, plots, out_dir / "frontier.html", variants=view.variants, model=view.model)
+    (out_dir / "report.md").write_text(render_markdown(view.variants, found, decision, view.notes, model=view.model))
+    return [out_dir / name for name in ("frontier.json", "frontier.png", "frontier.html", "report.md")] + [
+        path for plot in plots for path in (plot.png, plot.svg)]
 
 
 def json_safe(value):
@@ -122,14 +165,13 @@ def json_safe(value):
 def publish_sweep(store: tracking.Store, parent_run_id: str) -> SweepView:
     """Tag each variant run with quantlab.on_frontier and attach the four artifacts to the parent."""
     view = read_sweep(store, parent_run_id)
-    on_front = on_frontier_names(frontiers(view))
+    on_front = frontiers(view).on_front
     for run in tracking.child_runs(store, parent_run_id):
         name = run.data.tags.get(tracking.VARIANT, run.info.run_name)
         tracking.log_values(store, run.info.run_id, tags={tracking.ON_FRONTIER: str(name in on_front).lower()})
     with tempfile.TemporaryDirectory() as scratch:
-        files = render_artifacts(view, Path(scratch))
-        for path in files.values():
-            store.client.log_artifact(parent_run_id, str(path))
+        render_artifacts(view, Path(scratch))
+        store.client.log_artifacts(parent_run_id, scratch)  # keeps plots/ as a folder
         # The run page shows its description (this tag) as Markdown: the report, where reviewers look.
-        tracking.log_values(store, parent_run_id, tags={tracking.NOTE: files["report.md"].read_text()[:60000]})
+        tracking.log_values(store, parent_run_id, tags={tracking.NOTE: (Path(scratch) / "report.md").read_text()[:60000]})
     return view

@@ -1,4 +1,8 @@
-"""Pareto fronts, exclusions, within-noise differences and frontier settings."""
+"""Pareto fronts judged against paired noise, directions from the metric contract, frontier settings.
+
+Noise comes from real per-document scores through `paired.compare` (0/1 answers built so that a
+variant flips a chosen number of documents), never from a stand-in.
+"""
 
 from __future__ import annotations
 
@@ -12,157 +16,227 @@ from quantlab.frontier import (
     Axis,
     AxisPair,
     FrontierSettings,
-    QualityDelta,
+    Group,
     UnknownDirectionError,
     VariantSummary,
-    combined_stderr,
     compute_frontiers,
     default_axis_pairs,
-    format_metric,
+    describe_comparison,
     frontiers_to_dict,
-    metric_info,
+    merged_declared,
     on_frontier_names,
+    paired_noise,
     pareto_front,
-    quality_delta,
 )
+from quantlab.metrics import Declared, Scale, paired_key, spec
+from quantlab.paired import Aggregation, DocumentScores, compare
 
 ACC = "eval/mmlu_dev/acc"
+GSM = "eval/gsm8k/exact_match:strict-match"
+ERRORS = "eval/toxic/rate"  # a 0-1 score lm-eval declares lower-is-better
 KLD = "quality/kld_mean"
 WEIGHTS = "cost/weight_bytes"
 DECODE = "cost/decode_tokens_per_s"
+DECLARED = {ACC: Declared(True, Scale.FRACTION), GSM: Declared(True, Scale.FRACTION),
+            ERRORS: Declared(False, Scale.FRACTION)}
 
 ACC_VS_WEIGHTS = AxisPair(Axis(ACC, True), Axis(WEIGHTS, False))
+ERRORS_VS_WEIGHTS = AxisPair(Axis(ERRORS, False), Axis(WEIGHTS, False))
 KLD_VS_WEIGHTS = AxisPair(Axis(KLD, False), Axis(WEIGHTS, False))
 ACC_VS_DECODE = AxisPair(Axis(ACC, True), Axis(DECODE, True))
-KLD_VS_DECODE = AxisPair(Axis(KLD, False), Axis(DECODE, True))
+N = 1000
 
 
-def variant(name: str, succeeded: bool = True, baseline: bool = False, **metrics: float) -> VariantSummary:
-    """Metrics as keyword arguments: `acc=` etc. map to the logged keys below."""
-    keys = {"acc": ACC, "acc_stderr": ACC + "_stderr", "kld": KLD, "weights": WEIGHTS, "decode": DECODE}
-    return VariantSummary(
-        name=name,
-        method=name,
-        succeeded=succeeded,
-        metrics={keys.get(key, key): value for key, value in metrics.items()},
-        is_baseline=baseline,
-    )
+def answers(right_to_wrong: int = 0, wrong_to_right: int = 0, *, n: int = N, right: int = 600) -> dict[int, float]:
+    """0/1 scores on n documents: the reference answers the first `right` correctly; this one
+    loses `right_to_wrong` of those and gains `wrong_to_right` of the others."""
+    scores = {doc: float(doc < right) for doc in range(n)}
+    for doc in range(right_to_wrong):
+        scores[doc] = 0.0
+    for doc in range(right, right + wrong_to_right):
+        scores[doc] = 1.0
+    return scores
 
 
-def on_pair(pair: AxisPair, *points: tuple[str, float, float]) -> list[VariantSummary]:
-    """Variants placed directly by (name, quality, cost) on the pair's metrics."""
-    return [
-        VariantSummary(name, name, True, {pair.quality.metric: quality, pair.cost.metric: cost})
-        for name, quality, cost in points
+def sweep(pair: AxisPair, *variants: tuple[str, dict[int, float], float], baseline: str | None = None):
+    """Variants placed by (name, per-document scores, cost): the logged score is the documents' mean."""
+    summaries = [
+        VariantSummary(name, name, True, {pair.quality.metric: sum(docs.values()) / len(docs), pair.cost.metric: cost},
+                       is_baseline=name == baseline, declared=DECLARED)
+        for name, docs, cost in variants
     ]
+    documents = {name: {pair.quality.metric: DocumentScores(Aggregation.MEAN, docs)} for name, docs, _ in variants}
+    return summaries, paired_noise(summaries, documents, {})
 
 
 # --------------------------------------------------------------------------------------
-# Pareto set
+# Dominance with paired noise
 # --------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    ("pair", "points", "expected_front", "expected_dominated"),
+    ("pair", "points", "front", "dominated", "ties"),
     [
-        pytest.param(
-            ACC_VS_WEIGHTS, [("a", 0.5, 100), ("b", 0.4, 200)], {"a"}, {"b": ("a",)},
-            id="cheaper-and-better-dominates",
-        ),
-        pytest.param(
-            ACC_VS_WEIGHTS, [("a", 0.5, 200), ("b", 0.4, 100)], {"a", "b"}, {},
-            id="trade-off-keeps-both",
-        ),
-        pytest.param(
-            ACC_VS_WEIGHTS, [("a", 0.5, 100), ("b", 0.5, 100)], {"a", "b"}, {},
-            id="exact-tie-keeps-both",
-        ),
-        pytest.param(
-            ACC_VS_WEIGHTS, [("a", 0.5, 100), ("b", 0.4, 100)], {"a"}, {"b": ("a",)},
-            id="same-cost-better-quality-dominates",
-        ),
-        pytest.param(
-            ACC_VS_WEIGHTS, [("a", 0.5, 100), ("b", 0.5, 150)], {"a"}, {"b": ("a",)},
-            id="same-quality-cheaper-dominates",
-        ),
-        pytest.param(
-            ACC_VS_WEIGHTS,
-            [("a", 0.6, 100), ("b", 0.6, 100), ("c", 0.5, 200)],
-            {"a", "b"},
-            {"c": ("a", "b")},
-            id="several-dominators-listed",
-        ),
-        pytest.param(
-            KLD_VS_WEIGHTS, [("a", 0.03, 100), ("b", 0.18, 100)], {"a"}, {"b": ("a",)},
-            id="lower-is-better-quality",
-        ),
-        pytest.param(
-            ACC_VS_DECODE, [("fast", 0.5, 50), ("slow", 0.5, 40)], {"fast"}, {"slow": ("fast",)},
-            id="higher-is-better-cost",
-        ),
-        pytest.param(
-            KLD_VS_DECODE,
-            [("a", 0.01, 30), ("b", 0.2, 60), ("c", 0.3, 50)],
-            {"a", "b"},
-            {"c": ("b",)},
-            id="both-directions-flipped",
-        ),
-        pytest.param(ACC_VS_WEIGHTS, [("only", 0.5, 100)], {"only"}, {}, id="single-variant"),
+        pytest.param(ACC_VS_WEIGHTS, [("a", answers(), 100), ("b", answers(25, 5), 200)],
+                     {"a"}, {"b": ("a",)}, {}, id="cheaper-and-better-beyond-noise-dominates"),
+        pytest.param(ACC_VS_WEIGHTS, [("a", answers(3, 1), 100), ("b", answers(), 200)],
+                     {"a", "b"}, {}, {"a": ("b",), "b": ("a",)}, id="cheaper-slightly-worse-is-a-tie"),
+        pytest.param(ACC_VS_WEIGHTS, [("a", answers(1, 3), 100), ("b", answers(), 200)],
+                     {"a", "b"}, {}, {"a": ("b",), "b": ("a",)}, id="cheaper-better-within-noise-is-a-tie-not-dominance"),
+        pytest.param(ACC_VS_WEIGHTS, [("a", answers(), 100), ("b", answers(30, 0), 100)],
+                     {"a"}, {"b": ("a",)}, {}, id="equal-cost-better-beyond-noise-dominates"),
+        pytest.param(ACC_VS_WEIGHTS, [("a", answers(), 100), ("b", answers(2, 0), 100)],
+                     {"a", "b"}, {}, {"a": ("b",), "b": ("a",)}, id="equal-cost-within-noise-is-a-tie"),
+        pytest.param(ACC_VS_WEIGHTS, [("a", answers(), 100), ("b", answers(), 100)],
+                     {"a", "b"}, {}, {}, id="identical-documents-equal-cost-neither-dominates"),
+        pytest.param(ACC_VS_WEIGHTS, [("a", answers(), 100), ("b", answers(), 150)],
+                     {"a"}, {"b": ("a",)}, {}, id="identical-documents-cheaper-dominates"),
+        pytest.param(ACC_VS_WEIGHTS, [("a", answers(), 200), ("b", answers(100, 0), 100)],
+                     {"a", "b"}, {}, {}, id="trade-off-keeps-both"),
+        pytest.param(ACC_VS_WEIGHTS, [("a", answers(), 100), ("b", answers(), 100), ("c", answers(40, 0), 200)],
+                     {"a", "b"}, {"c": ("a", "b")}, {}, id="several-dominators-listed"),
+        pytest.param(ERRORS_VS_WEIGHTS, [("a", answers(), 100), ("b", answers(0, 40), 100)],
+                     {"a"}, {"b": ("a",)}, {}, id="lower-is-better-more-errors-beyond-noise-dominated"),
+        pytest.param(ERRORS_VS_WEIGHTS, [("a", answers(0, 2), 100), ("b", answers(), 200)],
+                     {"a", "b"}, {}, {"a": ("b",), "b": ("a",)}, id="lower-is-better-within-noise-tie"),
+        pytest.param(ACC_VS_DECODE, [("fast", answers(), 50), ("slow", answers(30, 0), 40)],
+                     {"fast"}, {"slow": ("fast",)}, {}, id="higher-is-better-cost"),
     ],
 )
-def test_pareto_front(pair, points, expected_front, expected_dominated):
-    result = pareto_front(on_pair(pair, *points), pair)
+def test_dominance_is_judged_against_paired_noise(pair, points, front, dominated, ties):
+    variants, noise = sweep(pair, *points)
 
-    assert set(result.on_front) == expected_front
-    assert result.dominated == expected_dominated
-    assert result.excluded == ()
+    result = pareto_front(variants, pair, noise)
+
+    assert set(result.on_front) == front
+    assert result.dominated == dominated
+    assert result.ties == ties
+    assert result.point_compared == ()  # every pair had per-document scores
+
+
+def test_the_issue_example_is_a_loss_not_noise():
+    """n=1000, 0.60 -> 0.58 with 25 right->wrong and 5 wrong->right: McNemar p = 3e-4."""
+    variants, noise = sweep(ACC_VS_WEIGHTS, ("bf16", answers(), 270), ("fp8", answers(25, 5), 270), baseline="bf16")
+
+    result = pareto_front(variants, ACC_VS_WEIGHTS, noise)
+    versus = result.point("fp8").vs_baseline
+
+    assert result.dominated == {"fp8": ("bf16",)}
+    assert versus.correct_to_wrong == 25 and versus.wrong_to_correct == 5
+    assert describe_comparison(versus, spec(ACC, DECLARED)).startswith("-2.00 pts [-3.")
+    assert "p=3e-4, 25 right→wrong / 5 wrong→right" in describe_comparison(versus, spec(ACC, DECLARED))
+    low, high = result.point("fp8").interval
+    assert low == pytest.approx(0.58 + versus.ci95_low - versus.diff) and high > 0.58 > low
+    assert result.point("bf16").interval is None  # the baseline has no difference to itself
+
+
+def test_without_paired_noise_points_are_compared_and_the_result_says_so():
+    variants = [VariantSummary(name, name, True, {ACC: acc, WEIGHTS: cost}, declared=DECLARED)
+                for name, acc, cost in (("a", 0.60, 100), ("b", 0.59, 200), ("c", 0.55, 50))]
+
+    result = pareto_front(variants, ACC_VS_WEIGHTS)
+
+    assert result.dominated == {"b": ("a",)}  # a point difference decides, as nothing else is known
+    assert result.ties == {}
+    assert result.point_compared == (("a", "b"), ("a", "c"), ("b", "c"))
+    assert frontiers_to_dict(compute_frontiers(variants))["frontiers"][0]["no_paired_noise"] == [
+        ["a", "b"], ["a", "c"], ["b", "c"]]
+
+
+def test_logged_paired_figures_serve_against_the_baseline():
+    """Runs without samples.json v2: the variant's own quality/paired/... figures (variant minus baseline)."""
+    logged = compare(ACC, DocumentScores(Aggregation.MEAN, answers()), DocumentScores(Aggregation.MEAN, answers(2, 1)))
+    figures = {paired_key(ACC, stat): value for stat, value in logged.statistics().items()}
+    base = VariantSummary("bf16", "bf16", True, {ACC: 0.6, WEIGHTS: 270}, is_baseline=True, declared=DECLARED)
+    fp8 = VariantSummary("fp8", "fp8", True, {ACC: 0.599, WEIGHTS: 170, **figures}, declared=DECLARED)
+    noise = paired_noise([base, fp8], {}, {})
+
+    result = pareto_front([base, fp8], ACC_VS_WEIGHTS, noise)
+
+    assert result.ties == {"bf16": ("fp8",), "fp8": ("bf16",)}
+    assert result.point("fp8").vs_baseline.diff == pytest.approx(logged.diff)
+    assert noise(ACC, "fp8", "bf16").diff == pytest.approx(-logged.diff)  # the other way round
+    assert noise(ACC, "fp8", "bf16").wrong_to_correct == logged.correct_to_wrong
+
+
+def test_group_scores_are_compared_from_their_leaves_with_the_stored_weights():
+    group, leaves = "eval/mmlu/acc", ("eval/mmlu_a/acc", "eval/mmlu_b/acc")
+    docs = {"bf16": (answers(n=500, right=300), answers(n=500, right=300)),
+            "int4": (answers(20, 0, n=500, right=300), answers(15, 5, n=500, right=300))}
+    declared = {key: Declared(True, Scale.FRACTION) for key in (group, *leaves)}
+    variants = [VariantSummary(name, name, True, {group: 0.6, WEIGHTS: cost}, is_baseline=name == "bf16", declared=declared)
+                for name, cost in (("bf16", 270), ("int4", 100))]
+    documents = {name: {leaf: DocumentScores(Aggregation.MEAN, d) for leaf, d in zip(leaves, pair)}
+                 for name, pair in docs.items()}
+
+    noise = paired_noise(variants, documents, {group: Group(leaves, (0.5, 0.5))})
+    found = noise(group, "bf16", "int4")
+
+    assert found.correct_to_wrong == 35 and found.wrong_to_correct == 5  # flips of the leaves add up
+    assert found.diff == pytest.approx(-30 / 1000)
+    assert found.test == "mcnemar_exact"  # size weights: one pool of documents
+
+
+def test_documents_of_different_tasks_versions_give_no_paired_noise():
+    variants, _ = sweep(ACC_VS_WEIGHTS, ("a", answers(), 100), ("b", answers(), 200))
+    documents = {"a": {ACC: DocumentScores(Aggregation.MEAN, answers())},
+                 "b": {ACC: DocumentScores(Aggregation.MEAN, answers(n=900))}}
+
+    result = pareto_front(variants, ACC_VS_WEIGHTS, paired_noise(variants, documents, {}))
+
+    assert result.point_compared == (("a", "b"),)
+
+
+# --------------------------------------------------------------------------------------
+# Failed and incomplete variants
+# --------------------------------------------------------------------------------------
+
+
+def summary(name: str, succeeded: bool = True, baseline: bool = False, **metrics: float) -> VariantSummary:
+    keys = {"acc": ACC, "kld": KLD, "weights": WEIGHTS, "decode": DECODE}
+    return VariantSummary(name, name, succeeded, {keys.get(k, k): v for k, v in metrics.items()},
+                          is_baseline=baseline, declared=DECLARED)
 
 
 @pytest.mark.parametrize(
     ("variants", "expected_reason"),
     [
-        pytest.param([variant("x", succeeded=False, acc=0.5, weights=1)], "failed", id="failed"),
-        pytest.param([variant("x", weights=1)], f"missing metric {ACC}", id="missing-quality"),
-        pytest.param([variant("x", acc=0.5)], f"missing metric {WEIGHTS}", id="missing-cost"),
-        pytest.param([variant("x")], f"missing metric {ACC}, {WEIGHTS}", id="missing-both"),
-        pytest.param([variant("x", acc=math.nan, weights=1)], f"missing metric {ACC}", id="nan-is-missing"),
-        pytest.param([variant("x", acc=0.5, weights=math.inf)], f"missing metric {WEIGHTS}", id="inf-is-missing"),
+        pytest.param([summary("x", succeeded=False, acc=0.5, weights=1)], "failed", id="failed"),
+        pytest.param([summary("x", weights=1)], f"missing metric {ACC}", id="missing-quality"),
+        pytest.param([summary("x", acc=0.5)], f"missing metric {WEIGHTS}", id="missing-cost"),
+        pytest.param([summary("x")], f"missing metric {ACC}, {WEIGHTS}", id="missing-both"),
+        pytest.param([summary("x", acc=math.nan, weights=1)], f"missing metric {ACC}", id="nan-is-missing"),
+        pytest.param([summary("x", acc=0.5, weights=math.inf)], f"missing metric {WEIGHTS}", id="inf-is-missing"),
     ],
 )
 def test_variants_that_cannot_be_placed_are_excluded_with_a_reason(variants, expected_reason):
-    placed = variant("placed", acc=0.1, weights=1e9)
-    result = pareto_front([placed, *variants], ACC_VS_WEIGHTS)
+    result = pareto_front([summary("placed", acc=0.1, weights=1e9), *variants], ACC_VS_WEIGHTS)
 
     assert [(e.name, e.reason) for e in result.excluded] == [("x", expected_reason)]
     assert result.on_front == ("placed",)
 
 
-def test_failed_variant_with_good_numbers_does_not_dominate():
-    failed = variant("failed", succeeded=False, acc=0.9, weights=1)
-    ok = variant("ok", acc=0.5, weights=100)
+def test_failed_variant_with_good_numbers_does_not_dominate_and_a_failed_baseline_gives_no_intervals():
+    variants = [summary("base", succeeded=False, baseline=True, acc=0.9, weights=1), summary("ok", acc=0.5, weights=100)]
 
-    result = pareto_front([failed, ok], ACC_VS_WEIGHTS)
+    result = pareto_front(variants, ACC_VS_WEIGHTS)
 
-    assert result.on_front == ("ok",)
-    assert result.point("failed") is None
+    assert result.on_front == ("ok",) and result.point("base") is None
+    assert result.point("ok").vs_baseline is None
+    assert compute_frontiers(variants).vs_baseline == {}
 
 
 def test_points_are_ordered_cheapest_first_then_best_quality_then_name():
-    pair = ACC_VS_DECODE  # higher decode speed is the better cost
-    variants = on_pair(pair, ("slow", 0.9, 10), ("fast-b", 0.5, 50), ("fast-a", 0.5, 50), ("fast-good", 0.6, 50))
+    variants = [summary(n, acc=a, decode=d) for n, a, d in
+                (("slow", 0.9, 10), ("fast-b", 0.5, 50), ("fast-a", 0.5, 50), ("fast-good", 0.6, 50))]
 
-    names = [point.name for point in pareto_front(variants, pair).points]
-
-    assert names == ["fast-good", "fast-a", "fast-b", "slow"]
+    assert [p.name for p in pareto_front(variants, ACC_VS_DECODE).points] == ["fast-good", "fast-a", "fast-b", "slow"]
 
 
 def test_on_frontier_overall_means_on_the_front_of_at_least_one_pair():
-    variants = [
-        variant("bf16", baseline=True, acc=0.50, kld=0.0, weights=270),
-        variant("fp8", acc=0.49, kld=0.03, weights=170),
-        variant("lossy", acc=0.40, kld=0.30, weights=170),  # dominated by fp8 everywhere
-        variant("tiny", acc=0.45, kld=0.50, weights=90),
-    ]
+    variants = [summary("bf16", baseline=True, acc=0.50, kld=0.0, weights=270), summary("fp8", acc=0.49, kld=0.03, weights=170),
+                summary("lossy", acc=0.40, kld=0.30, weights=170), summary("tiny", acc=0.45, kld=0.50, weights=90)]
+
     results = [pareto_front(variants, ACC_VS_WEIGHTS), pareto_front(variants, KLD_VS_WEIGHTS)]
 
     assert on_frontier_names(results) == {"bf16", "fp8", "tiny"}
@@ -170,101 +244,67 @@ def test_on_frontier_overall_means_on_the_front_of_at_least_one_pair():
 
 def test_duplicate_names_and_several_baselines_are_errors():
     with pytest.raises(ValueError, match="unique"):
-        pareto_front([variant("a", acc=1, weights=1), variant("a", acc=1, weights=1)], ACC_VS_WEIGHTS)
+        pareto_front([summary("a", acc=1, weights=1), summary("a", acc=1, weights=1)], ACC_VS_WEIGHTS)
     with pytest.raises(ValueError, match="several variants are marked as baseline"):
-        pareto_front(
-            [variant("a", baseline=True, acc=1, weights=1), variant("b", baseline=True, acc=1, weights=1)],
-            ACC_VS_WEIGHTS,
-        )
+        pareto_front([summary("a", baseline=True, acc=1, weights=1), summary("b", baseline=True, acc=1, weights=1)],
+                     ACC_VS_WEIGHTS)
 
 
 # --------------------------------------------------------------------------------------
-# Within noise
+# Directions from the contract and the sweep's declarations
 # --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("value", "baseline_value", "value_stderr", "baseline_stderr", "within_noise", "is_loss"),
-    [
-        pytest.param(0.49, 0.50, 0.05, 0.05, True, False, id="small-drop-within-noise"),
-        pytest.param(0.40, 0.50, 0.05, 0.05, False, True, id="drop-beyond-combined-stderr"),
-        pytest.param(0.25, 0.50, None, 0.25, False, True, id="drop-equal-to-combined-stderr-is-a-loss"),
-        pytest.param(0.49, 0.50, None, None, False, True, id="no-stderr-no-noise-judgement"),
-        pytest.param(0.49, 0.50, None, 0.02, True, False, id="only-baseline-stderr"),
-        pytest.param(0.60, 0.50, 0.01, 0.01, False, False, id="gain-is-never-a-loss"),
-        pytest.param(0.50, 0.50, 0.05, 0.05, False, False, id="no-difference"),
-    ],
-)
-def test_within_noise(value, baseline_value, value_stderr, baseline_stderr, within_noise, is_loss):
-    def summary(name: str, acc: float, stderr: float | None, is_baseline: bool) -> VariantSummary:
-        metrics = {ACC: acc} | ({ACC + "_stderr": stderr} if stderr is not None else {})
-        return VariantSummary(name, name, True, metrics, is_baseline=is_baseline)
+def test_default_axes_take_every_declared_score_including_filtered_ones_and_name_the_unknown():
+    variants = [VariantSummary("bf16", "bf16", True, {
+        ACC: 0.5, ACC.replace("acc", "acc_stderr"): 0.05, GSM: 0.3, "eval/custom/score": 3.0,
+        KLD: 0.0, WEIGHTS: 270, DECODE: 40,
+    }, is_baseline=True, declared={ACC: DECLARED[ACC], GSM: DECLARED[GSM]})]
 
-    delta = quality_delta(
-        summary("v", value, value_stderr, False), summary("base", baseline_value, baseline_stderr, True), ACC
-    )
+    frontiers = compute_frontiers(variants)
 
-    assert delta is not None
-    assert delta.within_noise is within_noise
-    assert delta.is_loss is is_loss
-
-
-def test_within_noise_for_lower_is_better_metric():
-    worse = QualityDelta("v", "eval/wiki/word_perplexity", False, 12.0, 11.0, combined_stderr=0.5)
-    noisy = QualityDelta("v", "eval/wiki/word_perplexity", False, 11.2, 11.0, combined_stderr=0.5)
-
-    assert worse.is_loss and not worse.within_noise
-    assert noisy.within_noise and not noisy.is_loss
-
-
-@pytest.mark.parametrize(
-    ("first", "second", "expected"),
-    [(3.0, 4.0, 5.0), (None, 2.0, 2.0), (2.0, None, 2.0), (None, None, None), (0.0, 0.0, 0.0)],
-)
-def test_combined_stderr(first, second, expected):
-    assert combined_stderr(first, second) == expected
-
-
-def test_frontier_result_reports_deltas_against_the_baseline():
-    variants = [
-        variant("bf16", baseline=True, acc=0.50, acc_stderr=0.05, weights=270),
-        variant("fp8", acc=0.49, acc_stderr=0.05, weights=170),
-        variant("int4", acc=0.30, acc_stderr=0.05, weights=90),
+    assert [r.pair.name for r in frontiers.results] == [
+        f"{GSM} vs {WEIGHTS}", f"{ACC} vs {WEIGHTS}", f"{KLD} vs {WEIGHTS}",
+        f"{GSM} vs {DECODE}", f"{ACC} vs {DECODE}", f"{KLD} vs {DECODE}",
     ]
-    result = pareto_front(variants, ACC_VS_WEIGHTS)
-
-    assert result.baseline == "bf16"
-    assert result.delta("fp8").within_noise
-    assert result.delta("int4").is_loss
-    assert result.delta("bf16") is None
-    assert "within noise" in result.delta("fp8").describe()
+    assert frontiers.direction_unknown == ("eval/custom/score",)
+    assert frontiers_to_dict(frontiers)["direction_unknown"] == ["eval/custom/score"]
+    assert frontiers.results[0].pair.quality.unit is Scale.FRACTION
 
 
-# --------------------------------------------------------------------------------------
-# Default axes and settings
-# --------------------------------------------------------------------------------------
+def test_an_undeclared_score_gets_no_axis_whatever_its_name():
+    """`acc` is not guessed: without the sweep's declaration its direction is unknown."""
+    variants = [VariantSummary("a", "a", True, {ACC: 0.5, WEIGHTS: 1.0})]
+
+    assert default_axis_pairs(variants) == ()
+    assert compute_frontiers(variants).direction_unknown == (ACC,)
 
 
-def test_default_axis_pairs_cover_each_task_metric_and_kld_against_size_and_speed():
-    variants = [
-        VariantSummary("bf16", "bf16", True, {
-            ACC: 0.5, ACC + "_stderr": 0.05, "eval/cloze/acc_norm": 0.6, "eval/custom/score": 3.0,
-            KLD: 0.0, WEIGHTS: 270, DECODE: 40,
-        }, is_baseline=True),
-    ]
+def test_declarations_are_merged_and_a_disagreement_makes_the_direction_unknown():
+    lower = Declared(False, Scale.FRACTION)
+    variants = [VariantSummary("a", "a", True, {}, declared={ACC: DECLARED[ACC]}),
+                VariantSummary("b", "b", True, {}, declared={GSM: DECLARED[GSM], ACC: lower})]
 
-    names = [pair.name for pair in default_axis_pairs(variants)]
-
-    assert names == [
-        f"eval/cloze/acc_norm vs {WEIGHTS}", f"{ACC} vs {WEIGHTS}", f"{KLD} vs {WEIGHTS}",
-        f"eval/cloze/acc_norm vs {DECODE}", f"{ACC} vs {DECODE}", f"{KLD} vs {DECODE}",
-    ]
+    assert merged_declared(variants) == {ACC: Declared(None, Scale.FRACTION), GSM: DECLARED[GSM]}
 
 
 def test_default_axis_pairs_skip_speed_when_nobody_measured_it():
-    variants = [variant("a", acc=0.5, weights=1), variant("b", succeeded=False, acc=0.5, decode=10)]
+    variants = [summary("a", acc=0.5, weights=1), summary("b", succeeded=False, acc=0.5, decode=10)]
 
     assert [pair.name for pair in default_axis_pairs(variants)] == [f"{ACC} vs {WEIGHTS}"]
+
+
+def test_axis_direction_from_the_contract_or_given():
+    assert Axis.of(KLD) == Axis(KLD, False)
+    assert Axis.of(GSM, declared=DECLARED) == Axis(GSM, True)
+    assert Axis.of("eval/custom/score", True) == Axis("eval/custom/score", True)
+    with pytest.raises(UnknownDirectionError, match="eval/custom/score"):
+        Axis.of("eval/custom/score")
+
+
+# --------------------------------------------------------------------------------------
+# Settings
+# --------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -272,7 +312,7 @@ def test_default_axis_pairs_skip_speed_when_nobody_measured_it():
     [
         pytest.param({"axes": [{"quality": ACC, "cost": WEIGHTS, "colour": "red"}]}, "extra", id="extra-axis-field"),
         pytest.param({"unknown_key": 1}, "extra", id="extra-top-level-field"),
-        pytest.param({"axes": [{"quality": "eval/custom/score", "cost": WEIGHTS}]}, "eval/custom/score", id="unknown-quality-direction"),
+        pytest.param({"axes": [{"quality": "custom/score", "cost": WEIGHTS}]}, "custom/score", id="not-in-the-contract"),
         pytest.param({"objective": "cost/dollars"}, "cost/dollars", id="unknown-objective-direction"),
         pytest.param({"default_policy": {"max_drop": {ACC: -1}}}, ">= 0", id="negative-drop"),
         pytest.param({"default_policy": {"min_top1_agreement": 90}}, "less than or equal to 1", id="top1-is-a-fraction"),
@@ -283,75 +323,41 @@ def test_frontier_settings_reject_bad_input(settings, error):
         FrontierSettings.model_validate(settings)
 
 
-def test_frontier_settings_explicit_axes_and_directions():
+def test_an_lm_eval_axis_loads_before_the_sweep_and_takes_its_direction_from_the_declarations():
+    settings = FrontierSettings.model_validate({"axes": [{"quality": GSM, "cost": DECODE},
+                                                          {"quality": "eval/custom/score", "cost": DECODE}]})
+    variants = [VariantSummary("a", "a", True, {GSM: 0.3, "eval/custom/score": 1.0, DECODE: 10.0}, declared=DECLARED)]
+
+    frontiers = compute_frontiers(variants, settings)
+
+    assert [r.pair for r in frontiers.results] == [AxisPair(Axis(GSM, True), Axis(DECODE, True))]
+    assert frontiers.direction_unknown == ("eval/custom/score",)
+
+
+def test_frontier_settings_explicit_directions_and_defaults():
     settings = FrontierSettings.model_validate({
         "axes": [{"quality": "eval/custom/score", "quality_higher_is_better": True, "cost": DECODE}],
-        "objective": "cost/dollars_per_mtok",
-        "objective_higher_is_better": False,
+        "objective": "cost/dollars_per_mtok", "objective_higher_is_better": False,
     })
-    variants = [variant("a", **{"eval/custom/score": 1.0, "decode": 10.0})]
 
-    (pair,) = settings.axis_pairs(variants)
+    (pair,) = settings.axis_pairs([summary("a", decode=10.0, **{"eval/custom/score": 1.0})])
     assert pair == AxisPair(Axis("eval/custom/score", True), Axis(DECODE, True))
     assert settings.objective_axis() == Axis("cost/dollars_per_mtok", False)
-    assert [r.pair for r in compute_frontiers(variants, settings)] == [pair]
+    assert FrontierSettings().axes is None and FrontierSettings().objective_axis() == Axis(WEIGHTS, False)
 
 
-def test_frontier_settings_defaults():
-    settings = FrontierSettings()
+def test_frontiers_to_dict_is_json_with_ties_and_intervals():
+    variants, noise = sweep(ACC_VS_WEIGHTS, ("bf16", answers(), 270), ("fp8", answers(2, 1), 170),
+                            ("gone", answers(), 1), baseline="bf16")
+    variants[2] = VariantSummary("gone", "gone", False, {})
 
-    assert settings.axes is None
-    assert settings.objective_axis() == Axis(WEIGHTS, False)
-    assert settings.default_policy.max_drop_any_task == 1.0
+    record = json.loads(json.dumps(frontiers_to_dict(compute_frontiers(variants, noise=noise))))
 
-
-def test_axis_direction_must_be_known_or_given():
-    assert Axis.of(KLD) == Axis(KLD, False)
-    assert Axis.of("eval/custom/score", True) == Axis("eval/custom/score", True)
-    with pytest.raises(UnknownDirectionError, match="eval/custom/score"):
-        Axis.of("eval/custom/score")
-
-
-def test_frontiers_to_dict_is_json():
-    variants = [variant("bf16", baseline=True, acc=0.5, kld=0.0, weights=270), variant("x", succeeded=False)]
-
-    record = json.loads(json.dumps(frontiers_to_dict(compute_frontiers(variants))))
-
-    assert record["on_frontier"] == ["bf16"]
-    assert record["frontiers"][0]["excluded"] == [{"name": "x", "reason": "failed"}]
-
-
-# --------------------------------------------------------------------------------------
-# Metric catalogue
-# --------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("key", "value", "text"),
-    [
-        (ACC, 0.245, "24.5%"),
-        (WEIGHTS, 270_900_000, "270.9 MB"),
-        ("cost/peak_memory_bytes", 1.5e9, "1.5 GB"),
-        (DECODE, 1234.4, "1,234 tok/s"),
-        (DECODE, 41.25, "41.2 tok/s"),
-        ("cost/ttft_ms_p50", 12.34, "12.3 ms"),
-        (KLD, 0.03, "0.03"),
-        ("quality/ppl", 11.531, "11.53"),
-        (ACC, None, "n/a"),
-    ],
-)
-def test_format_metric_uses_human_units(key, value, text):
-    assert format_metric(key, value) == text
-
-
-@pytest.mark.parametrize(
-    ("key", "higher_is_better"),
-    [
-        (ACC, True), ("eval/hellaswag/acc_norm", True), ("eval/wikitext/word_perplexity", False),
-        (KLD, False), ("quality/top1_agreement", True), ("quality/recovery/mmlu_dev/acc", True),
-        (WEIGHTS, False), (DECODE, True), ("cost/ttft_ms_p99", False),
-        ("eval/custom/score", None), (ACC + "_stderr", None), ("something/else", None),
-    ],
-)
-def test_known_directions(key, higher_is_better):
-    assert metric_info(key).higher_is_better is higher_is_better
+    (frontier,) = record["frontiers"]
+    points = {p["name"]: p for p in frontier["points"]}
+    assert record["on_frontier"] == ["bf16", "fp8"]
+    assert points["fp8"]["tied_with"] == ["bf16"] and points["bf16"]["tied_with"] == ["fp8"]
+    assert points["fp8"]["vs_baseline"]["correct_to_wrong"] == 2
+    assert points["fp8"]["interval"][0] < points["fp8"]["quality"] < points["fp8"]["interval"][1]
+    assert frontier["excluded"] == [{"name": "gone", "reason": "failed"}]
+    assert frontier["no_paired_noise"] == []

@@ -1,4 +1,6 @@
-"""Rendering: a valid PNG, an HTML page that needs no network, a Markdown report that reads."""
+"""Rendering, checked on the real output: PNGs that decode, SVGs inside an offline HTML page, error
+bars, y ranges that keep sub-noise differences small, the model in every title, a Markdown report
+that explains quality with paired intervals and names what it could not place."""
 
 from __future__ import annotations
 
@@ -6,66 +8,140 @@ import json
 import re
 
 import pytest
+from matplotlib.container import ErrorbarContainer
+from PIL import Image
 
-from quantlab.decision import Constraints, pick
-from quantlab.frontier import Axis, VariantSummary, compute_frontiers
-from quantlab.report import frontier_table, render_html, render_markdown, render_png
+from quantlab.decision import Status, pick
+from quantlab.frontier import (
+    Axis,
+    AxisPair,
+    VariantSummary,
+    compute_frontiers,
+    paired_noise,
+    pareto_front,
+)
+from quantlab.metrics import Declared, Scale, paired_key
+from quantlab.paired import Aggregation, DocumentScores, compare
+from quantlab.policy import Policy
+from quantlab.report import (
+    MIN_FRACTION_SPAN,
+    figure,
+    inline_svg,
+    render_html,
+    render_markdown,
+    render_plots,
+    variants_table,
+    y_limits,
+)
 
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-SETUP = {
-    "quantlab.cost.engine": "transformers",
-    "quantlab.cost.kernel_path": "decompressed-bf16",
-    "quantlab.cost.hardware": "cpu-2-cores",
-}
+MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MMLU, CLOZE = "eval/mmlu_dev/acc", "eval/cloze/acc"
+DECLARED = {MMLU: Declared(True, Scale.FRACTION), CLOZE: Declared(True, Scale.FRACTION)}
+SETUP = {"quantlab.cost.engine": "transformers", "quantlab.cost.kernel_path": "decompressed-bf16",
+         "quantlab.cost.hardware": "cpu-2-cores"}
 
 
-def sweep() -> list[VariantSummary]:
-    def metrics(acc: float, cloze: float, kld: float, top1: float, size: float, speed: float) -> dict[str, float]:
-        return {
-            "eval/mmlu_dev/acc": acc, "eval/mmlu_dev/acc_stderr": 0.055,
-            "eval/cloze/acc": cloze, "eval/cloze/acc_stderr": 0.02,
-            "quality/kld_mean": kld, "quality/top1_agreement": top1, "quality/ppl": 11.5 + kld * 10,
-            "cost/weight_bytes": size, "cost/decode_tokens_per_s": speed, "cost/peak_memory_bytes": size * 4,
-        }
+def scores(right: int, n: int = 200, extra: int = 0) -> DocumentScores:
+    """0/1 answers: the first `right` documents, and `extra` more from the end."""
+    return DocumentScores(Aggregation.MEAN, {d: float(d < right or d >= n - extra) for d in range(n)})
 
-    return [
-        VariantSummary("bf16", "bf16", True, metrics(0.24, 0.61, 0.0, 1.0, 270e6, 41.0), SETUP, is_baseline=True),
-        VariantSummary("fp8-dynamic", "fp8", True, metrics(0.233, 0.60, 0.03, 0.905, 170e6, 38.0),
-                       {**SETUP, "quantlab.cost.kernel_path": "fp8-matmul"}),
-        VariantSummary("awq-int4-g64", "awq_int4", True, metrics(0.25, 0.52, 0.18, 0.79, 110e6, 35.0), SETUP),
+
+def build():
+    docs = {"bf16": (scores(120), scores(150)), "fp8-dynamic": (scores(118), scores(149)),
+            "awq-int4-g64": (scores(100, extra=4), scores(120))}
+
+    def metrics(name: str, kld: float, size: float, speed: float) -> dict[str, float]:
+        mmlu, cloze = docs[name]
+        # What the sweep logs beside each score: the paired figures against the baseline.
+        paired = {paired_key(key, stat): value for key, own, base in ((MMLU, mmlu, docs["bf16"][0]), (CLOZE, cloze, docs["bf16"][1]))
+                  if name != "bf16" for stat, value in compare(key, base, own).statistics().items()}
+        return {**paired, MMLU: mmlu.aggregate(), CLOZE: cloze.aggregate(), "eval/custom/score": 3.0,
+                "quality/kld_mean": kld, "quality/top1_agreement": 1 - kld, "cost/weight_bytes": size,
+                "cost/decode_tokens_per_s": speed, "cost/peak_memory_bytes": size * 4}
+
+    variants = [
+        VariantSummary("bf16", "bf16", True, metrics("bf16", 0.0, 270e6, 41.0), SETUP, True, DECLARED),
+        VariantSummary("fp8-dynamic", "fp8", True, metrics("fp8-dynamic", 0.03, 170e6, 38.0),
+                       {**SETUP, "quantlab.cost.kernel_path": "fp8-matmul"}, declared=DECLARED),
+        VariantSummary("awq-int4-g64", "awq_int4", True, metrics("awq-int4-g64", 0.18, 110e6, 35.0), SETUP, declared=DECLARED),
         VariantSummary("gptq-int4", "gptq", False, {}),
     ]
+    documents = {name: {MMLU: mmlu, CLOZE: cloze} for name, (mmlu, cloze) in docs.items()}
+    return variants, compute_frontiers(variants, noise=paired_noise(variants, documents, {}))
 
 
 @pytest.fixture
-def variants() -> list[VariantSummary]:
-    return sweep()
+def sweep():
+    return build()
 
 
 @pytest.fixture
-def results(variants):
-    return compute_frontiers(variants)
-
-
-@pytest.fixture
-def decision(variants):
-    return pick(variants, "bf16", Constraints(max_drop_points_any_task=1.0), Axis.of("cost/weight_bytes"))
+def decision(sweep):
+    variants, _ = sweep
+    return pick(variants, "bf16", Policy(max_kld=0.1), Axis.of("cost/weight_bytes"))
 
 
 # --------------------------------------------------------------------------------------
-# PNG
+# Figures
 # --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("pair_count", [0, 1, 3, 6])
-def test_render_png_writes_a_png(tmp_path, results, pair_count):
-    path = render_png(results[:pair_count], tmp_path / "frontier.png", title="sweep")
+def test_every_pair_gets_a_png_and_an_svg_and_the_overview_decodes(tmp_path, sweep):
+    _, frontiers = sweep
 
-    data = path.read_bytes()
-    assert data.startswith(PNG_MAGIC)
-    assert len(data) > 5_000
-    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-    assert width >= 600 and height >= 400
+    plots = render_plots(frontiers, tmp_path, MODEL)
+
+    assert len(plots) == len(frontiers.results) == 6  # two tasks and mean KL, against size and speed
+    for plot in plots:
+        with Image.open(plot.png) as image:
+            image.verify()
+        with Image.open(plot.png) as image:
+            assert image.size[0] >= 600 and image.size[1] >= 400
+        svg = plot.svg.read_text()
+        assert svg.lstrip().startswith("<?xml") and "</svg>" in svg
+        assert MODEL in svg  # text stays text, so the title is searchable
+    with Image.open(tmp_path / "frontier.png") as overview:
+        assert overview.size[0] > 1000  # two columns of plots
+
+
+def test_each_variant_has_its_paired_interval_as_an_error_bar_and_the_title_names_the_model(sweep):
+    _, frontiers = sweep
+    result = frontiers.results[0]
+
+    axes = figure(result, MODEL).axes[0]
+
+    bars = [c for c in axes.containers if isinstance(c, ErrorbarContainer) and c.has_yerr]
+    assert len(bars) == len(result.points) - 1  # every variant but the baseline
+    for point in (p for p in result.points if not p.is_baseline):
+        segment = next(c for c in bars if c.lines[0].get_ydata()[0] == point.quality).lines[2][0].get_segments()[0]
+        assert segment[:, 1] == pytest.approx(point.interval)
+    assert MODEL in axes.get_title()
+
+
+@pytest.mark.parametrize(
+    ("right", "flips", "expected_at_least"),
+    [
+        pytest.param(69, 0, "widest interval", id="70-vs-69-on-100-with-noise"),
+        pytest.param(69, None, MIN_FRACTION_SPAN, id="70-vs-69-without-noise-keeps-a-4-point-floor"),
+    ],
+)
+def test_y_range_does_not_blow_a_sub_noise_difference_up_to_the_whole_height(right, flips, expected_at_least):
+    """The issue's example: 69.0% vs 70.0% on 100 questions filled the whole y axis."""
+    pair = AxisPair(Axis(MMLU, True, Scale.FRACTION), Axis("cost/weight_bytes", False, Scale.BYTES))
+    base, variant = scores(70, n=100), scores(right, n=100)
+    variants = [VariantSummary("bf16", "bf16", True, {MMLU: 0.70, "cost/weight_bytes": 2}, is_baseline=True, declared=DECLARED),
+                VariantSummary("fp8", "fp8", True, {MMLU: 0.69, "cost/weight_bytes": 1}, declared=DECLARED)]
+    documents = {"bf16": {MMLU: base}, "fp8": {MMLU: variant}} if flips is not None else {}
+    result = pareto_front(variants, pair, paired_noise(variants, documents, {}))
+
+    low, high = y_limits(result)
+    drawn = figure(result, MODEL).axes[0].get_ylim()
+
+    assert drawn == pytest.approx((low, high))
+    widest = max((p.interval[1] - p.interval[0] for p in result.points if p.interval), default=0.0)
+    floor = widest if expected_at_least == "widest interval" else expected_at_least
+    assert high - low >= floor > 0
+    assert (0.70 - 0.69) / (high - low) < 0.5  # the one-point difference takes under half the height
 
 
 # --------------------------------------------------------------------------------------
@@ -73,89 +149,120 @@ def test_render_png_writes_a_png(tmp_path, results, pair_count):
 # --------------------------------------------------------------------------------------
 
 
-def test_render_html_is_self_contained_and_names_every_variant(tmp_path, variants, results):
-    page = render_html(results, tmp_path / "frontier.html", variants=variants).read_text(encoding="utf-8")
+def test_html_embeds_each_svg_and_the_table_and_needs_no_network(tmp_path, sweep):
+    variants, frontiers = sweep
+    plots = render_plots(frontiers, tmp_path, MODEL)
 
-    assert "http" not in page  # no CDN, no external link, no XML namespace URL either
-    assert not re.search(r"""\b(src|href)\s*=""", page)
-    assert "<svg" in page and "<script>" in page
+    page = render_html(frontiers, plots, tmp_path / "frontier.html", variants=variants, model=MODEL).read_text()
+
+    assert page.count("<svg") == len(plots) and "<table>" in page
+    assert "http" not in page  # no CDN, no namespace URL, nothing to fetch
+    assert not re.search(r"""\bsrc\s*=""", page)
+    assert set(re.findall(r'href="(.)', page)) <= {"#"}  # only references inside the page
     for variant in variants:
         assert variant.name in page
+    assert "Direction unknown: eval/custom/score" in page
 
 
-def test_render_html_hover_data_holds_each_variants_figures(tmp_path, variants, results):
-    page = render_html(results, tmp_path / "frontier.html", variants=variants).read_text(encoding="utf-8")
+def test_html_hover_data_names_each_plotted_point_and_its_figures(tmp_path, sweep):
+    variants, frontiers = sweep
+    plots = render_plots(frontiers, tmp_path, MODEL)
 
-    embedded = re.search(r'<script type="application/json" id="quantlab-data">(.*?)</script>', page, re.S)
-    figures = json.loads(embedded.group(1))["figures"]
-    assert set(figures) == {variant.name for variant in variants}
-    assert ["weight size", "170.0 MB"] in figures["fp8-dynamic"]
-    # The same figures are in each point's <title>, for viewers that block scripts.
-    assert page.count('<g class="pt') == sum(len(result.points) for result in results)
+    page = render_html(frontiers, plots, tmp_path / "f.html", variants=variants, model=MODEL).read_text()
+
+    data = json.loads(re.search(r'<script type="application/json" id="quantlab-data">(.*?)</script>', page, re.DOTALL).group(1))
+    assert len(data) == sum(len(r.points) for r in frontiers.results)
+    for point_id in data:
+        assert f'id="{point_id}"' in page  # the SVG element the script attaches to
+    fp8 = next(point for point in data.values() if point["name"] == "fp8-dynamic")
+    assert "weight size: 170.0 MB" in fp8["lines"]
 
 
-def test_render_html_escapes_names(tmp_path):
-    hostile = VariantSummary('<script>alert("x")</script>', "m", True,
-                             {"eval/mmlu_dev/acc": 0.5, "cost/weight_bytes": 1e6}, is_baseline=True)
+def test_html_escapes_names(tmp_path):
+    hostile = VariantSummary('<script>alert("x")</script>', "m", True, {MMLU: 0.5, "cost/weight_bytes": 1e6},
+                             is_baseline=True, declared=DECLARED)
+    frontiers = compute_frontiers([hostile])
 
-    page = render_html(compute_frontiers([hostile]), tmp_path / "f.html", variants=[hostile]).read_text()
+    page = render_html(frontiers, render_plots(frontiers, tmp_path, MODEL), tmp_path / "f.html",
+                       variants=[hostile], model=MODEL).read_text()
 
     assert '<script>alert("x")' not in page
-    assert "&lt;script&gt;alert(&quot;x&quot;)" in page
+    assert "&lt;script&gt;alert(" in page
 
 
-def test_render_html_without_any_frontier(tmp_path):
-    page = render_html([], tmp_path / "f.html").read_text()
+def test_html_without_any_frontier(tmp_path):
+    frontiers = compute_frontiers([])
 
-    assert "No frontier" in page and "http" not in page
+    page = render_html(frontiers, render_plots(frontiers, tmp_path, MODEL), tmp_path / "f.html", variants=[], model=MODEL)
+
+    assert "No frontier" in page.read_text()
+    with Image.open(tmp_path / "frontier.png") as image:
+        image.verify()
+
+
+def test_inline_svg_drops_the_prolog_and_namespaces():
+    text = '<?xml version="1.0"?>\n<!DOCTYPE svg PUBLIC "-//W3C//DTD SVG 1.1//EN" "http://x">\n' \
+           '<svg xmlns="http://www.w3.org/2000/svg" xmlns:xlink="http://www.w3.org/1999/xlink" width="1">' \
+           '<metadata><rdf:RDF/></metadata><g/></svg>'
+
+    assert inline_svg(text) == '<svg width="1"><g/></svg>'
 
 
 # --------------------------------------------------------------------------------------
-# Markdown and terminal table
+# Markdown and the terminal table
 # --------------------------------------------------------------------------------------
 
 
-def test_markdown_report_covers_variants_frontier_recommendation_and_caveats(variants, results, decision):
+def test_markdown_explains_quality_with_paired_intervals_ties_and_the_decision(sweep, decision):
+    variants, frontiers = sweep
     note = "The BF16 baseline is the dequantized Q4_1 GGUF model."
 
-    report = render_markdown(variants, results, decision, [note])
+    report = render_markdown(variants, frontiers, decision, [note], model=MODEL)
 
-    for variant in variants:
-        assert variant.name in report
-    for heading in ("## What was compared", "## Variants", "## Frontier", "## Recommendation", "## Caveats"):
+    assert report.startswith(f"# Which precision to ship: {MODEL}")
+    for heading in ("## Recommendation", "## What was compared", "## Quality against the baseline", "## Variants",
+                    "## Frontier", "## Caveats"):
         assert heading in report
-    assert "**Recommendation: ship `fp8-dynamic`.**" in report
-    assert "eval/cloze/acc dropped 9.00 pts, over the 1 pts limit" in report  # why awq was rejected
-    assert "270.0 MB" in report and "41.0 tok/s" in report and "90.5%" in report  # human units
-    assert "within noise" in report
+    assert f"**Recommendation: ship `{decision.chosen}`.**" in report
+    for verdict in decision.verdicts[1:]:
+        assert f"| {verdict.name} | {verdict.status.words} |" in report
+        assert all(reason.replace("|", "\\|") in report for reason in verdict.reasons)
+    assert decision.verdict("awq-int4-g64").status is Status.REJECTED  # 10 points of mmlu, far over 1 point
+    # awq loses 20 mmlu answers and gains 4: a loss beyond the noise, explained by its flips.
+    assert "**awq-int4-g64**, mmlu_dev acc: -8.00 pts [" in report
+    assert "20 right→wrong / 4 wrong→right" in report
+    assert "fp8-dynamic: tie within noise with bf16" in report
+    assert "within noise (±" not in report  # no unpaired noise anywhere
+    assert "No paired noise available for fp8-dynamic quality/kld_mean" in report  # token-level: no documents yet
+    assert "Direction unknown: eval/custom/score — not placed on a frontier" in report
+    assert "270.0 MB" in report and "41.0 tok/s" in report
     assert "kernel path fp8-matmul" in report  # the speed figures' provenance differs
     assert "Failed variants" in report and "gptq-int4" in report
     assert note in report
 
 
-def test_markdown_without_decision_or_without_winner(variants, results):
-    assert "No recommendation was computed" in render_markdown(variants, results, None)
+def test_markdown_without_decision_or_without_winner(sweep):
+    variants, frontiers = sweep
 
-    impossible = pick(variants, "bf16", Constraints(max_peak_memory_bytes=1.0), Axis.of("cost/weight_bytes"))
-    assert "**No variant satisfies the policy**" in render_markdown(variants, results, impossible)
-
-
-def test_markdown_says_when_no_setup_was_recorded(results):
-    bare = [VariantSummary("a", "bf16", True, {"eval/mmlu_dev/acc": 0.5, "cost/weight_bytes": 1e6}, is_baseline=True)]
-
-    report = render_markdown(bare, compute_frontiers(bare), None)
-
-    assert "No variant recorded which engine" in report
+    assert "No recommendation was computed" in render_markdown(variants, frontiers, None)
+    impossible = pick(variants, "bf16", Policy(max_peak_memory_bytes=1.0), Axis.of("cost/weight_bytes"))
+    assert "**No variant satisfies the policy**" in render_markdown(variants, frontiers, impossible)
 
 
-def test_frontier_table_rows_as_data(variants, results):
-    table = frontier_table(variants, results)
+def test_markdown_says_when_no_setup_was_recorded():
+    bare = [VariantSummary("a", "bf16", True, {MMLU: 0.5, "cost/weight_bytes": 1e6}, is_baseline=True, declared=DECLARED)]
 
-    assert table.headers[:2] == ("variant", "method")
-    assert table.headers[-1] == "on frontier"
+    assert "No variant recorded which engine" in render_markdown(bare, compute_frontiers(bare), None)
+
+
+def test_variants_table_rows_as_data(sweep):
+    variants, frontiers = sweep
+
+    table = variants_table(variants, frontiers)
+
+    assert table.headers[:2] == ("variant", "method") and table.headers[-1] == "on frontier"
     assert [row[0] for row in table.rows] == ["bf16 (baseline)", "fp8-dynamic", "awq-int4-g64", "gptq-int4"]
     assert all(len(row) == len(table.headers) for row in table.rows)
     assert table.rows[-1][-1] == "failed"
-    lines = table.to_text().splitlines()
-    assert len(lines) == 2 + len(variants)
-    assert lines[0].startswith("variant")
+    awq_mmlu = table.rows[2][table.headers.index("mmlu_dev acc")]
+    assert re.fullmatch(r"52\.0% \(-8\.00 pts \[-\d+\.\d\d, -\d+\.\d\d\]\)", awq_mmlu)
