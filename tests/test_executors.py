@@ -162,7 +162,7 @@ def test_a_keyboard_interrupt_is_not_a_variant_failure(monkeypatch, tmp_path):
     seen = []
     outcomes = InProcessExecutor().run([_Job("broken"), _Job("interrupted"), _Job("never")], tmp_path,
                                        lambda variant, stage: seen.append((variant, stage)))
-    job, failed, log_path = next(outcomes)
+    _, failed, log_path = next(outcomes)
     assert isinstance(failed, VariantFailed) and not isinstance(failed, VariantResult)
     assert failed.reason == "RuntimeError: broken broke" and "Traceback" in failed.details
     assert log_path == tmp_path / "broken.log" and not log_path.exists()
