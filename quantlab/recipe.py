@@ -58,10 +58,33 @@ class CalibrationSettings(StrictModel):
     seed: int = 0
 
 
+class GenKwargs(BaseModel):
+    """lm-eval generation settings: the common ones checked here, any other passed to the model as is."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    max_gen_toks: int | None = Field(None, gt=0)
+    until: list[str] | str | None = None
+    do_sample: bool | None = None
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, gt=0)
+
+
 class EvalTaskSpec(StrictModel):
-    name: str
-    num_fewshot: int = Field(0, ge=0, le=100)
-    limit: int | None = Field(None, gt=0)
+    """One lm-eval task, group or tag. Unset settings are the task YAML's own (as with lm-eval's CLI)."""
+
+    name: str = Field(min_length=1)
+    num_fewshot: int | None = Field(None, ge=0, le=100, description="Shots; unset = the task YAML's num_fewshot.")
+    limit: int | None = Field(None, gt=0, description="Score only the first N documents of each leaf task.")
+    gen_kwargs: GenKwargs | None = Field(
+        None, description="Generation settings merged over the YAML's (e.g. max_gen_toks); generation tasks only."
+    )
+    apply_chat_template: bool | str = Field(False, description="true, or the name of one of the tokenizer's chat templates.")
+    fewshot_as_multiturn: bool | None = Field(
+        None, description="Few-shot examples as chat turns; unset = on with a chat template. Needs apply_chat_template."
+    )
+    system_instruction: str | None = None
 
 
 class EvalSettings(StrictModel):
@@ -248,10 +271,30 @@ def _problems_in_file(data: dict, base_dir: Path, shown: str) -> list[Problem]:
                 sub = ".".join(str(part) for part in item["loc"])
                 message = "unknown parameter" if item["type"] == "extra_forbidden" else item["msg"]
                 problems.append(Problem(shown, f"{field}.params.{sub}".rstrip("."), message))
+    problems += _task_problems(_section(data, "evals").get("tasks"), shown)
     baseline = data.get("baseline")
     if isinstance(baseline, str) and variants and baseline not in seen:
         problems.append(Problem(shown, "baseline", f"'{baseline}' is not a variant name{did_you_mean(baseline, set(seen))}"))
     return problems + _missing_files(data, base_dir, shown)
+
+
+def _task_problems(tasks: Any, shown: str) -> list[Problem]:
+    """Across a task's fields, and across tasks: what pydantic's per-field checks cannot see."""
+    problems: list[Problem] = []
+    seen: dict[str, int] = {}
+    for index, task in enumerate(tasks if isinstance(tasks, list) else []):
+        if not isinstance(task, dict):
+            continue
+        name = task.get("name")
+        field = f"evals.tasks[{index}]" + (f" ({name})" if isinstance(name, str) else "")
+        if isinstance(name, str):
+            if name in seen:  # the same keys twice: the second run's scores would overwrite the first's
+                problems.append(Problem(shown, f"{field}.name", f"task listed twice (also evals.tasks[{seen[name]}])"))
+            seen.setdefault(name, index)
+        # lm-eval's CLI refuses this combination; simple_evaluate would quietly use plain prompts.
+        if task.get("fewshot_as_multiturn") is True and not task.get("apply_chat_template"):
+            problems.append(Problem(shown, f"{field}.fewshot_as_multiturn", "needs apply_chat_template"))
+    return problems
 
 
 def _section(data: dict, key: str) -> dict:

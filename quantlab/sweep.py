@@ -21,13 +21,13 @@ from quantlab import cache, tracking
 from quantlab.errors import BadInput, Problem
 from quantlab.executors import VariantFailed, make_executor
 from quantlab.recipe import LoadedRecipe, remember_lookups
-from quantlab.runner import BaselineOutputs, VariantJob, VariantResult
+from quantlab.runner import SAMPLES_FORMAT, BaselineOutputs, VariantJob, VariantResult
 
 RUN_KEY = "quantlab.run_key"
 REUSED_FROM = "quantlab.reused_from"
 PID_STARTED = "quantlab.pid_started"  # the sweep process's start time: with host and pid, who it was
 REFERENCE_DIR = "quantlab.reference_dir"
-SAMPLES_ARTIFACT = "samples.json"
+SAMPLES_ARTIFACT = "samples.json"  # per-document scores; format: runner.BaselineOutputs
 
 
 class SweepDisplay(Protocol):
@@ -40,7 +40,7 @@ class SweepDisplay(Protocol):
 class SweepOptions:
     tracking_uri: str
     cache_root: Path
-    executor: Literal["local", "ray"] = "local"
+    executor: Literal["local", "inprocess", "ray"] = "local"
     force: bool = False
     only: tuple[str, ...] = ()
     ray_address: str | None = None
@@ -84,6 +84,8 @@ def run_keys(loaded: LoadedRecipe, names: list[str], cache_root: Path) -> dict[s
         "measure": recipe.measure.model_dump(),
         "runtime": recipe.runtime.model_dump(),
         "baseline": checkpoint_identity(source, recipe.variant(recipe.baseline), recipe.calibration),
+        # A run whose samples.json this version cannot read is not reused (its baseline could not be compared against).
+        "samples_format": SAMPLES_FORMAT,
     }
     return {
         name: cache.cache_key({"checkpoint": checkpoint_identity(source, recipe.variant(name), recipe.calibration), **shared})
@@ -184,9 +186,9 @@ class _Sweep:
                                 "quantlab.checkpoint_reused": str(result.reused_checkpoint).lower(),
                                 REFERENCE_DIR: result.baseline_outputs.reference_dir or ""},
         )
-        samples = {"per_sample": result.baseline_outputs.per_sample, "task_metrics": result.baseline_outputs.task_metrics}
+        tracking.log_dataset_inputs(self.store, run_id, result.datasets)
         tracking.log_text_artifacts(self.store, run_id, {
-            **result.artifacts, **_log_artifact(log_path), SAMPLES_ARTIFACT: json.dumps(samples),
+            **result.artifacts, **_log_artifact(log_path), SAMPLES_ARTIFACT: json.dumps(result.baseline_outputs.to_samples()),
             "stage_seconds.json": json.dumps(result.stage_seconds, indent=2),
         })
         tracking.finish(self.store, run_id, "FINISHED")
@@ -215,6 +217,9 @@ class _Sweep:
         origin = previous.data.tags.get(REUSED_FROM, previous.info.run_id)
         tracking.log_values(self.store, run_id, metrics=dict(previous.data.metrics), params=params,
                             tags=tags | {REUSED_FROM: origin})
+        # The copy was scored on what the original was: the runs table lists the same datasets.
+        inputs = previous.inputs.dataset_inputs if previous.inputs is not None else []
+        tracking.log_dataset_inputs(self.store, run_id, [item.dataset for item in inputs])
         with tempfile.TemporaryDirectory() as scratch:
             local = self.store.client.download_artifacts(previous.info.run_id, "", scratch)
             self.store.client.log_artifacts(run_id, local)
@@ -232,10 +237,8 @@ class _Sweep:
 
 
 def _baseline_outputs(samples_path: Path, reference_dir: str | None) -> BaselineOutputs:
-    samples = json.loads(samples_path.read_text())
-    per_sample = {task: {int(doc): value for doc, value in docs.items()} for task, docs in samples["per_sample"].items()}
     usable_reference = reference_dir if reference_dir and Path(reference_dir, "reference.json").is_file() else None
-    return BaselineOutputs(usable_reference, per_sample, samples["task_metrics"])
+    return BaselineOutputs.from_samples(json.loads(samples_path.read_text()), usable_reference)
 
 
 def finished_runs(store: tracking.Store, experiment: str, keys: set[str]) -> dict[str, object]:

@@ -179,6 +179,30 @@ def log_text_artifacts(store: Store, run_id: str, files: dict[str, str | bytes])
         store.client.log_artifacts(run_id, scratch)
 
 
+EVALUATION_CONTEXT = "evaluation"
+
+
+def log_dataset_inputs(store: Store, run_id: str, datasets: Iterable, context: str = EVALUATION_CONTEXT) -> None:
+    """Record what a run was scored on as MLflow dataset inputs (the runs table's Dataset column).
+
+    Each item has name, digest, source_type, source and profile (quantlab's TaskDataset, or the
+    mlflow Dataset of another run's input, when a run is copied).
+    """
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    inputs = [
+        DatasetInput(
+            Dataset(name=item.name, digest=item.digest, source_type=item.source_type, source=item.source,
+                    schema=getattr(item, "schema", None), profile=getattr(item, "profile", None)),
+            tags=[InputTag(key=MLFLOW_DATASET_CONTEXT, value=context)],
+        )
+        for item in datasets
+    ]
+    if inputs:
+        store.client.log_inputs(run_id, datasets=inputs)
+
+
 def finish(store: Store, run_id: str, status: str) -> None:
     store.client.set_terminated(run_id, status=status)
 

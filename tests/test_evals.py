@@ -19,6 +19,7 @@ from quantlab.evaluate.lm_eval_runner import (
     task_index_identity,
     unknown_tasks,
 )
+from quantlab.metrics import Scale
 
 DATA_DIR = BUNDLED_EVALS_DIR / "data"
 BUNDLED_TASKS = ("mmlu_dev", "pydoc_cloze")
@@ -120,19 +121,22 @@ def test_run_tasks_scores_bundled_tasks_from_any_directory(tiny_llama, tmp_path,
 
     assert [s.task for s in scores] == ["mmlu_dev", "pydoc_cloze", "pydoc_cloze"]
     assert len(steps) == 3 and "2-shot" in steps[2]
-    assert set(scores[0].metrics) == {"acc"} and set(scores[1].metrics) == {"acc", "acc_norm"}
+    assert [s.key for s in scores[0].scores] == ["eval/mmlu_dev/acc"]
+    assert [s.key for s in scores[1].scores] == ["eval/pydoc_cloze/acc", "eval/pydoc_cloze/acc_norm"]
+    assert [s.settings.num_fewshot for s in scores] == [0, 0, 2]
     for task_scores, request in zip(scores, requests, strict=True):
-        assert task_scores.primary_metric == "acc"
-        assert sorted(task_scores.per_sample) == list(range(request.limit))
-        assert set(task_scores.per_sample.values()) <= {0.0, 1.0}
-        acc = task_scores.metrics["acc"]
-        assert acc.value == pytest.approx(sum(task_scores.per_sample.values()) / request.limit)
+        acc = task_scores.primary
+        assert acc.metric == "acc" and acc.higher_is_better is True and acc.scale is Scale.FRACTION
+        assert sorted(acc.documents.values) == list(range(request.limit))
+        assert set(acc.documents.values.values()) <= {0.0, 1.0}
+        assert acc.value == pytest.approx(sum(acc.documents.values.values()) / request.limit)
         assert acc.stderr is not None and acc.stderr >= 0
-        assert set(task_scores.documents) == set(task_scores.per_sample)
+        assert set(task_scores.labels) == set(acc.documents.values)
+        assert task_scores.settings.documents == request.limit and task_scores.dataset.name == request.name
     # A document's label is the end of its prompt: its own text, after any few-shot examples.
     first_cloze = read_items("pydoc_cloze")[0]["context"]
-    assert scores[1].documents[0].endswith(first_cloze[-50:])
-    assert scores[2].documents[0].endswith(first_cloze[-50:])
+    assert scores[1].labels[0].endswith(first_cloze[-50:])
+    assert scores[2].labels[0].endswith(first_cloze[-50:])
 
 
 def test_run_tasks_expands_a_tag_and_repeats_itself(tiny_llama) -> None:
@@ -143,4 +147,6 @@ def test_run_tasks_expands_a_tag_and_repeats_itself(tiny_llama) -> None:
     second = run_tasks(model, tokenizer, [request], BUNDLED_EVALS_DIR, batch_size=3)
 
     assert sorted(s.task for s in first) == ["mmlu_dev", "pydoc_cloze"]
-    assert [s.per_sample for s in first] == [s.per_sample for s in second]
+    assert not any(s.is_group for s in first)  # a tag has no aggregate of its own
+    assert [s.primary.documents for s in first] == [s.primary.documents for s in second]
+    assert [s.dataset.digest for s in first] == [s.dataset.digest for s in second]

@@ -71,10 +71,13 @@ def test_run_layout_follows_the_contract(swept):
     for name in ("bf16", "fp8"):
         run = runs[name]
         assert Path(run.data.tags["quantlab.checkpoint"], "config.json").is_file()
-        metrics = run.data.metrics
+        metrics, tags = run.data.metrics, run.data.tags
         for task in ("mmlu_dev", "pydoc_cloze"):
             assert 0.0 <= metrics[f"eval/{task}/acc"] <= 1.0
             assert metrics[f"eval/{task}/acc_stderr"] >= 0.0  # 0 when a tiny random model scores all alike
+            assert metrics[f"quality/paired/eval/{task}/acc/n"] == {"mmlu_dev": 4, "pydoc_cloze": 6}[task]
+            assert tags[f"quantlab.metric/eval/{task}/acc"] == "higher fraction"
+        assert {i.dataset.name for i in run.inputs.dataset_inputs} == {"mmlu_dev", "pydoc_cloze"}
         assert run.data.params["variant.method"] == name
         assert "versions.transformers" in run.data.params and "hardware.cpu_count" in run.data.params
     assert runs["fp8"].data.metrics["cost/weight_bytes"] < runs["bf16"].data.metrics["cost/weight_bytes"]
@@ -93,6 +96,8 @@ def test_unchanged_variants_are_copied_not_recomputed(swept):
     assert set(runs) == {"bf16", "fp8"}
     assert runs["fp8"].data.tags["quantlab.reused_from"] == first["fp8"].info.run_id
     assert runs["fp8"].data.metrics == first["fp8"].data.metrics
+    assert ({(i.dataset.name, i.dataset.digest) for i in runs["fp8"].inputs.dataset_inputs}
+            == {(i.dataset.name, i.dataset.digest) for i in first["fp8"].inputs.dataset_inputs})
 
 
 def test_force_recomputes_every_variant_and_the_reference(swept):

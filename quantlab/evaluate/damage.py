@@ -9,7 +9,9 @@ the correct token ``Δp = p_variant - p_baseline`` (mean and RMS, as fractions, 
 ``ln(PPL(variant) / PPL(baseline))``.
 
 Answer level (one value per lm-eval sample): flips between correct and wrong, the exact McNemar
-test on the discordant pairs, and recovery ``variant metric / baseline metric``.
+test on the discordant pairs (:func:`quantlab.paired.mcnemar_exact_p`), and recovery
+``variant metric / baseline metric``. The paired difference, its interval and test for every
+score shape live in :mod:`quantlab.paired`.
 
 The baseline compared to itself goes through the same functions and yields the same keys
 (KL 0, agreement 1, no flips, recovery 1), so every run can be compared column by column.
@@ -22,7 +24,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.stats import binomtest
+
+from quantlab.paired import (
+    mcnemar_exact_p,  # the one exact McNemar test (re-exported here)
+)
 
 QUALITY = "quality"
 
@@ -135,19 +140,6 @@ def token_damage(
     )
 
 
-def mcnemar_exact_p(correct_to_wrong: int, wrong_to_correct: int) -> float:
-    """Exact McNemar test: two-sided binomial test of the discordant pairs against p = 1/2.
-
-    With no discordant pair there is no evidence of a difference: p = 1.
-    """
-    if correct_to_wrong < 0 or wrong_to_correct < 0:
-        raise ValueError("discordant counts must be non-negative")
-    discordant = correct_to_wrong + wrong_to_correct
-    if discordant == 0:
-        return 1.0
-    return float(binomtest(correct_to_wrong, discordant, 0.5, alternative="two-sided").pvalue)
-
-
 @dataclass(frozen=True)
 class FlipStats:
     """Paired per-sample comparison of a variant with the baseline on one task."""
@@ -176,13 +168,19 @@ class FlipStats:
         return tuple(sorted((*self.correct_to_wrong_ids, *self.wrong_to_correct_ids), key=_doc_id_order))
 
     def to_metrics(self) -> dict[str, float]:
-        prefix = f"{QUALITY}/flips/{self.task}"
-        return {
-            prefix: float(self.flips),
-            f"{prefix}/correct_to_wrong": float(self.correct_to_wrong),
-            f"{prefix}/wrong_to_correct": float(self.wrong_to_correct),
-            f"{QUALITY}/mcnemar_p/{self.task}": self.mcnemar_p,
-        }
+        return flip_metrics(self.task, self.correct_to_wrong, self.wrong_to_correct)
+
+
+def flip_metrics(task: str, correct_to_wrong: int, wrong_to_correct: int) -> dict[str, float]:
+    """quality/flips/<task> (both ways, and each way) and quality/mcnemar_p/<task>; for a group,
+    give the sums over its leaves (its documents are theirs)."""
+    prefix = f"{QUALITY}/flips/{task}"
+    return {
+        prefix: float(correct_to_wrong + wrong_to_correct),
+        f"{prefix}/correct_to_wrong": float(correct_to_wrong),
+        f"{prefix}/wrong_to_correct": float(wrong_to_correct),
+        f"{QUALITY}/mcnemar_p/{task}": mcnemar_exact_p(correct_to_wrong, wrong_to_correct),
+    }
 
 
 def paired_flips(

@@ -3,24 +3,48 @@
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from quantlab import cache
 from quantlab.corpora import load_texts
+from quantlab.metrics import (
+    Declared,
+    EvalKey,
+    declared_tags,
+    paired_key,
+    unknown_directions,
+)
+from quantlab.paired import (
+    DocumentScores,
+    NotPaired,
+    PairedComparison,
+    combine,
+    compare,
+)
+from quantlab.runner import GroupParts
 
 if TYPE_CHECKING:
+    from quantlab.evaluate.lm_eval_runner import TaskDataset, TaskScores
     from quantlab.recipe import EvalSettings, QualitySettings
     from quantlab.runner import BaselineOutputs, StageReporter, VariantJob
 
 
 @dataclass(frozen=True)
 class EvalOutcome:
-    metrics: dict[str, float]  # eval/<task>/<metric> and eval/<task>/<metric>_stderr
-    task_metrics: dict[str, dict[str, float]]  # task -> metric -> value (recovery's input)
-    per_sample: dict[str, dict[int, float]]  # task -> doc id -> primary metric (flips' input)
-    documents: dict[str, dict[int, str]] = field(default_factory=dict)  # task -> doc id -> short text
+    metrics: dict[str, float] = field(default_factory=dict)  # eval/<task>/<metric>[:<filter>] and its _stderr
+    scores: dict[str, float] = field(default_factory=dict)  # score key -> value (recovery's input)
+    documents: dict[str, DocumentScores] = field(default_factory=dict)  # score key -> per document (paired input)
+    groups: dict[str, GroupParts] = field(default_factory=dict)  # group score key -> its leaves and weights
+    primary: dict[str, str] = field(default_factory=dict)  # task -> its primary score key (flips' input)
+    declared: dict[str, Declared] = field(default_factory=dict)  # score key -> lm-eval's direction, scale
+    params: dict[str, str] = field(default_factory=dict)  # eval.<task>.<setting>: what each task ran with
+    tags: dict[str, str] = field(default_factory=dict)  # declarations, notes, unknown directions
+    labels: dict[str, dict[int, str]] = field(default_factory=dict)  # task -> doc id -> short text
+    datasets: tuple[TaskDataset, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -34,40 +58,97 @@ class TokenOutcome:
 class AnswerOutcome:
     metrics: dict[str, float]
     artifacts: dict[str, str]
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+NOTE_TAG = "quantlab.eval_note/"  # + score key: why a score has no per-document analysis or pairing
+UNKNOWN_DIRECTION_TAG = "quantlab.direction_unknown"  # scores lm-eval declared no direction for
 
 
 def evaluate_tasks(model, tokenizer, settings: EvalSettings, include_path: Path | None, report: StageReporter) -> EvalOutcome:
     from quantlab.evaluate.lm_eval_runner import TaskRequest, run_tasks
 
     if not settings.tasks:
-        return EvalOutcome({}, {}, {})
-    requests = [TaskRequest(task.name, task.num_fewshot, task.limit) for task in settings.tasks]
+        return EvalOutcome()
+    requests = [
+        TaskRequest(task.name, task.num_fewshot, task.limit,
+                    task.gen_kwargs.model_dump(exclude_none=True) if task.gen_kwargs else None,
+                    task.apply_chat_template, task.fewshot_as_multiturn, task.system_instruction)
+        for task in settings.tasks
+    ]
     scores = run_tasks(model, tokenizer, requests, include_path, settings.batch_size, progress=lambda step: report(f"evaluate: {step}"))
+    return eval_outcome(scores)
+
+
+def eval_outcome(tasks: list[TaskScores]) -> EvalOutcome:
+    """What the runner logs and keeps from the scored tasks (pure)."""
     metrics: dict[str, float] = {}
-    task_metrics: dict[str, dict[str, float]] = {}
-    for task in scores:
-        task_metrics[task.task] = {}
-        for name, score in task.metrics.items():
-            metrics[f"eval/{task.task}/{name}"] = score.value
-            task_metrics[task.task][name] = score.value
+    values: dict[str, float] = {}
+    documents: dict[str, DocumentScores] = {}
+    groups: dict[str, GroupParts] = {}
+    declared: dict[str, Declared] = {}
+    notes: dict[str, str] = {}
+    params: dict[str, str] = {}
+    datasets: dict[str, TaskDataset] = {}
+    for task in tasks:
+        for score in task.scores:
+            metrics[score.key] = values[score.key] = score.value
             if score.stderr is not None:
-                metrics[f"eval/{task.task}/{name}_stderr"] = score.stderr
+                metrics[score.stderr_key] = score.stderr
+            declared[score.key] = Declared(score.higher_is_better, score.scale)
+            if score.documents is not None:
+                documents[score.key] = score.documents
+            if score.leaves:
+                groups[score.key] = GroupParts(score.leaves, score.weights)
+            if score.note:
+                notes[score.key] = score.note
+        if task.settings is not None:
+            for name, value in task.settings.params(task.task).items():
+                # A leaf asked for twice (alone and in a group) keeps its first settings: MLflow params are write-once.
+                if params.setdefault(name, value) != value:
+                    notes[f"eval/{task.task}"] = f"scored twice with different settings; params show the first ({name})"
+        if task.dataset is not None:
+            datasets.setdefault(task.dataset.name, task.dataset)
+    unknown = unknown_directions(values, declared)
+    tags = declared_tags(declared) | {NOTE_TAG + key: note for key, note in notes.items()}
+    if unknown:
+        tags[UNKNOWN_DIRECTION_TAG] = ", ".join(unknown)
+    for line in [f"direction unknown (lm-eval declared no higher_is_better): {', '.join(unknown)}"] * bool(unknown) + [
+        f"{key}: logged without per-document analysis: {note}" for key, note in notes.items()
+    ]:
+        print(f"quantlab: {line}", file=sys.stderr, flush=True)  # the variant's log, beside lm-eval's warnings
     return EvalOutcome(
         metrics=metrics,
-        task_metrics=task_metrics,
-        per_sample={task.task: dict(task.per_sample) for task in scores},
-        documents={task.task: dict(getattr(task, "documents", {}) or {}) for task in scores},
+        scores=values,
+        documents=documents,
+        groups=groups,
+        primary={task.task: task.primary.key for task in tasks},
+        declared=declared,
+        params=params,
+        tags=tags,
+        labels={task.task: dict(task.labels) for task in tasks if not task.is_group},
+        datasets=tuple(datasets.values()),
     )
 
 
 def token_damage(model, tokenizer, settings: QualitySettings, recipe_dir: Path, job: VariantJob, checkpoint_key: str) -> TokenOutcome:
     """Perplexity and KL against the baseline's stored pass (written here when this is the baseline)."""
-    from quantlab.evaluate.reference import baseline_damage, compare_to_reference, corpus_token_ids, write_reference
+    from quantlab.evaluate.reference import (
+        baseline_damage,
+        compare_to_reference,
+        corpus_token_ids,
+        write_reference,
+    )
 
     if not settings.enabled:
         return TokenOutcome({}, {"quantlab.quality.skipped": "quality.enabled is false in the recipe"}, None)
     if job.is_baseline:
-        identity = {"baseline": checkpoint_key, "quality": settings.model_dump()}
+        # Everything that moves the stored numbers: the weights, the corpus settings, and how
+        # they were computed (dtype, device, and the libraries doing the arithmetic).
+        identity = {
+            "baseline": checkpoint_key, "quality": settings.model_dump(),
+            "compute_dtype": str(model.dtype), "device": str(model.device), "versions": cache.library_versions(),
+        }
         reference_dir = job.cache_root / "references" / cache.cache_key(identity)
         if job.force or not (reference_dir / "reference.json").is_file():
             text = "\n\n".join(load_texts(settings.corpus, recipe_dir))
@@ -83,25 +164,62 @@ def token_damage(model, tokenizer, settings: QualitySettings, recipe_dir: Path, 
 
 
 def answer_damage(scores: EvalOutcome, baseline: BaselineOutputs | None) -> AnswerOutcome:
-    """Flips, McNemar and recovery per task against the baseline; the baseline gets its own zeros."""
-    from quantlab.evaluate.damage import paired_flips, recovery
+    """Paired statistics of every analysable lm-eval score against the baseline (groups through
+    their leaves), flips and exact McNemar for 0/1 primary scores (a group's flips are its
+    leaves'), and recovery of every score. The baseline compares itself with itself: its own zeros."""
+    from quantlab.evaluate.damage import flip_metrics, paired_flips, recovery
 
-    reference_samples = baseline.per_sample if baseline else scores.per_sample
-    reference_metrics = baseline.task_metrics if baseline else scores.task_metrics
-    metrics: dict[str, float] = {}
-    artifacts: dict[str, str] = {}
-    for task, samples in scores.per_sample.items():
-        if task not in reference_samples:
+    reference = baseline.documents if baseline else scores.documents
+    reference_values = baseline.scores if baseline else scores.scores
+    comparisons: dict[str, PairedComparison] = {}
+    notes: dict[str, str] = {}
+    for key, variant_docs in scores.documents.items():
+        if key not in reference:
+            notes[key] = "the baseline has no per-document scores for it"
             continue
-        flips = paired_flips(task, reference_samples[task], samples)
-        metrics.update(flips.to_metrics())
-        metrics.update(recovery(task, reference_metrics[task], scores.task_metrics[task]).to_metrics())
-        if baseline is not None:
-            artifacts[f"flips/{task}.jsonl"] = _flips_jsonl(flips, reference_samples[task], samples, scores.documents.get(task, {}))
-    return AnswerOutcome(metrics, artifacts)
+        try:
+            comparisons[key] = compare(key, reference[key], variant_docs)
+        except NotPaired as error:
+            notes[key] = str(error)
+    for key, parts in scores.groups.items():
+        missing = [leaf for leaf in parts.leaves if leaf not in comparisons]
+        if missing:
+            notes[key] = f"no paired comparison for its leaves {', '.join(missing)}"
+            continue
+        comparisons[key] = combine([comparisons[leaf] for leaf in parts.leaves], parts.weights)
+
+    metrics: dict[str, float] = {}
+    for key, comparison in comparisons.items():
+        metrics.update({paired_key(key, name): value for name, value in comparison.statistics().items()})
+    artifacts: dict[str, str] = {}
+    for task, key in scores.primary.items():
+        comparison = comparisons.get(key)
+        if comparison is None or comparison.correct_to_wrong is None or comparison.wrong_to_correct is None:
+            continue  # not a 0/1 score: its paired figures above say what changed
+        metrics.update(flip_metrics(task, comparison.correct_to_wrong, comparison.wrong_to_correct))
+        if baseline is not None and key in scores.documents:
+            flips = paired_flips(task, reference[key].values, scores.documents[key].values)
+            artifacts[f"flips/{task}.jsonl"] = _flips_jsonl(flips, reference[key].values, scores.documents[key].values,
+                                                            scores.labels.get(task, {}))
+    for task, (base, variant) in _by_task(reference_values, scores.scores).items():
+        metrics.update(recovery(task, base, variant).to_metrics())
+    return AnswerOutcome(metrics, artifacts, {NOTE_TAG + key: f"not paired: {note}" for key, note in notes.items()})
 
 
-def _flips_jsonl(flips, baseline: dict[int, float], variant: dict[int, float], documents: dict[int, str]) -> str:
+def _by_task(baseline: dict[str, float], variant: dict[str, float]) -> dict[str, tuple[dict[str, float], dict[str, float]]]:
+    """task -> ({metric[:filter]: baseline value}, {metric[:filter]: variant value}) over the scores both have."""
+    found: dict[str, tuple[dict[str, float], dict[str, float]]] = {}
+    for key in baseline.keys() & variant.keys():
+        parsed = EvalKey.parse(key)
+        if parsed is None or parsed.stderr:
+            continue
+        name = key.rpartition("/")[2]
+        base, var = found.setdefault(parsed.task, ({}, {}))
+        base[name], var[name] = baseline[key], variant[key]
+    return found
+
+
+def _flips_jsonl(flips, baseline: Mapping[int, float], variant: Mapping[int, float], documents: dict[int, str]) -> str:
     lines = []
     for direction, doc_ids in (("correct_to_wrong", flips.correct_to_wrong_ids), ("wrong_to_correct", flips.wrong_to_correct_ids)):
         for doc_id in doc_ids:
