@@ -258,7 +258,7 @@ def report(
 def pick_command(
     experiment: Experiment = None,
     tracking_uri: TrackingUri = None,
-    max_drop: Annotated[Optional[list[str]], typer.Option("--max-drop", help="METRIC=POINTS: largest allowed drop against the baseline, in percentage points of a 0-1 metric (e.g. eval/mmlu_dev/acc=1). Repeatable.")] = None,
+    max_drop: Annotated[Optional[list[str]], typer.Option("--max-drop", help="METRIC=LIMIT: largest allowed drop against the baseline, to be shown by paired non-inferiority. LIMIT is percentage points for a 0-1 metric (eval/mmlu_dev/acc=1), the metric's own unit otherwise (quality/ppl=0.5), or relative to the baseline (quality/ppl=+2%). Repeatable.")] = None,
     max_kld: Annotated[Optional[float], typer.Option("--max-kld", help="Largest allowed quality/kld_mean.")] = None,
     min_top1: Annotated[Optional[float], typer.Option("--min-top1", help="Smallest allowed quality/top1_agreement (0-1).")] = None,
     max_memory: Annotated[Optional[float], typer.Option("--max-memory", help="Largest allowed cost/peak_memory_bytes.")] = None,
@@ -268,29 +268,24 @@ def pick_command(
     model_name: Annotated[Optional[str], typer.Option(help="Registered model name (default: the experiment name).")] = None,
     as_json: AsJson = False,
 ) -> None:
-    """Choose the variant to ship: the cheapest by the objective that meets every constraint.
+    """Choose the variant to ship: the best by the objective among those shown within every limit.
 
-    With no constraint flags the recipe's default policy applies (by default: at most 1 point
-    lost on any 0-1 eval metric). Exit 1 when no variant satisfies the constraints.
+    A drop passes when the one-sided 95% upper bound of its paired drop is within the limit
+    ("shown within the limit"); when the interval straddles the limit the variant is undecided
+    ("not enough evidence", with about how many documents would settle it), which is not a pass.
+    With no limit flags the recipe's default policy applies (by default: at most 1 point lost on
+    any 0-1 lm-eval score). Exit 1 when no variant is shown within every limit.
     """
     import json
 
     from quantlab import tracking
-    from quantlab.decision import ConstraintParseError, Constraints, parse_max_drops
     from quantlab.publish import decide, json_safe
 
     try:
         store, view = _sweep_view(experiment, tracking_uri)
-        constraints = None
-        if max_drop or max_kld is not None or min_top1 is not None or max_memory is not None:
-            known = {key for variant in view.variants for key in variant.metrics}
-            try:
-                drops = parse_max_drops(max_drop or [], known_metrics=known)
-                constraints = Constraints(max_drop_points=drops, max_kld_mean=max_kld, min_top1_agreement=min_top1,
-                                          max_peak_memory_bytes=max_memory)
-            except (ConstraintParseError, ValueError) as error:
-                raise BadInput([_flag_problem("--max-drop", str(error))]) from None
-        decision = decide(view, constraints, objective)
+        policy = _pick_policy(view, max_drop or [], max_kld=max_kld, min_top1_agreement=min_top1,
+                              max_peak_memory_bytes=max_memory)
+        decision = decide(view, policy, objective)
     except BadInput as error:
         _fail_on_bad_input(error)
         return
@@ -310,15 +305,56 @@ def pick_command(
     if as_json:
         out.print_json(json.dumps(record))
     else:
-        out.print(decision.summary, highlight=False)
-        for verdict in decision.verdicts:
-            if verdict.name != decision.chosen:
-                out.print(f"  {verdict.name}: {'; '.join(verdict.reasons)}", highlight=False)
+        _print_decision(decision)
         if "registered" in record:
             reg = record["registered"]
             state = "registered as new" if reg["new_version"] else "already registered as"
             out.print(f"{decision.chosen} {state} version {reg['version']} of '{reg['model']}', alias '{reg['alias']}'", highlight=False)
     raise typer.Exit(0 if decision.chosen else 1)
+
+
+# The policy field each `pick` flag sets (quantlab.policy.Policy is shared with the recipe).
+_PICK_FLAGS = {"max_drop": "--max-drop", "max_kld": "--max-kld", "min_top1_agreement": "--min-top1",
+               "max_peak_memory_bytes": "--max-memory"}
+
+
+def _pick_policy(view, max_drop: list[str], **bounds: float | None):
+    """The policy the flags give (None: no flags, the recipe's default policy applies), checked
+    against the sweep so a limit that does not fit its metric is bad input naming its flag."""
+    from pydantic import ValidationError
+
+    from quantlab.policy import Policy, PolicyError, parse_max_drops
+
+    if not max_drop and all(value is None for value in bounds.values()):
+        return None
+    try:
+        drops = parse_max_drops(max_drop)
+    except ValueError as error:
+        raise BadInput([_flag_problem("--max-drop", str(error))]) from None
+    try:
+        # Flags replace the recipe's policy whole: no implicit any-task limit beside them.
+        policy = Policy(max_drop=drops, max_drop_any_task=None, **bounds)
+    except ValidationError as error:
+        raise BadInput([_flag_problem(_PICK_FLAGS.get(str(item["loc"][0]), "--max-drop") if item["loc"] else "--max-drop",
+                                      item["msg"]) for item in error.errors()]) from None
+    baseline = next((v for v in view.variants if v.name == view.baseline), None)
+    try:
+        policy.check_logged({key for variant in view.variants for key in variant.metrics})
+        if baseline is not None:  # an lm-eval score's direction and scale come with the sweep's runs
+            policy.drop_rules(baseline.metrics, baseline.declared)
+    except PolicyError as error:
+        raise BadInput([_flag_problem(_PICK_FLAGS[error.field], str(error))]) from None
+    return policy
+
+
+def _print_decision(decision) -> None:
+    """The summary, then each variant's verdict in words: the chosen one's evidence, the others' reasons."""
+    out.print(decision.summary, highlight=False)
+    for verdict in decision.verdicts:
+        lines = [check.detail for check in verdict.checks] if verdict.name == decision.chosen else list(verdict.reasons)
+        out.print(f"  {verdict.name} ({verdict.status.words}): {'; '.join(lines) or 'no limits to check'}", highlight=False)
+    if decision.unchecked:
+        out.print(f"  not checked by the any-task limit: {', '.join(decision.unchecked)}", highlight=False)
 
 
 def _stop_on_sigterm() -> None:

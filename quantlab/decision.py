@@ -231,7 +231,8 @@ class Verdict:
     reasons: tuple[str, ...]  # empty for the chosen variant
     objective_value: float | None
     checks: tuple[CheckResult, ...]
-    # UNDECIDED: about how many documents would settle its undecided checks (None: unknown).
+    # UNDECIDED: about how many documents would settle its undecided checks (None: none says;
+    # checks without paired statistics need those first).
     documents_needed: int | None = None
 
 
@@ -298,8 +299,13 @@ def _shown(objective: Axis, value: float | None) -> str:
 
 
 def _would_need(undecided: Sequence[Verdict]) -> str:
-    words = [f"{v.name} would need ~{v.documents_needed:,} documents" if v.documents_needed
-             else f"{v.name} lacks paired evidence" for v in undecided]
+    """' int4 would need ~2,053 documents and has no paired statistics for quality/ppl.'"""
+    words = []
+    for verdict in undecided:
+        unpaired = [c.metric for c in verdict.checks if c.status is CheckStatus.UNDECIDED and c.drop is None]
+        parts = [f"would need ~{verdict.documents_needed:,} documents"] if verdict.documents_needed else []
+        parts += [f"has no paired statistics for {', '.join(unpaired)}"] if unpaired else []
+        words.append(f"{verdict.name} {' and '.join(parts) or 'is not shown within the limits'}")
     return f" {'; '.join(words)}." if words else ""
 
 
@@ -355,8 +361,8 @@ def _judge(variant: VariantSummary, baseline: VariantSummary, checks: Sequence[C
         # Undecided checks are reasons too: the reader sees everything that stands in the way.
         return Verdict(variant.name, Status.REJECTED, (*failed, *(r.detail for r in undecided)), objective_value, results)
     if undecided:
-        needed = [r.documents_needed for r in undecided]
-        most = None if any(n is None for n in needed) else max(needed)  # type: ignore[type-var]
+        needed = [r.documents_needed for r in undecided if r.documents_needed is not None]
+        most = max(needed) if needed else None
         return Verdict(variant.name, Status.UNDECIDED, tuple(r.detail for r in undecided), objective_value, results, most)
     return Verdict(variant.name, Status.COSTS_MORE, (), objective_value, results)  # provisional until ranked
 
@@ -378,9 +384,9 @@ def _with_status(verdict: Verdict, status: Status, reasons: tuple[str, ...]) -> 
 def _costs_more_reason(verdict: Verdict, chosen: Verdict, objective: Axis) -> str:
     value, best = _shown(objective, verdict.objective_value), _shown(objective, chosen.objective_value)
     if verdict.objective_value == chosen.objective_value:
-        return (f"shown within every limit but ties {chosen.name} on {objective.metric} ({value}) "
+        return (f"ties {chosen.name} on {objective.metric} ({value}) "
                 "and loses the tie-break (more of the drop limits used, higher KL, or later name)")
-    return f"shown within every limit but costs more: {objective.metric} {value} vs {best} for {chosen.name}"
+    return f"costs more: {objective.metric} {value} vs {best} for {chosen.name}"
 
 
 class Constraints:

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+import yaml
 from mlflow.tracking import MlflowClient
 
 from conftest import free_port
+from quantlab import tracking
+from quantlab.metrics import Declared, Scale, declared_tags, paired_key
+from quantlab.paired import Aggregation, DocumentScores, compare
 from quantlab.tracking import shown_uri
 from recipes import tiny_recipe, write
 from test_sweep import quantlab
@@ -119,4 +125,111 @@ def test_help_explains_every_command(tmp_path):
     result = quantlab("--help", cwd=tmp_path)
     for command in ("sweep", "validate", "frontier", "pick", "report", "ui"):
         assert command in result.stdout
-    assert "METRIC=POINTS" in quantlab("pick", "--help", cwd=tmp_path).stdout
+    assert "METRIC=LIMIT" in quantlab("pick", "--help", cwd=tmp_path).stdout
+
+
+# --------------------------------------------------------------------------------------
+# quantlab pick on hand-made runs logged into a real SQLite store with quantlab's tracking code
+# --------------------------------------------------------------------------------------
+
+ACC = "eval/mmlu_dev/acc"
+PPL = "quality/ppl"
+
+
+def _acc_figures(right_to_wrong: int, wrong_to_right: int) -> dict[str, float]:
+    """A variant's mmlu_dev score and its paired figures against a baseline that gets 600 of 1000
+    right, from per-document 0/1 scores through the real paired comparison."""
+    base = np.array([1.0] * 600 + [0.0] * 400)
+    variant = base.copy()
+    variant[:right_to_wrong] = 0.0
+    variant[600:600 + wrong_to_right] = 1.0
+    comparison = compare("mmlu_dev", *(DocumentScores(Aggregation.MEAN, dict(enumerate(scores))) for scores in (base, variant)))
+    return {ACC: comparison.variant, **{paired_key(ACC, stat): value for stat, value in comparison.statistics().items()}}
+
+
+# name: (weight bytes, peak memory, figures); bf16 is the baseline.
+RUNS = {
+    "bf16": (270e6, 2e9, {ACC: 0.60, PPL: 10.0}),
+    "w8": (200e6, 2e9, {**_acc_figures(3, 3), PPL: 10.05, **{paired_key(PPL, s): v for s, v in
+                                                              (("diff", 0.05), ("se", 0.01), ("n", 1000))}}),
+    "fp8": (170e6, 0.5e9, {**_acc_figures(25, 5), PPL: 10.05}),  # the issue's example: 2 points lost
+    "int4": (90e6, 0.5e9, {**_acc_figures(12, 7), PPL: 10.05}),  # 0.5 points lost, give or take 0.7
+}
+
+
+@pytest.fixture(scope="module")
+def picked_store(tmp_path_factory):
+    work = tmp_path_factory.mktemp("pick")
+    uri = f"sqlite:///{work / 'store.db'}"
+    store = tracking.open_store(uri)
+    experiment = tracking.experiment_id(store, "picks")
+    parent = tracking.start_run(store, experiment, "sweep", {tracking.ROLE: "sweep"})
+    tracking.log_text_artifacts(store, parent, {"recipe.yaml": yaml.safe_dump({"name": "picks", "baseline": "bf16"})})
+    declared = declared_tags({ACC: Declared(True, Scale.FRACTION)})
+    for name, (weights, memory, figures) in RUNS.items():
+        tags = {tracking.ROLE: "variant", tracking.VARIANT: name, tracking.METHOD: name,
+                tracking.CHECKPOINT: str(work / name), "quantlab.baseline": str(name == "bf16").lower(), **declared}
+        run = tracking.start_run(store, experiment, name, tags, parent=parent)
+        tracking.log_values(store, run, {**figures, "cost/weight_bytes": weights, "cost/peak_memory_bytes": memory})
+        tracking.finish(store, run, "FINISHED")
+    tracking.finish(store, parent, "FINISHED")
+    return work, uri
+
+
+def _pick(picked_store, *args: str):
+    work, uri = picked_store
+    return quantlab("pick", "--experiment", "picks", "--tracking-uri", uri, *args, cwd=work)
+
+
+def test_pick_explains_each_verdict_by_non_inferiority(picked_store):
+    # quality/ppl=+2%: 10.00 -> 10.05 is within, where the old `=1` rejected it as "5 pts".
+    result = _pick(picked_store, "--max-drop", f"{ACC}=1", "--max-drop", f"{PPL}=+2%")
+
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("Chosen: w8, the best by cost/weight_bytes (lower is better) at 200.0 MB")
+    assert "int4 would need ~2," in lines[0]  # the cheapest, but not enough evidence
+    text = result.stdout
+    assert "w8 (chosen): eval/mmlu_dev/acc: shown within the limit: drop 0.00 pts" in text
+    assert "quality/ppl: shown within the limit: drop 0.05" in text and "limit +2% of the baseline (0.2)" in text
+    assert ("fp8 (rejected): eval/mmlu_dev/acc: shown over the limit: drop 2.00 pts, one-sided 95% bounds "
+            "[1.10 pts, 2.90 pts], limit 1 pt (paired, n=1,000)") in text
+    assert "fp8" in text and "quality/ppl: not enough evidence: no paired statistics logged" in text
+    assert "int4 (rejected)" not in text and "int4 (not enough evidence): eval/mmlu_dev/acc: not enough evidence" in text
+
+
+def test_pick_nothing_shown_within_exits_1_and_the_default_policy_uses_the_same_verdicts(picked_store):
+    # A memory bound only the undecided int4 and the over-the-limit fp8 meet: nothing can be picked.
+    result = _pick(picked_store, "--json", "--max-drop", f"{ACC}=1", "--max-memory", "1e9")
+    assert result.returncode == 1, result.stdout + result.stderr
+    record = json.loads(result.stdout)
+    assert record["chosen"] is None
+    assert record["summary"].startswith("No variant shown within the limits; nothing chosen")
+    assert "int4 would need ~2," in record["summary"]
+
+    default = _pick(picked_store, "--json")
+    assert default.returncode == 0, default.stdout + default.stderr
+    record = json.loads(default.stdout)
+    assert record["chosen"] == "w8"
+    assert record["policy"]["max_drop_any_task"] == 1.0
+    verdicts = {v["name"]: v for v in record["variants"]}
+    assert verdicts["int4"]["status"] == "undecided" and verdicts["int4"]["documents_needed"] > 1000
+    assert verdicts["fp8"]["checks"][0]["outcome"] == "shown over the limit"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        pytest.param(["--max-drop", f"{PPL}=1pts"], f"--max-drop: {PPL}=1pts: is not a 0-1 metric (perplexity)", id="points-on-ppl"),
+        pytest.param(["--max-drop", f"{ACC}=+2%"], f"--max-drop: {ACC}=+2%: is a 0-1 metric", id="percent-on-declared-fraction"),
+        pytest.param(["--max-drop", "cost/weight_bytes=1"], "--max-drop: cost/weight_bytes=1: is a cost", id="cost-metric"),
+        pytest.param(["--max-drop", "eval/mmlu_dev/ac=1"], f"did you mean {ACC}?", id="typo"),
+        pytest.param(["--max-kld", "-1"], "--max-kld: ", id="negative-kld"),
+    ],
+)
+def test_pick_limits_that_do_not_fit_are_bad_input(picked_store, args, message):
+    result = _pick(picked_store, *args)
+
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

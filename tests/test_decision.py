@@ -184,7 +184,7 @@ def test_without_paired_statistics_a_drop_is_undecided_never_passed_on_unpaired_
     assert check.detail == f"{ACC}: not enough evidence: no paired statistics logged (50.0% -> 50.0%)"
     assert decision.verdict("fp8").status is Status.UNDECIDED
     assert decision.chosen == "bf16"
-    assert "fp8 lacks paired evidence" in decision.summary
+    assert f"fp8 has no paired statistics for {ACC}." in decision.summary
 
 
 def test_a_drop_of_exactly_the_limit_passes_despite_float_rounding():
@@ -284,7 +284,7 @@ def test_satisfying_but_more_expensive_variants_say_so():
 
     assert decision.chosen == "fp8"
     (reason,) = decision.reasons["bf16"]
-    assert reason.startswith("shown within every limit but costs more")
+    assert reason == "costs more: cost/weight_bytes 270.0 MB vs 170.0 MB for fp8"
     assert decision.verdict("bf16").status is Status.COSTS_MORE
 
 
