@@ -266,3 +266,44 @@ def test_variants_table_rows_as_data(sweep):
     assert table.rows[-1][-1] == "failed"
     awq_mmlu = table.rows[2][table.headers.index("mmlu_dev acc")]
     assert re.fullmatch(r"52\.0% \(-8\.00 pts \[-\d+\.\d\d, -\d+\.\d\d\]\)", awq_mmlu)
+
+
+# --------------------------------------------------------------------------------------
+# From a real MLflow store: samples.json v2 read back, artifacts written
+# --------------------------------------------------------------------------------------
+
+
+def test_publish_reads_per_document_scores_from_the_runs_and_writes_every_artifact(tmp_path):
+    from quantlab import tracking
+    from quantlab.metrics import declared_tags
+    from quantlab.paired import documents_to_json
+    from quantlab.publish import read_sweep, render_artifacts
+
+    store = tracking.open_store(f"sqlite:///{tmp_path / 'store.db'}")
+    experiment = tracking.experiment_id(store, "tiny")
+    parent = tracking.start_run(store, experiment, "sweep tiny", {tracking.ROLE: "sweep"})
+    tracking.log_text_artifacts(store, parent, {"recipe.yaml": "name: tiny\nbaseline: bf16\nmodel:\n  source: HuggingFaceTB/SmolLM2-135M\n"})
+    docs = {"bf16": scores(120), "fp8": scores(119), "int4": scores(90)}
+    for name, size in (("bf16", 270e6), ("fp8", 170e6), ("int4", 100e6)):
+        run = tracking.start_run(store, experiment, name, {
+            tracking.ROLE: "variant", tracking.VARIANT: name, tracking.METHOD: name,
+            **({"quantlab.baseline": "true"} if name == "bf16" else {}), **declared_tags({MMLU: DECLARED[MMLU]}),
+        }, parent=parent)
+        tracking.log_values(store, run, metrics={MMLU: docs[name].aggregate(), "cost/weight_bytes": size})
+        samples = {"version": 2, "documents": documents_to_json({MMLU: docs[name]}), "groups": {}}
+        tracking.log_text_artifacts(store, run, {"samples.json": json.dumps(samples)})
+        tracking.finish(store, run, "FINISHED")
+
+    view = read_sweep(store, parent)
+    written = {path.relative_to(tmp_path / "out").as_posix() for path in render_artifacts(view, tmp_path / "out")}
+
+    assert view.model == "HuggingFaceTB/SmolLM2-135M"
+    assert {"frontier.json", "frontier.png", "frontier.html", "report.md",
+            "plots/eval-mmlu-dev-acc-vs-cost-weight-bytes.png", "plots/eval-mmlu-dev-acc-vs-cost-weight-bytes.svg"} <= written
+    (frontier,) = json.loads((tmp_path / "out" / "frontier.json").read_text())["frontiers"]
+    points = {point["name"]: point for point in frontier["points"]}
+    # fp8 vs int4 and bf16 vs int4 were paired from the documents, not only against the baseline.
+    assert frontier["no_paired_noise"] == []
+    assert points["fp8"]["tied_with"] == ["bf16"] and points["int4"]["tied_with"] == []
+    assert points["int4"]["vs_baseline"]["correct_to_wrong"] == 30
+    assert "HuggingFaceTB/SmolLM2-135M" in (tmp_path / "out" / "plots" / "eval-mmlu-dev-acc-vs-cost-weight-bytes.svg").read_text()
