@@ -24,12 +24,21 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
-from typing import Any, Union
+from typing import Any
 
 from quantlab.frontier import Axis, VariantSummary, ensure_unique_names
 from quantlab.metrics import MetricSpec, Scale, paired_key, spec
 from quantlab.paired import Outcome, non_inferiority
-from quantlab.policy import KLD_MEAN, Bound, DropRule, LimitKind, Policy, format_change, format_value, unchecked_by_any_task
+from quantlab.policy import (
+    KLD_MEAN,
+    Bound,
+    DropRule,
+    LimitKind,
+    Policy,
+    format_change,
+    format_value,
+    unchecked_by_any_task,
+)
 
 # Float arithmetic turns a 1.0-point drop into 1.0000000000000009 points: forgive that much.
 _RELATIVE_TOLERANCE = 1e-9
@@ -183,7 +192,7 @@ class BaselineUsable:
         return CheckResult(self.describe(), "", CheckStatus.FAILED, detail)
 
 
-Check = Union[DropCheck, BoundCheck, BaselineUsable]
+Check = DropCheck | BoundCheck | BaselineUsable
 
 
 def checks_for(policy: Policy, baseline: VariantSummary) -> tuple[Check, ...]:
@@ -387,12 +396,3 @@ def _costs_more_reason(verdict: Verdict, chosen: Verdict, objective: Axis) -> st
         return (f"ties {chosen.name} on {objective.metric} ({value}) "
                 "and loses the tie-break (more of the drop limits used, higher KL, or later name)")
     return f"costs more: {objective.metric} {value} vs {best} for {chosen.name}"
-
-
-class Constraints:
-    """Transitional: publish.decide still calls `Constraints.from_policy(settings.default_policy)`.
-    Remove once it passes the recipe's `Policy` (frontier.FrontierSettings.default_policy) itself."""
-
-    @staticmethod
-    def from_policy(policy: Any) -> Policy:
-        return policy if isinstance(policy, Policy) else Policy.model_validate(policy.model_dump())

@@ -31,7 +31,15 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, WithJsonSchema, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    WithJsonSchema,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from quantlab.metrics import (
@@ -89,7 +97,8 @@ def parse_limit(value: Any) -> Limit:
     if isinstance(value, Limit):
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"a limit is a number, 'N pts' or '+N%', got {value!r}")
+        # ValueError, not TypeError: pydantic reports only ValueError as a located validation error.
+        raise ValueError(f"a limit is a number, 'N pts' or '+N%', got {value!r}")  # noqa: TRY004
     text = str(value).strip()
     match = _UNIT.match(text)
     try:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from quantlab.decision import CheckStatus, Constraints, DecisionError, Status, pick
+from quantlab.decision import CheckStatus, DecisionError, Status, pick
 from quantlab.frontier import Axis, VariantSummary
 from quantlab.metrics import Declared, Scale, paired_key
 from quantlab.paired import Aggregation, DocumentScores, Outcome, compare
@@ -425,12 +425,6 @@ def test_decision_record_is_json_with_each_verdict_and_interval():
     assert acc["outcome"] == "shown within the limit" and acc["status"] == "passed"
     assert acc["drop"] == pytest.approx(0.0) and acc["upper"] == pytest.approx(Z * SE) and acc["limit"] == 0.01
     assert fp8["checks"][1]["outcome"] == "not enough evidence"
-
-
-def test_the_transitional_constraints_name_takes_the_recipes_policy():
-    policy = Policy(max_kld=0.1)
-
-    assert Constraints.from_policy(policy) is policy
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -9,6 +9,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from quantlab.errors import BadInput
 from quantlab.metrics import Declared, Scale
 from quantlab.policy import (
     Limit,
@@ -21,6 +22,8 @@ from quantlab.policy import (
     parse_max_drops,
     unchecked_by_any_task,
 )
+from quantlab.recipe import load_recipe
+from recipes import tiny_recipe, write
 
 ACC = "eval/mmlu_dev/acc"
 GSM = "eval/gsm8k/exact_match:strict-match"
@@ -208,6 +211,18 @@ at_most: {{cost/ttft_ms_p99: 200}}
         ("cost/ttft_ms_p99", 200.0, True, "at_most"),
         ("quality/top1_agreement", 0.9, False, "min_top1_agreement"),
     ]
+
+
+def test_a_recipe_with_a_limit_that_does_not_fit_names_the_file_and_field(tmp_path):
+    policy = {"max_drop": {PPL: "1 pts", ACC: 1}, "max_kld": -1}
+    recipe = write(tmp_path / "recipe.yaml", tiny_recipe(tmp_path, frontier={"default_policy": policy}))
+
+    with pytest.raises(BadInput) as raised:
+        load_recipe(recipe)
+
+    shown = [str(problem) for problem in raised.value.problems]
+    assert f"{recipe}: frontier.default_policy.max_drop: {PPL}=1 pts: is not a 0-1 metric (perplexity), so points do not apply: give its own unit ({PPL}=1) or a limit relative to the baseline ({PPL}=+1%)" in shown
+    assert f"{recipe}: frontier.default_policy.max_kld: Input should be greater than or equal to 0" in shown
 
 
 @pytest.mark.parametrize(
