@@ -82,7 +82,7 @@ class _RichSweepDisplay:
 def sweep(
     recipe: Annotated[Path, typer.Argument(help="Recipe YAML, e.g. recipes/smollm2-135m.yaml.")],
     tracking_uri: TrackingUri = None,
-    executor: Annotated[str, typer.Option(help="local: one spawned process per variant. ray: one Ray task per variant.")] = "local",
+    executor: Annotated[str, typer.Option(help="local: one spawned process per variant. ray: one Ray task per variant. inprocess: every variant in this process (no isolation: a crash ends the sweep; no variant log file); for notebooks, debuggers, scripts.")] = "local",
     ray_address: Annotated[Optional[str], typer.Option(help="Ray cluster address (with --executor ray); default starts a local cluster.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Recompute every variant: copy no finished run, rebuild checkpoints and the baseline's reference pass even when cached.")] = False,
     only: Annotated[Optional[list[str]], typer.Option("--only", help="Run only this variant (repeatable); the baseline always runs as the reference.")] = None,
@@ -95,8 +95,8 @@ def sweep(
     from quantlab.tracking import open_store, run_address, shown_uri, tracking_uri as resolve_uri
 
     try:
-        if executor not in ("local", "ray"):
-            raise BadInput([_flag_problem("--executor", f"'{executor}' is not one of: local, ray")])
+        if executor not in ("local", "ray", "inprocess"):
+            raise BadInput([_flag_problem("--executor", f"'{executor}' is not one of: local, ray, inprocess")])
         cache_root = (cache_dir or default_root()).resolve()
         loaded = validate(recipe, cache_root)
         uri = resolve_uri(tracking_uri)

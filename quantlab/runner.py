@@ -41,7 +41,8 @@ class BaselineOutputs:
     samples.json (version 2)::
 
         {"version": 2,
-         "documents": paired.documents_to_json({score key: DocumentScores}),  # every analysable lm-eval score
+         "documents": paired.documents_to_json({score key: DocumentScores}),  # every analysable lm-eval score,
+                                                                              # and quality/{ppl,kld_mean,top1_agreement} per token
          "groups": {group score key: {"leaves": [leaf score key, ...], "weights": [w, ...]}},
          "scores": {score key: value},          # every lm-eval score logged (recovery's input)
          "primary": {task: score key}}          # each task's primary score (flips' input)
@@ -167,7 +168,7 @@ def run_variant(job: VariantJob, report: StageReporter = lambda stage: None) -> 
         metrics={**scores.metrics, **tokens.metrics, **answers.metrics, **cost.metrics},
         params={**variant_params(job.loaded, variant, source, device, dtype), **scores.params},
         tags={**cost.tags, **tokens.tags, **scores.tags, **answers.tags},
-        baseline_outputs=BaselineOutputs(tokens.reference_dir, scores.documents, scores.groups, scores.scores, scores.primary),
+        baseline_outputs=BaselineOutputs(tokens.reference_dir, scores.documents | tokens.documents, scores.groups, scores.scores, scores.primary),
         artifacts=answers.artifacts,
         datasets=scores.datasets,
     )

@@ -49,9 +49,10 @@ class EvalOutcome:
 
 @dataclass(frozen=True)
 class TokenOutcome:
-    metrics: dict[str, float]
+    metrics: dict[str, float]  # quality/<figure> and quality/paired/quality/<figure>/<statistic>
     tags: dict[str, str]
     reference_dir: str | None
+    documents: dict[str, DocumentScores] = field(default_factory=dict)  # quality/<figure> -> per token
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,8 @@ def token_damage(model, tokenizer, settings: QualitySettings, recipe_dir: Path, 
     """Perplexity and KL against the baseline's stored pass (written here when this is the baseline)."""
     from quantlab.evaluate.reference import (
         baseline_damage,
-        compare_to_reference,
+        baseline_documents,
+        compare_tokens,
         corpus_token_ids,
         write_reference,
     )
@@ -154,13 +156,21 @@ def token_damage(model, tokenizer, settings: QualitySettings, recipe_dir: Path, 
             text = "\n\n".join(load_texts(settings.corpus, recipe_dir))
             token_ids = corpus_token_ids(tokenizer, text, settings.max_tokens)
             write_reference(model, token_ids, reference_dir, window=settings.window, stride=settings.stride)
-        damage = baseline_damage(reference_dir)
+        damage, documents = baseline_damage(reference_dir), baseline_documents(reference_dir)
     elif job.baseline is None or job.baseline.reference_dir is None:
         return TokenOutcome({}, {"quantlab.quality.skipped": "the baseline variant did not produce a reference pass"}, None)
     else:
         reference_dir = Path(job.baseline.reference_dir)
-        damage = compare_to_reference(model, reference_dir)
-    return TokenOutcome(damage.to_metrics(), {}, str(reference_dir))
+        tokens = compare_tokens(model, reference_dir)
+        damage, documents = tokens.damage(), tokens.documents()
+    # Paired per token against the baseline's own pass (the baseline against itself: zeros).
+    reference = baseline_documents(reference_dir)
+    paired = {
+        paired_key(key, name): value
+        for key, docs in documents.items()
+        for name, value in compare(key, reference[key], docs).statistics().items()
+    }
+    return TokenOutcome(damage.to_metrics() | paired, {}, str(reference_dir), documents)
 
 
 def answer_damage(scores: EvalOutcome, baseline: BaselineOutputs | None) -> AnswerOutcome:
