@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Protocol
 
 from quantlab.errors import BadInput
-from quantlab.runner import VariantJob, VariantResult, run_variant
+from quantlab.jobs import VariantJob, VariantResult
+from quantlab.runner import run_variant
 
 StageCallback = Callable[[str, str], None]  # (variant, stage)
 Outcome = tuple[VariantJob, "VariantResult | VariantFailed", Path]  # job, what came of it, its log file

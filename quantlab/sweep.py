@@ -21,7 +21,7 @@ from quantlab import cache, tracking
 from quantlab.errors import BadInput, Problem
 from quantlab.executors import VariantFailed, make_executor
 from quantlab.recipe import LoadedRecipe, remember_lookups
-from quantlab.runner import SAMPLES_FORMAT, BaselineOutputs, VariantJob, VariantResult
+from quantlab.jobs import SAMPLES_FORMAT, BaselineOutputs, VariantJob, VariantResult
 
 RUN_KEY = "quantlab.run_key"
 REUSED_FROM = "quantlab.reused_from"
@@ -73,7 +73,7 @@ def plan(loaded: LoadedRecipe, only: tuple[str, ...]) -> list[str]:
 def run_keys(loaded: LoadedRecipe, names: list[str], cache_root: Path) -> dict[str, str]:
     """Content hash per variant of everything that decides its logged numbers."""
     from quantlab.models import resolve_source
-    from quantlab.quantize.stage import checkpoint_identity
+    from quantlab.stages.quantize import checkpoint_identity
 
     recipe = loaded.recipe
     source = resolve_source(recipe.model, loaded.path.parent)

@@ -9,8 +9,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from quantlab.executors import InProcessExecutor, VariantFailed
+from quantlab.jobs import VariantResult
 from quantlab.recipe import validate
-from quantlab.runner import VariantResult
 from quantlab.sweep import SweepOptions, run_sweep
 from recipes import tiny_recipe, write
 

@@ -26,9 +26,9 @@ from quantlab.evaluate.lm_eval_runner import (
     group_weights,
     read_results,
 )
-from quantlab.evaluate.stage import answer_damage, eval_outcome
+from quantlab.jobs import BaselineOutputs
 from quantlab.paired import Aggregation
-from quantlab.runner import BaselineOutputs
+from quantlab.stages.evaluate import answer_damage, eval_outcome
 from recipes import tiny_recipe, write
 
 # --------------------------------------------------------------------------------------
@@ -223,9 +223,9 @@ def test_a_task_listed_twice_is_bad_input_at_the_command_line(tmp_path, tiny_lla
 def test_another_compute_dtype_gets_another_reference(tmp_path, tiny_llama):
     import torch
 
-    from quantlab.evaluate.stage import token_damage
+    from quantlab.jobs import VariantJob
     from quantlab.recipe import load_recipe
-    from quantlab.runner import VariantJob
+    from quantlab.stages.evaluate import token_damage
 
     loaded = load_recipe(write(tmp_path / "recipe.yaml", tiny_recipe(tiny_llama.path)))
     job = VariantJob(loaded, "bf16", tmp_path / "cache", baseline=None)

@@ -10,7 +10,7 @@ import torch
 
 from quantlab.measure import measure_cost
 from quantlab.measure.settings import MeasureSettings
-from quantlab.measure.stage import measure
+from quantlab.stages.measure import measure
 
 REPO = Path(__file__).resolve().parents[1]
 MEASURED_KEYS = [

@@ -15,8 +15,8 @@ import torch
 from quantlab import cache
 from quantlab.models import load_checkpoint, resolve_source
 from quantlab.quantize import METHODS
-from quantlab.quantize.stage import quantize_variant
 from quantlab.recipe import CalibrationSettings, ModelSpec, VariantSpec
+from quantlab.stages.quantize import quantize_variant
 
 CALIBRATION = CalibrationSettings(num_samples=4, seq_len=32)
 PARAMS = {"bf16": {}, "fp8": {}, "awq_int4": {"group_size": 32}}
@@ -84,7 +84,7 @@ def test_cached_checkpoint_is_reused_and_keyed_by_content(quantized):
     assert again.reused and again.path == made["fp8"].path
     other = VariantSpec(name="fp8", method="fp8", params={"ignore": ["lm_head", "re:.*down_proj"]})
     assert cache.cache_key({"x": 1}) != cache.cache_key({"x": 2})
-    from quantlab.quantize.stage import checkpoint_identity
+    from quantlab.stages.quantize import checkpoint_identity
 
     assert checkpoint_identity(source, other, CALIBRATION) != checkpoint_identity(source, VariantSpec(name="fp8", method="fp8"), CALIBRATION)
     # Calibration settings only matter to methods that calibrate.

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from quantlab import cache
 from quantlab.corpora import load_texts
+from quantlab.jobs import GroupParts
 from quantlab.metrics import (
     Declared,
     EvalKey,
@@ -25,12 +26,11 @@ from quantlab.paired import (
     combine,
     compare,
 )
-from quantlab.runner import GroupParts
 
 if TYPE_CHECKING:
     from quantlab.evaluate.lm_eval_runner import TaskDataset, TaskScores
+    from quantlab.jobs import BaselineOutputs, StageReporter, VariantJob
     from quantlab.recipe import EvalSettings, QualitySettings
-    from quantlab.runner import BaselineOutputs, StageReporter, VariantJob
 
 
 @dataclass(frozen=True)

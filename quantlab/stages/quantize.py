@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from quantlab.models import ModelSource, load_source_model
 from quantlab import cache
+from quantlab.models import ModelSource, load_source_model
 from quantlab.quantize import METHODS
-from quantlab.quantize.calibration import calibration_dataset
+from quantlab.stages.calibration import calibration_dataset
 
 if TYPE_CHECKING:
     from quantlab.recipe import CalibrationSettings, VariantSpec
