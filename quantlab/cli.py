@@ -89,7 +89,7 @@ def sweep(
     cache_dir: Annotated[Optional[Path], typer.Option(help="Checkpoint cache. Default: $QUANTLAB_CACHE_DIR or ~/.cache/quantlab.")] = None,
 ) -> None:
     """Quantize, evaluate, measure and log every variant of RECIPE; then publish the frontier."""
-    from quantlab.recipe import validate
+    from quantlab.checks import validate
     from quantlab.cache import default_root
     from quantlab.sweep import SweepOptions, run_sweep
     from quantlab.tracking import open_store, run_address, shown_uri, tracking_uri as resolve_uri
@@ -130,7 +130,7 @@ def sweep(
 def validate_command(recipe: Annotated[Path, typer.Argument(help="Recipe YAML to check.")]) -> None:
     """Check RECIPE the way a sweep would before any work (model config, group sizes, tasks); run nothing."""
     from quantlab.cache import default_root
-    from quantlab.recipe import remember_lookups, validate
+    from quantlab.checks import remember_lookups, validate
 
     cache_root = default_root()
     try:

@@ -1,26 +1,26 @@
-"""The recipe: what to sweep. Pydantic models (unknown keys rejected) and the loader.
+"""The recipe: what to sweep. Pydantic models (unknown keys rejected) and the YAML loader.
 
-Loading happens in two passes, and both collect every problem before reporting:
-1. `load_recipe` parses the YAML and checks structure and everything knowable from the file
-   alone (names, references between fields, method parameters, files next to the recipe).
-2. `check_recipe` looks outside the file: the model's config (layer widths against group
-   sizes) and lm-eval's task index. A sweep runs both before any work.
+This module knows the file alone: `load_recipe` parses the YAML, checks its structure (each
+variant's `params` against its method's own model: a union keyed by `method`) and the references
+between fields, and collects every problem before reporting. What needs the world outside the
+file (the model's config, lm-eval's task index, files on disk) is `quantlab.checks`.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, create_model
 
 from quantlab.errors import BadInput, Problem
 from quantlab.frontier import FrontierSettings
 from quantlab.measure.settings import MeasureSettings
+from quantlab.quantize import METHODS
 
 # A name becomes a directory and an MLflow tag: no separators, cannot be "." or "..".
 SafeName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
@@ -41,10 +41,24 @@ class ModelSpec(StrictModel):
     )
 
 
-class VariantSpec(StrictModel):
+class _Variant(StrictModel):
     name: SafeName
-    method: str
-    params: dict[str, Any] = Field(default_factory=dict)
+
+
+def _variant_model(method_name: str) -> type[_Variant]:
+    """The variant model of one method: `method` is its tag, `params` the method's own `Params`."""
+    method = METHODS[method_name]
+    return create_model(
+        f"{method.__name__}Variant",
+        __base__=_Variant,
+        method=(Literal[method_name], ...),
+        params=(method.Params, Field(default_factory=method.Params)),
+    )
+
+
+# One member per registered method, chosen by `method`: pydantic itself rejects an unknown method
+# and parameters the method does not take, with the field that is wrong.
+VariantSpec = Annotated[Union[tuple(_variant_model(name) for name in METHODS)], Field(discriminator="method")]  # noqa: UP007
 
 
 class CalibrationSettings(StrictModel):
@@ -134,12 +148,9 @@ class Recipe(StrictModel):
         return next(variant for variant in self.variants if variant.name == name)
 
 
-RECIPE_CHECKS_DIR = "recipe-checks"  # under the cache root: what `check_recipe` looked up
-
-
 @dataclass(frozen=True)
 class Lookup:
-    """Something `check_recipe` found outside the file, slow to find and fixed by `identity`."""
+    """Something `checks.check_recipe` found outside the file, slow to find and fixed by `identity`."""
 
     identity: dict[str, Any]
     fact: Any
@@ -152,7 +163,7 @@ class LoadedRecipe:
     path: Path
     recipe: Recipe
     text: str
-    lookups: tuple[Lookup, ...] = ()  # filled by check_recipe; see remember_lookups
+    lookups: tuple[Lookup, ...] = ()  # filled by checks.check_recipe; see checks.remember_lookups
     needs_hub: tuple[str, ...] = ()  # what check_recipe(hub_optional=True) could not check offline
 
     def resolve(self, relative: str) -> Path:
@@ -165,11 +176,16 @@ class LoadedRecipe:
 
 
 def load_recipe(path: str | Path) -> LoadedRecipe:
-    """Parse and check a recipe file; raise BadInput listing every problem found."""
-    path = Path(path)
-    shown = str(path)
+    """Parse and check a recipe file alone; raise BadInput listing every problem found."""
+    text, data = read_recipe(path)
+    return parse_recipe(path, text, data)
+
+
+def read_recipe(path: str | Path) -> tuple[str, dict]:
+    """The recipe file's text and its YAML mapping; BadInput if it cannot be read as one."""
+    shown = str(Path(path))
     try:
-        text = path.read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise BadInput([Problem(shown, "", "no such recipe file")]) from None
     except (IsADirectoryError, UnicodeDecodeError, PermissionError) as error:
@@ -183,7 +199,17 @@ def load_recipe(path: str | Path) -> LoadedRecipe:
         raise BadInput([Problem(shown, where, f"YAML syntax error: {reason}")]) from None
     if not isinstance(data, dict):
         raise BadInput([Problem(shown, "", "a recipe is a YAML mapping (name:, model:, variants: ...)")])
-    problems = _problems_in_file(data, path.resolve().parent, shown)
+    return text, data
+
+
+def parse_recipe(path: str | Path, text: str, data: dict, found: Sequence[Problem] = ()) -> LoadedRecipe:
+    """The recipe in `data` (read from `path`), checked against the schema and across its fields.
+
+    `found` are problems other checks found in the same data: all are reported together, except
+    those on a field that the schema already rejects.
+    """
+    shown = str(Path(path))
+    problems = _problems_across_fields(data, shown) + list(found)
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as error:
@@ -191,13 +217,24 @@ def load_recipe(path: str | Path) -> LoadedRecipe:
         raise BadInput(structural + [p for p in problems if p.field not in {q.field for q in structural}]) from None
     if problems:
         raise BadInput(problems)
-    return LoadedRecipe(path=path.resolve(), recipe=recipe, text=text)
+    return LoadedRecipe(path=Path(path).resolve(), recipe=recipe, text=text)
 
 
 def _problem_from_pydantic(shown: str, data: dict, item: dict) -> Problem:
-    field = _field_path(data, item["loc"])
+    loc = item["loc"]
+    if loc[:1] == ("variants",) and len(loc) > 2 and isinstance(loc[1], int):
+        loc = loc[:2] + loc[3:]  # drop the union's tag (the method) that pydantic puts after the index
+    field = _field_path(data, loc)
+    if item["type"] == "union_tag_invalid":
+        method = item["ctx"]["tag"]
+        return Problem(shown, f"{field}.method", f"unknown method '{method}'{did_you_mean(method, set(METHODS))}; "
+                                                 f"known: {', '.join(sorted(METHODS))}")
+    if item["type"] == "union_tag_not_found":
+        return Problem(shown, f"{field}.method", "required key is missing")
     if item["type"] == "extra_forbidden":
-        return Problem(shown, field, "unknown key")
+        return Problem(shown, field, "unknown parameter" if loc[2:3] == ("params",) else "unknown key")
+    if item["type"] in ("model_type", "model_attributes_type") and loc[:1] == ("variants",) and len(loc) in (2, 3):
+        return Problem(shown, field, "Input should be a valid dictionary")  # a variant or its params; not a class name
     if item["type"] == "missing":
         return Problem(shown, field, "required key is missing")
     if item["type"] == "string_pattern_mismatch":
@@ -233,49 +270,26 @@ def did_you_mean(word: str, choices: list[str] | set[str]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-def _problems_in_file(data: dict, base_dir: Path, shown: str) -> list[Problem]:
-    """Checks across fields that need only the file and the method registry.
+def _problems_across_fields(data: dict, shown: str) -> list[Problem]:
+    """What the schema's per-field checks cannot see: names unique, the baseline one of them.
 
     They read the raw YAML (guarding every type) so that they still run when the structure has
     errors too: the user sees every problem in one go.
     """
-    from quantlab.quantize import METHODS
-
     problems: list[Problem] = []
     variants = data.get("variants") if isinstance(data.get("variants"), list) else []
     seen: dict[str, int] = {}
     for index, variant in enumerate(variants):
-        if not isinstance(variant, dict):
-            continue
-        name, method_name = variant.get("name"), variant.get("method")
-        field = f"variants[{index}] ({name})"
+        name = variant.get("name") if isinstance(variant, dict) else None
         if isinstance(name, str):
             if name in seen:
-                problems.append(Problem(shown, f"{field}.name", f"duplicate variant name (also variants[{seen[name]}])"))
+                problems.append(Problem(shown, f"variants[{index}] ({name}).name", f"duplicate variant name (also variants[{seen[name]}])"))
             seen.setdefault(name, index)
-        if not isinstance(method_name, str):
-            continue
-        method = METHODS.get(method_name)
-        if method is None:
-            known = ", ".join(sorted(METHODS))
-            problems.append(Problem(
-                shown, f"{field}.method",
-                f"unknown method '{method_name}'{did_you_mean(method_name, set(METHODS))}; known: {known}",
-            ))
-            continue
-        params = variant.get("params") or {}
-        try:
-            method.Params.model_validate(params)
-        except ValidationError as error:
-            for item in error.errors():
-                sub = ".".join(str(part) for part in item["loc"])
-                message = "unknown parameter" if item["type"] == "extra_forbidden" else item["msg"]
-                problems.append(Problem(shown, f"{field}.params.{sub}".rstrip("."), message))
-    problems += _task_problems(_section(data, "evals").get("tasks"), shown)
+    problems += _task_problems(section(data, "evals").get("tasks"), shown)
     baseline = data.get("baseline")
     if isinstance(baseline, str) and variants and baseline not in seen:
         problems.append(Problem(shown, "baseline", f"'{baseline}' is not a variant name{did_you_mean(baseline, set(seen))}"))
-    return problems + _missing_files(data, base_dir, shown)
+    return problems
 
 
 def _task_problems(tasks: Any, shown: str) -> list[Problem]:
@@ -297,124 +311,6 @@ def _task_problems(tasks: Any, shown: str) -> list[Problem]:
     return problems
 
 
-def _section(data: dict, key: str) -> dict:
+def section(data: dict, key: str) -> dict:
+    """A top-level section of the raw YAML, or {} when it is missing or not a mapping."""
     return data.get(key) if isinstance(data.get(key), dict) else {}
-
-
-def _missing_files(data: dict, base_dir: Path, shown: str) -> list[Problem]:
-    from quantlab.corpora import text_source_problem
-    from quantlab.models import source_problem
-
-    problems: list[Problem] = []
-    checks = [
-        ("model.source", _section(data, "model").get("source"), source_problem),
-        ("calibration.source", _section(data, "calibration").get("source"), text_source_problem),
-        ("quality.corpus", _section(data, "quality").get("corpus"), text_source_problem),
-    ]
-    for field, value, check in checks:
-        if isinstance(value, str) and (message := check(value, base_dir)) is not None:
-            problems.append(Problem(shown, field, message))
-    include = _section(data, "evals").get("include_path")
-    if isinstance(include, str) and not (base_dir / include).resolve().is_dir():
-        problems.append(Problem(shown, "evals.include_path", f"no such directory: {(base_dir / include).resolve()}"))
-    return problems
-
-
-def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None, hub_optional: bool = False) -> LoadedRecipe:
-    """Checks that look outside the file: model config and lm-eval's task index. Raises BadInput.
-
-    Both are slow to find out (the model's config through transformers, ~10k lm-eval task files)
-    and fixed by content. With `cache_root`, what `remember_lookups` stored there after an earlier
-    check is read instead; the recipe comes back with what this check looked up.
-
-    A hub model on a machine that cannot reach the hub (and has no cached copy) is bad input for
-    a sweep; with `hub_optional` (`quantlab validate`) the checks that need it are skipped and
-    listed in `needs_hub` instead, with the lm-eval tasks whose data comes from the hub.
-    """
-    from quantlab.models import hub_reachable, in_local_cache
-
-    from quantlab import cache
-    from quantlab.evaluate.lm_eval_runner import known_tasks, task_index_identity, unknown_tasks
-    from quantlab.models import linear_input_widths, resolve_source, widths_identity
-    from quantlab.quantize import METHODS
-
-    recipe = loaded.recipe
-    shown = str(loaded.path)
-    remembered = cache_root / RECIPE_CHECKS_DIR if cache_root is not None else None
-    lookups: list[Lookup] = []
-
-    def look_up(identity: dict[str, Any], find: Callable[[], Any]) -> Any:
-        fact = cache.recall(remembered, identity) or find()
-        lookups.append(Lookup(identity, fact))
-        return fact
-
-    problems: list[Problem] = []
-    needs_hub: list[str] = []
-    try:
-        source = resolve_source(recipe.model, loaded.path.parent)
-        offline_hub_model = (
-            source.kind == "hub" and cache.recall(remembered, widths_identity(source)) is None
-            and not in_local_cache(source) and not hub_reachable()
-        )
-        if offline_hub_model and hub_optional:
-            needs_hub.append(f"model.source: the config of {source.display} (layer widths against group sizes)")
-            widths = None
-        elif offline_hub_model:
-            raise BadInput([Problem("", "", f"{source.display} is a hub model, this machine cannot reach the "
-                                    "hub, and the local Hugging Face cache has no copy")])
-        else:
-            widths = look_up(widths_identity(source), lambda: linear_input_widths(source))
-    except BadInput as error:
-        problems += [Problem(shown, "model.source", problem.message) for problem in error.problems]
-        widths = None
-    if widths is not None:
-        for index, variant in enumerate(recipe.variants):
-            method = METHODS[variant.method]
-            params = method.Params.model_validate(variant.params)
-            for field, message in method.check_model(params, widths):
-                problems.append(Problem(shown, f"variants[{index}] ({variant.name}).params.{field}", message))
-    task_names = [task.name for task in recipe.evals.tasks]
-    if task_names:
-        known = set(look_up(task_index_identity(loaded.include_path), lambda: sorted(known_tasks(loaded.include_path))))
-        for name, suggestion in unknown_tasks(task_names, known):
-            index = task_names.index(name)
-            hint = f" (did you mean '{suggestion}'?)" if suggestion else ""
-            problems.append(Problem(shown, f"evals.tasks[{index}].name", f"lm-eval cannot resolve task '{name}'{hint}"))
-    if hub_optional and task_names:
-        local = _tasks_defined_under(loaded.include_path)
-        hub_tasks = [name for name in task_names if name not in local]
-        if hub_tasks:
-            needs_hub.append(f"evals.tasks: the data of {', '.join(hub_tasks)} (lm-eval downloads it when a sweep runs, "
-                             "unless the Hugging Face datasets cache has it)")
-    if problems:
-        raise BadInput(problems)
-    return replace(loaded, lookups=tuple(lookups), needs_hub=tuple(needs_hub))
-
-
-def _tasks_defined_under(include_path: Path | None) -> set[str]:
-    """Task, group and tag names that the YAMLs under include_path define (their data is local or theirs)."""
-    names: set[str] = set()
-    for path in sorted(include_path.rglob("*.yaml")) if include_path else ():
-        try:
-            # lm-eval's YAMLs use custom tags (!function); a plain line scan reads their names.
-            for line in path.read_text(encoding="utf-8").splitlines():
-                key, _, value = line.partition(":")
-                if key in ("task", "group", "tag") and value.strip():
-                    names.add(value.strip().strip("'\""))
-        except (OSError, UnicodeDecodeError):
-            continue
-    return names
-
-
-def remember_lookups(loaded: LoadedRecipe, cache_root: Path) -> None:
-    """Keep what the check of a recipe looked up, for the next check; call it once work starts
-    (so that bad input, or an unreachable tracking server, leaves nothing in the cache)."""
-    from quantlab import cache
-
-    for lookup in loaded.lookups:
-        cache.remember(cache_root / RECIPE_CHECKS_DIR, lookup.identity, lookup.fact)
-
-
-def validate(path: str | Path, cache_root: Path | None = None, hub_optional: bool = False) -> LoadedRecipe:
-    """Everything a sweep needs to know before spending compute. Raises BadInput."""
-    return check_recipe(load_recipe(path), cache_root, hub_optional)

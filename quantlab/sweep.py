@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from quantlab import cache, tracking
+from quantlab.checks import remember_lookups
 from quantlab.errors import BadInput, Problem
 from quantlab.executors import VariantFailed, make_executor
-from quantlab.recipe import LoadedRecipe, remember_lookups
 from quantlab.jobs import SAMPLES_FORMAT, BaselineOutputs, VariantJob, VariantResult
+from quantlab.recipe import LoadedRecipe
 
 RUN_KEY = "quantlab.run_key"
 REUSED_FROM = "quantlab.reused_from"

@@ -232,21 +232,6 @@ def latest_sweep(store: Store, experiment_name: str | None):
     return runs[0]
 
 
-def flatten(prefix: str, value: object) -> dict[str, str]:
-    """Nested config -> dotted MLflow params ({"a": {"b": 1}} -> {"a.b": "1"})."""
-    if isinstance(value, dict):
-        flat: dict[str, str] = {}
-        for key, item in value.items():
-            flat.update(flatten(f"{prefix}.{key}" if prefix else str(key), item))
-        return flat
-    if isinstance(value, (list, tuple)) and value and all(isinstance(item, dict) for item in value):
-        flat = {}
-        for index, item in enumerate(value):
-            flat.update(flatten(f"{prefix}.{index}", item))
-        return flat
-    return {prefix: str(value)}
-
-
 def names(runs: Iterable) -> list[str]:
     return [run.data.tags.get(VARIANT, run.info.run_name) for run in runs]
 

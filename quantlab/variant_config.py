@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 
 from quantlab.cache import library_versions
 from quantlab.quantize import METHODS
-from quantlab.tracking import flatten
 
 if TYPE_CHECKING:
     import torch
@@ -33,7 +32,7 @@ def variant_params(loaded: LoadedRecipe, variant: VariantSpec, source: ModelSour
     recipe = loaded.recipe
     method = METHODS[variant.method]
     resolved = {
-        "variant": {"name": variant.name, "method": variant.method, "params": method.Params.model_validate(variant.params).model_dump()},
+        "variant": {"name": variant.name, "method": variant.method, "params": variant.params.model_dump()},
         "model": {**recipe.model.model_dump(), "identity": source.identity},
         "calibration": recipe.calibration.model_dump() if method.needs_calibration else "not used",
         "evals": recipe.evals.model_dump(),
@@ -50,3 +49,18 @@ def _version(package: str) -> str:
     from importlib.metadata import version
 
     return version(package)
+
+
+def flatten(prefix: str, value: object) -> dict[str, str]:
+    """Nested config -> dotted MLflow params ({"a": {"b": 1}} -> {"a.b": "1"})."""
+    if isinstance(value, dict):
+        flat: dict[str, str] = {}
+        for key, item in value.items():
+            flat.update(flatten(f"{prefix}.{key}" if prefix else str(key), item))
+        return flat
+    if isinstance(value, (list, tuple)) and value and all(isinstance(item, dict) for item in value):
+        flat = {}
+        for index, item in enumerate(value):
+            flat.update(flatten(f"{prefix}.{index}", item))
+        return flat
+    return {prefix: str(value)}

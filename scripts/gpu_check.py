@@ -177,8 +177,8 @@ def check(args: argparse.Namespace, device: str) -> int:
     import yaml
     from mlflow import MlflowClient
 
+    from quantlab.checks import validate
     from quantlab.errors import BadInput
-    from quantlab.recipe import validate
     from quantlab.sweep import SweepOptions, run_sweep
 
     shape = SHAPES[args.shape]

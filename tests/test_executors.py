@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from quantlab.checks import validate
 from quantlab.executors import InProcessExecutor, VariantFailed
 from quantlab.jobs import VariantResult
-from quantlab.recipe import validate
 from quantlab.sweep import SweepOptions, run_sweep
 from recipes import tiny_recipe, write
 

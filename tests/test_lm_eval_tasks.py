@@ -197,8 +197,8 @@ def test_undeclared_directions_and_unanalysable_shapes_are_named_not_dropped(cap
     ],
 )
 def test_bad_task_settings_are_one_line_errors_naming_the_field(tmp_path, tiny_llama, task, field, message):
+    from quantlab.checks import validate
     from quantlab.errors import BadInput
-    from quantlab.recipe import validate
 
     path = write(tmp_path / "recipe.yaml", tiny_recipe(tiny_llama.path, evals={"include_path": str(Path(__file__).parents[1] / "evals"), "tasks": [task]}))
     with pytest.raises(BadInput) as caught:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import TypeAdapter
 
 from quantlab import cache
 from quantlab.models import load_checkpoint, resolve_source
@@ -22,12 +23,17 @@ CALIBRATION = CalibrationSettings(num_samples=4, seq_len=32)
 PARAMS = {"bf16": {}, "fp8": {}, "awq_int4": {"group_size": 32}}
 
 
+def _variant(**fields) -> VariantSpec:
+    """A recipe's variant as the recipe parses it: `params` becomes the method's own model."""
+    return TypeAdapter(VariantSpec).validate_python(fields)
+
+
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory, tiny_llama):
     cache_root = tmp_path_factory.mktemp("cache")
     source = resolve_source(ModelSpec(source=str(tiny_llama.path)), Path.cwd())
     made = {
-        method: quantize_variant(source, VariantSpec(name=method, method=method, params=params), CALIBRATION,
+        method: quantize_variant(source, _variant(name=method, method=method, params=params), CALIBRATION,
                                  Path.cwd(), cache_root, "cpu")
         for method, params in PARAMS.items()
     }
@@ -80,16 +86,16 @@ def test_weight_bytes_shrink_with_precision(quantized):
 
 def test_cached_checkpoint_is_reused_and_keyed_by_content(quantized):
     source, cache_root, made = quantized
-    again = quantize_variant(source, VariantSpec(name="fp8", method="fp8"), CALIBRATION, Path.cwd(), cache_root, "cpu")
+    again = quantize_variant(source, _variant(name="fp8", method="fp8"), CALIBRATION, Path.cwd(), cache_root, "cpu")
     assert again.reused and again.path == made["fp8"].path
-    other = VariantSpec(name="fp8", method="fp8", params={"ignore": ["lm_head", "re:.*down_proj"]})
+    other = _variant(name="fp8", method="fp8", params={"ignore": ["lm_head", "re:.*down_proj"]})
     assert cache.cache_key({"x": 1}) != cache.cache_key({"x": 2})
     from quantlab.stages.quantize import checkpoint_identity
 
-    assert checkpoint_identity(source, other, CALIBRATION) != checkpoint_identity(source, VariantSpec(name="fp8", method="fp8"), CALIBRATION)
+    assert checkpoint_identity(source, other, CALIBRATION) != checkpoint_identity(source, _variant(name="fp8", method="fp8"), CALIBRATION)
     # Calibration settings only matter to methods that calibrate.
     more = CalibrationSettings(num_samples=8, seq_len=32)
-    assert checkpoint_identity(source, VariantSpec(name="b", method="bf16"), more) == checkpoint_identity(source, VariantSpec(name="b", method="bf16"), CALIBRATION)
+    assert checkpoint_identity(source, _variant(name="b", method="bf16"), more) == checkpoint_identity(source, _variant(name="b", method="bf16"), CALIBRATION)
 
 
 def test_partial_checkpoint_is_never_taken_as_complete(tmp_path):
@@ -138,5 +144,5 @@ def test_losing_the_race_to_an_equal_checkpoint_keeps_the_winner(tmp_path):
 
 def test_force_recomputes(quantized):
     source, cache_root, made = quantized
-    forced = quantize_variant(source, VariantSpec(name="bf16", method="bf16"), CALIBRATION, Path.cwd(), cache_root, "cpu", force=True)
+    forced = quantize_variant(source, _variant(name="bf16", method="bf16"), CALIBRATION, Path.cwd(), cache_root, "cpu", force=True)
     assert not forced.reused and cache.is_complete(forced.path)

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from quantlab.checks import remember_lookups, validate
 from quantlab.errors import BadInput
-from quantlab.recipe import load_recipe, remember_lookups, validate
+from quantlab.recipe import load_recipe
 from recipes import REPO, tiny_recipe, write
 
 
@@ -91,7 +92,7 @@ def test_valid_recipe_resolves_defaults(tmp_path, tiny_llama):
 
 def test_bundled_recipe_is_valid():
     loaded = validate(REPO / "recipes" / "smollm2-135m.yaml")
-    assert loaded.recipe.variant("awq-int4-g64").params["group_size"] == 64
+    assert loaded.recipe.variant("awq-int4-g64").params.group_size == 64
 
 
 def test_group_128_does_not_fit_smollm2(tmp_path):

@@ -30,7 +30,7 @@ def checkpoint_identity(source: ModelSource, variant: VariantSpec, calibration: 
     return {
         "model": source.identity,
         "method": variant.method,
-        "params": method.Params.model_validate(variant.params).model_dump(),
+        "params": variant.params.model_dump(),
         "calibration": calibration.model_dump() if method.needs_calibration else None,
         "versions": cache.library_versions(),
     }
@@ -57,14 +57,13 @@ def quantize_variant(
         return QuantizedCheckpoint(target, key, reused=True, seconds=time.perf_counter() - started)
 
     method = METHODS[variant.method]
-    params = method.Params.model_validate(variant.params)
     # CPUs without native BF16 matmuls emulate them ~10x slower (AWQ's grid search takes most
     # of an hour for 135M params): calibrate in float32 there (an exact upcast of BF16 weights),
     # then store what the method leaves unquantized as BF16, as on a GPU.
     compute_dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model, tokenizer = load_source_model(source, compute_dtype, device)
     samples = calibration_dataset(calibration, tokenizer, recipe_dir) if method.needs_calibration else None
-    method.apply(model, params, samples)
+    method.apply(model, variant.params, samples)
     model.to(torch.bfloat16)
     with cache.writing(target, identity) as scratch:
         model.save_pretrained(scratch)

@@ -1,0 +1,144 @@
+"""Checks of a recipe against the world outside its file, before a sweep spends compute.
+
+- `missing_files`: the model, texts and task directory that the recipe names exist (no network).
+- `check_recipe`: the model's config (layer widths against each method's parameters) and lm-eval's
+  task index; both slow to find out, so what they looked up is kept (`remember_lookups`).
+- `validate`: the recipe file (`quantlab.recipe`) and all of the above, every problem at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from quantlab import cache
+from quantlab.corpora import text_source_problem
+from quantlab.errors import BadInput, Problem
+from quantlab.models import (
+    hub_reachable,
+    in_local_cache,
+    linear_input_widths,
+    resolve_source,
+    source_problem,
+    widths_identity,
+)
+from quantlab.quantize import METHODS
+from quantlab.recipe import LoadedRecipe, Lookup, parse_recipe, read_recipe, section
+
+RECIPE_CHECKS_DIR = "recipe-checks"  # under the cache root: what `check_recipe` looked up
+
+
+def missing_files(data: dict, base_dir: Path, shown: str) -> list[Problem]:
+    """The model, texts and task directory the raw recipe names that are not on disk (no network)."""
+    problems: list[Problem] = []
+    checks = [
+        ("model.source", section(data, "model").get("source"), source_problem),
+        ("calibration.source", section(data, "calibration").get("source"), text_source_problem),
+        ("quality.corpus", section(data, "quality").get("corpus"), text_source_problem),
+    ]
+    for field, value, check in checks:
+        if isinstance(value, str) and (message := check(value, base_dir)) is not None:
+            problems.append(Problem(shown, field, message))
+    include = section(data, "evals").get("include_path")
+    if isinstance(include, str) and not (base_dir / include).resolve().is_dir():
+        problems.append(Problem(shown, "evals.include_path", f"no such directory: {(base_dir / include).resolve()}"))
+    return problems
+
+
+def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None, hub_optional: bool = False) -> LoadedRecipe:
+    """Checks that look outside the file: model config and lm-eval's task index. Raises BadInput.
+
+    Both are slow to find out (the model's config through transformers, ~10k lm-eval task files)
+    and fixed by content. With `cache_root`, what `remember_lookups` stored there after an earlier
+    check is read instead; the recipe comes back with what this check looked up.
+
+    A hub model on a machine that cannot reach the hub (and has no cached copy) is bad input for
+    a sweep; with `hub_optional` (`quantlab validate`) the checks that need it are skipped and
+    listed in `needs_hub` instead, with the lm-eval tasks whose data comes from the hub.
+    """
+    from quantlab.evaluate.lm_eval_runner import known_tasks, task_index_identity, unknown_tasks
+
+    recipe = loaded.recipe
+    shown = str(loaded.path)
+    remembered = cache_root / RECIPE_CHECKS_DIR if cache_root is not None else None
+    lookups: list[Lookup] = []
+
+    def look_up(identity: dict[str, Any], find: Callable[[], Any]) -> Any:
+        fact = cache.recall(remembered, identity) or find()
+        lookups.append(Lookup(identity, fact))
+        return fact
+
+    problems: list[Problem] = []
+    needs_hub: list[str] = []
+    try:
+        source = resolve_source(recipe.model, loaded.path.parent)
+        offline_hub_model = (
+            source.kind == "hub" and cache.recall(remembered, widths_identity(source)) is None
+            and not in_local_cache(source) and not hub_reachable()
+        )
+        if offline_hub_model and hub_optional:
+            needs_hub.append(f"model.source: the config of {source.display} (layer widths against group sizes)")
+            widths = None
+        elif offline_hub_model:
+            raise BadInput([Problem("", "", f"{source.display} is a hub model, this machine cannot reach the "
+                                    "hub, and the local Hugging Face cache has no copy")])
+        else:
+            widths = look_up(widths_identity(source), lambda: linear_input_widths(source))
+    except BadInput as error:
+        problems += [Problem(shown, "model.source", problem.message) for problem in error.problems]
+        widths = None
+    if widths is not None:
+        for index, variant in enumerate(recipe.variants):
+            for field, message in METHODS[variant.method].check_model(variant.params, widths):
+                problems.append(Problem(shown, f"variants[{index}] ({variant.name}).params.{field}", message))
+    task_names = [task.name for task in recipe.evals.tasks]
+    if task_names:
+        known = set(look_up(task_index_identity(loaded.include_path), lambda: sorted(known_tasks(loaded.include_path))))
+        for name, suggestion in unknown_tasks(task_names, known):
+            index = task_names.index(name)
+            hint = f" (did you mean '{suggestion}'?)" if suggestion else ""
+            problems.append(Problem(shown, f"evals.tasks[{index}].name", f"lm-eval cannot resolve task '{name}'{hint}"))
+    if hub_optional and task_names:
+        local = _tasks_defined_under(loaded.include_path)
+        hub_tasks = [name for name in task_names if name not in local]
+        if hub_tasks:
+            needs_hub.append(f"evals.tasks: the data of {', '.join(hub_tasks)} (lm-eval downloads it when a sweep runs, "
+                             "unless the Hugging Face datasets cache has it)")
+    if problems:
+        raise BadInput(problems)
+    return replace(loaded, lookups=tuple(lookups), needs_hub=tuple(needs_hub))
+
+
+def _tasks_defined_under(include_path: Path | None) -> set[str]:
+    """Task, group and tag names that the YAMLs under include_path define (their data is local or theirs)."""
+    names: set[str] = set()
+    for path in sorted(include_path.rglob("*.yaml")) if include_path else ():
+        try:
+            # lm-eval's YAMLs use custom tags (!function); a plain line scan reads their names.
+            for line in path.read_text(encoding="utf-8").splitlines():
+                key, _, value = line.partition(":")
+                if key in ("task", "group", "tag") and value.strip():
+                    names.add(value.strip().strip("'\""))
+        except (OSError, UnicodeDecodeError):
+            continue
+    return names
+
+
+def remember_lookups(loaded: LoadedRecipe, cache_root: Path) -> None:
+    """Keep what the check of a recipe looked up, for the next check; call it once work starts
+    (so that bad input, or an unreachable tracking server, leaves nothing in the cache)."""
+    for lookup in loaded.lookups:
+        cache.remember(cache_root / RECIPE_CHECKS_DIR, lookup.identity, lookup.fact)
+
+
+def validate(path: str | Path, cache_root: Path | None = None, hub_optional: bool = False) -> LoadedRecipe:
+    """Everything a sweep needs to know before spending compute. Raises BadInput.
+
+    Two passes, each collecting every problem before reporting: the file (its schema, and the
+    files it names, reported together), then `check_recipe`.
+    """
+    text, data = read_recipe(path)
+    loaded = parse_recipe(path, text, data, missing_files(data, Path(path).resolve().parent, str(Path(path))))
+    return check_recipe(loaded, cache_root, hub_optional)
