@@ -189,7 +189,7 @@ def _sweep_view(experiment: str | None, tracking_uri: str | None):
     from quantlab.tracking import latest_sweep, open_store, tracking_uri as resolve_uri
 
     store = open_store(resolve_uri(tracking_uri))
-    return store, read_sweep(store, latest_sweep(store, experiment).info.run_id)
+    return store, read_sweep(store, latest_sweep(store, experiment).run_id)
 
 
 def _print_table(table) -> None:
@@ -278,8 +278,7 @@ def pick_command(
     """
     import json
 
-    from quantlab import tracking
-    from quantlab.publish import decide, json_safe
+    from quantlab.publish import decide, record_pick
 
     try:
         store, view = _sweep_view(experiment, tracking_uri)
@@ -289,20 +288,9 @@ def pick_command(
     except BadInput as error:
         _fail_on_bad_input(error)
         return
-    record = json_safe(decision.to_dict())
-    if decision.chosen and register:
-        run = next(r for r in tracking.child_runs(store, view.parent_run_id)
-                   if r.data.tags.get(tracking.VARIANT) == decision.chosen)
-        summary = {key: str(value) for key, value in run.data.metrics.items()
-                   if key.startswith(("eval/", "quality/kld_mean", "quality/top1", "cost/weight_bytes", "cost/decode"))}
-        name = model_name or store.client.get_experiment(view.experiment).name
-        version, created = tracking.register_checkpoint(
-            store, name, alias, run.info.run_id, run.data.tags[tracking.CHECKPOINT],
-            run.data.tags.get(tracking.CONTENT_KEY, run.info.run_id), summary,
-        )
-        record["registered"] = {"model": name, "version": version, "alias": alias, "new_version": created}
-    tracking.log_text_artifacts(store, view.parent_run_id, {f"decisions/pick-{int(time.time())}.json": json.dumps(record, indent=2)})
+    record = record_pick(store, view, decision, register=register, alias=alias, model_name=model_name)
     if as_json:
+
         out.print_json(json.dumps(record))
     else:
         _print_decision(decision)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,23 +51,23 @@ class SweepView:
     noise: Noise  # paired comparisons between variants, from their runs' per-document scores
 
 
-def read_sweep(store: tracking.Store, parent_run_id: str) -> SweepView:
-    parent = store.client.get_run(parent_run_id)
+def read_sweep(store: tracking.TrackingStore, parent_run_id: str) -> SweepView:
+    parent = store.run(parent_run_id)
     recipe = _logged_recipe(store, parent_run_id)
     runs = tracking.child_runs(store, parent_run_id)
     variants = [_summary(run) for run in runs]
     documents: dict[str, dict[str, DocumentScores]] = {}
     groups: dict[str, Group] = {}
     for run, variant in zip(runs, variants):
-        samples = _samples(store, run.info.run_id) if variant.succeeded else None
+        samples = _samples(store, run.run_id) if variant.succeeded else None
         if samples is not None:
             documents[variant.name] = documents_from_json(samples.get("documents") or {})
             groups.update({key: Group(tuple(g["leaves"]), tuple(g["weights"])) for key, g in (samples.get("groups") or {}).items()})
     variants.sort(key=lambda v: (not v.is_baseline, v.name))
     settings = FrontierSettings.model_validate(recipe.get("frontier") or {})
     baseline = recipe.get("baseline") or next((v.name for v in variants if v.is_baseline), "")
-    model = model_label(str((recipe.get("model") or {}).get("source", "")) or parent.info.experiment_id)
-    return SweepView(parent_run_id, parent.info.experiment_id, variants, settings, baseline, _notes(recipe),
+    model = model_label(str((recipe.get("model") or {}).get("source", "")) or parent.experiment_id)
+    return SweepView(parent_run_id, parent.experiment_id, variants, settings, baseline, _notes(recipe),
                      model, paired_noise(variants, documents, groups))
 
 
@@ -77,36 +78,33 @@ def model_label(source: str) -> str:
     return source
 
 
-def _samples(store: tracking.Store, run_id: str) -> dict | None:
-    """The run's samples.json when it is version 2 (per-document scores); None otherwise."""
-    with tempfile.TemporaryDirectory() as scratch:
-        try:
-            data = json.loads(Path(store.client.download_artifacts(run_id, SAMPLES_ARTIFACT, scratch)).read_text())
-        except Exception:  # noqa: BLE001 - no samples (an older run): its noise comes from logged figures
-            return None
+def _samples(store: tracking.TrackingStore, run_id: str) -> dict | None:
+    """The run's samples.json when it is version 2 (per-document scores); None otherwise (an older
+    run, or none: its noise comes from the logged paired figures)."""
+    raw = store.read_artifact(run_id, SAMPLES_ARTIFACT)
+    try:
+        data = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
     return data if isinstance(data, dict) and data.get("version") == SAMPLES_VERSION else None
 
 
-def _summary(run) -> VariantSummary:
-    tags = run.data.tags
+def _summary(run: tracking.RunRecord) -> VariantSummary:
+    tags = run.tags
     return VariantSummary(
-        name=tags.get(tracking.VARIANT, run.info.run_name),
+        name=run.variant,
         method=tags.get(tracking.METHOD, "?"),
-        succeeded=run.info.status == "FINISHED",
-        metrics=dict(run.data.metrics),
+        succeeded=run.status == "FINISHED",
+        metrics=dict(run.metrics),
         tags={key: value for key, value in tags.items() if key.startswith("quantlab.")},
-        is_baseline=tags.get("quantlab.baseline") == "true",
+        is_baseline=tags.get(tracking.BASELINE) == "true",
         declared=declared_from_tags(tags),
     )
 
 
-def _logged_recipe(store: tracking.Store, run_id: str) -> dict:
-    with tempfile.TemporaryDirectory() as scratch:
-        try:
-            path = store.client.download_artifacts(run_id, "recipe.yaml", scratch)
-        except Exception:  # noqa: BLE001 - a sweep logged by an older quantlab: defaults apply
-            return {}
-        return yaml.safe_load(Path(path).read_text()) or {}
+def _logged_recipe(store: tracking.TrackingStore, run_id: str) -> dict:
+    raw = store.read_artifact(run_id, "recipe.yaml")  # None: a sweep logged by an older quantlab, defaults apply
+    return (yaml.safe_load(raw) or {}) if raw is not None else {}
 
 
 def _notes(recipe: dict) -> tuple[str, ...]:
@@ -162,16 +160,37 @@ def json_safe(value):
     return value
 
 
-def publish_sweep(store: tracking.Store, parent_run_id: str) -> SweepView:
+def publish_sweep(store: tracking.TrackingStore, parent_run_id: str) -> SweepView:
     """Tag each variant run with quantlab.on_frontier and attach the four artifacts to the parent."""
     view = read_sweep(store, parent_run_id)
     on_front = frontiers(view).on_front
     for run in tracking.child_runs(store, parent_run_id):
-        name = run.data.tags.get(tracking.VARIANT, run.info.run_name)
-        tracking.log_values(store, run.info.run_id, tags={tracking.ON_FRONTIER: str(name in on_front).lower()})
+        store.log_values(run.run_id, tags={tracking.ON_FRONTIER: str(run.variant in on_front).lower()})
     with tempfile.TemporaryDirectory() as scratch:
         render_artifacts(view, Path(scratch))
-        store.client.log_artifacts(parent_run_id, scratch)  # keeps plots/ as a folder
-        # The run page shows its description (this tag) as Markdown: the report, where reviewers look.
-        tracking.log_values(store, parent_run_id, tags={tracking.NOTE: (Path(scratch) / "report.md").read_text()[:60000]})
+        files = {str(path.relative_to(scratch)): path.read_bytes() for path in sorted(Path(scratch).rglob("*")) if path.is_file()}
+    store.log_files(parent_run_id, files)  # relative names: plots/ stays a folder
+    # The run page shows its description (this tag) as Markdown: the report, where reviewers look.
+    store.log_values(parent_run_id, tags={tracking.NOTE: files["report.md"].decode("utf-8")[:60000]})
     return view
+
+
+# Metrics of the chosen run carried onto its registered model version, for the registry's own page.
+_REGISTRY_SUMMARY = ("eval/", "quality/kld_mean", "quality/top1", "cost/weight_bytes", "cost/decode")
+
+
+def record_pick(store: tracking.TrackingStore, view: SweepView, decision: Decision, *, register: bool = False,
+                alias: str = "production", model_name: str | None = None) -> dict:
+    """`quantlab pick`'s record: the decision, logged on the sweep's parent run as
+    decisions/pick-<time>.json; with `register`, the chosen checkpoint registered under `alias`
+    (model name: the experiment's, unless given)."""
+    record = json_safe(decision.to_dict())
+    if decision.chosen and register:
+        run = next(r for r in tracking.child_runs(store, view.parent_run_id) if r.tags.get(tracking.VARIANT) == decision.chosen)
+        summary = {key: str(value) for key, value in run.metrics.items() if key.startswith(_REGISTRY_SUMMARY)}
+        name = model_name or store.experiments()[view.experiment]
+        version, created = tracking.register_checkpoint(store, name, alias, run, summary)
+        record["registered"] = {"model": name, "version": version, "alias": alias, "new_version": created}
+    store.log_files(view.parent_run_id, {f"decisions/pick-{int(time.time())}.json": json.dumps(record, indent=2)})
+    return record
+

@@ -24,8 +24,7 @@ from quantlab.executors import VariantFailed, make_executor
 from quantlab.jobs import SAMPLES_FORMAT, BaselineOutputs, VariantJob, VariantResult
 from quantlab.recipe import LoadedRecipe
 
-RUN_KEY = "quantlab.run_key"
-REUSED_FROM = "quantlab.reused_from"
+HOST, PID = "quantlab.host", "quantlab.pid"
 PID_STARTED = "quantlab.pid_started"  # the sweep process's start time: with host and pid, who it was
 REFERENCE_DIR = "quantlab.reference_dir"
 SAMPLES_ARTIFACT = "samples.json"  # per-document scores; format: runner.BaselineOutputs
@@ -100,18 +99,17 @@ def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay
     order = plan(loaded, options.only)
     store = tracking.open_store(options.tracking_uri)
     remember_lookups(loaded, options.cache_root)
-    experiment = tracking.experiment_id(store, loaded.recipe.name)
+    experiment = store.experiment_id(loaded.recipe.name)
     mark_dead_sweeps(store, experiment)
     keys = run_keys(loaded, order, options.cache_root)
-    reusable = {} if options.force else finished_runs(store, experiment, set(keys.values()))
-    parent = tracking.start_run(store, experiment, f"sweep {loaded.recipe.name}", {
-        tracking.ROLE: "sweep", "quantlab.host": socket.gethostname(), "quantlab.pid": str(os.getpid()),
-        PID_STARTED: str(_started_at(os.getpid())),
+    reusable = {} if options.force else tracking.finished_runs(store, experiment, set(keys.values()))
+    parent = tracking.start_sweep(store, experiment, f"sweep {loaded.recipe.name}", {
+        HOST: socket.gethostname(), PID: str(os.getpid()), PID_STARTED: str(_started_at(os.getpid())),
     })
-    sweep = _Sweep(store, experiment, parent, loaded, options, display, keys)
+    sweep = SweepRuns(store, experiment, parent, loaded, options, display, keys)
     try:
-        tracking.log_text_artifacts(store, parent, {"recipe.yaml": loaded.text})
-        tracking.log_values(store, parent, params={"recipe.path": str(loaded.path), "variants": ",".join(order)})
+        store.log_files(parent, {"recipe.yaml": loaded.text})
+        store.log_values(parent, params={"recipe.path": str(loaded.path), "variants": ",".join(order)})
         display.sweep_started(loaded.recipe.name, parent, order)
         # Ray workers on other nodes write their logs where the driver can read them: under the
         # cache directory, which a cluster shares (a local /tmp path would not exist there).
@@ -126,16 +124,17 @@ def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay
     except BaseException as error:
         status = "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
         sweep.abandon(status)
-        tracking.finish(store, parent, status)
+        store.finish(parent, status)
         raise
-    tracking.finish(store, parent, "FINISHED" if not sweep.failures else "FAILED")
+    store.finish(parent, "FINISHED" if not sweep.failures else "FAILED")
     return SweepOutcome(experiment, parent, sweep.finished, sweep.reused, sweep.failures)
 
 
-class _Sweep:
+class SweepRuns:
     """The bookkeeping of one sweep: which run belongs to which variant, and what came of it."""
 
-    def __init__(self, store, experiment, parent, loaded, options, display, keys):
+    def __init__(self, store: tracking.TrackingStore, experiment: str, parent: str, loaded: LoadedRecipe,
+                 options: SweepOptions, display: SweepDisplay, keys: dict[str, str]):
         self.store, self.experiment, self.parent = store, experiment, parent
         self.loaded, self.options, self.display, self.keys = loaded, options, display, keys
         self.runs: dict[str, str] = {}
@@ -144,7 +143,7 @@ class _Sweep:
         self.reused: list[str] = []
         self.failures: dict[str, str] = {}
 
-    def run_batch(self, names: list[str], reusable: dict[str, object], logs: Path) -> None:
+    def run_batch(self, names: list[str], reusable: dict[str, tracking.RunRecord], logs: Path) -> None:
         to_run = []
         for name in names:
             previous = reusable.get(self.keys[name])
@@ -152,8 +151,10 @@ class _Sweep:
                 self._copy(name, previous)
             else:
                 to_run.append(VariantJob(self.loaded, name, self.options.cache_root, self.baseline, self.options.force))
+        if not to_run:  # every variant copied: no executor (a Ray cluster) to start
+            return
         executor = make_executor(self.options.executor, self.options.ray_address)
-        for job, outcome, log_path in executor.run(to_run, logs, self._stage) if to_run else ():
+        for job, outcome, log_path in executor.run(to_run, logs, self._stage):
             if isinstance(outcome, VariantResult):
                 try:
                     self._log_result(job, outcome, log_path)
@@ -167,10 +168,10 @@ class _Sweep:
     def _run_for(self, name: str) -> str:
         if name not in self.runs:
             variant = self.loaded.recipe.variant(name)
-            self.runs[name] = tracking.start_run(self.store, self.experiment, name, {
-                tracking.ROLE: "variant", tracking.VARIANT: name, tracking.METHOD: variant.method,
-                "quantlab.baseline": str(name == self.loaded.recipe.baseline).lower(), RUN_KEY: self.keys[name],
-            }, parent=self.parent)
+            self.runs[name] = tracking.start_variant(
+                self.store, self.experiment, self.parent, name, variant.method,
+                baseline=name == self.loaded.recipe.baseline, run_key=self.keys[name],
+            )
         return self.runs[name]
 
     def _stage(self, name: str, stage: str) -> None:
@@ -178,102 +179,66 @@ class _Sweep:
         self.display.stage(name, stage)
 
     def _log_result(self, job: VariantJob, result: VariantResult, log_path: Path) -> None:
-        run_id = self._run_for(job.variant)
-        tracking.log_values(
-            self.store, run_id,
+        tracking.log_variant(
+            self.store, self._run_for(job.variant),
             metrics=result.metrics | {f"time/{stage}_seconds": seconds for stage, seconds in result.stage_seconds.items()},
             params=result.params,
             tags=result.tags | {tracking.CHECKPOINT: result.checkpoint, tracking.CONTENT_KEY: result.content_key,
                                 "quantlab.checkpoint_reused": str(result.reused_checkpoint).lower(),
                                 REFERENCE_DIR: result.baseline_outputs.reference_dir or ""},
+            datasets=result.datasets,
+            files={**result.artifacts, **_log_artifact(log_path), SAMPLES_ARTIFACT: json.dumps(result.baseline_outputs.to_samples()),
+                   "stage_seconds.json": json.dumps(result.stage_seconds, indent=2)},
         )
-        tracking.log_dataset_inputs(self.store, run_id, result.datasets)
-        tracking.log_text_artifacts(self.store, run_id, {
-            **result.artifacts, **_log_artifact(log_path), SAMPLES_ARTIFACT: json.dumps(result.baseline_outputs.to_samples()),
-            "stage_seconds.json": json.dumps(result.stage_seconds, indent=2),
-        })
-        tracking.finish(self.store, run_id, "FINISHED")
         if job.is_baseline:
             self.baseline = result.baseline_outputs
         self.finished.append(job.variant)
         self.display.variant_finished(job.variant, result, None)
 
     def _log_failure(self, name: str, failed: VariantFailed, log_path: Path) -> None:
-        run_id = self._run_for(name)
-        tracking.log_text_artifacts(self.store, run_id, {"failure/traceback.txt": failed.details, **_log_artifact(log_path)})
-        tracking.log_values(self.store, run_id, tags={"quantlab.failure": failed.reason[:5000]})
-        tracking.finish(self.store, run_id, "FAILED")
+        tracking.log_failure(self.store, self._run_for(name), failed.reason,
+                             {"failure/traceback.txt": failed.details, **_log_artifact(log_path)})
         self.failures[name] = failed.reason
         self.display.variant_finished(name, None, failed.reason)
 
-    def _copy(self, name: str, previous) -> None:
+    def _copy(self, name: str, previous: tracking.RunRecord) -> None:
         """A finished run with the same run key: its numbers hold for this sweep too."""
+        # Who the run is (variant name, baseline or not) is this sweep's, set by _run_for: a
+        # renamed variant is copied under its new name; the numbers are the content's.
         run_id = self._run_for(name)
-        # The numbers are the content's; who the run is (variant name, baseline or not) is this
-        # sweep's, set by _run_for: a renamed variant is copied under its new name. reused_from
-        # names the run that computed the numbers, not a copy of a copy.
-        own = {tracking.ON_FRONTIER, tracking.ROLE, tracking.VARIANT, "quantlab.baseline"}
-        tags = {k: v for k, v in previous.data.tags.items() if not k.startswith("mlflow.") and k not in own}
-        params = dict(previous.data.params) | ({"variant.name": name} if "variant.name" in previous.data.params else {})
-        origin = previous.data.tags.get(REUSED_FROM, previous.info.run_id)
-        tracking.log_values(self.store, run_id, metrics=dict(previous.data.metrics), params=params,
-                            tags=tags | {REUSED_FROM: origin})
-        # The copy was scored on what the original was: the runs table lists the same datasets.
-        inputs = previous.inputs.dataset_inputs if previous.inputs is not None else []
-        tracking.log_dataset_inputs(self.store, run_id, [item.dataset for item in inputs])
-        with tempfile.TemporaryDirectory() as scratch:
-            local = self.store.client.download_artifacts(previous.info.run_id, "", scratch)
-            self.store.client.log_artifacts(run_id, local)
-            if name == self.loaded.recipe.baseline:
-                self.baseline = _baseline_outputs(Path(local) / SAMPLES_ARTIFACT, previous.data.tags.get(REFERENCE_DIR))
-        tracking.finish(self.store, run_id, "FINISHED")
+        if name == self.loaded.recipe.baseline:  # read before the copy: a baseline without samples ends the sweep
+            self.baseline = _baseline_outputs(self.store.read_artifact(previous.run_id, SAMPLES_ARTIFACT),
+                                              previous.tags.get(REFERENCE_DIR))
+        tracking.copy_run(self.store, previous, run_id)
         self.reused.append(name)
         self.display.variant_finished(name, None, None, reused=True)
 
     def abandon(self, status: str) -> None:
         """The sweep is dying: no run of it may stay RUNNING."""
-        for name, run_id in self.runs.items():
-            if self.store.client.get_run(run_id).info.status == "RUNNING":
-                tracking.finish(self.store, run_id, status)
+        for run_id in self.runs.values():
+            if self.store.run(run_id).status == "RUNNING":
+                self.store.finish(run_id, status)
 
 
-def _baseline_outputs(samples_path: Path, reference_dir: str | None) -> BaselineOutputs:
+def _baseline_outputs(samples: bytes | None, reference_dir: str | None) -> BaselineOutputs:
+    if samples is None:
+        raise ValueError(f"the reused baseline run has no {SAMPLES_ARTIFACT}")
     usable_reference = reference_dir if reference_dir and Path(reference_dir, "reference.json").is_file() else None
-    return BaselineOutputs.from_samples(json.loads(samples_path.read_text()), usable_reference)
+    return BaselineOutputs.from_samples(json.loads(samples), usable_reference)
 
 
-def finished_runs(store: tracking.Store, experiment: str, keys: set[str]) -> dict[str, object]:
-    """The newest FINISHED variant run for each run key."""
-    found: dict[str, object] = {}
-    runs = store.client.search_runs(
-        [experiment], filter_string=f"tags.`{tracking.ROLE}` = 'variant' and attributes.status = 'FINISHED'",
-        order_by=["attributes.start_time DESC"], max_results=5000,
-    )
-    for run in runs:
-        key = run.data.tags.get(RUN_KEY)
-        if key in keys and key not in found:
-            found[key] = run
-    return found
-
-
-def mark_dead_sweeps(store: tracking.Store, experiment: str) -> list[str]:
+def mark_dead_sweeps(store: tracking.TrackingStore, experiment: str) -> list[str]:
     """Runs left RUNNING by a sweep process on this host that no longer exists become KILLED."""
     host = socket.gethostname()
-    sweeps = store.client.search_runs(
-        [experiment], filter_string=f"tags.`{tracking.ROLE}` = 'sweep' and attributes.status = 'RUNNING'", max_results=1000
-    )
     killed = []
-    for sweep in sweeps:
-        tags = sweep.data.tags
-        if tags.get("quantlab.host") != host or _process_alive(int(tags.get("quantlab.pid", "0")), tags.get(PID_STARTED)):
+    for sweep in tracking.running_sweeps(store, experiment):
+        tags = sweep.tags
+        if tags.get(HOST) != host or _process_alive(int(tags.get(PID, "0")), tags.get(PID_STARTED)):
             continue
-        for child in tracking.child_runs(store, sweep.info.run_id):
-            if child.info.status == "RUNNING":
-                tracking.log_values(store, child.info.run_id, tags={"quantlab.failure": "its sweep process died"})
-                tracking.finish(store, child.info.run_id, "KILLED")
-        tracking.finish(store, sweep.info.run_id, "KILLED")
-        killed.append(sweep.info.run_id)
+        tracking.mark_killed(store, sweep.run_id, "its sweep process died")
+        killed.append(sweep.run_id)
     return killed
+
 
 
 def _process_alive(pid: int, started: str | None = None) -> bool:

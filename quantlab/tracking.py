@@ -1,8 +1,13 @@
-"""MLflow: the store, the sweep's parent run, one nested run per variant, artifacts, registry reads.
+"""MLflow behind one door: the only quantlab module that imports MLflow (`quantlab ui` aside).
 
 Layout (a contract other tools rely on, see DESIGN.md): experiment = recipe name; parent run
 tagged quantlab.role=sweep; nested runs tagged quantlab.role=variant, quantlab.variant,
 quantlab.method, quantlab.checkpoint, quantlab.on_frontier.
+
+Two halves: `TrackingStore`, the few primitives a store offers (MlflowStore here; the tests'
+MemoryStore is a fake of it), and the operations quantlab performs, written once over any
+store (start a sweep, log a variant, find finished runs by run key, copy a run, mark a dead
+sweep's runs, register a checkpoint). Runs come back as `RunRecord`s, never MLflow objects.
 """
 
 from __future__ import annotations
@@ -11,43 +16,116 @@ import base64
 import os
 import re
 import tempfile
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from quantlab.errors import BadInput, Problem
-
-if TYPE_CHECKING:
-    from mlflow.tracking import MlflowClient
 
 DEFAULT_TRACKING_URI = "sqlite:///mlruns/mlflow.db"
 ROLE = "quantlab.role"
 VARIANT = "quantlab.variant"
 METHOD = "quantlab.method"
+BASELINE = "quantlab.baseline"
 CHECKPOINT = "quantlab.checkpoint"
 ON_FRONTIER = "quantlab.on_frontier"
 CONTENT_KEY = "quantlab.content_key"
+RUN_KEY = "quantlab.run_key"  # content hash of everything that decides a variant's numbers (sweep.run_keys)
+REUSED_FROM = "quantlab.reused_from"  # the run that computed a copied run's numbers
+FAILURE = "quantlab.failure"
 PARENT = "mlflow.parentRunId"
 NOTE = "mlflow.note.content"
+EVALUATION_CONTEXT = "evaluation"
 # MLflow's batch endpoint limits.
 _BATCH = {"metrics": 1000, "params": 100, "tags": 100}
 _CREATED: set[str] = set()  # SQLite stores this process has opened (and so created, if new)
+
+
+@dataclass(frozen=True)
+class DatasetRecord:
+    """A dataset a run was scored on (an MLflow dataset input; lm_eval_runner.TaskDataset has these fields)."""
+
+    name: str
+    digest: str
+    source_type: str
+    source: str
+    profile: str | None = None
+    schema: str | None = None
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """A logged run read back: its identity, state and what was logged on it."""
+
+    run_id: str
+    experiment_id: str
+    name: str
+    status: str  # RUNNING, FINISHED, FAILED or KILLED
+    start_time: int  # milliseconds since the epoch
+    metrics: dict[str, float]
+    params: dict[str, str]
+    tags: dict[str, str]
+    datasets: tuple[DatasetRecord, ...] = ()
+
+    @property
+    def variant(self) -> str:
+        return self.tags.get(VARIANT, self.name)
+
+
+@dataclass(frozen=True)
+class ModelVersion:
+    version: str
+    tags: dict[str, str]
+
+
+class TrackingStore(Protocol):
+    """The primitives quantlab needs of a tracking store; everything else is built on them below."""
+
+    uri: str
+
+    def experiment_id(self, name: str, create: bool = True) -> str | None: ...
+    def experiments(self) -> dict[str, str]: ...  # id -> name
+    def start_run(self, experiment_id: str, name: str, tags: dict[str, str], parent: str | None = None) -> str: ...
+    def log_values(self, run_id: str, metrics: dict[str, float] | None = None, params: dict[str, str] | None = None,
+                   tags: dict[str, str] | None = None) -> None: ...
+    def log_files(self, run_id: str, files: dict[str, str | bytes]) -> None: ...
+    def log_datasets(self, run_id: str, datasets: Iterable, context: str = EVALUATION_CONTEXT) -> None: ...
+    def finish(self, run_id: str, status: str) -> None: ...
+    def run(self, run_id: str) -> RunRecord: ...
+    def search(self, experiment_ids: list[str], tags: dict[str, str], status: str | None = None) -> list[RunRecord]: ...
+    def read_artifact(self, run_id: str, path: str) -> bytes | None: ...
+    def copy_artifacts(self, source_run_id: str, target_run_id: str) -> None: ...
+    def model_versions(self, model_name: str) -> list[ModelVersion]: ...
+    def create_model_version(self, model_name: str, source: str, run_id: str, tags: dict[str, str]) -> str: ...
+    def set_alias(self, model_name: str, alias: str, version: str) -> None: ...
 
 
 def tracking_uri(flag: str | None) -> str:
     return flag or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
 
 
-@dataclass(frozen=True)
-class Store:
-    uri: str
+class MlflowStore:
+    """A TrackingStore on MLflow: SQLite, a tracking server, or any URI MLflow accepts.
+
+    search() returns runs newest first, as the in-memory fake must too.
+    """
+
+    def __init__(self, uri: str):
+        self.uri = uri
 
     @property
-    def client(self) -> MlflowClient:
+    def sqlite_path(self) -> Path | None:
+        return Path(self.uri.removeprefix("sqlite:///")) if self.uri.startswith("sqlite:///") else None
+
+    @cached_property
+    def _client(self):
+        """One client per store: building one per call re-reads the store's configuration each time."""
         from mlflow.tracking import MlflowClient
 
         if self.sqlite_path is None or self.uri in _CREATED:
@@ -59,13 +137,130 @@ class Store:
 
         with open(f"{self.sqlite_path}.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            client = MlflowClient(tracking_uri=self.uri)  # MLflow keeps this store for the process
+            client = MlflowClient(tracking_uri=self.uri)  # it opens (and so creates) the database now
         _CREATED.add(self.uri)
         return client
 
-    @property
-    def sqlite_path(self) -> Path | None:
-        return Path(self.uri.removeprefix("sqlite:///")) if self.uri.startswith("sqlite:///") else None
+    def experiment_id(self, name: str, create: bool = True) -> str | None:
+        experiment = self._client.get_experiment_by_name(name)
+        if experiment is not None:
+            if experiment.lifecycle_stage == "deleted":
+                self._client.restore_experiment(experiment.experiment_id)
+            return experiment.experiment_id
+        if not create:
+            return None
+        # A SQLite store keeps its artifacts beside the database (the default: under mlruns/), not
+        # wherever the first sweep happened to run, as MLflow's cwd-relative default would.
+        location = (self.sqlite_path.parent / "artifacts" / name).resolve().as_uri() if self.sqlite_path else None
+        return self._client.create_experiment(name, artifact_location=location)
+
+    def experiments(self) -> dict[str, str]:
+        return {e.experiment_id: e.name for e in self._client.search_experiments()}
+
+    def start_run(self, experiment_id: str, name: str, tags: dict[str, str], parent: str | None = None) -> str:
+        return self._client.create_run(experiment_id, run_name=name, tags=tags | ({PARENT: parent} if parent else {})).info.run_id
+
+    def log_values(self, run_id: str, metrics: dict[str, float] | None = None, params: dict[str, str] | None = None,
+                   tags: dict[str, str] | None = None) -> None:
+        from mlflow.entities import Metric, Param, RunTag
+
+        now = int(time.time() * 1000)
+        entries = {
+            "metrics": [Metric(safe_key(key), float(value), now, 0) for key, value in (metrics or {}).items()],
+            "params": [Param(safe_key(key), str(value)[:6000]) for key, value in (params or {}).items()],
+            "tags": [RunTag(key, str(value)) for key, value in (tags or {}).items()],
+        }
+        for kind, items in entries.items():
+            for start in range(0, len(items), _BATCH[kind]):
+                self._client.log_batch(run_id, **{kind: items[start : start + _BATCH[kind]]})
+
+    def log_files(self, run_id: str, files: dict[str, str | bytes]) -> None:
+        """Write each (relative name -> content) to a scratch dir and upload it as one batch (folders kept)."""
+        if not files:
+            return
+        with tempfile.TemporaryDirectory() as scratch:
+            for name, content in files.items():
+                path = Path(scratch) / name
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
+            self._client.log_artifacts(run_id, scratch)
+
+    def log_datasets(self, run_id: str, datasets: Iterable, context: str = EVALUATION_CONTEXT) -> None:
+        """Record what a run was scored on as MLflow dataset inputs (the runs table's Dataset column).
+
+        Each item has name, digest, source_type, source and profile (a TaskDataset or a DatasetRecord).
+        """
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+        inputs = [
+            DatasetInput(
+                Dataset(name=item.name, digest=item.digest, source_type=item.source_type, source=item.source,
+                        schema=getattr(item, "schema", None), profile=getattr(item, "profile", None)),
+                tags=[InputTag(key=MLFLOW_DATASET_CONTEXT, value=context)],
+            )
+            for item in datasets
+        ]
+        if inputs:
+            self._client.log_inputs(run_id, datasets=inputs)
+
+    def finish(self, run_id: str, status: str) -> None:
+        self._client.set_terminated(run_id, status=status)
+
+    def run(self, run_id: str) -> RunRecord:
+        return _record(self._client.get_run(run_id))
+
+    def search(self, experiment_ids: list[str], tags: dict[str, str], status: str | None = None) -> list[RunRecord]:
+        where = [f"tags.`{key}` = '{value}'" for key, value in tags.items()]
+        where += [f"attributes.status = '{status}'"] if status else []
+        runs = self._client.search_runs(experiment_ids, filter_string=" and ".join(where),
+                                        order_by=["attributes.start_time DESC"], max_results=5000) if experiment_ids else []
+        return [_record(run) for run in runs]
+
+    def read_artifact(self, run_id: str, path: str) -> bytes | None:
+        from mlflow.exceptions import MlflowException
+
+        with tempfile.TemporaryDirectory() as scratch:
+            try:
+                return Path(self._client.download_artifacts(run_id, path, scratch)).read_bytes()
+            except (MlflowException, OSError):  # not logged (e.g. a run of an older quantlab)
+                return None
+
+    def copy_artifacts(self, source_run_id: str, target_run_id: str) -> None:
+        with tempfile.TemporaryDirectory() as scratch:
+            self._client.log_artifacts(target_run_id, self._client.download_artifacts(source_run_id, "", scratch))
+
+    def model_versions(self, model_name: str) -> list[ModelVersion]:
+        found = self._client.search_model_versions(f"name = '{model_name}'")
+        return [ModelVersion(str(version.version), dict(version.tags)) for version in found]
+
+    def create_model_version(self, model_name: str, source: str, run_id: str, tags: dict[str, str]) -> str:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self._client.get_registered_model(model_name)
+        except MlflowException:
+            self._client.create_registered_model(model_name, description="Variants chosen by `quantlab pick`.")
+        return str(self._client.create_model_version(model_name, source=source, run_id=run_id, tags=tags).version)
+
+    def set_alias(self, model_name: str, alias: str, version: str) -> None:
+        self._client.set_registered_model_alias(model_name, alias, version)
+
+
+def _record(run) -> RunRecord:
+    inputs = run.inputs.dataset_inputs if run.inputs is not None else []
+    return RunRecord(
+        run_id=run.info.run_id, experiment_id=run.info.experiment_id, name=run.info.run_name or "",
+        status=run.info.status, start_time=run.info.start_time or 0,
+        metrics=dict(run.data.metrics), params=dict(run.data.params), tags=dict(run.data.tags),
+        datasets=tuple(DatasetRecord(d.name, d.digest, d.source_type, d.source, d.profile, d.schema)
+                       for d in (item.dataset for item in inputs)),
+    )
+
+
+def safe_key(key: str) -> str:
+    """MLflow keys allow letters, digits and _-. :/ only (lm-eval metric names may hold others)."""
+    return re.sub(r"[^\w\-. :/]", "_", key)
 
 
 def _with_userinfo(parts: urllib.parse.SplitResult, userinfo: str) -> str:
@@ -96,7 +291,7 @@ def _health_request(uri: str) -> urllib.request.Request:
     return request
 
 
-def open_store(uri: str) -> Store:
+def open_store(uri: str) -> MlflowStore:
     """Check the store is usable before any work: an unreachable server is bad input (exit 2)."""
     if uri.startswith(("http://", "https://")):
         # MLflow's own client retries for minutes; one direct probe answers in seconds.
@@ -114,162 +309,122 @@ def open_store(uri: str) -> Store:
         database.parent.mkdir(parents=True, exist_ok=True)
     elif not uri.startswith(("file:", "databricks", "postgresql", "mysql", "mssql")) and "://" in uri:
         raise BadInput([Problem("--tracking-uri", "", f"unsupported tracking URI scheme: {shown_uri(uri)}")])
-    return Store(uri)
+    return MlflowStore(uri)
 
 
-def experiment_id(store: Store, name: str, create: bool = True) -> str | None:
-    client = store.client
-    experiment = client.get_experiment_by_name(name)
-    if experiment is not None:
-        if experiment.lifecycle_stage == "deleted":
-            client.restore_experiment(experiment.experiment_id)
-        return experiment.experiment_id
-    if not create:
-        return None
-    # A SQLite store keeps its artifacts beside the database (the default: under mlruns/), not
-    # wherever the first sweep happened to run, as MLflow's cwd-relative default would.
-    location = (store.sqlite_path.parent / "artifacts" / name).resolve().as_uri() if store.sqlite_path else None
-    return client.create_experiment(name, artifact_location=location)
+# Operations on any TrackingStore: the MLflow layout is written and read here, once.
 
 
-def start_run(store: Store, experiment: str, name: str, tags: dict[str, str], parent: str | None = None) -> str:
-    all_tags = dict(tags)
-    if parent:
-        all_tags[PARENT] = parent
-    return store.client.create_run(experiment, run_name=name, tags=all_tags).info.run_id
+def start_sweep(store: TrackingStore, experiment_id: str, name: str, tags: dict[str, str]) -> str:
+    return store.start_run(experiment_id, name, {ROLE: "sweep", **tags})
 
 
-def log_values(
-    store: Store,
-    run_id: str,
-    metrics: dict[str, float] | None = None,
-    params: dict[str, str] | None = None,
-    tags: dict[str, str] | None = None,
-) -> None:
-    import time
-
-    from mlflow.entities import Metric, Param, RunTag
-
-    client = store.client
-    now = int(time.time() * 1000)
-    entries = {
-        "metrics": [Metric(safe_key(key), float(value), now, 0) for key, value in (metrics or {}).items()],
-        "params": [Param(safe_key(key), str(value)[:6000]) for key, value in (params or {}).items()],
-        "tags": [RunTag(key, str(value)) for key, value in (tags or {}).items()],
-    }
-    for kind, items in entries.items():
-        for start in range(0, len(items), _BATCH[kind]):
-            client.log_batch(run_id, **{kind: items[start : start + _BATCH[kind]]})
+def start_variant(store: TrackingStore, experiment_id: str, parent: str, name: str, method: str, *,
+                  baseline: bool, run_key: str) -> str:
+    tags = {ROLE: "variant", VARIANT: name, METHOD: method, BASELINE: str(baseline).lower(), RUN_KEY: run_key}
+    return store.start_run(experiment_id, name, tags, parent=parent)
 
 
-def safe_key(key: str) -> str:
-    """MLflow keys allow letters, digits and _-. :/ only (lm-eval metric names may hold others)."""
-    return re.sub(r"[^\w\-. :/]", "_", key)
+def log_variant(store: TrackingStore, run_id: str, *, metrics: dict[str, float], params: dict[str, str],
+                tags: dict[str, str], datasets: Iterable, files: dict[str, str | bytes]) -> None:
+    """A variant's result: figures, its datasets and artifacts; then the run is FINISHED."""
+    store.log_values(run_id, metrics=metrics, params=params, tags=tags)
+    store.log_datasets(run_id, datasets)
+    store.log_files(run_id, files)
+    store.finish(run_id, "FINISHED")
 
 
-def log_text_artifacts(store: Store, run_id: str, files: dict[str, str | bytes]) -> None:
-    """Write each (relative name -> content) to a scratch dir and upload it as one batch."""
-    if not files:
-        return
-    with tempfile.TemporaryDirectory() as scratch:
-        for name, content in files.items():
-            path = Path(scratch) / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
-        store.client.log_artifacts(run_id, scratch)
+def log_failure(store: TrackingStore, run_id: str, reason: str, files: dict[str, str | bytes]) -> None:
+    store.log_files(run_id, files)
+    store.log_values(run_id, tags={FAILURE: reason[:5000]})
+    store.finish(run_id, "FAILED")
 
 
-EVALUATION_CONTEXT = "evaluation"
+def child_runs(store: TrackingStore, parent_run_id: str) -> list[RunRecord]:
+    return store.search([store.run(parent_run_id).experiment_id], {PARENT: parent_run_id})
 
 
-def log_dataset_inputs(store: Store, run_id: str, datasets: Iterable, context: str = EVALUATION_CONTEXT) -> None:
-    """Record what a run was scored on as MLflow dataset inputs (the runs table's Dataset column).
+def finished_runs(store: TrackingStore, experiment_id: str, keys: set[str]) -> dict[str, RunRecord]:
+    """The newest FINISHED variant run for each run key."""
+    found: dict[str, RunRecord] = {}
+    for run in store.search([experiment_id], {ROLE: "variant"}, status="FINISHED"):
+        key = run.tags.get(RUN_KEY)
+        if key in keys and key not in found:
+            found[key] = run
+    return found
 
-    Each item has name, digest, source_type, source and profile (quantlab's TaskDataset, or the
-    mlflow Dataset of another run's input, when a run is copied).
+
+# Who a copied run is belongs to the sweep that copies it, not to the run it copies.
+_IDENTITY_TAGS = frozenset({ON_FRONTIER, ROLE, VARIANT, BASELINE})
+
+
+def copy_run(store: TrackingStore, source: RunRecord, target_run_id: str) -> None:
+    """Copy a finished run's numbers, datasets and artifacts into `target_run_id` (a run that
+    start_variant made, so it already says who it is) and finish it.
+
+    A renamed variant keeps its new name (also in the `variant.name` param), and reused_from
+    names the run that computed the numbers, not a copy of a copy.
     """
-    from mlflow.entities import Dataset, DatasetInput, InputTag
-    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
-
-    inputs = [
-        DatasetInput(
-            Dataset(name=item.name, digest=item.digest, source_type=item.source_type, source=item.source,
-                    schema=getattr(item, "schema", None), profile=getattr(item, "profile", None)),
-            tags=[InputTag(key=MLFLOW_DATASET_CONTEXT, value=context)],
-        )
-        for item in datasets
-    ]
-    if inputs:
-        store.client.log_inputs(run_id, datasets=inputs)
+    name = store.run(target_run_id).tags.get(VARIANT)
+    tags = {k: v for k, v in source.tags.items() if not k.startswith("mlflow.") and k not in _IDENTITY_TAGS}
+    params = source.params | ({"variant.name": name} if "variant.name" in source.params and name else {})
+    store.log_values(target_run_id, metrics=source.metrics, params=params,
+                     tags=tags | {REUSED_FROM: source.tags.get(REUSED_FROM, source.run_id)})
+    # The copy was scored on what the original was: the runs table lists the same datasets.
+    store.log_datasets(target_run_id, source.datasets)
+    store.copy_artifacts(source.run_id, target_run_id)
+    store.finish(target_run_id, "FINISHED")
 
 
-def finish(store: Store, run_id: str, status: str) -> None:
-    store.client.set_terminated(run_id, status=status)
+def running_sweeps(store: TrackingStore, experiment_id: str) -> list[RunRecord]:
+    return store.search([experiment_id], {ROLE: "sweep"}, status="RUNNING")
 
 
-def child_runs(store: Store, parent_run_id: str) -> list:
-    experiment = store.client.get_run(parent_run_id).info.experiment_id
-    return store.client.search_runs(
-        [experiment], filter_string=f"tags.`{PARENT}` = '{parent_run_id}'", max_results=1000
-    )
+def mark_killed(store: TrackingStore, sweep_run_id: str, reason: str) -> None:
+    """A sweep that will never finish: it and its RUNNING variant runs become KILLED, with the reason."""
+    for child in child_runs(store, sweep_run_id):
+        if child.status == "RUNNING":
+            store.log_values(child.run_id, tags={FAILURE: reason})
+            store.finish(child.run_id, "KILLED")
+    store.finish(sweep_run_id, "KILLED")
 
 
-def latest_sweep(store: Store, experiment_name: str | None):
+def latest_sweep(store: TrackingStore, experiment_name: str | None) -> RunRecord:
     """The newest parent run of an experiment (of any experiment when None), or BadInput saying why not."""
     if experiment_name is None:
-        experiments = [experiment.experiment_id for experiment in store.client.search_experiments()]
-        where = f"the store {store.uri}"
+        experiments, where = list(store.experiments()), f"the store {store.uri}"
     else:
-        found = experiment_id(store, experiment_name, create=False)
+        found = store.experiment_id(experiment_name, create=False)
         if found is None:
             raise BadInput([Problem("--experiment", "", f"no experiment named '{experiment_name}' in {store.uri}")])
         experiments, where = [found], f"experiment '{experiment_name}'"
-    runs = store.client.search_runs(
-        experiments, filter_string=f"tags.`{ROLE}` = 'sweep'", order_by=["attributes.start_time DESC"], max_results=1
-    ) if experiments else []
+    runs = store.search(experiments, {ROLE: "sweep"})
     if not runs:
         raise BadInput([Problem("--experiment", "", f"{where} has no sweep runs; run `quantlab sweep RECIPE` first")])
     return runs[0]
 
 
-def names(runs: Iterable) -> list[str]:
-    return [run.data.tags.get(VARIANT, run.info.run_name) for run in runs]
-
-
-def ui_addresses(store: Store, host: str, port: int) -> list[tuple[str, str]]:
+def ui_addresses(store: TrackingStore, host: str, port: int) -> list[tuple[str, str]]:
     """The runs-table address of each experiment; MLflow 3 otherwise opens in its GenAI view."""
     base = f"http://{host}:{port}"
-    experiments = [e for e in store.client.search_experiments() if e.name != "Default"]
+    experiments = {id_: name for id_, name in store.experiments().items() if name != "Default"}
     if not experiments:
         return [("MLflow UI (no sweeps yet)", base)]
-    return [(e.name, f"{base}/#/experiments/{e.experiment_id}/runs?workflowType=machine_learning") for e in experiments]
+    return [(name, f"{base}/#/experiments/{id_}/runs?workflowType=machine_learning") for id_, name in experiments.items()]
 
 
-def register_checkpoint(
-    store: Store, model_name: str, alias: str, run_id: str, checkpoint: str, content_key: str, tags: dict[str, str]
-) -> tuple[str, bool]:
-    """Register the checkpoint where it lies (no weights copied) under `alias`; (version, created).
+def register_checkpoint(store: TrackingStore, model_name: str, alias: str, run: RunRecord, tags: dict[str, str]) -> tuple[str, bool]:
+    """Register the run's checkpoint where it lies (no weights copied) under `alias`; (version, created).
 
     The same checkpoint (content key) registered again reuses its version instead of adding one.
     """
-    from mlflow.exceptions import MlflowException
-
-    client = store.client
-    try:
-        client.get_registered_model(model_name)
-    except MlflowException:
-        client.create_registered_model(model_name, description="Variants chosen by `quantlab pick`.")
-    existing = [
-        version for version in client.search_model_versions(f"name = '{model_name}'")
-        if version.tags.get(CONTENT_KEY) == content_key
-    ]
+    checkpoint, content_key = run.tags[CHECKPOINT], run.tags.get(CONTENT_KEY, run.run_id)
+    existing = [version for version in store.model_versions(model_name) if version.tags.get(CONTENT_KEY) == content_key]
     if existing:
         version, created = existing[0].version, False
     else:
         source = Path(checkpoint).resolve().as_uri() if "://" not in checkpoint else checkpoint
-        version = client.create_model_version(
-            model_name, source=source, run_id=run_id, tags={**tags, CONTENT_KEY: content_key, CHECKPOINT: checkpoint}
-        ).version
+        version = store.create_model_version(model_name, source, run.run_id, {**tags, CONTENT_KEY: content_key, CHECKPOINT: checkpoint})
         created = True
-    client.set_registered_model_alias(model_name, alias, version)
-    return str(version), created
+    store.set_alias(model_name, alias, version)
+    return version, created

@@ -162,17 +162,17 @@ def picked_store(tmp_path_factory):
     work = tmp_path_factory.mktemp("pick")
     uri = f"sqlite:///{work / 'store.db'}"
     store = tracking.open_store(uri)
-    experiment = tracking.experiment_id(store, "picks")
-    parent = tracking.start_run(store, experiment, "sweep", {tracking.ROLE: "sweep"})
-    tracking.log_text_artifacts(store, parent, {"recipe.yaml": yaml.safe_dump({"name": "picks", "baseline": "bf16"})})
+    experiment = store.experiment_id("picks")
+    parent = store.start_run(experiment, "sweep", {tracking.ROLE: "sweep"})
+    store.log_files(parent, {"recipe.yaml": yaml.safe_dump({"name": "picks", "baseline": "bf16"})})
     declared = declared_tags({ACC: Declared(True, Scale.FRACTION)})
     for name, (weights, memory, figures) in RUNS.items():
         tags = {tracking.ROLE: "variant", tracking.VARIANT: name, tracking.METHOD: name,
                 tracking.CHECKPOINT: str(work / name), "quantlab.baseline": str(name == "bf16").lower(), **declared}
-        run = tracking.start_run(store, experiment, name, tags, parent=parent)
-        tracking.log_values(store, run, {**figures, "cost/weight_bytes": weights, "cost/peak_memory_bytes": memory})
-        tracking.finish(store, run, "FINISHED")
-    tracking.finish(store, parent, "FINISHED")
+        run = store.start_run(experiment, name, tags, parent=parent)
+        store.log_values(run, {**figures, "cost/weight_bytes": weights, "cost/peak_memory_bytes": memory})
+        store.finish(run, "FINISHED")
+    store.finish(parent, "FINISHED")
     return work, uri
 
 

@@ -280,19 +280,19 @@ def test_publish_reads_per_document_scores_from_the_runs_and_writes_every_artifa
     from quantlab.publish import read_sweep, render_artifacts
 
     store = tracking.open_store(f"sqlite:///{tmp_path / 'store.db'}")
-    experiment = tracking.experiment_id(store, "tiny")
-    parent = tracking.start_run(store, experiment, "sweep tiny", {tracking.ROLE: "sweep"})
-    tracking.log_text_artifacts(store, parent, {"recipe.yaml": "name: tiny\nbaseline: bf16\nmodel:\n  source: HuggingFaceTB/SmolLM2-135M\n"})
+    experiment = store.experiment_id("tiny")
+    parent = store.start_run(experiment, "sweep tiny", {tracking.ROLE: "sweep"})
+    store.log_files(parent, {"recipe.yaml": "name: tiny\nbaseline: bf16\nmodel:\n  source: HuggingFaceTB/SmolLM2-135M\n"})
     docs = {"bf16": scores(120), "fp8": scores(119), "int4": scores(90)}
     for name, size in (("bf16", 270e6), ("fp8", 170e6), ("int4", 100e6)):
-        run = tracking.start_run(store, experiment, name, {
+        run = store.start_run(experiment, name, {
             tracking.ROLE: "variant", tracking.VARIANT: name, tracking.METHOD: name,
             **({"quantlab.baseline": "true"} if name == "bf16" else {}), **declared_tags({MMLU: DECLARED[MMLU]}),
         }, parent=parent)
-        tracking.log_values(store, run, metrics={MMLU: docs[name].aggregate(), "cost/weight_bytes": size})
+        store.log_values(run, metrics={MMLU: docs[name].aggregate(), "cost/weight_bytes": size})
         samples = {"version": 2, "documents": documents_to_json({MMLU: docs[name]}), "groups": {}}
-        tracking.log_text_artifacts(store, run, {"samples.json": json.dumps(samples)})
-        tracking.finish(store, run, "FINISHED")
+        store.log_files(run, {"samples.json": json.dumps(samples)})
+        store.finish(run, "FINISHED")
 
     view = read_sweep(store, parent)
     written = {path.relative_to(tmp_path / "out").as_posix() for path in render_artifacts(view, tmp_path / "out")}

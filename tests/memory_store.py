@@ -1,0 +1,109 @@
+"""A FAKE tracking store: quantlab.tracking.TrackingStore in plain dicts, for fast tests.
+
+Not MLflow. It keeps what quantlab logs (runs, tags, metrics, params, artifacts, dataset
+inputs, registered versions) in memory so that sweep bookkeeping, publish and pick can be tested
+without a database or a server. It follows MlflowStore where quantlab relies on it: search
+returns runs newest first, a run's tags include mlflow.parentRunId and mlflow.runName, logging
+twice overwrites. test_tracking_door.py runs the same checks on both stores to keep them alike.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from quantlab.tracking import EVALUATION_CONTEXT, PARENT, DatasetRecord, ModelVersion, RunRecord, safe_key
+
+
+@dataclass
+class _Run:
+    experiment_id: str
+    name: str
+    start_time: int
+    status: str = "RUNNING"
+    metrics: dict[str, float] = field(default_factory=dict)
+    params: dict[str, str] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+    datasets: list[DatasetRecord] = field(default_factory=list)
+    artifacts: dict[str, bytes] = field(default_factory=dict)
+
+
+class MemoryStore:
+    """A fake TrackingStore (see the module docstring): everything lives in this object."""
+
+    def __init__(self, uri: str = "memory://"):
+        self.uri = uri
+        self._experiments: dict[str, str] = {}  # id -> name
+        self._runs: dict[str, _Run] = {}
+        self._versions: dict[str, list[ModelVersion]] = {}
+        self.aliases: dict[tuple[str, str], str] = {}  # (model, alias) -> version
+        self.sources: dict[tuple[str, str], tuple[str, str]] = {}  # (model, version) -> (source, run id)
+        self._ids = itertools.count(1)
+        self._clock = itertools.count(1_700_000_000_000)  # strictly increasing start times: newest first is well defined
+
+    def experiment_id(self, name: str, create: bool = True) -> str | None:
+        found = next((id_ for id_, known in self._experiments.items() if known == name), None)
+        if found is None and create:
+            found = str(next(self._ids))
+            self._experiments[found] = name
+        return found
+
+    def experiments(self) -> dict[str, str]:
+        return dict(self._experiments)
+
+    def start_run(self, experiment_id: str, name: str, tags: dict[str, str], parent: str | None = None) -> str:
+        run_id = f"run{next(self._ids)}"
+        all_tags = {"mlflow.runName": name, **tags, **({PARENT: parent} if parent else {})}
+        self._runs[run_id] = _Run(experiment_id, name, next(self._clock), tags=all_tags)
+        return run_id
+
+    def log_values(self, run_id: str, metrics: dict[str, float] | None = None, params: dict[str, str] | None = None,
+                   tags: dict[str, str] | None = None) -> None:
+        run = self._runs[run_id]
+        run.metrics.update({safe_key(key): float(value) for key, value in (metrics or {}).items()})
+        run.params.update({safe_key(key): str(value)[:6000] for key, value in (params or {}).items()})
+        run.tags.update({key: str(value) for key, value in (tags or {}).items()})
+
+    def log_files(self, run_id: str, files: dict[str, str | bytes]) -> None:
+        self._runs[run_id].artifacts.update(
+            {name: content if isinstance(content, bytes) else content.encode("utf-8") for name, content in files.items()})
+
+    def log_datasets(self, run_id: str, datasets: Iterable, context: str = EVALUATION_CONTEXT) -> None:
+        self._runs[run_id].datasets.extend(
+            DatasetRecord(item.name, item.digest, item.source_type, item.source,
+                          getattr(item, "profile", None), getattr(item, "schema", None)) for item in datasets)
+
+    def finish(self, run_id: str, status: str) -> None:
+        self._runs[run_id].status = status
+
+    def run(self, run_id: str) -> RunRecord:
+        run = self._runs[run_id]
+        return RunRecord(run_id, run.experiment_id, run.name, run.status, run.start_time, dict(run.metrics),
+                         dict(run.params), dict(run.tags), tuple(run.datasets))
+
+    def search(self, experiment_ids: list[str], tags: dict[str, str], status: str | None = None) -> list[RunRecord]:
+        found = [
+            self.run(run_id) for run_id, run in self._runs.items()
+            if run.experiment_id in experiment_ids and (status is None or run.status == status)
+            and all(run.tags.get(key) == value for key, value in tags.items())
+        ]
+        return sorted(found, key=lambda run: run.start_time, reverse=True)
+
+    def read_artifact(self, run_id: str, path: str) -> bytes | None:
+        return self._runs[run_id].artifacts.get(path)
+
+    def copy_artifacts(self, source_run_id: str, target_run_id: str) -> None:
+        self._runs[target_run_id].artifacts.update(self._runs[source_run_id].artifacts)
+
+    def model_versions(self, model_name: str) -> list[ModelVersion]:
+        return list(self._versions.get(model_name, []))
+
+    def create_model_version(self, model_name: str, source: str, run_id: str, tags: dict[str, str]) -> str:
+        versions = self._versions.setdefault(model_name, [])
+        versions.append(ModelVersion(str(len(versions) + 1), dict(tags)))
+        self.sources[(model_name, versions[-1].version)] = (source, run_id)
+        return versions[-1].version
+
+    def set_alias(self, model_name: str, alias: str, version: str) -> None:
+        self.aliases[(model_name, alias)] = version

@@ -1,0 +1,247 @@
+"""Sweep bookkeeping, publish and pick through quantlab.tracking's door, without a model.
+
+Every test runs twice: on the in-memory fake (tests/memory_store.py) and on a real MLflow store
+in SQLite, so the fake stays faithful to what the sweep relies on (newest first, tags, artifacts,
+datasets, registry). The end-to-end sweeps in test_sweep.py / test_resilience.py cover the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from memory_store import MemoryStore
+from quantlab import publish, tracking
+from quantlab.metrics import Declared, Scale, declared_tags, paired_key
+from quantlab.paired import Aggregation, DocumentScores, compare, documents_to_json
+from quantlab.recipe import LoadedRecipe, Recipe
+from quantlab.jobs import BaselineOutputs
+from quantlab.sweep import HOST, PID, PID_STARTED, REFERENCE_DIR, SAMPLES_ARTIFACT, SweepOptions, SweepRuns, mark_dead_sweeps
+from recipes import tiny_recipe
+
+MMLU = "eval/mmlu_dev/acc"
+
+
+@pytest.fixture(params=["memory", "mlflow"])
+def store(request, tmp_path) -> tracking.TrackingStore:
+    if request.param == "memory":
+        return MemoryStore()
+    return tracking.open_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+
+class Recorder:
+    """A SweepDisplay that remembers what it was told."""
+
+    def __init__(self):
+        self.finished: list[tuple[str, bool]] = []
+
+    def sweep_started(self, experiment, run_id, variants):
+        pass
+
+    def stage(self, variant, stage):
+        pass
+
+    def variant_finished(self, variant, result, failure, reused=False):
+        self.finished.append((variant, reused))
+
+
+def _loaded(tmp_path: Path, variants: list[dict]) -> LoadedRecipe:
+    recipe = tiny_recipe(tmp_path, variants=variants)
+    return LoadedRecipe(tmp_path / "recipe.yaml", Recipe.model_validate(recipe), yaml.safe_dump(recipe))
+
+
+def _sweep_runs(store, tmp_path, experiment, variants, keys) -> SweepRuns:
+    parent = tracking.start_sweep(store, experiment, "sweep tiny", {})
+    options = SweepOptions(tracking_uri=store.uri, cache_root=tmp_path / "cache")
+    return SweepRuns(store, experiment, parent, _loaded(tmp_path, variants), options, Recorder(), keys)
+
+
+def _finished_variant(store, experiment, parent, name, key, status="FINISHED") -> str:
+    run = tracking.start_variant(store, experiment, parent, name, "fp8", baseline=name == "bf16", run_key=key)
+    store.finish(run, status)
+    return run
+
+
+def test_finished_runs_finds_the_newest_finished_run_of_each_key(store):
+    experiment = store.experiment_id("tiny")
+    parent = tracking.start_sweep(store, experiment, "sweep tiny", {})
+    _finished_variant(store, experiment, parent, "fp8", "A")
+    newest = _finished_variant(store, experiment, parent, "fp8", "A")
+    _finished_variant(store, experiment, parent, "fp8", "A", status="FAILED")  # newer, but failed
+    _finished_variant(store, experiment, parent, "awq", "B", status="RUNNING")
+    other = tracking.start_sweep(store, experiment, "sweep", {tracking.RUN_KEY: "C"})  # a sweep run is no variant
+    store.finish(other, "FINISHED")
+    _finished_variant(store, experiment, parent, "bf16", "D")  # a key nobody asked for
+
+    found = tracking.finished_runs(store, experiment, {"A", "B", "C"})
+
+    assert {key: run.run_id for key, run in found.items()} == {"A": newest}
+    assert found["A"].variant == "fp8" and found["A"].status == "FINISHED"
+
+
+def _previous_sweep(store, experiment, tmp_path) -> dict[str, str]:
+    """A finished sweep of bf16 and fp8, as a real one logs them: figures, params, tags, datasets, artifacts."""
+    parent = tracking.start_sweep(store, experiment, "sweep tiny", {})
+    runs = {}
+    for name, key, acc in (("bf16", "K-bf16", 0.6), ("fp8", "K-fp8", 0.59)):
+        run = tracking.start_variant(store, experiment, parent, name, name, baseline=name == "bf16", run_key=key)
+        samples = BaselineOutputs(None, scores={MMLU: acc}, primary={"mmlu_dev": MMLU}).to_samples()
+        tracking.log_variant(
+            store, run, metrics={MMLU: acc, "cost/weight_bytes": 1e6},
+            params={"variant.name": name, "method.scheme": name.upper()},
+            tags={tracking.CHECKPOINT: str(tmp_path / name), tracking.CONTENT_KEY: f"content-{name}",
+                  REFERENCE_DIR: str(tmp_path / "gone")},
+            datasets=[tracking.DatasetRecord("mmlu_dev", "d1g3st", "lm-eval", "evals/mmlu_dev.yaml", '{"limit": 4}')],
+            files={SAMPLES_ARTIFACT: json.dumps(samples), "logs/variant.log": "quantized in 3 s\n"},
+        )
+        runs[name] = run
+    store.log_values(runs["fp8"], tags={tracking.ON_FRONTIER: "true"})  # publish's verdict on that sweep, not on copies
+    store.finish(parent, "FINISHED")
+    return runs
+
+
+def test_a_renamed_variant_is_copied_under_its_new_name_with_its_numbers_and_files(store, tmp_path):
+    experiment = store.experiment_id("tiny")
+    before = _previous_sweep(store, experiment, tmp_path)
+    keys = {"bf16": "K-bf16", "fp8-dynamic": "K-fp8"}  # fp8 renamed; same content, same run key
+    variants = [{"name": "bf16", "method": "bf16"}, {"name": "fp8-dynamic", "method": "fp8"}]
+    sweep = _sweep_runs(store, tmp_path, experiment, variants, keys)
+
+    reusable = tracking.finished_runs(store, experiment, set(keys.values()))
+    sweep.run_batch(["bf16"], reusable, tmp_path)
+    sweep.run_batch(["fp8-dynamic"], reusable, tmp_path)
+
+    assert sweep.reused == ["bf16", "fp8-dynamic"] and not sweep.failures
+    assert sweep.display.finished == [("bf16", True), ("fp8-dynamic", True)]
+    # The baseline's per-document outputs come back from its samples.json; its reference dir is gone.
+    assert sweep.baseline == BaselineOutputs(None, scores={MMLU: 0.6}, primary={"mmlu_dev": MMLU})
+    original, copy = store.run(before["fp8"]), store.run(sweep.runs["fp8-dynamic"])
+    assert copy.status == "FINISHED" and copy.run_id != original.run_id
+    assert copy.variant == copy.name == "fp8-dynamic" and copy.tags[tracking.PARENT] == sweep.parent
+    assert copy.params == original.params | {"variant.name": "fp8-dynamic"}
+    assert copy.metrics == original.metrics and copy.datasets == original.datasets
+    assert copy.tags[tracking.REUSED_FROM] == original.run_id
+    assert copy.tags[tracking.CHECKPOINT] == original.tags[tracking.CHECKPOINT]
+    assert tracking.ON_FRONTIER not in copy.tags
+    assert store.run(sweep.runs["bf16"]).tags[tracking.BASELINE] == "true" and copy.tags[tracking.BASELINE] == "false"
+    for name in (SAMPLES_ARTIFACT, "logs/variant.log"):
+        assert store.read_artifact(copy.run_id, name) == store.read_artifact(original.run_id, name)
+
+    # A copy of a copy names the run that computed the numbers.
+    again = _sweep_runs(store, tmp_path, experiment, variants, keys)
+    again.run_batch(["fp8-dynamic"], tracking.finished_runs(store, experiment, {"K-fp8"}), tmp_path)
+    assert store.run(again.runs["fp8-dynamic"]).tags[tracking.REUSED_FROM] == original.run_id
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
+def test_runs_of_dead_sweeps_on_this_host_are_killed_and_live_ones_left(store):
+    experiment = store.experiment_id("tiny")
+    parent_pid = os.getppid()  # alive for the whole test
+    started = psutil.Process(parent_pid).create_time()
+    here = socket.gethostname()
+
+    def sweep(host: str, pid: int, started_at: float) -> str:
+        return tracking.start_sweep(store, experiment, "sweep tiny", {HOST: host, PID: str(pid), PID_STARTED: str(started_at)})
+
+    dead = sweep(here, _dead_pid(), started)
+    reused_pid = sweep(here, parent_pid, started - 100)  # the pid now belongs to another process
+    alive = sweep(here, parent_pid, started)
+    elsewhere = sweep("another-host", _dead_pid(), started)  # this host cannot tell
+    running = _finished_variant(store, experiment, dead, "fp8", "A", status="RUNNING")
+    done = _finished_variant(store, experiment, dead, "bf16", "B")
+
+    killed = mark_dead_sweeps(store, experiment)
+
+    assert sorted(killed) == sorted([dead, reused_pid])
+    status = {run: store.run(run).status for run in (dead, reused_pid, alive, elsewhere, running, done)}
+    assert status == {dead: "KILLED", reused_pid: "KILLED", alive: "RUNNING", elsewhere: "RUNNING",
+                      running: "KILLED", done: "FINISHED"}
+    assert store.run(running).tags[tracking.FAILURE] == "its sweep process died"
+    assert tracking.FAILURE not in store.run(done).tags
+
+
+def _scores(right: int, n: int = 2000) -> DocumentScores:
+    return DocumentScores(Aggregation.MEAN, {d: float(d < right) for d in range(n)})
+
+
+def _logged_sweep(store, tmp_path) -> str:
+    """A finished sweep with per-document scores: fp8 loses one answer of 2000, int4 loses 15 points,
+    w8 loses 10 points and costs more than fp8."""
+    experiment = store.experiment_id("tiny")
+    parent = tracking.start_sweep(store, experiment, "sweep tiny", {})
+    store.log_files(parent, {"recipe.yaml": "name: tiny\nbaseline: bf16\nmodel:\n  source: HuggingFaceTB/SmolLM2-135M\n"})
+    baseline = _scores(1200)
+    for name, right, size in (("bf16", 1200, 270e6), ("fp8", 1199, 170e6), ("int4", 900, 100e6), ("w8", 1000, 200e6)):
+        run = tracking.start_variant(store, experiment, parent, name, name, baseline=name == "bf16", run_key=name)
+        docs = _scores(right)
+        # What the sweep logs beside each score: the paired figures against the baseline (pick judges on these).
+        paired = {paired_key(MMLU, stat): value for stat, value in compare(MMLU, baseline, docs).statistics().items()}
+        tracking.log_variant(
+            store, run, metrics={MMLU: docs.aggregate(), "cost/weight_bytes": size, **(paired if name != "bf16" else {})},
+            params={},
+            tags={**declared_tags({MMLU: Declared(True, Scale.FRACTION)}), tracking.CHECKPOINT: str(tmp_path / name),
+                  tracking.CONTENT_KEY: f"content-{name}"},
+            datasets=[], files={SAMPLES_ARTIFACT: json.dumps({"version": 2, "documents": documents_to_json({MMLU: docs}), "groups": {}})},
+        )
+    store.finish(parent, "FINISHED")
+    return parent
+
+
+def test_publish_tags_the_frontier_and_attaches_the_report_to_the_parent(store, tmp_path):
+    parent = _logged_sweep(store, tmp_path)
+
+    view = publish.publish_sweep(store, parent)
+
+    assert [v.name for v in view.variants] == ["bf16", "fp8", "int4", "w8"] and view.model == "HuggingFaceTB/SmolLM2-135M"
+    assert publish.frontiers(view).on_front == {"bf16", "fp8", "int4"}  # w8: fp8 is cheaper and better beyond noise
+    tags = {run.variant: run.tags[tracking.ON_FRONTIER] for run in tracking.child_runs(store, parent)}
+    assert tags == {"bf16": "true", "fp8": "true", "int4": "true", "w8": "false"}
+    report = store.read_artifact(parent, "report.md").decode()
+    assert store.run(parent).tags[tracking.NOTE] == report and "fp8" in report
+    (frontier,) = json.loads(store.read_artifact(parent, "frontier.json"))["frontiers"]
+    assert frontier["no_paired_noise"] == []  # the documents were read back from each run's samples.json
+    for name in ("frontier.png", "frontier.html", "plots/eval-mmlu-dev-acc-vs-cost-weight-bytes.svg"):
+        assert store.read_artifact(parent, name), name
+    assert tracking.latest_sweep(store, "tiny").run_id == parent
+
+
+def test_pick_registers_the_chosen_checkpoint_once_and_logs_each_decision(store, tmp_path, monkeypatch):
+    parent = _logged_sweep(store, tmp_path)
+    view = publish.read_sweep(store, parent)
+    decision = publish.decide(view)  # the recipe's default policy: at most 1 point lost on any task
+    assert decision.chosen == "fp8"
+
+    monkeypatch.setattr(publish.time, "time", lambda: 1000.0)
+    first = publish.record_pick(store, view, decision, register=True, alias="prod")
+    monkeypatch.setattr(publish.time, "time", lambda: 2000.0)
+    second = publish.record_pick(store, view, decision, register=True, alias="prod")
+
+    assert first["registered"] == {"model": "tiny", "version": "1", "alias": "prod", "new_version": True}
+    assert second["registered"] == {"model": "tiny", "version": "1", "alias": "prod", "new_version": False}
+    (version,) = store.model_versions("tiny")
+    assert version.tags[tracking.CONTENT_KEY] == "content-fp8" and version.tags[tracking.CHECKPOINT] == str(tmp_path / "fp8")
+    assert version.tags[MMLU] == "0.5995"  # the chosen run's scores travel with the version
+    assert json.loads(store.read_artifact(parent, "decisions/pick-1000.json")) == first
+    assert json.loads(store.read_artifact(parent, "decisions/pick-2000.json"))["chosen"] == "fp8"
+
+
+def test_no_sweep_is_bad_input_naming_the_flag(store):
+    from quantlab.errors import BadInput
+
+    with pytest.raises(BadInput, match="no experiment named 'nothing'"):
+        tracking.latest_sweep(store, "nothing")
+    store.experiment_id("empty")
+    with pytest.raises(BadInput, match="has no sweep runs"):
+        tracking.latest_sweep(store, "empty")
