@@ -56,9 +56,12 @@ def _variant_model(method_name: str) -> type[_Variant]:
     )
 
 
+_VARIANT_MODELS = tuple(_variant_model(name) for name in METHODS)
+globals().update({model.__name__: model for model in _VARIANT_MODELS})  # pickle finds them by name (jobs cross processes)
+
 # One member per registered method, chosen by `method`: pydantic itself rejects an unknown method
 # and parameters the method does not take, with the field that is wrong.
-VariantSpec = Annotated[Union[tuple(_variant_model(name) for name in METHODS)], Field(discriminator="method")]  # noqa: UP007
+VariantSpec = Annotated[Union[_VARIANT_MODELS], Field(discriminator="method")]  # noqa: UP007
 
 
 class CalibrationSettings(StrictModel):

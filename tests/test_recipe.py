@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 
 import pytest
 
@@ -127,3 +128,10 @@ def test_load_recipe_does_not_touch_the_model(tmp_path):
     """The first pass needs only the file: a hub id that cannot be reached still parses."""
     loaded = load_recipe(write(tmp_path / "recipe.yaml", tiny_recipe("org/model", evals={})))
     assert loaded.recipe.model.source == "org/model"
+
+
+def test_a_loaded_recipe_pickles_as_a_job_sent_to_its_process_does():
+    """Each method's variant model is found by name, so a spawned variant process unpickles its job."""
+    loaded = load_recipe(REPO / "recipes" / "smollm2-135m.yaml")
+    again = pickle.loads(pickle.dumps(loaded))
+    assert again == loaded and type(again.recipe.variant("awq-int4-g64")).__name__ == "AwqInt4Variant"
