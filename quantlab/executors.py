@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import pickle
 import queue
 import signal
 import sys
@@ -35,12 +36,14 @@ class VariantFailed(Exception):
         self.details = details  # traceback or log tail, kept as an artifact
 
 
-def _child_main(job: VariantJob, messages: multiprocessing.Queue, log_path: str) -> None:
-    _bind_to_sweep(f"quantlab-{job.variant}")
+def _child_main(variant: str, job_path: str, messages: multiprocessing.Queue, log_path: str) -> None:
+    _bind_to_sweep(f"quantlab-{variant}")
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
     try:
+        job = pickle.loads(Path(job_path).read_bytes())
+        Path(job_path).unlink()
         result = run_variant(job, lambda stage: messages.put(("stage", stage)))
         messages.put(("result", result))
     except BaseException as error:  # noqa: BLE001 - everything must reach the parent as a failure
@@ -82,7 +85,14 @@ def run_local(job: VariantJob, log_path: Path, on_stage: StageCallback) -> Varia
     context = multiprocessing.get_context("spawn")
     messages = context.Queue()
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    process = context.Process(target=_child_main, args=(job, messages, str(log_path)), name=f"quantlab-{job.variant}")
+    # The job (with the baseline's per-document scores, often megabytes) goes through a file, not
+    # the spawn pipe: Process.start() writes its arguments into a pipe whose read end it keeps
+    # open until the write ends, so a child that dies while reading a payload larger than the
+    # pipe's buffer (e.g. it cannot unpickle it) blocks the sweep forever.
+    job_path = log_path.with_name(f"{log_path.stem}.job.pickle")
+    job_path.write_bytes(pickle.dumps(job))
+    process = context.Process(target=_child_main, args=(job.variant, str(job_path), messages, str(log_path)),
+                              name=f"quantlab-{job.variant}")
     process.start()
     try:
         while True:

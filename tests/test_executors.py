@@ -169,3 +169,42 @@ def test_a_keyboard_interrupt_is_not_a_variant_failure(monkeypatch, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         next(outcomes)
     assert seen == [("broken", "quantize"), ("interrupted", "quantize")]
+
+
+def _refuse_to_load() -> None:
+    raise RuntimeError("this job cannot be rebuilt in the variant's process")
+
+
+class _UnloadableJob:
+    """A job the variant process cannot unpickle, with a payload larger than a pipe's buffer: a real
+    unpickling failure in a real spawned child (the kind a half-upgraded install produces)."""
+
+    variant = "unloadable"
+
+    def __init__(self) -> None:
+        self.payload = os.urandom(1 << 20)
+
+    def __reduce__(self):
+        # Loading fails before the payload (pickled after it, as state) has been read.
+        return (_refuse_to_load, (), self.payload)
+
+
+def test_a_variant_process_that_cannot_read_its_job_fails_alone_instead_of_hanging(tmp_path):
+    """Passed to the child as a spawn argument, this hangs the sweep for good (Process.start()
+    blocks writing into a pipe nobody reads any more): the job travels through a file instead."""
+    import signal
+
+    from quantlab.executors import run_local
+
+    def hung(signum, frame):
+        raise TimeoutError("run_local hung on a variant process that died reading its job")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(120)
+    try:
+        with pytest.raises(VariantFailed) as failed:
+            run_local(_UnloadableJob(), tmp_path / "unloadable.log", lambda variant, stage: None)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert "this job cannot be rebuilt" in failed.value.reason
