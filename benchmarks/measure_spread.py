@@ -126,8 +126,11 @@ def main(argv: Sequence[str] | None = None, extra_figures: ExtraFigures | None =
                 figures.update(extra_figures())
             runs.append(figures)
             tags = report.to_tags()
-            print(f"run {index + 1}/{args.runs}: {figures['measure_cost_seconds']:.1f} s, "
-                  f"{tags.get('quantlab.cost.host_load', '')}", file=sys.stderr)
+            print(
+                f"run {index + 1}/{args.runs}: {figures['measure_cost_seconds']:.1f} s, "
+                f"{tags.get('quantlab.cost.host_load', '')}",
+                file=sys.stderr,
+            )
 
     assert report is not None
     tags = report.to_tags()

@@ -68,17 +68,35 @@ class Repetition:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("tiny", "embedded"), default="tiny",
-                        help="tiny: a 2-layer random Llama built here (seconds); embedded: SmolLM2-135M from the GGUF (minutes)")
+    parser.add_argument(
+        "--model",
+        choices=("tiny", "embedded"),
+        default="tiny",
+        help="tiny: a 2-layer random Llama built here (seconds); embedded: SmolLM2-135M from the GGUF (minutes)",
+    )
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="fp8")
-    parser.add_argument("--task", action="append", dest="tasks", default=None,
-                        help="bundled lm-eval task (repeatable; default mmlu_dev)")
+    parser.add_argument(
+        "--task",
+        action="append",
+        dest="tasks",
+        default=None,
+        help="bundled lm-eval task (repeatable; default mmlu_dev)",
+    )
     parser.add_argument("--limit", type=int, default=40, help="documents per task (default 40)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3, help="timed repetitions of each side (default 3)")
-    parser.add_argument("--isolation", choices=("experiment", "store"), default="experiment",
-                        help="what each timed sweep gets fresh so that nothing is copied (default experiment)")
-    parser.add_argument("--work-dir", type=Path, default=None, help="keep the model, cache and stores here (default: a temporary directory)")
+    parser.add_argument(
+        "--isolation",
+        choices=("experiment", "store"),
+        default="experiment",
+        help="what each timed sweep gets fresh so that nothing is copied (default experiment)",
+    )
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="keep the model, cache and stores here (default: a temporary directory)",
+    )
     parser.add_argument(DIRECT_FLAG, dest="direct_checkpoint", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.tasks = args.tasks or ["mmlu_dev"]
@@ -86,6 +104,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 # --- side (a): lm-eval on its own, in the process this script starts --------------------------
+
 
 def direct_lm_eval(checkpoint: Path, tasks: Sequence[str], limit: int, batch_size: int) -> dict[str, Any]:
     """lm-eval as a user would call it on a checkpoint directory; returns its phases' seconds."""
@@ -112,11 +131,14 @@ def direct_lm_eval(checkpoint: Path, tasks: Sequence[str], limit: int, batch_siz
     mark = time.perf_counter()
     results = lm_eval.simple_evaluate(model=language_model, tasks=list(tasks), limit=limit, task_manager=manager)
     phases["evaluate"] = time.perf_counter() - mark
-    scores = {task: {k: v for k, v in metrics.items() if isinstance(v, float)} for task, metrics in results["results"].items()}
+    scores = {
+        task: {k: v for k, v in metrics.items() if isinstance(v, float)} for task, metrics in results["results"].items()
+    }
     return {"phases": phases, "scores": scores}
 
 
 # --- the benchmark -----------------------------------------------------------------------------
+
 
 def build_tiny_llama(target: Path) -> Path:
     """A 2-layer random Llama (hidden 64) with SmolLM2's tokenizer: lm-eval tokenizes real text."""
@@ -128,9 +150,16 @@ def build_tiny_llama(target: Path) -> Path:
     gguf = _packaged_file(EMBEDDED_SOURCE)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(target)
@@ -138,8 +167,9 @@ def build_tiny_llama(target: Path) -> Path:
     return target
 
 
-def write_recipe(path: Path, name: str, model_source: str, variant: str, tasks: Sequence[str], limit: int,
-                 batch_size: int) -> Path:
+def write_recipe(
+    path: Path, name: str, model_source: str, variant: str, tasks: Sequence[str], limit: int, batch_size: int
+) -> Path:
     """One variant, which is also the baseline, so `--only` runs that variant alone. The name
     (the MLflow experiment) is no part of the checkpoint's cache key."""
     method, params = VARIANTS[variant]
@@ -149,8 +179,11 @@ def write_recipe(path: Path, name: str, model_source: str, variant: str, tasks: 
         "baseline": variant,
         "variants": [{"name": variant, "method": method, "params": params}],
         "calibration": {"num_samples": 8, "seq_len": 128},
-        "evals": {"include_path": str(EVALS_DIR), "batch_size": batch_size,
-                  "tasks": [{"name": task, "limit": limit} for task in tasks]},
+        "evals": {
+            "include_path": str(EVALS_DIR),
+            "batch_size": batch_size,
+            "tasks": [{"name": task, "limit": limit} for task in tasks],
+        },
         "quality": {"enabled": False},
         "measure": {"enabled": False},
     }
@@ -163,16 +196,31 @@ def timed_process(command: Sequence[str], cwd: Path) -> tuple[float, subprocess.
     result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, env={**os.environ, **OFFLINE_ENV})
     seconds = time.perf_counter() - started
     if result.returncode != 0:
-        raise SystemExit(f"{' '.join(map(str, command))} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        raise SystemExit(
+            f"{' '.join(map(str, command))} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        )
     return seconds, result
 
 
-def run_sweep(recipe: Path, variant: str, store: Path, cache_dir: Path, cwd: Path) -> tuple[float, dict[str, float], Any]:
+def run_sweep(
+    recipe: Path, variant: str, store: Path, cache_dir: Path, cwd: Path
+) -> tuple[float, dict[str, float], Any]:
     """Wall seconds of `quantlab sweep --only`, its variant run's stage times, and that MLflow run."""
     from quantlab import tracking
 
-    command = [sys.executable, "-m", "quantlab", "sweep", str(recipe), "--only", variant,
-               "--tracking-uri", f"sqlite:///{store}", "--cache-dir", str(cache_dir)]
+    command = [
+        sys.executable,
+        "-m",
+        "quantlab",
+        "sweep",
+        str(recipe),
+        "--only",
+        variant,
+        "--tracking-uri",
+        f"sqlite:///{store}",
+        "--cache-dir",
+        str(cache_dir),
+    ]
     seconds, _ = timed_process(command, cwd)
     tracking_store = tracking.open_store(f"sqlite:///{store}")
     sweep = tracking.latest_sweep(tracking_store, yaml.safe_load(recipe.read_text())["name"])
@@ -186,16 +234,24 @@ def run_sweep(recipe: Path, variant: str, store: Path, cache_dir: Path, cwd: Pat
 
 
 def run_direct(checkpoint: Path, args: argparse.Namespace, cwd: Path) -> tuple[float, dict[str, float], dict[str, Any]]:
-    command = [sys.executable, str(Path(__file__).resolve()), DIRECT_FLAG, str(checkpoint),
-               "--limit", str(args.limit), "--batch-size", str(args.batch_size),
-               *(part for task in args.tasks for part in ("--task", task))]
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        DIRECT_FLAG,
+        str(checkpoint),
+        "--limit",
+        str(args.limit),
+        "--batch-size",
+        str(args.batch_size),
+        *(part for task in args.tasks for part in ("--task", task)),
+    ]
     seconds, result = timed_process(command, cwd)
     report = json.loads(result.stdout.strip().splitlines()[-1])
     return seconds, report["phases"], report["scores"]
 
 
 def summary_line(label: str, values: Sequence[float], unit: str = "s") -> str:
-    return (f"{label:<34} {statistics.median(values):>9.2f}{unit} {min(values):>9.2f}{unit} {max(values):>9.2f}{unit}")
+    return f"{label:<34} {statistics.median(values):>9.2f}{unit} {min(values):>9.2f}{unit} {max(values):>9.2f}{unit}"
 
 
 def phase_lines(title: str, per_repetition: Sequence[Mapping[str, float]]) -> list[str]:
@@ -225,8 +281,9 @@ def report(args: argparse.Namespace, repetitions: Sequence[Repetition], context:
         "",
         *phase_lines("(a) phases, as the direct process timed them:", [rep.direct_phases for rep in repetitions]),
         "",
-        *phase_lines("(b) stages, from the sweep's MLflow run (time/<stage>_seconds):",
-                     [rep.sweep_stages for rep in repetitions]),
+        *phase_lines(
+            "(b) stages, from the sweep's MLflow run (time/<stage>_seconds):", [rep.sweep_stages for rep in repetitions]
+        ),
         summary_line("  outside the stages", outside),
     ]
     return "\n".join(lines)
@@ -236,11 +293,14 @@ def same_scores(direct_scores: Mapping[str, Mapping[str, float]], sweep_metrics:
     """Whether both sides did the same work: lm-eval's "acc,none" against the sweep's eval/<task>/acc."""
     pairs = {
         task: (metrics["acc,none"], sweep_metrics.get(f"eval/{task}/acc"))
-        for task, metrics in direct_scores.items() if "acc,none" in metrics
+        for task, metrics in direct_scores.items()
+        if "acc,none" in metrics
     }
     agree = all(sweep is not None and abs(direct - sweep) < 1e-9 for direct, sweep in pairs.values())
-    shown = ", ".join(f"{task} acc {direct:.3f} direct vs {'-' if sweep is None else f'{sweep:.3f}'} sweep"
-                      for task, (direct, sweep) in pairs.items())
+    shown = ", ".join(
+        f"{task} acc {direct:.3f} direct vs {'-' if sweep is None else f'{sweep:.3f}'} sweep"
+        for task, (direct, sweep) in pairs.items()
+    )
     return f"{'yes' if agree else 'NO'} ({shown}; last repetition)"
 
 
@@ -249,12 +309,12 @@ def benchmark(args: argparse.Namespace, work: Path) -> str:
 
     from quantlab.measure.provenance import cpu_model_name, visible_cores
 
-    if args.model == "tiny":
-        model_source = str(build_tiny_llama(work / "tiny-llama"))
-    else:
-        model_source = EMBEDDED_SOURCE
+    model_source = str(build_tiny_llama(work / "tiny-llama")) if args.model == "tiny" else EMBEDDED_SOURCE
+
     def recipe_named(name: str) -> Path:
-        return write_recipe(work / f"{name}.yaml", name, model_source, args.variant, args.tasks, args.limit, args.batch_size)
+        return write_recipe(
+            work / f"{name}.yaml", name, model_source, args.variant, args.tasks, args.limit, args.batch_size
+        )
 
     cache_dir = work / "cache"
     first_store = work / "store.db"
@@ -278,7 +338,9 @@ def benchmark(args: argparse.Namespace, work: Path) -> str:
                     recipe, store = recipe_named(f"sweep-overhead-{index}"), first_store
                 measured["sweep"] = run_sweep(recipe, args.variant, store, cache_dir, work)
         (direct_seconds, direct_phases, direct_scores), (sweep_seconds, sweep_stages, sweep_run) = (
-            measured["direct"], measured["sweep"])
+            measured["direct"],
+            measured["sweep"],
+        )
         if sweep_run.data.tags.get("quantlab.checkpoint_reused") != "true":
             raise SystemExit("the timed sweep re-quantized instead of reusing the cached checkpoint")
         repetitions.append(Repetition(direct_seconds, sweep_seconds, direct_phases, sweep_stages))
@@ -288,14 +350,19 @@ def benchmark(args: argparse.Namespace, work: Path) -> str:
         "model": f"{args.model} ({model_source})",
         "checkpoint": f"{args.variant}: {checkpoint}",
         "work": f"tasks {', '.join(args.tasks)}, limit {args.limit}, batch size {args.batch_size}, {args.repeats} repetitions "
-                "(interleaved, alternating which side goes first)",
-        "isolation": {"experiment": "each timed sweep logs to a new experiment of one existing MLflow store",
-                      "store": "each timed sweep logs to a fresh MLflow store (its table creation is timed too)"}[args.isolation],
+        "(interleaved, alternating which side goes first)",
+        "isolation": {
+            "experiment": "each timed sweep logs to a new experiment of one existing MLflow store",
+            "store": "each timed sweep logs to a fresh MLflow store (its table creation is timed too)",
+        }[args.isolation],
         "machine": f"{cpu_model_name()}, {visible_cores()} cores visible, device {device}",
         "load": f"1-minute load average {load_before:.2f} before the timed runs, {os.getloadavg()[0]:.2f} after",
         "first sweep (untimed)": f"{first_seconds:.1f} s, checkpoint "
-                                 + ("reused from the cache" if first_run.data.tags.get("quantlab.checkpoint_reused") == "true"
-                                    else "quantized into the cache"),
+        + (
+            "reused from the cache"
+            if first_run.data.tags.get("quantlab.checkpoint_reused") == "true"
+            else "quantized into the cache"
+        ),
         "same scores both sides": same_scores(direct_scores, sweep_run.data.metrics),
     }
     return report(args, repetitions, context)

@@ -27,13 +27,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
-
 from sweep_overhead import EVALS_DIR, build_tiny_llama, run_benchmark, summary_line, timed_process
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", type=Path, help="recipe to sweep (default: a tiny random Llama, bf16 + fp8, built here)")
+    parser.add_argument(
+        "--recipe", type=Path, help="recipe to sweep (default: a tiny random Llama, bf16 + fp8, built here)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed pairs (default 3)")
     parser.add_argument("--work-dir", type=Path, help="keep the store and cache here (default: a temporary directory)")
     return parser.parse_args(argv)
@@ -59,8 +60,20 @@ def sweep(recipe: Path, work: Path) -> tuple[float, float]:
     from quantlab import tracking
 
     store = f"sqlite:///{work / 'store.db'}"
-    seconds, _ = timed_process([sys.executable, "-m", "quantlab", "sweep", str(recipe.resolve()), "--tracking-uri", store,
-                                "--cache-dir", str(work / "cache")], work)
+    seconds, _ = timed_process(
+        [
+            sys.executable,
+            "-m",
+            "quantlab",
+            "sweep",
+            str(recipe.resolve()),
+            "--tracking-uri",
+            store,
+            "--cache-dir",
+            str(work / "cache"),
+        ],
+        work,
+    )
     parent = tracking.latest_sweep(tracking.open_store(store), yaml.safe_load(recipe.read_text())["name"])
     return seconds, (parent.info.end_time - parent.info.start_time) / 1000
 
@@ -81,15 +94,17 @@ def benchmark(args: argparse.Namespace, work: Path) -> str:
                 seconds, parent_seconds = sweep(recipe, work)
                 remembered.append(seconds)
                 inside.append(parent_seconds)
-    return "\n".join([
-        f"recipe: {recipe}; first sweep {first:.1f} s; {args.repeats} interleaved pairs",
-        f"1-minute load average {load_before:.2f} before the timed runs, {os.getloadavg()[0]:.2f} after",
-        f"{'':<34} {'median':>10} {'min':>10} {'max':>10}",
-        summary_line("(a) unchanged, check remembered", remembered),
-        summary_line("(b) unchanged, check from scratch", rebuilt),
-        summary_line("(a) of which the sweep itself", inside),
-        f"ratio (b)/(a) of the medians: {statistics.median(rebuilt) / statistics.median(remembered):.2f}",
-    ])
+    return "\n".join(
+        [
+            f"recipe: {recipe}; first sweep {first:.1f} s; {args.repeats} interleaved pairs",
+            f"1-minute load average {load_before:.2f} before the timed runs, {os.getloadavg()[0]:.2f} after",
+            f"{'':<34} {'median':>10} {'min':>10} {'max':>10}",
+            summary_line("(a) unchanged, check remembered", remembered),
+            summary_line("(b) unchanged, check from scratch", rebuilt),
+            summary_line("(a) of which the sweep itself", inside),
+            f"ratio (b)/(a) of the medians: {statistics.median(rebuilt) / statistics.median(remembered):.2f}",
+        ]
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -104,7 +104,7 @@ def _remove_abandoned_scratch(checkpoint: Path) -> None:
 
     prefix = _scratch_prefix(checkpoint)
     for scratch in checkpoint.parent.glob(f"{prefix}*"):
-        pid = scratch.name[len(prefix):]
+        pid = scratch.name[len(prefix) :]
         if pid.isdigit() and not psutil.pid_exists(int(pid)):
             shutil.rmtree(scratch, ignore_errors=True)
 

@@ -75,15 +75,25 @@ def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None, hub_optio
     try:
         source = resolve_source(recipe.model, loaded.path.parent)
         offline_hub_model = (
-            source.kind == "hub" and cache.recall(remembered, widths_identity(source)) is None
-            and not in_local_cache(source) and not hub_reachable()
+            source.kind == "hub"
+            and cache.recall(remembered, widths_identity(source)) is None
+            and not in_local_cache(source)
+            and not hub_reachable()
         )
         if offline_hub_model and hub_optional:
             needs_hub.append(f"model.source: the config of {source.display} (layer widths against group sizes)")
             widths = None
         elif offline_hub_model:
-            raise BadInput([Problem("", "", f"{source.display} is a hub model, this machine cannot reach the "
-                                    "hub, and the local Hugging Face cache has no copy")])
+            raise BadInput(
+                [
+                    Problem(
+                        "",
+                        "",
+                        f"{source.display} is a hub model, this machine cannot reach the "
+                        "hub, and the local Hugging Face cache has no copy",
+                    )
+                ]
+            )
         else:
             widths = look_up(widths_identity(source), lambda: linear_input_widths(source))
     except BadInput as error:
@@ -104,8 +114,10 @@ def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None, hub_optio
         local = _tasks_defined_under(loaded.include_path)
         hub_tasks = [name for name in task_names if name not in local]
         if hub_tasks:
-            needs_hub.append(f"evals.tasks: the data of {', '.join(hub_tasks)} (lm-eval downloads it when a sweep runs, "
-                             "unless the Hugging Face datasets cache has it)")
+            needs_hub.append(
+                f"evals.tasks: the data of {', '.join(hub_tasks)} (lm-eval downloads it when a sweep runs, "
+                "unless the Hugging Face datasets cache has it)"
+            )
     if problems:
         raise BadInput(problems)
     return replace(loaded, lookups=tuple(lookups), needs_hub=tuple(needs_hub))

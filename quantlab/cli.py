@@ -10,7 +10,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -32,8 +32,11 @@ out = Console(soft_wrap=True)
 err = Console(stderr=True)
 
 TrackingUri = Annotated[
-    Optional[str],
-    typer.Option("--tracking-uri", help="MLflow tracking URI. Default: $MLFLOW_TRACKING_URI, else sqlite:///mlruns/mlflow.db (artifacts under mlruns/)."),
+    str | None,
+    typer.Option(
+        "--tracking-uri",
+        help="MLflow tracking URI. Default: $MLFLOW_TRACKING_URI, else sqlite:///mlruns/mlflow.db (artifacts under mlruns/).",
+    ),
 ]
 
 
@@ -55,7 +58,9 @@ class _RichSweepDisplay:
 
     def sweep_started(self, experiment: str, run_id: str, variants: list[str]) -> None:
         self.order = variants
-        out.print(f"Sweep of [bold]{experiment}[/]: {len(variants)} variants ({', '.join(variants)}); MLflow run {run_id}")
+        out.print(
+            f"Sweep of [bold]{experiment}[/]: {len(variants)} variants ({', '.join(variants)}); MLflow run {run_id}"
+        )
         self.task = self.progress.add_task("starting", total=len(variants))
 
     def stage(self, variant: str, stage: str) -> None:
@@ -68,7 +73,9 @@ class _RichSweepDisplay:
         self.done += 1
         self.progress.update(self.task, advance=1, description=f"{self.done}/{len(self.order)} variants done")
         if reused:
-            self.progress.console.print(f"[green]✓[/] {variant}: unchanged since a finished run, copied from it", highlight=False)
+            self.progress.console.print(
+                f"[green]✓[/] {variant}: unchanged since a finished run, copied from it", highlight=False
+            )
             return
         if failure:
             self.progress.console.print(f"[red]✗[/] {variant} failed: {failure}", highlight=False)
@@ -82,17 +89,36 @@ class _RichSweepDisplay:
 def sweep(
     recipe: Annotated[Path, typer.Argument(help="Recipe YAML, e.g. recipes/smollm2-135m.yaml.")],
     tracking_uri: TrackingUri = None,
-    executor: Annotated[str, typer.Option(help="local: one spawned process per variant. ray: one Ray task per variant. inprocess: every variant in this process (no isolation: a crash ends the sweep; no variant log file); for notebooks, debuggers, scripts.")] = "local",
-    ray_address: Annotated[Optional[str], typer.Option(help="Ray cluster address (with --executor ray); default starts a local cluster.")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Recompute every variant: copy no finished run, rebuild checkpoints and the baseline's reference pass even when cached.")] = False,
-    only: Annotated[Optional[list[str]], typer.Option("--only", help="Run only this variant (repeatable); the baseline always runs as the reference.")] = None,
-    cache_dir: Annotated[Optional[Path], typer.Option(help="Checkpoint cache. Default: $QUANTLAB_CACHE_DIR or ~/.cache/quantlab.")] = None,
+    executor: Annotated[
+        str,
+        typer.Option(
+            help="local: one spawned process per variant. ray: one Ray task per variant. inprocess: every variant in this process (no isolation: a crash ends the sweep; no variant log file); for notebooks, debuggers, scripts."
+        ),
+    ] = "local",
+    ray_address: Annotated[
+        str | None, typer.Option(help="Ray cluster address (with --executor ray); default starts a local cluster.")
+    ] = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Recompute every variant: copy no finished run, rebuild checkpoints and the baseline's reference pass even when cached.",
+        ),
+    ] = False,
+    only: Annotated[
+        list[str] | None,
+        typer.Option("--only", help="Run only this variant (repeatable); the baseline always runs as the reference."),
+    ] = None,
+    cache_dir: Annotated[
+        Path | None, typer.Option(help="Checkpoint cache. Default: $QUANTLAB_CACHE_DIR or ~/.cache/quantlab.")
+    ] = None,
 ) -> None:
     """Quantize, evaluate, measure and log every variant of RECIPE; then publish the frontier."""
-    from quantlab.checks import validate
     from quantlab.cache import default_root
+    from quantlab.checks import validate
     from quantlab.sweep import SweepOptions, run_sweep
-    from quantlab.tracking import open_store, run_address, shown_uri, tracking_uri as resolve_uri
+    from quantlab.tracking import open_store, run_address, shown_uri
+    from quantlab.tracking import tracking_uri as resolve_uri
 
     try:
         if executor not in ("local", "ray", "inprocess"):
@@ -102,8 +128,12 @@ def sweep(
         uri = resolve_uri(tracking_uri)
         open_store(uri)
         options = SweepOptions(
-            tracking_uri=uri, cache_root=cache_root, executor=executor,  # type: ignore[arg-type]
-            force=force, only=tuple(only or ()), ray_address=ray_address,
+            tracking_uri=uri,
+            cache_root=cache_root,
+            executor=executor,  # type: ignore[arg-type]
+            force=force,
+            only=tuple(only or ()),
+            ray_address=ray_address,
         )
         _stop_on_sigterm()
         columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
@@ -113,14 +143,22 @@ def sweep(
         _fail_on_bad_input(error)
         return
     except KeyboardInterrupt:
-        err.print("Interrupted: this sweep's unfinished runs are marked KILLED. Run the same command again to resume; "
-                  "finished variants are copied, not recomputed.", highlight=False, soft_wrap=True)
+        err.print(
+            "Interrupted: this sweep's unfinished runs are marked KILLED. Run the same command again to resume; "
+            "finished variants are copied, not recomputed.",
+            highlight=False,
+            soft_wrap=True,
+        )
         raise typer.Exit(130) from None
     failed = ", ".join(outcome.failures)
     if outcome.reused:
-        out.print(f"Reused (unchanged, not recomputed): {', '.join(outcome.reused)}; --force recomputes.", highlight=False)
-    out.print(f"Logged to {shown_uri(uri)}, experiment '{loaded.recipe.name}', parent run {outcome.parent_run_id}."
-              + (f" [red]Failed: {failed}[/]" if failed else ""))
+        out.print(
+            f"Reused (unchanged, not recomputed): {', '.join(outcome.reused)}; --force recomputes.", highlight=False
+        )
+    out.print(
+        f"Logged to {shown_uri(uri)}, experiment '{loaded.recipe.name}', parent run {outcome.parent_run_id}."
+        + (f" [red]Failed: {failed}[/]" if failed else "")
+    )
     if (address := run_address(uri, outcome.experiment_id, outcome.parent_run_id)) is not None:
         out.print(f"View it at {address}", highlight=False)
     raise typer.Exit(outcome.exit_code)
@@ -149,14 +187,17 @@ def validate_command(recipe: Annotated[Path, typer.Argument(help="Recipe YAML to
 @app.command()
 def ui(
     port: Annotated[int, typer.Option(help="Port for the MLflow UI.")] = 5000,
-    host: Annotated[str, typer.Option(help="Interface to bind. Anything but 127.0.0.1 exposes your runs to the network.")] = "127.0.0.1",
+    host: Annotated[
+        str, typer.Option(help="Interface to bind. Anything but 127.0.0.1 exposes your runs to the network.")
+    ] = "127.0.0.1",
     tracking_uri: TrackingUri = None,
 ) -> None:
     """Serve the MLflow UI on the project's store and print the address of the runs table."""
     import signal
     import subprocess
 
-    from quantlab.tracking import open_store, tracking_uri as resolve_uri, ui_addresses
+    from quantlab.tracking import open_store, ui_addresses
+    from quantlab.tracking import tracking_uri as resolve_uri
 
     uri = resolve_uri(tracking_uri)
     try:
@@ -168,7 +209,10 @@ def ui(
     # mlflow ui starts helper processes: a session of its own lets us stop them all together.
     _stop_on_sigterm()
     # Its job runners (seven huey consumers) serve GenAI features, not the runs we browse.
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")}
+    env = {
+        **os.environ,
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false"),
+    }
     server = subprocess.Popen(command, start_new_session=True, env=env)
     for name, address in ui_addresses(store, host, port):
         out.print(f"{name}: {address}", highlight=False)
@@ -180,13 +224,16 @@ def ui(
         server.wait(timeout=30)
 
 
-Experiment = Annotated[Optional[str], typer.Option("--experiment", help="Experiment (recipe name). Default: the one with the newest sweep.")]
+Experiment = Annotated[
+    str | None, typer.Option("--experiment", help="Experiment (recipe name). Default: the one with the newest sweep.")
+]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 
 def _sweep_view(experiment: str | None, tracking_uri: str | None):
     from quantlab.publish import read_sweep
-    from quantlab.tracking import latest_sweep, open_store, tracking_uri as resolve_uri
+    from quantlab.tracking import latest_sweep, open_store
+    from quantlab.tracking import tracking_uri as resolve_uri
 
     store = open_store(resolve_uri(tracking_uri))
     return store, read_sweep(store, latest_sweep(store, experiment).run_id)
@@ -233,14 +280,21 @@ def frontier(experiment: Experiment = None, tracking_uri: TrackingUri = None, as
             pairs = ", ".join(f"{a} vs {b}" for a, b in result.point_compared)
             out.print(f"  no paired noise available for {pairs}: compared on the point estimates", highlight=False)
     if found.direction_unknown:
-        out.print(f"direction unknown: {', '.join(found.direction_unknown)} (not placed on a frontier)", highlight=False)
+        out.print(
+            f"direction unknown: {', '.join(found.direction_unknown)} (not placed on a frontier)", highlight=False
+        )
 
 
 @app.command()
 def report(
     experiment: Experiment = None,
     tracking_uri: TrackingUri = None,
-    out_dir: Annotated[Path, typer.Option("--out", help="Directory for report.md, frontier.png/.html/.json and plots/ (PNG + SVG per frontier).")] = Path("quantlab-report"),
+    out_dir: Annotated[
+        Path,
+        typer.Option(
+            "--out", help="Directory for report.md, frontier.png/.html/.json and plots/ (PNG + SVG per frontier)."
+        ),
+    ] = Path("quantlab-report"),
 ) -> None:
     """Write the newest sweep's report and frontier plots to a directory."""
     from quantlab.publish import render_artifacts
@@ -258,14 +312,37 @@ def report(
 def pick_command(
     experiment: Experiment = None,
     tracking_uri: TrackingUri = None,
-    max_drop: Annotated[Optional[list[str]], typer.Option("--max-drop", help="METRIC=LIMIT: largest allowed drop against the baseline, to be shown by paired non-inferiority. LIMIT is percentage points for a 0-1 metric (eval/mmlu_dev/acc=1), the metric's own unit otherwise (quality/ppl=0.5), or relative to the baseline (quality/ppl=+2%). Repeatable.")] = None,
-    max_kld: Annotated[Optional[float], typer.Option("--max-kld", help="Largest allowed quality/kld_mean.")] = None,
-    min_top1: Annotated[Optional[float], typer.Option("--min-top1", help="Smallest allowed quality/top1_agreement (0-1).")] = None,
-    max_memory: Annotated[Optional[float], typer.Option("--max-memory", help="Largest allowed cost/peak_memory_bytes.")] = None,
-    objective: Annotated[Optional[str], typer.Option("--objective", help="Cost metric to optimise, e.g. cost/weight_bytes (default: the recipe's frontier.objective).")] = None,
-    register: Annotated[bool, typer.Option("--register", help="Register the chosen checkpoint in the MLflow Model Registry (no weights copied).")] = False,
+    max_drop: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--max-drop",
+            help="METRIC=LIMIT: largest allowed drop against the baseline, to be shown by paired non-inferiority. LIMIT is percentage points for a 0-1 metric (eval/mmlu_dev/acc=1), the metric's own unit otherwise (quality/ppl=0.5), or relative to the baseline (quality/ppl=+2%). Repeatable.",
+        ),
+    ] = None,
+    max_kld: Annotated[float | None, typer.Option("--max-kld", help="Largest allowed quality/kld_mean.")] = None,
+    min_top1: Annotated[
+        float | None, typer.Option("--min-top1", help="Smallest allowed quality/top1_agreement (0-1).")
+    ] = None,
+    max_memory: Annotated[
+        float | None, typer.Option("--max-memory", help="Largest allowed cost/peak_memory_bytes.")
+    ] = None,
+    objective: Annotated[
+        str | None,
+        typer.Option(
+            "--objective",
+            help="Cost metric to optimise, e.g. cost/weight_bytes (default: the recipe's frontier.objective).",
+        ),
+    ] = None,
+    register: Annotated[
+        bool,
+        typer.Option(
+            "--register", help="Register the chosen checkpoint in the MLflow Model Registry (no weights copied)."
+        ),
+    ] = False,
     alias: Annotated[str, typer.Option(help="Registry alias to point at the chosen version.")] = "production",
-    model_name: Annotated[Optional[str], typer.Option(help="Registered model name (default: the experiment name).")] = None,
+    model_name: Annotated[
+        str | None, typer.Option(help="Registered model name (default: the experiment name).")
+    ] = None,
     as_json: AsJson = False,
 ) -> None:
     """Choose the variant to ship: the best by the objective among those shown within every limit.
@@ -282,28 +359,35 @@ def pick_command(
 
     try:
         store, view = _sweep_view(experiment, tracking_uri)
-        policy = _pick_policy(view, max_drop or [], max_kld=max_kld, min_top1_agreement=min_top1,
-                              max_peak_memory_bytes=max_memory)
+        policy = _pick_policy(
+            view, max_drop or [], max_kld=max_kld, min_top1_agreement=min_top1, max_peak_memory_bytes=max_memory
+        )
         decision = decide(view, policy, objective)
     except BadInput as error:
         _fail_on_bad_input(error)
         return
     record = record_pick(store, view, decision, register=register, alias=alias, model_name=model_name)
     if as_json:
-
         out.print_json(json.dumps(record))
     else:
         _print_decision(decision)
         if "registered" in record:
             reg = record["registered"]
             state = "registered as new" if reg["new_version"] else "already registered as"
-            out.print(f"{decision.chosen} {state} version {reg['version']} of '{reg['model']}', alias '{reg['alias']}'", highlight=False)
+            out.print(
+                f"{decision.chosen} {state} version {reg['version']} of '{reg['model']}', alias '{reg['alias']}'",
+                highlight=False,
+            )
     raise typer.Exit(0 if decision.chosen else 1)
 
 
 # The policy field each `pick` flag sets (quantlab.policy.Policy is shared with the recipe).
-_PICK_FLAGS = {"max_drop": "--max-drop", "max_kld": "--max-kld", "min_top1_agreement": "--min-top1",
-               "max_peak_memory_bytes": "--max-memory"}
+_PICK_FLAGS = {
+    "max_drop": "--max-drop",
+    "max_kld": "--max-kld",
+    "min_top1_agreement": "--min-top1",
+    "max_peak_memory_bytes": "--max-memory",
+}
 
 
 def _pick_policy(view, max_drop: list[str], **bounds: float | None):
@@ -323,8 +407,14 @@ def _pick_policy(view, max_drop: list[str], **bounds: float | None):
         # Flags replace the recipe's policy whole: no implicit any-task limit beside them.
         policy = Policy(max_drop=drops, max_drop_any_task=None, **bounds)
     except ValidationError as error:
-        raise BadInput([_flag_problem(_PICK_FLAGS.get(str(item["loc"][0]), "--max-drop") if item["loc"] else "--max-drop",
-                                      item["msg"]) for item in error.errors()]) from None
+        raise BadInput(
+            [
+                _flag_problem(
+                    _PICK_FLAGS.get(str(item["loc"][0]), "--max-drop") if item["loc"] else "--max-drop", item["msg"]
+                )
+                for item in error.errors()
+            ]
+        ) from None
     baseline = next((v for v in view.variants if v.name == view.baseline), None)
     try:
         policy.check_logged({key for variant in view.variants for key in variant.metrics})
@@ -340,7 +430,9 @@ def _print_decision(decision) -> None:
     out.print(decision.summary, highlight=False)
     for verdict in decision.verdicts:
         lines = [check.detail for check in verdict.checks] if verdict.name == decision.chosen else list(verdict.reasons)
-        out.print(f"  {verdict.name} ({verdict.status.words}): {'; '.join(lines) or 'no limits to check'}", highlight=False)
+        out.print(
+            f"  {verdict.name} ({verdict.status.words}): {'; '.join(lines) or 'no limits to check'}", highlight=False
+        )
     if decision.unchecked:
         out.print(f"  not checked by the any-task limit: {', '.join(decision.unchecked)}", highlight=False)
 

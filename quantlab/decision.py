@@ -59,7 +59,11 @@ class CheckStatus(str, Enum):
     UNDECIDED = "undecided"  # not enough evidence either way: not a pass
 
 
-_BY_OUTCOME = {Outcome.WITHIN: CheckStatus.PASSED, Outcome.OVER: CheckStatus.FAILED, Outcome.UNSURE: CheckStatus.UNDECIDED}
+_BY_OUTCOME = {
+    Outcome.WITHIN: CheckStatus.PASSED,
+    Outcome.OVER: CheckStatus.FAILED,
+    Outcome.UNSURE: CheckStatus.UNDECIDED,
+}
 
 
 @dataclass(frozen=True)
@@ -98,8 +102,15 @@ class DropCheck:
             return result(CheckStatus.FAILED, f"baseline lacks metric {metric}")
         if variant.name == baseline.name:
             # Compared with itself the difference is zero on every document: nothing to estimate.
-            return result(CheckStatus.PASSED, f"{metric}: the baseline itself, no drop by definition",
-                          outcome=Outcome.WITHIN, drop=0.0, lower=0.0, upper=0.0, limit=rule.allowed)
+            return result(
+                CheckStatus.PASSED,
+                f"{metric}: the baseline itself, no drop by definition",
+                outcome=Outcome.WITHIN,
+                drop=0.0,
+                lower=0.0,
+                upper=0.0,
+                limit=rule.allowed,
+            )
         value = variant.value(metric)
         if value is None:
             return result(CheckStatus.FAILED, f"missing metric {metric}")
@@ -107,14 +118,23 @@ class DropCheck:
         n = int(variant.value(paired_key(metric, "n")) or 0)
         if diff is None or se is None:
             shown = f"{format_value(rule.spec, rule.baseline_value)} -> {format_value(rule.spec, value)}"
-            return result(CheckStatus.UNDECIDED, f"{metric}: {Outcome.UNSURE.value}: no paired statistics logged ({shown})",
-                          outcome=Outcome.UNSURE, limit=rule.allowed)
+            return result(
+                CheckStatus.UNDECIDED,
+                f"{metric}: {Outcome.UNSURE.value}: no paired statistics logged ({shown})",
+                outcome=Outcome.UNSURE,
+                limit=rule.allowed,
+            )
         drop = -diff if rule.spec.higher_is_better else diff
         found = non_inferiority(drop, se, n, rule.allowed)
         return result(
-            _BY_OUTCOME[found.outcome], _non_inferiority_words(rule, found.outcome, drop, found.lower, found.upper, n,
-                                                              found.documents_needed),
-            outcome=found.outcome, drop=drop, lower=found.lower, upper=found.upper, limit=rule.allowed, n=n,
+            _BY_OUTCOME[found.outcome],
+            _non_inferiority_words(rule, found.outcome, drop, found.lower, found.upper, n, found.documents_needed),
+            outcome=found.outcome,
+            drop=drop,
+            lower=found.lower,
+            upper=found.upper,
+            limit=rule.allowed,
+            n=n,
             documents_needed=found.documents_needed,
         )
 
@@ -122,6 +142,7 @@ class DropCheck:
 def _drop_result(constraint: str, metric: str):
     def result(status: CheckStatus, detail: str, **figures: Any) -> CheckResult:
         return CheckResult(constraint, metric, status, detail, **figures)
+
     return result
 
 
@@ -130,8 +151,10 @@ def _non_inferiority_words(
 ) -> str:
     """'eval/x/acc: shown over the limit: drop 2.00 pts, one-sided 95% bounds [1.11, 2.89] pts, limit 1 pt (paired, n=1000)'."""
     metric = rule.spec
-    text = (f"{rule.metric}: {outcome.value}: drop {_amount(metric, drop)}, one-sided 95% bounds "
-            f"[{_amount(metric, lower)}, {_amount(metric, upper)}], limit {_limit_words(rule)} (paired, n={n:,})")
+    text = (
+        f"{rule.metric}: {outcome.value}: drop {_amount(metric, drop)}, one-sided 95% bounds "
+        f"[{_amount(metric, lower)}, {_amount(metric, upper)}], limit {_limit_words(rule)} (paired, n={n:,})"
+    )
     if outcome is Outcome.UNSURE:
         text += f"; about {needed:,} documents would settle it" if needed else "; more documents would settle it"
     return text
@@ -219,7 +242,6 @@ class Status(str, Enum):
     REJECTED = "rejected"
     FAILED = "failed"
 
-
     @property
     def words(self) -> str:
         """The status as the report and `pick` say it."""
@@ -227,8 +249,11 @@ class Status(str, Enum):
 
 
 _STATUS_WORDS = {
-    Status.CHOSEN: "chosen", Status.COSTS_MORE: "shown within every limit, costs more",
-    Status.UNDECIDED: "not enough evidence", Status.REJECTED: "rejected", Status.FAILED: "failed",
+    Status.CHOSEN: "chosen",
+    Status.COSTS_MORE: "shown within every limit, costs more",
+    Status.UNDECIDED: "not enough evidence",
+    Status.REJECTED: "rejected",
+    Status.FAILED: "failed",
 }
 _RANK = {Status.CHOSEN: 0, Status.COSTS_MORE: 1, Status.UNDECIDED: 2, Status.REJECTED: 3, Status.FAILED: 4}
 
@@ -269,21 +294,30 @@ class Decision:
         objective = f"{self.objective.metric} ({direction} is better)"
         undecided = self._undecided_better_than_chosen()
         if self.chosen is None:
-            head = ("No variant shown within the limits; nothing chosen" if undecided
-                    else "No variant satisfies every constraint; nothing chosen")
+            head = (
+                "No variant shown within the limits; nothing chosen"
+                if undecided
+                else "No variant satisfies every constraint; nothing chosen"
+            )
             return f"{head} (objective: {objective}).{_would_need(undecided)}"
         passing = sum(v.status in (Status.CHOSEN, Status.COSTS_MORE) for v in self.verdicts)
         value = _shown(self.objective, self.verdict(self.chosen).objective_value)
-        text = (f"Chosen: {self.chosen}, the best by {objective} at {value} among "
-                f"{passing} of {len(self.verdicts)} variants shown within every limit.")
+        text = (
+            f"Chosen: {self.chosen}, the best by {objective} at {value} among "
+            f"{passing} of {len(self.verdicts)} variants shown within every limit."
+        )
         if undecided:
             text += f" Better by the objective but not shown within the limits:{_would_need(undecided)}"
         return text
 
     def _undecided_better_than_chosen(self) -> list[Verdict]:
         chosen = self.verdict(self.chosen).objective_value if self.chosen else None
-        return [v for v in self.verdicts if v.status is Status.UNDECIDED and (
-            chosen is None or v.objective_value is None or self.objective.is_better(v.objective_value, chosen))]
+        return [
+            v
+            for v in self.verdicts
+            if v.status is Status.UNDECIDED
+            and (chosen is None or v.objective_value is None or self.objective.is_better(v.objective_value, chosen))
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON decision record."""
@@ -341,10 +375,18 @@ def pick(variants: Sequence[VariantSummary], baseline_name: str, policy: Policy,
     if chosen is not None:
         judged[chosen.name] = _with_status(chosen, Status.CHOSEN, ())
         for runner_up in satisfying[1:]:
-            judged[runner_up.name] = _with_status(runner_up, Status.COSTS_MORE, (_costs_more_reason(runner_up, chosen, objective),))
+            judged[runner_up.name] = _with_status(
+                runner_up, Status.COSTS_MORE, (_costs_more_reason(runner_up, chosen, objective),)
+            )
 
-    ordered = sorted(judged.values(), key=lambda v: (
-        _RANK[v.status], math.inf if v.objective_value is None else objective.sort_key(v.objective_value), v.name))
+    ordered = sorted(
+        judged.values(),
+        key=lambda v: (
+            _RANK[v.status],
+            math.inf if v.objective_value is None else objective.sort_key(v.objective_value),
+            v.name,
+        ),
+    )
     return Decision(
         chosen=chosen.name if chosen else None,
         baseline=baseline.name,
@@ -353,7 +395,8 @@ def pick(variants: Sequence[VariantSummary], baseline_name: str, policy: Policy,
         checks=tuple(check.describe() for check in checks),
         verdicts=tuple(ordered),
         unchecked=tuple(unchecked_by_any_task(baseline.metrics, baseline.declared))
-        if policy.max_drop_any_task is not None and baseline.succeeded else (),
+        if policy.max_drop_any_task is not None and baseline.succeeded
+        else (),
     )
 
 
@@ -368,11 +411,15 @@ def _judge(variant: VariantSummary, baseline: VariantSummary, checks: Sequence[C
         failed.append(f"missing metric {objective.metric} (the objective)")
     if failed:
         # Undecided checks are reasons too: the reader sees everything that stands in the way.
-        return Verdict(variant.name, Status.REJECTED, (*failed, *(r.detail for r in undecided)), objective_value, results)
+        return Verdict(
+            variant.name, Status.REJECTED, (*failed, *(r.detail for r in undecided)), objective_value, results
+        )
     if undecided:
         needed = [r.documents_needed for r in undecided if r.documents_needed is not None]
         most = max(needed) if needed else None
-        return Verdict(variant.name, Status.UNDECIDED, tuple(r.detail for r in undecided), objective_value, results, most)
+        return Verdict(
+            variant.name, Status.UNDECIDED, tuple(r.detail for r in undecided), objective_value, results, most
+        )
     return Verdict(variant.name, Status.COSTS_MORE, (), objective_value, results)  # provisional until ranked
 
 
@@ -393,6 +440,8 @@ def _with_status(verdict: Verdict, status: Status, reasons: tuple[str, ...]) -> 
 def _costs_more_reason(verdict: Verdict, chosen: Verdict, objective: Axis) -> str:
     value, best = _shown(objective, verdict.objective_value), _shown(objective, chosen.objective_value)
     if verdict.objective_value == chosen.objective_value:
-        return (f"ties {chosen.name} on {objective.metric} ({value}) "
-                "and loses the tie-break (more of the drop limits used, higher KL, or later name)")
+        return (
+            f"ties {chosen.name} on {objective.metric} ({value}) "
+            "and loses the tie-break (more of the drop limits used, higher KL, or later name)"
+        )
     return f"costs more: {objective.metric} {value} vs {best} for {chosen.name}"

@@ -76,7 +76,11 @@ def _bind_to_sweep(name: str) -> None:
 
 def failure_reason(error: BaseException) -> str:
     if isinstance(error, BadInput):  # found only at run time, e.g. too little calibration text
-        return f"{error.problems[0].field or 'input'}: {error.problems[0].message}" if len(error.problems) == 1 else str(error)
+        return (
+            f"{error.problems[0].field or 'input'}: {error.problems[0].message}"
+            if len(error.problems) == 1
+            else str(error)
+        )
     return f"{type(error).__name__}: {error}"
 
 
@@ -91,8 +95,9 @@ def run_local(job: VariantJob, log_path: Path, on_stage: StageCallback) -> Varia
     # pipe's buffer (e.g. it cannot unpickle it) blocks the sweep forever.
     job_path = log_path.with_name(f"{log_path.stem}.job.pickle")
     job_path.write_bytes(pickle.dumps(job))
-    process = context.Process(target=_child_main, args=(job.variant, str(job_path), messages, str(log_path)),
-                              name=f"quantlab-{job.variant}")
+    process = context.Process(
+        target=_child_main, args=(job.variant, str(job_path), messages, str(log_path)), name=f"quantlab-{job.variant}"
+    )
     process.start()
     try:
         while True:
@@ -170,7 +175,9 @@ class InProcessExecutor:
         for job in jobs:
             log_path = log_dir / f"{job.variant}.log"  # never written: the sweep logs no file that is absent
             try:
-                outcome: VariantResult | VariantFailed = run_variant(job, lambda stage, name=job.variant: on_stage(name, stage))
+                outcome: VariantResult | VariantFailed = run_variant(
+                    job, lambda stage, name=job.variant: on_stage(name, stage)
+                )
             except Exception as error:  # noqa: BLE001 - one variant's error must not end the sweep; Ctrl-C still does
                 outcome = VariantFailed(failure_reason(error), traceback.format_exc())
             finally:
@@ -222,7 +229,9 @@ class RayExecutor:
         for job in jobs:
             runtime = job.loaded.recipe.runtime
             log_path = log_dir / f"{job.variant}.log"
-            ref = remote.options(num_cpus=runtime.cpus, num_gpus=runtime.gpus, name=f"quantlab-{job.variant}").remote(job, str(log_path))
+            ref = remote.options(num_cpus=runtime.cpus, num_gpus=runtime.gpus, name=f"quantlab-{job.variant}").remote(
+                job, str(log_path)
+            )
             pending[ref] = (job, log_path)
             on_stage(job.variant, "queued on Ray")
         while pending:
@@ -234,7 +243,11 @@ class RayExecutor:
                 cause = error.cause if isinstance(getattr(error, "cause", None), BaseException) else error
                 yield job, VariantFailed(failure_reason(cause), str(error) + _log_tail(log_path)), log_path
             except ray.exceptions.RayError as error:  # worker died: killed, out of memory, node lost
-                yield job, VariantFailed(f"Ray worker failed: {type(error).__name__}", str(error) + _log_tail(log_path)), log_path
+                yield (
+                    job,
+                    VariantFailed(f"Ray worker failed: {type(error).__name__}", str(error) + _log_tail(log_path)),
+                    log_path,
+                )
 
 
 def _ray_task(job: VariantJob, log_path: str) -> VariantResult:
@@ -247,7 +260,9 @@ def _ray_task(job: VariantJob, log_path: str) -> VariantResult:
 
 def make_executor(kind: str, ray_address: str | None) -> Executor:
     executors: dict[str, Callable[[], Executor]] = {
-        "local": LocalExecutor, "inprocess": InProcessExecutor, "ray": lambda: RayExecutor(ray_address),
+        "local": LocalExecutor,
+        "inprocess": InProcessExecutor,
+        "ray": lambda: RayExecutor(ray_address),
     }
     if kind not in executors:
         raise ValueError(f"unknown executor '{kind}'; known: {', '.join(executors)}")

@@ -110,7 +110,7 @@ def format_p(p: float) -> str:
 
 
 def describe_comparison(comparison: PairedComparison, metric: MetricSpec) -> str:
-    """"-2.00 pts [-3.10, -0.90], p=3e-4, 25 right→wrong / 5 wrong→right" (variant minus baseline)."""
+    """ "-2.00 pts [-3.10, -0.90], p=3e-4, 25 right→wrong / 5 wrong→right" (variant minus baseline)."""
     text = format_change(metric, comparison.diff)
     if math.isfinite(comparison.ci95_low) and math.isfinite(comparison.ci95_high):
         ends = (comparison.ci95_low, comparison.ci95_high)
@@ -147,8 +147,7 @@ class Axis:
         direction = found.higher_is_better if higher_is_better is None else higher_is_better
         if direction is None:
             raise UnknownDirectionError(
-                f"the metric contract has no direction for {metric!r}; "
-                "say it explicitly (higher_is_better: true/false)"
+                f"the metric contract has no direction for {metric!r}; say it explicitly (higher_is_better: true/false)"
             )
         return cls(metric, direction, found.scale)
 
@@ -252,24 +251,39 @@ class Group:
 def reversed_comparison(c: PairedComparison) -> PairedComparison:
     """first minus second from second minus first."""
     return replace(
-        c, baseline=c.variant, variant=c.baseline, diff=-c.diff, ci95_low=-c.ci95_high, ci95_high=-c.ci95_low,
-        correct_to_wrong=c.wrong_to_correct, wrong_to_correct=c.correct_to_wrong,
+        c,
+        baseline=c.variant,
+        variant=c.baseline,
+        diff=-c.diff,
+        ci95_low=-c.ci95_high,
+        ci95_high=-c.ci95_low,
+        correct_to_wrong=c.wrong_to_correct,
+        wrong_to_correct=c.correct_to_wrong,
     )
 
 
 def logged_comparison(variant: VariantSummary, metric: str) -> PairedComparison | None:
     """The variant-minus-baseline figures its run logged under `quality/paired/<metric>/...`."""
-    figure = {stat: variant.value(paired_key(metric, stat)) for stat in (
-        "diff", "se", "ci95_low", "ci95_high", "p_value", "n", "correct_to_wrong", "wrong_to_correct")}
+    figure = {
+        stat: variant.value(paired_key(metric, stat))
+        for stat in ("diff", "se", "ci95_low", "ci95_high", "p_value", "n", "correct_to_wrong", "wrong_to_correct")
+    }
     value = variant.value(metric)
     if value is None or any(figure[stat] is None for stat in ("diff", "ci95_low", "ci95_high")):
         return None
     flips = [None if figure[s] is None else int(figure[s]) for s in ("correct_to_wrong", "wrong_to_correct")]
     return PairedComparison(
-        n=int(figure["n"] or 0), baseline=value - figure["diff"], variant=value, diff=figure["diff"],
-        se=math.nan if figure["se"] is None else figure["se"], ci95_low=figure["ci95_low"],
-        ci95_high=figure["ci95_high"], p_value=math.nan if figure["p_value"] is None else figure["p_value"],
-        test="logged", correct_to_wrong=flips[0], wrong_to_correct=flips[1],
+        n=int(figure["n"] or 0),
+        baseline=value - figure["diff"],
+        variant=value,
+        diff=figure["diff"],
+        se=math.nan if figure["se"] is None else figure["se"],
+        ci95_low=figure["ci95_low"],
+        ci95_high=figure["ci95_high"],
+        p_value=math.nan if figure["p_value"] is None else figure["p_value"],
+        test="logged",
+        correct_to_wrong=flips[0],
+        wrong_to_correct=flips[1],
     )
 
 
@@ -389,7 +403,9 @@ class FrontierResult:
             **self.pair.to_dict(),
             "baseline": self.baseline,
             "on_front": list(self.on_front),
-            "points": [asdict(point) | {"on_front": point.on_front, "interval": point.interval} for point in self.points],
+            "points": [
+                asdict(point) | {"on_front": point.on_front, "interval": point.interval} for point in self.points
+            ],
             "excluded": [asdict(exclusion) for exclusion in self.excluded],
             "no_paired_noise": [list(names) for names in self.point_compared],
         }
@@ -448,18 +464,32 @@ def pareto_front(variants: Sequence[VariantSummary], pair: AxisPair, noise: Nois
         versus = None
         if baseline is not None and baseline.succeeded and variant.name != baseline.name:
             versus = noise(pair.quality.metric, baseline.name, variant.name)
-        placed.append(FrontierPoint(
-            variant.name, variant.method, variant.value(pair.quality.metric),  # type: ignore[arg-type]
-            variant.value(pair.cost.metric), is_baseline=variant.is_baseline, vs_baseline=versus,  # type: ignore[arg-type]
-        ))
+        placed.append(
+            FrontierPoint(
+                variant.name,
+                variant.method,
+                variant.value(pair.quality.metric),  # type: ignore[arg-type]
+                variant.value(pair.cost.metric),
+                is_baseline=variant.is_baseline,
+                vs_baseline=versus,  # type: ignore[arg-type]
+            )
+        )
     margins = {(a.name, b.name): quality_margin(pair, a, b, noise) for a in placed for b in placed if a is not b}
     judged = [
         replace(
             point,
-            dominated_by=tuple(sorted(o.name for o in placed if o is not point
-                                      and dominates(pair, o, point, margins[o.name, point.name]))),
-            tied_with=tuple(sorted(o.name for o in placed if o is not point
-                                   and margins[o.name, point.name].low < 0 < margins[o.name, point.name].high)),
+            dominated_by=tuple(
+                sorted(
+                    o.name for o in placed if o is not point and dominates(pair, o, point, margins[o.name, point.name])
+                )
+            ),
+            tied_with=tuple(
+                sorted(
+                    o.name
+                    for o in placed
+                    if o is not point and margins[o.name, point.name].low < 0 < margins[o.name, point.name].high
+                )
+            ),
         )
         for point in placed
     ]
@@ -511,7 +541,9 @@ class FrontierSettings(BaseModel):
     axes: list[AxisSettings] | None = None  # None: `default_axis_pairs`
     objective: str = "cost/weight_bytes"
     objective_higher_is_better: bool | None = None
-    default_policy: Policy = Field(default_factory=Policy)  # the report's recommendation: a `quantlab pick` without flags
+    default_policy: Policy = Field(
+        default_factory=Policy
+    )  # the report's recommendation: a `quantlab pick` without flags
 
     @model_validator(mode="after")
     def _objective_direction_is_known(self) -> FrontierSettings:
@@ -597,4 +629,3 @@ def frontiers_to_dict(frontiers: Frontiers) -> dict[str, Any]:
         "direction_unknown": list(frontiers.direction_unknown),
         "frontiers": [result.to_dict() for result in frontiers.results],
     }
-

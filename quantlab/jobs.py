@@ -65,11 +65,16 @@ class BaselineOutputs:
     @classmethod
     def from_samples(cls, data: dict, reference_dir: str | None) -> BaselineOutputs:
         if data.get("version") != SAMPLES_FORMAT:
-            raise ValueError(f"samples.json of version {data.get('version', 1)}; this quantlab reads version {SAMPLES_FORMAT}")
+            raise ValueError(
+                f"samples.json of version {data.get('version', 1)}; this quantlab reads version {SAMPLES_FORMAT}"
+            )
         return cls(
             reference_dir,
             documents_from_json(data["documents"]),
-            {key: GroupParts(tuple(g["leaves"]), tuple(float(w) for w in g["weights"])) for key, g in data["groups"].items()},
+            {
+                key: GroupParts(tuple(g["leaves"]), tuple(float(w) for w in g["weights"]))
+                for key, g in data["groups"].items()
+            },
             {key: float(value) for key, value in data["scores"].items()},
             dict(data["primary"]),
         )

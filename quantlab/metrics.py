@@ -103,7 +103,7 @@ class EvalKey:
         """The inverse of str(): None for a key that is not an lm-eval score."""
         if not key.startswith(EVAL_PREFIX):
             return None
-        task, slash, last = key[len(EVAL_PREFIX):].rpartition("/")
+        task, slash, last = key[len(EVAL_PREFIX) :].rpartition("/")
         if not slash or not task or not last:
             return None
         metric, _, filter_name = last.partition(":")
@@ -134,8 +134,11 @@ PAIRED_STATISTICS: dict[str, tuple[Scale | None, str]] = {
     "se": (None, "paired standard error of diff"),
     "ci95_low": (None, "lower end of the two-sided 95% interval of diff (normal approximation)"),
     "ci95_high": (None, "upper end of the two-sided 95% interval of diff (normal approximation)"),
-    "p_value": (Scale.P_VALUE, "two-sided p of no difference: exact McNemar for 0/1 scores, paired t "
-                "for continuous scores, z on the per-document log ratio for perplexities"),
+    "p_value": (
+        Scale.P_VALUE,
+        "two-sided p of no difference: exact McNemar for 0/1 scores, paired t "
+        "for continuous scores, z on the per-document log ratio for perplexities",
+    ),
     "n": (Scale.COUNT, "documents (or tokens) paired"),
     "correct_to_wrong": (Scale.COUNT, "0/1 scores only: documents right for the baseline, wrong for the variant"),
     "wrong_to_correct": (Scale.COUNT, "0/1 scores only: documents wrong for the baseline, right for the variant"),
@@ -152,7 +155,7 @@ def parse_paired_key(key: str) -> tuple[str, str] | None:
     """(quality metric key, statistic) of a paired key; None for any other key."""
     if not key.startswith(PAIRED_PREFIX):
         return None
-    metric_key, slash, statistic = key[len(PAIRED_PREFIX):].rpartition("/")
+    metric_key, slash, statistic = key[len(PAIRED_PREFIX) :].rpartition("/")
     if not slash or statistic not in PAIRED_STATISTICS or not metric_key:
         return None
     return metric_key, statistic
@@ -165,8 +168,18 @@ def parse_paired_key(key: str) -> tuple[str, str] | None:
 _FIXED: dict[str, tuple[bool | None, Scale, str, str]] = {
     # key: (higher_is_better, scale, label, meaning)
     "quality/ppl": (False, Scale.PERPLEXITY, "perplexity", "token perplexity on the quality corpus"),
-    "quality/ppl_tokens": (None, Scale.COUNT, "scored tokens", "tokens scored for quality/ppl (a count, not a quality)"),
-    "quality/kld_mean": (False, Scale.NATS, "mean KL divergence", "mean per-token KL(baseline || variant) on the quality corpus"),
+    "quality/ppl_tokens": (
+        None,
+        Scale.COUNT,
+        "scored tokens",
+        "tokens scored for quality/ppl (a count, not a quality)",
+    ),
+    "quality/kld_mean": (
+        False,
+        Scale.NATS,
+        "mean KL divergence",
+        "mean per-token KL(baseline || variant) on the quality corpus",
+    ),
     "quality/kld_mean_stderr": (None, Scale.NATS, "mean KL stderr", "standard error of quality/kld_mean over tokens"),
     "quality/kld_median": (False, Scale.NATS, "median KL divergence", "median per-token KL"),
     "quality/kld_p90": (False, Scale.NATS, "p90 KL divergence", "90th percentile of per-token KL"),
@@ -174,25 +187,95 @@ _FIXED: dict[str, tuple[bool | None, Scale, str, str]] = {
     "quality/kld_p99": (False, Scale.NATS, "p99 KL divergence", "99th percentile of per-token KL"),
     "quality/kld_p999": (False, Scale.NATS, "p99.9 KL divergence", "99.9th percentile of per-token KL"),
     "quality/kld_max": (False, Scale.NATS, "max KL divergence", "largest per-token KL"),
-    "quality/top1_agreement": (True, Scale.FRACTION, "top-1 agreement", "share of tokens whose top-1 prediction matches the baseline's"),
-    "quality/delta_p_mean": (None, Scale.FRACTION, "mean change in p(correct)", "mean of p_variant - p_baseline of the correct token (sign says direction, not size)"),
-    "quality/delta_p_rms": (False, Scale.FRACTION, "RMS change in p(correct)", "root mean square of p_variant - p_baseline of the correct token"),
-    "quality/ln_ppl_ratio": (False, Scale.NATS, "ln(PPL ratio)", "ln(ppl variant / ppl baseline): difference of mean token NLLs"),
+    "quality/top1_agreement": (
+        True,
+        Scale.FRACTION,
+        "top-1 agreement",
+        "share of tokens whose top-1 prediction matches the baseline's",
+    ),
+    "quality/delta_p_mean": (
+        None,
+        Scale.FRACTION,
+        "mean change in p(correct)",
+        "mean of p_variant - p_baseline of the correct token (sign says direction, not size)",
+    ),
+    "quality/delta_p_rms": (
+        False,
+        Scale.FRACTION,
+        "RMS change in p(correct)",
+        "root mean square of p_variant - p_baseline of the correct token",
+    ),
+    "quality/ln_ppl_ratio": (
+        False,
+        Scale.NATS,
+        "ln(PPL ratio)",
+        "ln(ppl variant / ppl baseline): difference of mean token NLLs",
+    ),
     "cost/weight_bytes": (False, Scale.BYTES, "weight size", "*.safetensors files of the checkpoint on disk"),
-    "cost/weight_bytes_in_memory": (False, Scale.BYTES, "weights in memory", "tensor payload of the checkpoint in its stored format"),
-    "cost/loaded_weight_bytes": (False, Scale.BYTES, "weights as loaded here", "parameters as loaded by the measuring engine"),
-    "cost/peak_memory_bytes": (False, Scale.BYTES, "peak memory", "peak memory while measuring (device memory on GPU, RSS on CPU)"),
-    "cost/peak_device_memory_bytes": (False, Scale.BYTES, "peak device memory", "peak accelerator memory while measuring"),
-    "cost/process_peak_rss_bytes": (False, Scale.BYTES, "process peak RSS", "peak resident memory of the variant's process"),
-    "cost/measured_bandwidth_bytes_per_s": (None, Scale.SCORE, "measured copy bandwidth", "memory copy bandwidth probed on this machine (a property of the machine)"),
+    "cost/weight_bytes_in_memory": (
+        False,
+        Scale.BYTES,
+        "weights in memory",
+        "tensor payload of the checkpoint in its stored format",
+    ),
+    "cost/loaded_weight_bytes": (
+        False,
+        Scale.BYTES,
+        "weights as loaded here",
+        "parameters as loaded by the measuring engine",
+    ),
+    "cost/peak_memory_bytes": (
+        False,
+        Scale.BYTES,
+        "peak memory",
+        "peak memory while measuring (device memory on GPU, RSS on CPU)",
+    ),
+    "cost/peak_device_memory_bytes": (
+        False,
+        Scale.BYTES,
+        "peak device memory",
+        "peak accelerator memory while measuring",
+    ),
+    "cost/process_peak_rss_bytes": (
+        False,
+        Scale.BYTES,
+        "process peak RSS",
+        "peak resident memory of the variant's process",
+    ),
+    "cost/measured_bandwidth_bytes_per_s": (
+        None,
+        Scale.SCORE,
+        "measured copy bandwidth",
+        "memory copy bandwidth probed on this machine (a property of the machine)",
+    ),
     "cost/bits_per_weight": (False, Scale.BITS, "bits per weight", "stored bits per decoder-block linear weight"),
     "cost/bits_per_parameter": (False, Scale.BITS, "bits per parameter", "stored bits per parameter"),
     "cost/parameter_count": (None, Scale.COUNT, "parameters", "parameters of the model (a size, not a cost)"),
     "cost/kv_bytes_per_token": (False, Scale.BYTES, "KV cache per token", "modeled KV-cache bytes per token"),
-    "cost/max_concurrent_sequences": (True, Scale.COUNT, "concurrent sequences on target", "modeled sequences that fit beside the weights on the target"),
-    "cost/roofline_decode_tokens_per_s": (True, Scale.TOKENS_PER_S, "decode roofline on target", "modeled memory-bound decode rate on the target"),
-    "cost/serving_decode_tokens_per_s": (True, Scale.TOKENS_PER_S, "serving decode on target (modeled)", "modeled batched decode rate on the target"),
-    "cost/usd_per_million_output_tokens": (False, Scale.USD, "USD per million output tokens", "modeled price of a million output tokens on the target"),
+    "cost/max_concurrent_sequences": (
+        True,
+        Scale.COUNT,
+        "concurrent sequences on target",
+        "modeled sequences that fit beside the weights on the target",
+    ),
+    "cost/roofline_decode_tokens_per_s": (
+        True,
+        Scale.TOKENS_PER_S,
+        "decode roofline on target",
+        "modeled memory-bound decode rate on the target",
+    ),
+    "cost/serving_decode_tokens_per_s": (
+        True,
+        Scale.TOKENS_PER_S,
+        "serving decode on target (modeled)",
+        "modeled batched decode rate on the target",
+    ),
+    "cost/usd_per_million_output_tokens": (
+        False,
+        Scale.USD,
+        "USD per million output tokens",
+        "modeled price of a million output tokens on the target",
+    ),
     "cost/load_seconds": (False, Scale.SECONDS, "load time", "seconds to load the checkpoint"),
 }
 
@@ -214,14 +297,38 @@ _BATCH_FIGURES: dict[str, tuple[bool, Scale, str]] = {
 _BATCH_KEY = re.compile(r"^cost/(?P<figure>[a-z0-9_]+?)(?:_bs(?P<batch>\d+))?$")
 _TIME_KEY = re.compile(r"^time/(?P<stage>[\w .-]+)_seconds$")
 _TASK_TEMPLATES: tuple[tuple[re.Pattern[str], str, bool | None, Scale, str, str], ...] = (
-    (re.compile(r"^quality/flips/(?P<task>[^/]+)$"), "quality/flips/<task>", False, Scale.COUNT,
-     "{task} answer flips", "documents whose 0/1 score differs from the baseline's (a group: sum of its leaves)"),
-    (re.compile(r"^quality/flips/(?P<task>[^/]+)/correct_to_wrong$"), "quality/flips/<task>/correct_to_wrong", False,
-     Scale.COUNT, "{task} right-to-wrong flips", "documents right for the baseline, wrong for the variant"),
-    (re.compile(r"^quality/flips/(?P<task>[^/]+)/wrong_to_correct$"), "quality/flips/<task>/wrong_to_correct", True,
-     Scale.COUNT, "{task} wrong-to-right flips", "documents wrong for the baseline, right for the variant"),
-    (re.compile(r"^quality/mcnemar_p/(?P<task>[^/]+)$"), "quality/mcnemar_p/<task>", None, Scale.P_VALUE,
-     "{task} McNemar p", "exact McNemar p of the task's primary 0/1 score against the baseline"),
+    (
+        re.compile(r"^quality/flips/(?P<task>[^/]+)$"),
+        "quality/flips/<task>",
+        False,
+        Scale.COUNT,
+        "{task} answer flips",
+        "documents whose 0/1 score differs from the baseline's (a group: sum of its leaves)",
+    ),
+    (
+        re.compile(r"^quality/flips/(?P<task>[^/]+)/correct_to_wrong$"),
+        "quality/flips/<task>/correct_to_wrong",
+        False,
+        Scale.COUNT,
+        "{task} right-to-wrong flips",
+        "documents right for the baseline, wrong for the variant",
+    ),
+    (
+        re.compile(r"^quality/flips/(?P<task>[^/]+)/wrong_to_correct$"),
+        "quality/flips/<task>/wrong_to_correct",
+        True,
+        Scale.COUNT,
+        "{task} wrong-to-right flips",
+        "documents wrong for the baseline, right for the variant",
+    ),
+    (
+        re.compile(r"^quality/mcnemar_p/(?P<task>[^/]+)$"),
+        "quality/mcnemar_p/<task>",
+        None,
+        Scale.P_VALUE,
+        "{task} McNemar p",
+        "exact McNemar p of the task's primary 0/1 score against the baseline",
+    ),
 )
 _RECOVERY = re.compile(r"^quality/recovery/(?P<score>[^/]+/[^/]+)$")  # <task>/<metric>[:<filter>]
 
@@ -237,11 +344,23 @@ def spec(key: str, declared: Mapping[str, Declared] | None = None) -> MetricSpec
         found = declared.get(parsed.score_key)
         scale = found.scale if found else Scale.SCORE
         if parsed.stderr:
-            return MetricSpec(key, "eval/<task>/<metric>_stderr[:<filter>]", None, scale, parsed.label,
-                              "lm-eval's standard error of the score (unpaired; quantlab's verdicts use the paired ones)")
+            return MetricSpec(
+                key,
+                "eval/<task>/<metric>_stderr[:<filter>]",
+                None,
+                scale,
+                parsed.label,
+                "lm-eval's standard error of the score (unpaired; quantlab's verdicts use the paired ones)",
+            )
         higher = found.higher_is_better if found else None
-        return MetricSpec(key, "eval/<task>/<metric>[:<filter>]", higher, scale, parsed.label,
-                          "lm-eval's score, direction from lm-eval's higher_is_better")
+        return MetricSpec(
+            key,
+            "eval/<task>/<metric>[:<filter>]",
+            higher,
+            scale,
+            parsed.label,
+            "lm-eval's score, direction from lm-eval's higher_is_better",
+        )
     paired = parse_paired_key(key)
     if paired is not None:
         metric_key, statistic = paired
@@ -249,23 +368,47 @@ def spec(key: str, declared: Mapping[str, Declared] | None = None) -> MetricSpec
         own_scale, meaning = PAIRED_STATISTICS[statistic]
         # A difference is better the more it favours the variant in the metric's direction.
         higher = base.higher_is_better if statistic in ("diff", "ci95_low", "ci95_high") else None
-        return MetricSpec(key, f"quality/paired/<metric>/{statistic}", higher, own_scale or base.scale,
-                          f"{base.label}: paired {statistic}", meaning)
+        return MetricSpec(
+            key,
+            f"quality/paired/<metric>/{statistic}",
+            higher,
+            own_scale or base.scale,
+            f"{base.label}: paired {statistic}",
+            meaning,
+        )
     if (match := _RECOVERY.match(key)) is not None:
         base = spec(EVAL_PREFIX + match["score"], declared)
-        return MetricSpec(key, "quality/recovery/<task>/<metric>[:<filter>]", base.higher_is_better, Scale.RATIO,
-                          f"{base.label} recovery", "variant score / baseline score (above 1 is worse for lower-is-better scores)")
+        return MetricSpec(
+            key,
+            "quality/recovery/<task>/<metric>[:<filter>]",
+            base.higher_is_better,
+            Scale.RATIO,
+            f"{base.label} recovery",
+            "variant score / baseline score (above 1 is worse for lower-is-better scores)",
+        )
     for pattern, entry, higher, scale, label, meaning in _TASK_TEMPLATES:
         if (match := pattern.match(key)) is not None:
             return MetricSpec(key, entry, higher, scale, label.format(task=match["task"]), meaning)
     if (match := _TIME_KEY.match(key)) is not None:
-        return MetricSpec(key, "time/<stage>_seconds", False, Scale.SECONDS, f"{match['stage']} time",
-                          "wall seconds of one stage of the variant's run")
+        return MetricSpec(
+            key,
+            "time/<stage>_seconds",
+            False,
+            Scale.SECONDS,
+            f"{match['stage']} time",
+            "wall seconds of one stage of the variant's run",
+        )
     if (match := _BATCH_KEY.match(key)) is not None and match["figure"] in _BATCH_FIGURES:
         higher, scale, label = _BATCH_FIGURES[match["figure"]]
         batch = f" at batch {match['batch']}" if match["batch"] else ""
-        return MetricSpec(key, "cost/<figure>[_bs<N>]", higher, scale, label + batch,
-                          "measured on this machine by the measure stage (see the run's quantlab.cost.* tags)")
+        return MetricSpec(
+            key,
+            "cost/<figure>[_bs<N>]",
+            higher,
+            scale,
+            label + batch,
+            "measured on this machine by the measure stage (see the run's quantlab.cost.* tags)",
+        )
     return MetricSpec(key, "", None, Scale.SCORE, key, "not in quantlab's metric contract")
 
 
@@ -293,7 +436,9 @@ DECLARED_TAG_PREFIX = "quantlab.metric/"
 def declared_tags(declared: Mapping[str, Declared]) -> dict[str, str]:
     """Tags `quantlab.metric/<score key>` = "higher|lower|unknown <scale>"."""
     words = {True: "higher", False: "lower", None: "unknown"}
-    return {f"{DECLARED_TAG_PREFIX}{key}": f"{words[d.higher_is_better]} {d.scale.value}" for key, d in declared.items()}
+    return {
+        f"{DECLARED_TAG_PREFIX}{key}": f"{words[d.higher_is_better]} {d.scale.value}" for key, d in declared.items()
+    }
 
 
 def declared_from_tags(tags: Mapping[str, str]) -> dict[str, Declared]:
@@ -304,7 +449,7 @@ def declared_from_tags(tags: Mapping[str, str]) -> dict[str, Declared]:
             continue
         direction, _, scale = value.partition(" ")
         try:
-            found[tag[len(DECLARED_TAG_PREFIX):]] = Declared(directions[direction], Scale(scale))
+            found[tag[len(DECLARED_TAG_PREFIX) :]] = Declared(directions[direction], Scale(scale))
         except (KeyError, ValueError):
             continue  # a tag this version cannot read counts as undeclared, and gets named
     return found

@@ -81,17 +81,26 @@ def resolve_source(spec: ModelSpec, base_dir: Path) -> ModelSource:
     common = dict(revision=spec.revision, trust_remote_code=spec.trust_remote_code)
     if path.suffix == ".gguf":
         return ModelSource(
-            kind="gguf", location=str(path.parent), gguf_file=path.name,
-            identity=f"gguf:{path.name}:sha256={_file_sha256(path)}", **common,
+            kind="gguf",
+            location=str(path.parent),
+            gguf_file=path.name,
+            identity=f"gguf:{path.name}:sha256={_file_sha256(path)}",
+            **common,
         )
     if path.is_dir():
         return ModelSource(
-            kind="local_dir", location=str(path), gguf_file=None,
-            identity=f"dir:{_directory_fingerprint(path)}", **common,
+            kind="local_dir",
+            location=str(path),
+            gguf_file=None,
+            identity=f"dir:{_directory_fingerprint(path)}",
+            **common,
         )
     return ModelSource(
-        kind="hub", location=spec.source, gguf_file=None,
-        identity=f"hub:{spec.source}@{spec.revision or 'main'}", **common,
+        kind="hub",
+        location=spec.source,
+        gguf_file=None,
+        identity=f"hub:{spec.source}@{spec.revision or 'main'}",
+        **common,
     )
 
 
@@ -164,15 +173,20 @@ def load_config(source: ModelSource) -> PretrainedConfig:
     try:
         return AutoConfig.from_pretrained(location, **kwargs)
     except Exception as error:  # noqa: BLE001 - any failure here is the user's source being unusable
-        raise BadInput([Problem("", "model.source", f"cannot read the model config of {source.display}: {error}")]) from None
+        raise BadInput(
+            [Problem("", "model.source", f"cannot read the model config of {source.display}: {error}")]
+        ) from None
 
 
 def widths_identity(source: ModelSource) -> dict[str, str]:
     """What decides `linear_input_widths`: the model's content and the transformers that builds it."""
     from importlib.metadata import version
 
-    return {"widths_of": source.identity, "trust_remote_code": str(source.trust_remote_code),
-            "transformers": version("transformers")}
+    return {
+        "widths_of": source.identity,
+        "trust_remote_code": str(source.trust_remote_code),
+        "transformers": version("transformers"),
+    }
 
 
 def linear_input_widths(source: ModelSource) -> dict[str, int]:
@@ -261,7 +275,9 @@ def load_checkpoint(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, **_placement(device), **_fast_kernels(checkpoint, device))
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoint, dtype=dtype, **_placement(device), **_fast_kernels(checkpoint, device)
+    )
     return model.eval(), tokenizer
 
 

@@ -84,8 +84,12 @@ class PairedComparison:
     def statistics(self) -> dict[str, float]:
         """The finite figures, by the statistic names of `quantlab.metrics.PAIRED_STATISTICS`."""
         figures: dict[str, float] = {
-            "diff": self.diff, "se": self.se, "ci95_low": self.ci95_low, "ci95_high": self.ci95_high,
-            "p_value": self.p_value, "n": float(self.n),
+            "diff": self.diff,
+            "se": self.se,
+            "ci95_low": self.ci95_low,
+            "ci95_high": self.ci95_high,
+            "p_value": self.p_value,
+            "n": float(self.n),
         }
         if self.correct_to_wrong is not None and self.wrong_to_correct is not None:
             figures["correct_to_wrong"] = float(self.correct_to_wrong)
@@ -102,8 +106,10 @@ def compare(task: str, baseline: DocumentScores, variant: DocumentScores) -> Pai
     if baseline.values.keys() != variant.values.keys() or baseline.aggregation is not variant.aggregation:
         only_base = len(baseline.values.keys() - variant.values.keys())
         only_variant = len(variant.values.keys() - baseline.values.keys())
-        raise NotPaired(f"task {task!r}: baseline and variant scored different documents "
-                        f"({only_base} only in baseline, {only_variant} only in variant)")
+        raise NotPaired(
+            f"task {task!r}: baseline and variant scored different documents "
+            f"({only_base} only in baseline, {only_variant} only in variant)"
+        )
     docs = sorted(baseline.values)
     b = np.array([baseline.values[d] for d in docs], dtype=np.float64)
     v = np.array([variant.values[d] for d in docs], dtype=np.float64)
@@ -121,8 +127,19 @@ def _compare_means(b: np.ndarray, v: np.ndarray, binary: bool) -> PairedComparis
     low, high = _interval(diff, se)
     if binary:
         c2w, w2c = int(np.sum((b == 1) & (v == 0))), int(np.sum((b == 0) & (v == 1)))
-        return PairedComparison(n, float(b.mean()), float(v.mean()), diff, se, low, high,
-                                mcnemar_exact_p(c2w, w2c), "mcnemar_exact", c2w, w2c)
+        return PairedComparison(
+            n,
+            float(b.mean()),
+            float(v.mean()),
+            diff,
+            se,
+            low,
+            high,
+            mcnemar_exact_p(c2w, w2c),
+            "mcnemar_exact",
+            c2w,
+            w2c,
+        )
     return PairedComparison(n, float(b.mean()), float(v.mean()), diff, se, low, high, _paired_t_p(d), "paired_t")
 
 
@@ -150,8 +167,15 @@ def _compare_ratio(
         return PairedComparison(n, baseline, variant, variant - baseline, se_shift * scale, low, high, p, "ratio_z")
     low_shift, high_shift = _interval(shift, se_shift)
     return PairedComparison(
-        n, baseline, variant, variant - baseline, variant * se_shift,  # delta method on exp
-        baseline * math.expm1(low_shift), baseline * math.expm1(high_shift), p, "ratio_z",
+        n,
+        baseline,
+        variant,
+        variant - baseline,
+        variant * se_shift,  # delta method on exp
+        baseline * math.expm1(low_shift),
+        baseline * math.expm1(high_shift),
+        p,
+        "ratio_z",
     )
 
 
@@ -175,7 +199,9 @@ def combine(parts: Sequence[PairedComparison], weights: Sequence[float]) -> Pair
     if all(c is not None and r is not None for c, r in flips):
         c2w, w2c = sum(c for c, _ in flips), sum(r for _, r in flips)  # type: ignore[misc]
         size_weighted = np.allclose(w, [p.n / n for p in parts])
-        p_value, test = (mcnemar_exact_p(c2w, w2c), "mcnemar_exact") if size_weighted else (_z_p(diff, se), "combined_z")
+        p_value, test = (
+            (mcnemar_exact_p(c2w, w2c), "mcnemar_exact") if size_weighted else (_z_p(diff, se), "combined_z")
+        )
         return PairedComparison(n, baseline, variant, diff, se, low, high, p_value, test, c2w, w2c)
     return PairedComparison(n, baseline, variant, diff, se, low, high, _z_p(diff, se), "combined_z")
 

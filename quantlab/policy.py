@@ -130,7 +130,14 @@ DropLimit = Annotated[
     Limit,
     PlainValidator(_validate_limit),
     PlainSerializer(_limit_text),
-    WithJsonSchema({"anyOf": [{"type": "number", "minimum": 0}, {"type": "string", "pattern": r"^\+?[0-9.]+\s*(%|pts?|points?)?$"}]}),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "number", "minimum": 0},
+                {"type": "string", "pattern": r"^\+?[0-9.]+\s*(%|pts?|points?)?$"},
+            ]
+        }
+    ),
 ]
 
 
@@ -155,11 +162,15 @@ def limit_problem(key: str, limit: Limit, metric: MetricSpec | None = None) -> s
     if metric.higher_is_better is None:
         return "has no known better direction, so a drop cannot be told from a gain"
     if metric.scale is Scale.FRACTION and limit.kind is LimitKind.RELATIVE:
-        return (f"is a 0-1 metric, whose limits are percentage points: write {key}={limit.amount:g} "
-                f"for {limit.amount:g} pts ('%' could mean points or a share of the score)")
+        return (
+            f"is a 0-1 metric, whose limits are percentage points: write {key}={limit.amount:g} "
+            f"for {limit.amount:g} pts ('%' could mean points or a share of the score)"
+        )
     if metric.scale is not Scale.FRACTION and limit.kind is LimitKind.POINTS:
-        return (f"is not a 0-1 metric ({metric.scale.value}), so points do not apply: give its own unit "
-                f"({key}={limit.amount:g}) or a limit relative to the baseline ({key}=+{limit.amount:g}%)")
+        return (
+            f"is not a 0-1 metric ({metric.scale.value}), so points do not apply: give its own unit "
+            f"({key}={limit.amount:g}) or a limit relative to the baseline ({key}=+{limit.amount:g}%)"
+        )
     return None
 
 
@@ -195,8 +206,9 @@ class Policy(BaseModel):
         for key, limit in drops.items():
             problem = limit_problem(key, limit)
             if problem:
-                raise PydanticCustomError("drop_limit", "{subject}: {problem}",
-                                          {"subject": f"{key}={limit.text}", "problem": problem})
+                raise PydanticCustomError(
+                    "drop_limit", "{subject}: {problem}", {"subject": f"{key}={limit.text}", "problem": problem}
+                )
         return drops
 
     @field_validator("at_most", "at_least")
@@ -228,18 +240,28 @@ class Policy(BaseModel):
             for key in sorted(any_task_metrics(baseline, declared)):
                 if key not in self.max_drop:
                     metric = spec(key, declared)
-                    rules.append(DropRule(key, metric, limit, limit.allowed(metric, None), baseline[key],
-                                          "max_drop_any_task"))
+                    rules.append(
+                        DropRule(key, metric, limit, limit.allowed(metric, None), baseline[key], "max_drop_any_task")
+                    )
         return tuple(rules)
 
     def bounds(self) -> tuple[Bound, ...]:
-        named_upper = {KLD_MEAN: (self.max_kld, "max_kld"), PEAK_MEMORY: (self.max_peak_memory_bytes, "max_peak_memory_bytes")}
+        named_upper = {
+            KLD_MEAN: (self.max_kld, "max_kld"),
+            PEAK_MEMORY: (self.max_peak_memory_bytes, "max_peak_memory_bytes"),
+        }
         upper = {key: (limit, name) for key, (limit, name) in named_upper.items() if limit is not None}
         upper.update({key: (limit, "at_most") for key, limit in self.at_most.items()})
-        lower = {TOP1_AGREEMENT: (self.min_top1_agreement, "min_top1_agreement")} if self.min_top1_agreement is not None else {}
+        lower = (
+            {TOP1_AGREEMENT: (self.min_top1_agreement, "min_top1_agreement")}
+            if self.min_top1_agreement is not None
+            else {}
+        )
         lower.update({key: (limit, "at_least") for key, limit in self.at_least.items()})
-        return (*(Bound(key, limit, True, name) for key, (limit, name) in upper.items()),
-                *(Bound(key, limit, False, name) for key, (limit, name) in lower.items()))
+        return (
+            *(Bound(key, limit, True, name) for key, (limit, name) in upper.items()),
+            *(Bound(key, limit, False, name) for key, (limit, name) in lower.items()),
+        )
 
     def check_logged(self, logged: Collection[str]) -> None:
         """PolicyError for a `max_drop` metric that no run logged (a typo, most likely)."""
@@ -288,8 +310,12 @@ def any_task_metrics(baseline: Mapping[str, float], declared: Mapping[str, Decla
     found = []
     for key, value in baseline.items():
         metric = spec(key, declared)
-        if (is_eval_score(key) and _finite(value) is not None and metric.scale is Scale.FRACTION
-                and metric.higher_is_better is not None):
+        if (
+            is_eval_score(key)
+            and _finite(value) is not None
+            and metric.scale is Scale.FRACTION
+            and metric.higher_is_better is not None
+        ):
             found.append(key)
     return found
 

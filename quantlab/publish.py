@@ -62,13 +62,26 @@ def read_sweep(store: tracking.TrackingStore, parent_run_id: str) -> SweepView:
         samples = _samples(store, run.run_id) if variant.succeeded else None
         if samples is not None:
             documents[variant.name] = documents_from_json(samples.get("documents") or {})
-            groups.update({key: Group(tuple(g["leaves"]), tuple(g["weights"])) for key, g in (samples.get("groups") or {}).items()})
+            groups.update(
+                {
+                    key: Group(tuple(g["leaves"]), tuple(g["weights"]))
+                    for key, g in (samples.get("groups") or {}).items()
+                }
+            )
     variants.sort(key=lambda v: (not v.is_baseline, v.name))
     settings = FrontierSettings.model_validate(recipe.get("frontier") or {})
     baseline = recipe.get("baseline") or next((v.name for v in variants if v.is_baseline), "")
     model = model_label(str((recipe.get("model") or {}).get("source", "")) or parent.experiment_id)
-    return SweepView(parent_run_id, parent.experiment_id, variants, settings, baseline, _notes(recipe),
-                     model, paired_noise(variants, documents, groups))
+    return SweepView(
+        parent_run_id,
+        parent.experiment_id,
+        variants,
+        settings,
+        baseline,
+        _notes(recipe),
+        model,
+        paired_noise(variants, documents, groups),
+    )
 
 
 def model_label(source: str) -> str:
@@ -110,9 +123,13 @@ def _logged_recipe(store: tracking.TrackingStore, run_id: str) -> dict:
 def _notes(recipe: dict) -> tuple[str, ...]:
     source = str((recipe.get("model") or {}).get("source", ""))
     if source.endswith(".gguf"):
-        return ((f"The baseline comes from a GGUF file ({source}): its weights are that file's "
-                 "quantized values dequantized, so 'BF16' means BF16 of the dequantized GGUF, "
-                 "not of the original full-precision release."),)
+        return (
+            (
+                f"The baseline comes from a GGUF file ({source}): its weights are that file's "
+                "quantized values dequantized, so 'BF16' means BF16 of the dequantized GGUF, "
+                "not of the original full-precision release."
+            ),
+        )
     return ()
 
 
@@ -127,8 +144,15 @@ def decide(view: SweepView, policy: Policy | None = None, objective: str | None 
         axis = Axis.of(objective, declared=declared) if objective else view.settings.objective_axis(declared)
         return pick(view.variants, view.baseline, policy or view.settings.default_policy, axis)
     except PolicyError as error:  # names the recipe's field, or the policy field behind a CLI flag
-        raise BadInput([Problem("recipe" if policy is None else "policy", error.recipe_field if policy is None else error.field,
-                                str(error))]) from None
+        raise BadInput(
+            [
+                Problem(
+                    "recipe" if policy is None else "policy",
+                    error.recipe_field if policy is None else error.field,
+                    str(error),
+                )
+            ]
+        ) from None
     except (DecisionError, ValueError) as error:
         raise BadInput([Problem("--objective" if objective else "sweep", "", str(error))]) from None
 
@@ -146,7 +170,8 @@ def render_artifacts(view: SweepView, out_dir: Path) -> list[Path]:
     render_html(found, plots, out_dir / "frontier.html", variants=view.variants, model=view.model)
     (out_dir / "report.md").write_text(render_markdown(view.variants, found, decision, view.notes, model=view.model))
     return [out_dir / name for name in ("frontier.json", "frontier.png", "frontier.html", "report.md")] + [
-        path for plot in plots for path in (plot.png, plot.svg)]
+        path for plot in plots for path in (plot.png, plot.svg)
+    ]
 
 
 def json_safe(value):
@@ -168,7 +193,11 @@ def publish_sweep(store: tracking.TrackingStore, parent_run_id: str) -> SweepVie
         store.log_values(run.run_id, tags={tracking.ON_FRONTIER: str(run.variant in on_front).lower()})
     with tempfile.TemporaryDirectory() as scratch:
         render_artifacts(view, Path(scratch))
-        files = {str(path.relative_to(scratch)): path.read_bytes() for path in sorted(Path(scratch).rglob("*")) if path.is_file()}
+        files = {
+            str(path.relative_to(scratch)): path.read_bytes()
+            for path in sorted(Path(scratch).rglob("*"))
+            if path.is_file()
+        }
     store.log_files(parent_run_id, files)  # relative names: plots/ stays a folder
     # The run page shows its description (this tag) as Markdown: the report, where reviewers look.
     store.log_values(parent_run_id, tags={tracking.NOTE: files["report.md"].decode("utf-8")[:60000]})
@@ -179,18 +208,26 @@ def publish_sweep(store: tracking.TrackingStore, parent_run_id: str) -> SweepVie
 _REGISTRY_SUMMARY = ("eval/", "quality/kld_mean", "quality/top1", "cost/weight_bytes", "cost/decode")
 
 
-def record_pick(store: tracking.TrackingStore, view: SweepView, decision: Decision, *, register: bool = False,
-                alias: str = "production", model_name: str | None = None) -> dict:
+def record_pick(
+    store: tracking.TrackingStore,
+    view: SweepView,
+    decision: Decision,
+    *,
+    register: bool = False,
+    alias: str = "production",
+    model_name: str | None = None,
+) -> dict:
     """`quantlab pick`'s record: the decision, logged on the sweep's parent run as
     decisions/pick-<time>.json; with `register`, the chosen checkpoint registered under `alias`
     (model name: the experiment's, unless given)."""
     record = json_safe(decision.to_dict())
     if decision.chosen and register:
-        run = next(r for r in tracking.child_runs(store, view.parent_run_id) if r.tags.get(tracking.VARIANT) == decision.chosen)
+        run = next(
+            r for r in tracking.child_runs(store, view.parent_run_id) if r.tags.get(tracking.VARIANT) == decision.chosen
+        )
         summary = {key: str(value) for key, value in run.metrics.items() if key.startswith(_REGISTRY_SUMMARY)}
         name = model_name or store.experiments()[view.experiment]
         version, created = tracking.register_checkpoint(store, name, alias, run, summary)
         record["registered"] = {"model": name, "version": version, "alias": alias, "new_version": created}
     store.log_files(view.parent_run_id, {f"decisions/pick-{int(time.time())}.json": json.dumps(record, indent=2)})
     return record
-

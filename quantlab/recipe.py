@@ -57,7 +57,9 @@ def _variant_model(method_name: str) -> type[_Variant]:
 
 
 _VARIANT_MODELS = tuple(_variant_model(name) for name in METHODS)
-globals().update({model.__name__: model for model in _VARIANT_MODELS})  # pickle finds them by name (jobs cross processes)
+globals().update(
+    {model.__name__: model for model in _VARIANT_MODELS}
+)  # pickle finds them by name (jobs cross processes)
 
 # One member per registered method, chosen by `method`: pydantic itself rejects an unknown method
 # and parameters the method does not take, with the field that is wrong.
@@ -97,7 +99,9 @@ class EvalTaskSpec(StrictModel):
     gen_kwargs: GenKwargs | None = Field(
         None, description="Generation settings merged over the YAML's (e.g. max_gen_toks); generation tasks only."
     )
-    apply_chat_template: bool | str = Field(False, description="true, or the name of one of the tokenizer's chat templates.")
+    apply_chat_template: bool | str = Field(
+        False, description="true, or the name of one of the tokenizer's chat templates."
+    )
     fewshot_as_multiturn: bool | None = Field(
         None, description="Few-shot examples as chat turns; unset = on with a chat template. Needs apply_chat_template."
     )
@@ -105,9 +109,7 @@ class EvalTaskSpec(StrictModel):
 
 
 class EvalSettings(StrictModel):
-    include_path: str | None = Field(
-        None, description="Directory of extra lm-eval task YAMLs, relative to the recipe."
-    )
+    include_path: str | None = Field(None, description="Directory of extra lm-eval task YAMLs, relative to the recipe.")
     tasks: list[EvalTaskSpec] = Field(default_factory=list)
     batch_size: int = Field(8, gt=0, le=4096)
 
@@ -230,8 +232,11 @@ def _problem_from_pydantic(shown: str, data: dict, item: dict) -> Problem:
     field = _field_path(data, loc)
     if item["type"] == "union_tag_invalid":
         method = item["ctx"]["tag"]
-        return Problem(shown, f"{field}.method", f"unknown method '{method}'{did_you_mean(method, set(METHODS))}; "
-                                                 f"known: {', '.join(sorted(METHODS))}")
+        return Problem(
+            shown,
+            f"{field}.method",
+            f"unknown method '{method}'{did_you_mean(method, set(METHODS))}; known: {', '.join(sorted(METHODS))}",
+        )
     if item["type"] == "union_tag_not_found":
         return Problem(shown, f"{field}.method", "required key is missing")
     if item["type"] == "extra_forbidden":
@@ -241,9 +246,7 @@ def _problem_from_pydantic(shown: str, data: dict, item: dict) -> Problem:
     if item["type"] == "missing":
         return Problem(shown, field, "required key is missing")
     if item["type"] == "string_pattern_mismatch":
-        return Problem(
-            shown, field, "must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
-        )
+        return Problem(shown, field, "must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
     return Problem(shown, field, item["msg"])
 
 
@@ -286,12 +289,20 @@ def _problems_across_fields(data: dict, shown: str) -> list[Problem]:
         name = variant.get("name") if isinstance(variant, dict) else None
         if isinstance(name, str):
             if name in seen:
-                problems.append(Problem(shown, f"variants[{index}] ({name}).name", f"duplicate variant name (also variants[{seen[name]}])"))
+                problems.append(
+                    Problem(
+                        shown,
+                        f"variants[{index}] ({name}).name",
+                        f"duplicate variant name (also variants[{seen[name]}])",
+                    )
+                )
             seen.setdefault(name, index)
     problems += _task_problems(section(data, "evals").get("tasks"), shown)
     baseline = data.get("baseline")
     if isinstance(baseline, str) and variants and baseline not in seen:
-        problems.append(Problem(shown, "baseline", f"'{baseline}' is not a variant name{did_you_mean(baseline, set(seen))}"))
+        problems.append(
+            Problem(shown, "baseline", f"'{baseline}' is not a variant name{did_you_mean(baseline, set(seen))}")
+        )
     return problems
 
 

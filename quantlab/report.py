@@ -30,8 +30,11 @@ from quantlab.metrics import spec as metric_spec
 from quantlab.policy import format_change, format_value
 
 KEY_COST_METRICS = ("cost/weight_bytes", "cost/decode_tokens_per_s", "cost/peak_memory_bytes")
-SETUP_TAGS = (("quantlab.cost.engine", "engine"), ("quantlab.cost.kernel_path", "kernel path"),
-              ("quantlab.cost.hardware", "hardware"))
+SETUP_TAGS = (
+    ("quantlab.cost.engine", "engine"),
+    ("quantlab.cost.kernel_path", "kernel path"),
+    ("quantlab.cost.hardware", "hardware"),
+)
 # Smallest y span of a plot of 0-1 scores: a one-point difference must not fill the whole height.
 MIN_FRACTION_SPAN = 0.04
 # Elsewhere: a share of the largest value (perplexity 11.5 vs 11.8 keeps its proportion).
@@ -40,7 +43,10 @@ MIN_RELATIVE_SPAN = 0.05
 _templates = jinja2.Environment(
     loader=jinja2.PackageLoader("quantlab", "templates"),
     autoescape=jinja2.select_autoescape(["html.j2"]),
-    trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, undefined=jinja2.StrictUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
+    keep_trailing_newline=True,
+    undefined=jinja2.StrictUndefined,
 )
 _templates.filters["md"] = lambda text: str(text).replace("|", "\\|")
 
@@ -94,9 +100,12 @@ def variants_table(variants: Sequence[VariantSummary], frontiers: Frontiers) -> 
     metrics = key_metrics(variants, frontiers)
     baseline = find_baseline(variants)
     rows = tuple(
-        (variant.name + (" (baseline)" if variant.is_baseline else ""), variant.method,
-         *(_cell(variant, metric, frontiers, baseline) for metric in metrics),
-         _frontier_status(variant, frontiers.results))
+        (
+            variant.name + (" (baseline)" if variant.is_baseline else ""),
+            variant.method,
+            *(_cell(variant, metric, frontiers, baseline) for metric in metrics),
+            _frontier_status(variant, frontiers.results),
+        )
         for variant in sorted(variants, key=lambda v: not v.is_baseline)
     )
     return Table(("variant", "method", *(metric_spec(m).label for m in metrics), "on frontier"), rows)
@@ -112,11 +121,13 @@ _FRONT, _DOMINATED, _BASELINE, _TIE = "#1f77b4", "#9e9e9e", "#d62728", "#ff9800"
 def _legend(axes) -> None:
     from matplotlib.lines import Line2D
 
-    handles = [Line2D([], [], color=_FRONT, marker="o", label="on the frontier"),
-               Line2D([], [], color=_DOMINATED, marker="o", ls="", label="dominated"),
-               Line2D([], [], color=_BASELINE, marker="*", ms=10, ls="", label="baseline"),
-               Line2D([], [], color=_TIE, ls=":", lw=2, label="tie within noise"),
-               Line2D([], [], color="#555", marker="|", ms=12, ls="", label="paired 95% interval vs baseline")]
+    handles = [
+        Line2D([], [], color=_FRONT, marker="o", label="on the frontier"),
+        Line2D([], [], color=_DOMINATED, marker="o", ls="", label="dominated"),
+        Line2D([], [], color=_BASELINE, marker="*", ms=10, ls="", label="baseline"),
+        Line2D([], [], color=_TIE, ls=":", lw=2, label="tie within noise"),
+        Line2D([], [], color="#555", marker="|", ms=12, ls="", label="paired 95% interval vs baseline"),
+    ]
     axes.legend(handles=handles, fontsize=7, loc="best")
 
 
@@ -166,9 +177,22 @@ def draw(axes, result: FrontierResult, title: str, gid_prefix: str = "pt") -> No
             axes.plot([a.cost, second.cost], [a.quality, second.quality], ":", color=_TIE, lw=2, zorder=2.5)  # type: ignore[union-attr]
     for index, point in enumerate(result.points):
         color = _BASELINE if point.is_baseline else _FRONT if point.on_front else _DOMINATED
-        yerr = None if point.interval is None else [[point.quality - point.interval[0]], [point.interval[1] - point.quality]]
-        drawn = axes.errorbar([point.cost], [point.quality], yerr=yerr, fmt="*" if point.is_baseline else "o",
-                              markersize=14 if point.is_baseline else 7, color=color, ecolor=color, capsize=4, zorder=3)
+        yerr = (
+            None
+            if point.interval is None
+            else [[point.quality - point.interval[0]], [point.interval[1] - point.quality]]
+        )
+        drawn = axes.errorbar(
+            [point.cost],
+            [point.quality],
+            yerr=yerr,
+            fmt="*" if point.is_baseline else "o",
+            markersize=14 if point.is_baseline else 7,
+            color=color,
+            ecolor=color,
+            capsize=4,
+            zorder=3,
+        )
         drawn.lines[0].set_gid(f"{gid_prefix}-{index}")
         axes.annotate(point.name, (point.cost, point.quality), xytext=(6, 6), textcoords="offset points", fontsize=8)
     axes.set_ylim(*y_limits(result))
@@ -215,7 +239,9 @@ def render_plots(frontiers: Frontiers, out_dir: Path, model: str) -> list[Plot]:
     for index, result in enumerate(frontiers.results):
         fig = figure(result, model, f"pt{index}")
         stem = out_dir / "plots" / _slug(result.pair.name)
-        plots.append(Plot(result.pair.title, _save(fig, stem.with_suffix(".png")), _save(fig, stem.with_suffix(".svg"))))
+        plots.append(
+            Plot(result.pair.title, _save(fig, stem.with_suffix(".png")), _save(fig, stem.with_suffix(".svg")))
+        )
     render_overview(frontiers, out_dir / "frontier.png", model)
     return plots
 
@@ -231,7 +257,7 @@ def render_overview(frontiers: Frontiers, path: Path, model: str) -> Path:
     grid = fig.subplots(max(1, -(-len(results) // columns)), columns, squeeze=False).ravel()
     for axes, result in zip(grid, results):
         draw(axes, result, result.pair.title)
-    for axes in grid[len(results):]:
+    for axes in grid[len(results) :]:
         axes.set_axis_off()
     if not results:
         grid[0].text(0.5, 0.5, "no frontier: no variant logged both a quality and a cost metric", ha="center")
@@ -246,29 +272,37 @@ def render_overview(frontiers: Frontiers, path: Path, model: str) -> Path:
 
 def inline_svg(text: str) -> str:
     """An SVG file as an element of an HTML page: no XML prolog, metadata or namespace URLs."""
-    text = text[text.index("<svg"):]
+    text = text[text.index("<svg") :]
     text = re.sub(r"<metadata>.*?</metadata>", "", text, flags=re.DOTALL)
     return re.sub(r'\s+xmlns(:\w+)?="[^"]*"', "", text)
 
 
-def render_html(frontiers: Frontiers, plots: Sequence[Plot], path: Path, *,
-                variants: Sequence[VariantSummary], model: str) -> Path:
+def render_html(
+    frontiers: Frontiers, plots: Sequence[Plot], path: Path, *, variants: Sequence[VariantSummary], model: str
+) -> Path:
     """A page that opens offline (MLflow's artifact viewer): each frontier's SVG and the table;
     hovering a point lists the variant's figures and lights it up in every plot."""
     table = variants_table(variants, frontiers)
     rows = {row[0].removesuffix(" (baseline)"): list(zip(table.headers[1:], row[1:])) for row in table.rows}
     points = {
-        f"pt{index}-{k}": {"name": point.name, "lines": [
-            f"{result.pair.quality.label}: {format_value(metric_spec(result.pair.quality.metric, frontiers.declared), point.quality)}",
-            "on the frontier" if point.on_front else "dominated by " + ", ".join(point.dominated_by),
-            *([f"tie within noise with {', '.join(point.tied_with)}"] if point.tied_with else []),
-            *(f"{header}: {cell}" for header, cell in rows.get(point.name, [])),
-        ]}
-        for index, result in enumerate(frontiers.results) for k, point in enumerate(result.points)
+        f"pt{index}-{k}": {
+            "name": point.name,
+            "lines": [
+                f"{result.pair.quality.label}: {format_value(metric_spec(result.pair.quality.metric, frontiers.declared), point.quality)}",
+                "on the frontier" if point.on_front else "dominated by " + ", ".join(point.dominated_by),
+                *([f"tie within noise with {', '.join(point.tied_with)}"] if point.tied_with else []),
+                *(f"{header}: {cell}" for header, cell in rows.get(point.name, [])),
+            ],
+        }
+        for index, result in enumerate(frontiers.results)
+        for k, point in enumerate(result.points)
     }
     page = _templates.get_template("frontier.html.j2").render(
-        title=f"{model}: quantlab frontier", svgs=[inline_svg(plot.svg.read_text()) for plot in plots], table=table,
-        direction_unknown=frontiers.direction_unknown, data=json.dumps(points).replace("</", "<\\/"),
+        title=f"{model}: quantlab frontier",
+        svgs=[inline_svg(plot.svg.read_text()) for plot in plots],
+        table=table,
+        direction_unknown=frontiers.direction_unknown,
+        data=json.dumps(points).replace("</", "<\\/"),
     )
     path.write_text(page, encoding="utf-8")
     return path
@@ -280,12 +314,18 @@ def _recommendation(decision: Decision | None) -> dict | None:
         return None
     chosen = decision.verdict(decision.chosen) if decision.chosen else None
     return {
-        "checks": list(decision.checks), "chosen": decision.chosen, "summary": decision.summary,
+        "checks": list(decision.checks),
+        "chosen": decision.chosen,
+        "summary": decision.summary,
         "direction": "highest" if decision.objective.higher_is_better else "lowest",
-        "objective": decision.objective.metric, "objective_label": metric_spec(decision.objective.metric).label,
-        "baseline_chosen": decision.chosen == decision.baseline, "unchecked": list(decision.unchecked),
+        "objective": decision.objective.metric,
+        "objective_label": metric_spec(decision.objective.metric).label,
+        "baseline_chosen": decision.chosen == decision.baseline,
+        "unchecked": list(decision.unchecked),
         "evidence": [check.detail for check in chosen.checks] if chosen else [],
-        "others": [(v.name, v.status.words, "; ".join(v.reasons)) for v in decision.verdicts if v.status is not Status.CHOSEN],
+        "others": [
+            (v.name, v.status.words, "; ".join(v.reasons)) for v in decision.verdicts if v.status is not Status.CHOSEN
+        ],
     }
 
 
@@ -297,39 +337,60 @@ def _setup_caveats(variants: Sequence[VariantSummary]) -> list[str]:
     if not setups:
         return []
     if all(value == "unrecorded" for setup in setups for value in setup):
-        return [("No variant recorded which engine, kernel path or hardware measured its speed and memory; "
-                 "treat those figures as indicative only.")]
+        return [
+            (
+                "No variant recorded which engine, kernel path or hardware measured its speed and memory; "
+                "treat those figures as indicative only."
+            )
+        ]
 
     def describe(setup: tuple[str, ...]) -> str:
         return ", ".join(f"{word} {value}" for (_, word), value in zip(SETUP_TAGS, setup))
 
     if len(setups) == 1:
         return [f"All speed and memory figures were measured the same way: {describe(next(iter(setups)))}."]
-    return ["Speed and memory figures were not all measured the same way; compare them with care:\n" +
-            "\n".join(f"  - {', '.join(names)}: {describe(setup)}" for setup, names in setups.items())]
+    return [
+        "Speed and memory figures were not all measured the same way; compare them with care:\n"
+        + "\n".join(f"  - {', '.join(names)}: {describe(setup)}" for setup, names in setups.items())
+    ]
 
 
 def render_markdown(
-    variants: Sequence[VariantSummary], frontiers: Frontiers, decision: Decision | None,
-    notes: Sequence[str] = (), *, model: str = "the model",
+    variants: Sequence[VariantSummary],
+    frontiers: Frontiers,
+    decision: Decision | None,
+    notes: Sequence[str] = (),
+    *,
+    model: str = "the model",
 ) -> str:
     """A report for someone who has never seen quantlab: compared what, found what, ship what."""
     metrics = key_metrics(variants, frontiers)
     declared = frontiers.declared
     comparisons = [
         (name, metric_spec(metric, declared).label, describe_comparison(comparison, metric_spec(metric, declared)))
-        for name, found in frontiers.vs_baseline.items() for metric, comparison in found.items()
+        for name, found in frontiers.vs_baseline.items()
+        for metric, comparison in found.items()
     ]
-    unpaired = [f"{name} {metric}" for name, found in frontiers.vs_baseline.items()
-                for metric in metrics if not metric.startswith("cost/") and metric not in found]
+    unpaired = [
+        f"{name} {metric}"
+        for name, found in frontiers.vs_baseline.items()
+        for metric in metrics
+        if not metric.startswith("cost/") and metric not in found
+    ]
     return _templates.get_template("report.md.j2").render(
-        model=model, variants=variants, baseline=find_baseline(variants), table=variants_table(variants, frontiers),
+        model=model,
+        variants=variants,
+        baseline=find_baseline(variants),
+        table=variants_table(variants, frontiers),
         tasks=[metric_spec(m).label for m in metrics if m.startswith("eval/")],
         damage=[metric_spec(m).label for m in metrics if m in DAMAGE_METRICS],
         costs=[metric_spec(m).label for m in metrics if m in KEY_COST_METRICS],
-        comparisons=comparisons, unpaired=unpaired, results=frontiers.results,
+        comparisons=comparisons,
+        unpaired=unpaired,
+        results=frontiers.results,
         show=lambda metric, value: format_value(metric_spec(metric, declared), value),
-        direction_unknown=frontiers.direction_unknown, recommendation=_recommendation(decision),
+        direction_unknown=frontiers.direction_unknown,
+        recommendation=_recommendation(decision),
         caveats=[*_setup_caveats(variants), *notes],
         failed=[v.name for v in variants if not v.succeeded],
     )

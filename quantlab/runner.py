@@ -47,7 +47,9 @@ def run_variant(job: VariantJob, report: StageReporter = lambda stage: None) -> 
     with clock.stage("prepare model"):
         source = materialize(resolve_source(recipe.model, recipe_dir), job.cache_root)
     with clock.stage("quantize"):
-        checkpoint = quantize_variant(source, variant, recipe.calibration, recipe_dir, job.cache_root, device, job.force)
+        checkpoint = quantize_variant(
+            source, variant, recipe.calibration, recipe_dir, job.cache_root, device, job.force
+        )
     with clock.stage("load"):
         model, tokenizer = load_checkpoint(checkpoint.path, dtype, device)
     load_seconds = clock.seconds["load"]
@@ -69,7 +71,9 @@ def run_variant(job: VariantJob, report: StageReporter = lambda stage: None) -> 
         metrics={**scores.metrics, **tokens.metrics, **answers.metrics, **cost.metrics},
         params={**variant_params(job.loaded, variant, source, device, dtype), **scores.params},
         tags={**cost.tags, **tokens.tags, **scores.tags, **answers.tags},
-        baseline_outputs=BaselineOutputs(tokens.reference_dir, scores.documents | tokens.documents, scores.groups, scores.scores, scores.primary),
+        baseline_outputs=BaselineOutputs(
+            tokens.reference_dir, scores.documents | tokens.documents, scores.groups, scores.scores, scores.primary
+        ),
         artifacts=answers.artifacts,
         datasets=scores.datasets,
     )

@@ -33,7 +33,9 @@ SAMPLES_ARTIFACT = "samples.json"  # per-document scores; format: runner.Baselin
 class SweepDisplay(Protocol):
     def sweep_started(self, experiment: str, run_id: str, variants: list[str]) -> None: ...
     def stage(self, variant: str, stage: str) -> None: ...
-    def variant_finished(self, variant: str, result: VariantResult | None, failure: str | None, reused: bool = False) -> None: ...
+    def variant_finished(
+        self, variant: str, result: VariantResult | None, failure: str | None, reused: bool = False
+    ) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,12 @@ def plan(loaded: LoadedRecipe, only: tuple[str, ...]) -> list[str]:
     names = [variant.name for variant in recipe.variants]
     unknown = [name for name in only if name not in names]
     if unknown:
-        raise BadInput([Problem("--only", "", f"'{name}' is not a variant of {loaded.path.name}; variants: {', '.join(names)}") for name in unknown])
+        raise BadInput(
+            [
+                Problem("--only", "", f"'{name}' is not a variant of {loaded.path.name}; variants: {', '.join(names)}")
+                for name in unknown
+            ]
+        )
     chosen = [name for name in names if not only or name in only or name == recipe.baseline]
     return [recipe.baseline] + [name for name in chosen if name != recipe.baseline]
 
@@ -88,7 +95,9 @@ def run_keys(loaded: LoadedRecipe, names: list[str], cache_root: Path) -> dict[s
         "samples_format": SAMPLES_FORMAT,
     }
     return {
-        name: cache.cache_key({"checkpoint": checkpoint_identity(source, recipe.variant(name), recipe.calibration), **shared})
+        name: cache.cache_key(
+            {"checkpoint": checkpoint_identity(source, recipe.variant(name), recipe.calibration), **shared}
+        )
         for name in names
     }
 
@@ -103,9 +112,16 @@ def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay
     mark_dead_sweeps(store, experiment)
     keys = run_keys(loaded, order, options.cache_root)
     reusable = {} if options.force else tracking.finished_runs(store, experiment, set(keys.values()))
-    parent = tracking.start_sweep(store, experiment, f"sweep {loaded.recipe.name}", {
-        HOST: socket.gethostname(), PID: str(os.getpid()), PID_STARTED: str(_started_at(os.getpid())),
-    })
+    parent = tracking.start_sweep(
+        store,
+        experiment,
+        f"sweep {loaded.recipe.name}",
+        {
+            HOST: socket.gethostname(),
+            PID: str(os.getpid()),
+            PID_STARTED: str(_started_at(os.getpid())),
+        },
+    )
     sweep = SweepRuns(store, experiment, parent, loaded, options, display, keys)
     try:
         store.log_files(parent, {"recipe.yaml": loaded.text})
@@ -133,8 +149,16 @@ def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay
 class SweepRuns:
     """The bookkeeping of one sweep: which run belongs to which variant, and what came of it."""
 
-    def __init__(self, store: tracking.TrackingStore, experiment: str, parent: str, loaded: LoadedRecipe,
-                 options: SweepOptions, display: SweepDisplay, keys: dict[str, str]):
+    def __init__(
+        self,
+        store: tracking.TrackingStore,
+        experiment: str,
+        parent: str,
+        loaded: LoadedRecipe,
+        options: SweepOptions,
+        display: SweepDisplay,
+        keys: dict[str, str],
+    ):
         self.store, self.experiment, self.parent = store, experiment, parent
         self.loaded, self.options, self.display, self.keys = loaded, options, display, keys
         self.runs: dict[str, str] = {}
@@ -169,8 +193,13 @@ class SweepRuns:
         if name not in self.runs:
             variant = self.loaded.recipe.variant(name)
             self.runs[name] = tracking.start_variant(
-                self.store, self.experiment, self.parent, name, variant.method,
-                baseline=name == self.loaded.recipe.baseline, run_key=self.keys[name],
+                self.store,
+                self.experiment,
+                self.parent,
+                name,
+                variant.method,
+                baseline=name == self.loaded.recipe.baseline,
+                run_key=self.keys[name],
             )
         return self.runs[name]
 
@@ -180,15 +209,25 @@ class SweepRuns:
 
     def _log_result(self, job: VariantJob, result: VariantResult, log_path: Path) -> None:
         tracking.log_variant(
-            self.store, self._run_for(job.variant),
-            metrics=result.metrics | {f"time/{stage}_seconds": seconds for stage, seconds in result.stage_seconds.items()},
+            self.store,
+            self._run_for(job.variant),
+            metrics=result.metrics
+            | {f"time/{stage}_seconds": seconds for stage, seconds in result.stage_seconds.items()},
             params=result.params,
-            tags=result.tags | {tracking.CHECKPOINT: result.checkpoint, tracking.CONTENT_KEY: result.content_key,
-                                "quantlab.checkpoint_reused": str(result.reused_checkpoint).lower(),
-                                REFERENCE_DIR: result.baseline_outputs.reference_dir or ""},
+            tags=result.tags
+            | {
+                tracking.CHECKPOINT: result.checkpoint,
+                tracking.CONTENT_KEY: result.content_key,
+                "quantlab.checkpoint_reused": str(result.reused_checkpoint).lower(),
+                REFERENCE_DIR: result.baseline_outputs.reference_dir or "",
+            },
             datasets=result.datasets,
-            files={**result.artifacts, **_log_artifact(log_path), SAMPLES_ARTIFACT: json.dumps(result.baseline_outputs.to_samples()),
-                   "stage_seconds.json": json.dumps(result.stage_seconds, indent=2)},
+            files={
+                **result.artifacts,
+                **_log_artifact(log_path),
+                SAMPLES_ARTIFACT: json.dumps(result.baseline_outputs.to_samples()),
+                "stage_seconds.json": json.dumps(result.stage_seconds, indent=2),
+            },
         )
         if job.is_baseline:
             self.baseline = result.baseline_outputs
@@ -196,8 +235,12 @@ class SweepRuns:
         self.display.variant_finished(job.variant, result, None)
 
     def _log_failure(self, name: str, failed: VariantFailed, log_path: Path) -> None:
-        tracking.log_failure(self.store, self._run_for(name), failed.reason,
-                             {"failure/traceback.txt": failed.details, **_log_artifact(log_path)})
+        tracking.log_failure(
+            self.store,
+            self._run_for(name),
+            failed.reason,
+            {"failure/traceback.txt": failed.details, **_log_artifact(log_path)},
+        )
         self.failures[name] = failed.reason
         self.display.variant_finished(name, None, failed.reason)
 
@@ -207,8 +250,9 @@ class SweepRuns:
         # renamed variant is copied under its new name; the numbers are the content's.
         run_id = self._run_for(name)
         if name == self.loaded.recipe.baseline:  # read before the copy: a baseline without samples ends the sweep
-            self.baseline = _baseline_outputs(self.store.read_artifact(previous.run_id, SAMPLES_ARTIFACT),
-                                              previous.tags.get(REFERENCE_DIR))
+            self.baseline = _baseline_outputs(
+                self.store.read_artifact(previous.run_id, SAMPLES_ARTIFACT), previous.tags.get(REFERENCE_DIR)
+            )
         tracking.copy_run(self.store, previous, run_id)
         self.reused.append(name)
         self.display.variant_finished(name, None, None, reused=True)
@@ -238,7 +282,6 @@ def mark_dead_sweeps(store: tracking.TrackingStore, experiment: str) -> list[str
         tracking.mark_killed(store, sweep.run_id, "its sweep process died")
         killed.append(sweep.run_id)
     return killed
-
 
 
 def _process_alive(pid: int, started: str | None = None) -> bool:

@@ -92,8 +92,13 @@ class TrackingStore(Protocol):
     def experiment_id(self, name: str, create: bool = True) -> str | None: ...
     def experiments(self) -> dict[str, str]: ...  # id -> name
     def start_run(self, experiment_id: str, name: str, tags: dict[str, str], parent: str | None = None) -> str: ...
-    def log_values(self, run_id: str, metrics: dict[str, float] | None = None, params: dict[str, str] | None = None,
-                   tags: dict[str, str] | None = None) -> None: ...
+    def log_values(
+        self,
+        run_id: str,
+        metrics: dict[str, float] | None = None,
+        params: dict[str, str] | None = None,
+        tags: dict[str, str] | None = None,
+    ) -> None: ...
     def log_files(self, run_id: str, files: dict[str, str | bytes]) -> None: ...
     def log_datasets(self, run_id: str, datasets: Iterable, context: str = EVALUATION_CONTEXT) -> None: ...
     def finish(self, run_id: str, status: str) -> None: ...
@@ -158,10 +163,17 @@ class MlflowStore:
         return {e.experiment_id: e.name for e in self._client.search_experiments()}
 
     def start_run(self, experiment_id: str, name: str, tags: dict[str, str], parent: str | None = None) -> str:
-        return self._client.create_run(experiment_id, run_name=name, tags=tags | ({PARENT: parent} if parent else {})).info.run_id
+        return self._client.create_run(
+            experiment_id, run_name=name, tags=tags | ({PARENT: parent} if parent else {})
+        ).info.run_id
 
-    def log_values(self, run_id: str, metrics: dict[str, float] | None = None, params: dict[str, str] | None = None,
-                   tags: dict[str, str] | None = None) -> None:
+    def log_values(
+        self,
+        run_id: str,
+        metrics: dict[str, float] | None = None,
+        params: dict[str, str] | None = None,
+        tags: dict[str, str] | None = None,
+    ) -> None:
         from mlflow.entities import Metric, Param, RunTag
 
         now = int(time.time() * 1000)
@@ -195,8 +207,14 @@ class MlflowStore:
 
         inputs = [
             DatasetInput(
-                Dataset(name=item.name, digest=item.digest, source_type=item.source_type, source=item.source,
-                        schema=getattr(item, "schema", None), profile=getattr(item, "profile", None)),
+                Dataset(
+                    name=item.name,
+                    digest=item.digest,
+                    source_type=item.source_type,
+                    source=item.source,
+                    schema=getattr(item, "schema", None),
+                    profile=getattr(item, "profile", None),
+                ),
                 tags=[InputTag(key=MLFLOW_DATASET_CONTEXT, value=context)],
             )
             for item in datasets
@@ -213,8 +231,16 @@ class MlflowStore:
     def search(self, experiment_ids: list[str], tags: dict[str, str], status: str | None = None) -> list[RunRecord]:
         where = [f"tags.`{key}` = '{value}'" for key, value in tags.items()]
         where += [f"attributes.status = '{status}'"] if status else []
-        runs = self._client.search_runs(experiment_ids, filter_string=" and ".join(where),
-                                        order_by=["attributes.start_time DESC"], max_results=5000) if experiment_ids else []
+        runs = (
+            self._client.search_runs(
+                experiment_ids,
+                filter_string=" and ".join(where),
+                order_by=["attributes.start_time DESC"],
+                max_results=5000,
+            )
+            if experiment_ids
+            else []
+        )
         return [_record(run) for run in runs]
 
     def read_artifact(self, run_id: str, path: str) -> bytes | None:
@@ -250,11 +276,18 @@ class MlflowStore:
 def _record(run) -> RunRecord:
     inputs = run.inputs.dataset_inputs if run.inputs is not None else []
     return RunRecord(
-        run_id=run.info.run_id, experiment_id=run.info.experiment_id, name=run.info.run_name or "",
-        status=run.info.status, start_time=run.info.start_time or 0,
-        metrics=dict(run.data.metrics), params=dict(run.data.params), tags=dict(run.data.tags),
-        datasets=tuple(DatasetRecord(d.name, d.digest, d.source_type, d.source, d.profile, d.schema)
-                       for d in (item.dataset for item in inputs)),
+        run_id=run.info.run_id,
+        experiment_id=run.info.experiment_id,
+        name=run.info.run_name or "",
+        status=run.info.status,
+        start_time=run.info.start_time or 0,
+        metrics=dict(run.data.metrics),
+        params=dict(run.data.params),
+        tags=dict(run.data.tags),
+        datasets=tuple(
+            DatasetRecord(d.name, d.digest, d.source_type, d.source, d.profile, d.schema)
+            for d in (item.dataset for item in inputs)
+        ),
     )
 
 
@@ -303,7 +336,9 @@ def open_store(uri: str) -> MlflowStore:
             with urllib.request.urlopen(_health_request(uri), timeout=10) as response:
                 response.read()
         except (urllib.error.URLError, OSError) as error:
-            raise BadInput([Problem("--tracking-uri", "", f"tracking server {shown_uri(uri)} is unreachable: {error}")]) from None
+            raise BadInput(
+                [Problem("--tracking-uri", "", f"tracking server {shown_uri(uri)} is unreachable: {error}")]
+            ) from None
     elif uri.startswith("sqlite:///"):
         database = Path(uri.removeprefix("sqlite:///"))
         database.parent.mkdir(parents=True, exist_ok=True)
@@ -319,14 +354,23 @@ def start_sweep(store: TrackingStore, experiment_id: str, name: str, tags: dict[
     return store.start_run(experiment_id, name, {ROLE: "sweep", **tags})
 
 
-def start_variant(store: TrackingStore, experiment_id: str, parent: str, name: str, method: str, *,
-                  baseline: bool, run_key: str) -> str:
+def start_variant(
+    store: TrackingStore, experiment_id: str, parent: str, name: str, method: str, *, baseline: bool, run_key: str
+) -> str:
     tags = {ROLE: "variant", VARIANT: name, METHOD: method, BASELINE: str(baseline).lower(), RUN_KEY: run_key}
     return store.start_run(experiment_id, name, tags, parent=parent)
 
 
-def log_variant(store: TrackingStore, run_id: str, *, metrics: dict[str, float], params: dict[str, str],
-                tags: dict[str, str], datasets: Iterable, files: dict[str, str | bytes]) -> None:
+def log_variant(
+    store: TrackingStore,
+    run_id: str,
+    *,
+    metrics: dict[str, float],
+    params: dict[str, str],
+    tags: dict[str, str],
+    datasets: Iterable,
+    files: dict[str, str | bytes],
+) -> None:
     """A variant's result: figures, its datasets and artifacts; then the run is FINISHED."""
     store.log_values(run_id, metrics=metrics, params=params, tags=tags)
     store.log_datasets(run_id, datasets)
@@ -368,8 +412,12 @@ def copy_run(store: TrackingStore, source: RunRecord, target_run_id: str) -> Non
     name = store.run(target_run_id).tags.get(VARIANT)
     tags = {k: v for k, v in source.tags.items() if not k.startswith("mlflow.") and k not in _IDENTITY_TAGS}
     params = source.params | ({"variant.name": name} if "variant.name" in source.params and name else {})
-    store.log_values(target_run_id, metrics=source.metrics, params=params,
-                     tags=tags | {REUSED_FROM: source.tags.get(REUSED_FROM, source.run_id)})
+    store.log_values(
+        target_run_id,
+        metrics=source.metrics,
+        params=params,
+        tags=tags | {REUSED_FROM: source.tags.get(REUSED_FROM, source.run_id)},
+    )
     # The copy was scored on what the original was: the runs table lists the same datasets.
     store.log_datasets(target_run_id, source.datasets)
     store.copy_artifacts(source.run_id, target_run_id)
@@ -410,10 +458,14 @@ def ui_addresses(store: TrackingStore, host: str, port: int) -> list[tuple[str, 
     experiments = {id_: name for id_, name in store.experiments().items() if name != "Default"}
     if not experiments:
         return [("MLflow UI (no sweeps yet)", base)]
-    return [(name, f"{base}/#/experiments/{id_}/runs?workflowType=machine_learning") for id_, name in experiments.items()]
+    return [
+        (name, f"{base}/#/experiments/{id_}/runs?workflowType=machine_learning") for id_, name in experiments.items()
+    ]
 
 
-def register_checkpoint(store: TrackingStore, model_name: str, alias: str, run: RunRecord, tags: dict[str, str]) -> tuple[str, bool]:
+def register_checkpoint(
+    store: TrackingStore, model_name: str, alias: str, run: RunRecord, tags: dict[str, str]
+) -> tuple[str, bool]:
     """Register the run's checkpoint where it lies (no weights copied) under `alias`; (version, created).
 
     The same checkpoint (content key) registered again reuses its version instead of adding one.
@@ -424,7 +476,9 @@ def register_checkpoint(store: TrackingStore, model_name: str, alias: str, run: 
         version, created = existing[0].version, False
     else:
         source = Path(checkpoint).resolve().as_uri() if "://" not in checkpoint else checkpoint
-        version = store.create_model_version(model_name, source, run.run_id, {**tags, CONTENT_KEY: content_key, CHECKPOINT: checkpoint})
+        version = store.create_model_version(
+            model_name, source, run.run_id, {**tags, CONTENT_KEY: content_key, CHECKPOINT: checkpoint}
+        )
         created = True
     store.set_alias(model_name, alias, version)
     return version, created

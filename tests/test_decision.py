@@ -32,8 +32,17 @@ BY_SPEED = Axis(DECODE, higher_is_better=True)
 Z = stats.norm.ppf(0.95)  # one-sided 95%
 
 DECLARED = {ACC: Declared(True, Scale.FRACTION), CLOZE: Declared(True, Scale.FRACTION)}
-BASELINE_METRICS = {ACC: 0.50, CLOZE: 0.60, KLD: 0.0, TOP1: 1.0, PPL: 10.0, WEIGHTS: 270e6, PEAK: 1.2e9,
-                    DECODE: 40.0, TTFT: 100.0}
+BASELINE_METRICS = {
+    ACC: 0.50,
+    CLOZE: 0.60,
+    KLD: 0.0,
+    TOP1: 1.0,
+    PPL: 10.0,
+    WEIGHTS: 270e6,
+    PEAK: 1.2e9,
+    DECODE: 40.0,
+    TTFT: 100.0,
+}
 N = 1000
 SE = 0.001  # a paired standard error small enough that verdicts follow the point estimate
 
@@ -46,8 +55,15 @@ def baseline(**overrides: float) -> VariantSummary:
     return VariantSummary("bf16", "bf16", True, {**BASELINE_METRICS, **overrides}, is_baseline=True, declared=DECLARED)
 
 
-def candidate(name: str = "fp8", *, drop: tuple[str, ...] = (), unpaired: tuple[str, ...] = (), succeeded: bool = True,
-              se: float = SE, **overrides: float) -> VariantSummary:
+def candidate(
+    name: str = "fp8",
+    *,
+    drop: tuple[str, ...] = (),
+    unpaired: tuple[str, ...] = (),
+    succeeded: bool = True,
+    se: float = SE,
+    **overrides: float,
+) -> VariantSummary:
     """A cheaper variant close to the baseline: `overrides` change metrics, and each eval score
     gets paired figures against the baseline (diff from the values, standard error `se`);
     `drop` removes metrics and their paired figures, `unpaired` only the paired figures."""
@@ -55,7 +71,9 @@ def candidate(name: str = "fp8", *, drop: tuple[str, ...] = (), unpaired: tuple[
     for metric in (ACC, CLOZE):
         metrics |= paired(metric, metrics[metric] - BASELINE_METRICS[metric], se, N)
     removed = [*drop, *(f"quality/paired/{metric}/" for metric in (*drop, *unpaired))]
-    kept = {k: v for k, v in metrics.items() if not any(k == r or (r.endswith("/") and k.startswith(r)) for r in removed)}
+    kept = {
+        k: v for k, v in metrics.items() if not any(k == r or (r.endswith("/") and k.startswith(r)) for r in removed)
+    }
     return VariantSummary(name, name, succeeded, kept, declared=DECLARED)
 
 
@@ -73,7 +91,9 @@ def only(**fields) -> Policy:
 # --------------------------------------------------------------------------------------
 
 
-def documents(right_to_wrong: int, wrong_to_right: int, both_right: int, both_wrong: int) -> tuple[DocumentScores, DocumentScores]:
+def documents(
+    right_to_wrong: int, wrong_to_right: int, both_right: int, both_wrong: int
+) -> tuple[DocumentScores, DocumentScores]:
     """Synthetic 0/1 per-document scores of baseline and variant with the given flips."""
     pairs = [(1, 0)] * right_to_wrong + [(0, 1)] * wrong_to_right + [(1, 1)] * both_right + [(0, 0)] * both_wrong
     base = DocumentScores(Aggregation.MEAN, {i: float(b) for i, (b, _) in enumerate(pairs)})
@@ -85,10 +105,12 @@ def summaries(base_docs: DocumentScores, variant_docs: DocumentScores) -> list[V
     """Baseline and variant as their runs log them: the score, and the paired figures from `compare`."""
     comparison = compare("mmlu_dev", base_docs, variant_docs)
     logged = {paired_key(ACC, stat): value for stat, value in comparison.statistics().items()}
-    base = VariantSummary("bf16", "bf16", True, {ACC: base_docs.aggregate(), WEIGHTS: 270e6}, is_baseline=True,
-                          declared=DECLARED)
-    variant = VariantSummary("int4", "int4", True, {ACC: variant_docs.aggregate(), WEIGHTS: 90e6, **logged},
-                             declared=DECLARED)
+    base = VariantSummary(
+        "bf16", "bf16", True, {ACC: base_docs.aggregate(), WEIGHTS: 270e6}, is_baseline=True, declared=DECLARED
+    )
+    variant = VariantSummary(
+        "int4", "int4", True, {ACC: variant_docs.aggregate(), WEIGHTS: 90e6, **logged}, declared=DECLARED
+    )
     return [base, variant]
 
 
@@ -115,8 +137,10 @@ def test_the_issue_example_is_shown_over_a_one_point_limit():
     assert check.drop == pytest.approx(0.02)
     assert (check.lower, check.upper) == (pytest.approx(0.02 - Z * se), pytest.approx(0.02 + Z * se))
     assert check.lower > 0.01  # even the optimistic end loses more than a point
-    assert check.detail == (f"{ACC}: shown over the limit: drop 2.00 pts, one-sided 95% bounds "
-                            "[1.10 pts, 2.90 pts], limit 1 pt (paired, n=1,000)")
+    assert check.detail == (
+        f"{ACC}: shown over the limit: drop 2.00 pts, one-sided 95% bounds "
+        "[1.10 pts, 2.90 pts], limit 1 pt (paired, n=1,000)"
+    )
     assert decision.verdict("int4").status is Status.REJECTED
     assert decision.chosen == "bf16"
 
@@ -131,7 +155,7 @@ def test_the_same_flip_rate_is_undecided_on_40_documents_and_shown_within_on_400
     # By hand: variance of the differences 4 / 39, se = sqrt(4 / 39 / 40) = 5.06 pts; bounds +-8.33 pts.
     assert unsure.upper == pytest.approx(Z * math.sqrt(4 / 39 / 40))
     # Documents that would settle it: z^2 * (4 / 39) / 0.01^2 = 2774.9 -> 2775.
-    assert Z**2 * (4 / 39) / 0.01**2 == pytest.approx(2774.9, abs=0.05)
+    assert pytest.approx(2774.9, abs=0.05) == Z**2 * (4 / 39) / 0.01**2
     assert unsure.documents_needed == 2775
     assert "not enough evidence" in unsure.detail and "about 2,775 documents would settle it" in unsure.detail
     assert small.verdict("int4").status is Status.UNDECIDED
@@ -203,31 +227,58 @@ def test_a_drop_of_exactly_the_limit_passes_despite_float_rounding():
     ("policy", "variant", "expected_reason"),
     [
         pytest.param(
-            only(max_drop={ACC: 1}), candidate(**{ACC: 0.48}),
+            only(max_drop={ACC: 1}),
+            candidate(**{ACC: 0.48}),
             f"{ACC}: shown over the limit: drop 2.00 pts, one-sided 95% bounds [1.84 pts, 2.16 pts], limit 1 pt (paired, n=1,000)",
             id="task-drop",
         ),
         pytest.param(
-            Policy(max_drop_any_task=1), candidate(**{CLOZE: 0.55}),
+            Policy(max_drop_any_task=1),
+            candidate(**{CLOZE: 0.55}),
             f"{CLOZE}: shown over the limit: drop 5.00 pts, one-sided 95% bounds [4.84 pts, 5.16 pts], limit 1 pt (paired, n=1,000)",
             id="any-task-drop",
         ),
-        pytest.param(only(max_drop={ACC: 1}), candidate(drop=(ACC,)), f"missing metric {ACC}", id="missing-task-metric"),
-        pytest.param(Policy(max_drop_any_task=1), candidate(drop=(CLOZE,)), f"missing metric {CLOZE}",
-                     id="missing-metric-of-any-task-limit"),
+        pytest.param(
+            only(max_drop={ACC: 1}), candidate(drop=(ACC,)), f"missing metric {ACC}", id="missing-task-metric"
+        ),
+        pytest.param(
+            Policy(max_drop_any_task=1),
+            candidate(drop=(CLOZE,)),
+            f"missing metric {CLOZE}",
+            id="missing-metric-of-any-task-limit",
+        ),
         pytest.param(only(max_kld=0.1), candidate(**{KLD: 0.18}), f"{KLD} is 0.18, above the maximum of 0.1", id="kld"),
         pytest.param(only(max_kld=0.1), candidate(drop=(KLD,)), f"missing metric {KLD}", id="missing-kld"),
-        pytest.param(only(min_top1_agreement=0.95), candidate(**{TOP1: 0.9}),
-                     f"{TOP1} is 90.0%, below the minimum of 95.0%", id="top1"),
-        pytest.param(only(max_peak_memory_bytes=1e9), candidate(**{PEAK: 1.1e9}),
-                     f"{PEAK} is 1.1 GB, above the maximum of 1.0 GB", id="peak-memory"),
-        pytest.param(only(max_peak_memory_bytes=1e9), candidate(drop=(PEAK,)), f"missing metric {PEAK}",
-                     id="missing-peak-memory"),
-        pytest.param(only(at_most={TTFT: 50.0}), candidate(), f"{TTFT} is 100.0 ms, above the maximum of 50.0 ms",
-                     id="generic-upper"),
-        pytest.param(only(at_least={DECODE: 60.0}), candidate(), f"{DECODE} is 40.0 tok/s, below the minimum of 60.0 tok/s",
-                     id="generic-lower"),
-        pytest.param(only(), candidate(drop=(WEIGHTS,)), f"missing metric {WEIGHTS} (the objective)", id="missing-objective"),
+        pytest.param(
+            only(min_top1_agreement=0.95),
+            candidate(**{TOP1: 0.9}),
+            f"{TOP1} is 90.0%, below the minimum of 95.0%",
+            id="top1",
+        ),
+        pytest.param(
+            only(max_peak_memory_bytes=1e9),
+            candidate(**{PEAK: 1.1e9}),
+            f"{PEAK} is 1.1 GB, above the maximum of 1.0 GB",
+            id="peak-memory",
+        ),
+        pytest.param(
+            only(max_peak_memory_bytes=1e9), candidate(drop=(PEAK,)), f"missing metric {PEAK}", id="missing-peak-memory"
+        ),
+        pytest.param(
+            only(at_most={TTFT: 50.0}),
+            candidate(),
+            f"{TTFT} is 100.0 ms, above the maximum of 50.0 ms",
+            id="generic-upper",
+        ),
+        pytest.param(
+            only(at_least={DECODE: 60.0}),
+            candidate(),
+            f"{DECODE} is 40.0 tok/s, below the minimum of 60.0 tok/s",
+            id="generic-lower",
+        ),
+        pytest.param(
+            only(), candidate(drop=(WEIGHTS,)), f"missing metric {WEIGHTS} (the objective)", id="missing-objective"
+        ),
         pytest.param(only(), candidate(succeeded=False), "failed", id="failed"),
     ],
 )
@@ -253,8 +304,10 @@ def test_a_rejected_variant_also_lists_what_is_undecided():
 
     reasons = decide([baseline(), variant], only(max_drop={CLOZE: 1}, max_kld=0.1)).verdict("fp8").reasons
 
-    assert reasons == (f"{KLD} is 0.5, above the maximum of 0.1",
-                       f"{CLOZE}: not enough evidence: no paired statistics logged (60.0% -> 60.0%)")
+    assert reasons == (
+        f"{KLD} is 0.5, above the maximum of 0.1",
+        f"{CLOZE}: not enough evidence: no paired statistics logged (60.0% -> 60.0%)",
+    )
 
 
 def test_improvements_pass_drop_limits():
@@ -323,8 +376,14 @@ def test_baseline_lacking_the_metric_rejects_instead_of_passing():
 
 def test_a_limit_that_does_not_fit_the_sweeps_metric_is_an_error_not_a_verdict():
     word_ppl = "eval/wikitext/word_perplexity"
-    base = VariantSummary("bf16", "bf16", True, {word_ppl: 20.0, WEIGHTS: 270e6}, is_baseline=True,
-                          declared={word_ppl: Declared(False, Scale.PERPLEXITY)})
+    base = VariantSummary(
+        "bf16",
+        "bf16",
+        True,
+        {word_ppl: 20.0, WEIGHTS: 270e6},
+        is_baseline=True,
+        declared={word_ppl: Declared(False, Scale.PERPLEXITY)},
+    )
 
     with pytest.raises(PolicyError, match="points do not apply"):
         pick([base], "bf16", only(max_drop={word_ppl: "1 pts"}), BY_SIZE)
@@ -337,8 +396,9 @@ def test_unknown_baseline_name_is_an_error():
 
 def test_scores_the_any_task_limit_cannot_check_are_named():
     declared = {**DECLARED, "eval/custom/bleu": Declared(None, Scale.SCORE)}
-    base = VariantSummary("bf16", "bf16", True, {**BASELINE_METRICS, "eval/custom/bleu": 12.0}, is_baseline=True,
-                          declared=declared)
+    base = VariantSummary(
+        "bf16", "bf16", True, {**BASELINE_METRICS, "eval/custom/bleu": 12.0}, is_baseline=True, declared=declared
+    )
 
     decision = decide([base, candidate()], Policy())
 
@@ -354,19 +414,27 @@ def test_scores_the_any_task_limit_cannot_check_are_named():
     ("variants", "objective", "expected"),
     [
         pytest.param(
-            [candidate("int4", **{WEIGHTS: 90e6}), candidate("fp8", **{WEIGHTS: 170e6})], BY_SIZE, "int4",
+            [candidate("int4", **{WEIGHTS: 90e6}), candidate("fp8", **{WEIGHTS: 170e6})],
+            BY_SIZE,
+            "int4",
             id="smallest-weights",
         ),
         pytest.param(
-            [candidate("a", **{DECODE: 50.0}), candidate("b", **{DECODE: 80.0})], BY_SPEED, "b",
+            [candidate("a", **{DECODE: 50.0}), candidate("b", **{DECODE: 80.0})],
+            BY_SPEED,
+            "b",
             id="fastest-when-higher-is-better",
         ),
         pytest.param(
-            [candidate("a", **{ACC: 0.495}), candidate("b", **{ACC: 0.50})], BY_SIZE, "b",
+            [candidate("a", **{ACC: 0.495}), candidate("b", **{ACC: 0.50})],
+            BY_SIZE,
+            "b",
             id="tie-on-cost-smaller-drop-wins",
         ),
         pytest.param(
-            [candidate("a", **{KLD: 0.05}), candidate("b", **{KLD: 0.02})], BY_SIZE, "b",
+            [candidate("a", **{KLD: 0.05}), candidate("b", **{KLD: 0.02})],
+            BY_SIZE,
+            "b",
             id="tie-on-cost-and-drop-lower-kld-wins",
         ),
         pytest.param([candidate("b"), candidate("a")], BY_SIZE, "a", id="full-tie-name-wins"),
@@ -388,14 +456,20 @@ def test_tie_loser_is_told_it_lost_the_tie_break():
 
 def test_verdicts_are_ordered_chosen_then_costs_more_undecided_rejected_failed():
     variants = [
-        baseline(), candidate("int4", **{WEIGHTS: 90e6, ACC: 0.3}), candidate("fp8"), candidate("x", succeeded=False),
+        baseline(),
+        candidate("int4", **{WEIGHTS: 90e6, ACC: 0.3}),
+        candidate("fp8"),
+        candidate("x", succeeded=False),
         candidate("w8", se=0.05, **{WEIGHTS: 180e6}),
     ]
 
     decision = decide(variants, Policy(max_drop_any_task=1))
 
     assert [(v.name, v.status) for v in decision.verdicts] == [
-        ("fp8", Status.CHOSEN), ("bf16", Status.COSTS_MORE), ("w8", Status.UNDECIDED), ("int4", Status.REJECTED),
+        ("fp8", Status.CHOSEN),
+        ("bf16", Status.COSTS_MORE),
+        ("w8", Status.UNDECIDED),
+        ("int4", Status.REJECTED),
         ("x", Status.FAILED),
     ]
     assert decision.summary.startswith("Chosen: fp8")
@@ -417,8 +491,11 @@ def test_decision_record_is_json_with_each_verdict_and_interval():
     assert record["chosen"] == "bf16"  # fp8 logged no paired ppl figures: undecided
     assert record["objective"] == {"metric": WEIGHTS, "higher_is_better": False}
     assert record["policy"]["max_drop"] == {ACC: 1.0, PPL: "+2%"}
-    assert record["checks"] == [f"{ACC} at most 1 pt worse than the baseline",
-                                f"{PPL} at most +2% of the baseline (0.2) worse than the baseline", f"{KLD} at most 0.1"]
+    assert record["checks"] == [
+        f"{ACC} at most 1 pt worse than the baseline",
+        f"{PPL} at most +2% of the baseline (0.2) worse than the baseline",
+        f"{KLD} at most 0.1",
+    ]
     fp8 = next(v for v in record["variants"] if v["name"] == "fp8")
     assert fp8["status"] == "undecided"
     acc = fp8["checks"][0]
@@ -442,5 +519,5 @@ def test_verdicts_agree_with_scipys_one_sided_bounds_on_random_documents(seed):
     mean, sem = d.mean(), stats.sem(d)
     assert check.drop == pytest.approx(-mean)
     assert check.upper == pytest.approx(-mean + stats.norm.ppf(0.95) * sem)
-    expected = (Outcome.WITHIN if check.upper <= 0.01 else Outcome.OVER if check.lower > 0.01 else Outcome.UNSURE)
+    expected = Outcome.WITHIN if check.upper <= 0.01 else Outcome.OVER if check.lower > 0.01 else Outcome.UNSURE
     assert check.outcome is expected

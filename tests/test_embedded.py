@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from mlflow.tracking import MlflowClient
-
 from conftest import free_port
-from recipes import REPO
+from mlflow.tracking import MlflowClient
 from test_sweep import quantlab
+
+from recipes import REPO
 
 pytestmark = pytest.mark.e2e
 VARIANTS = ("bf16", "fp8", "awq-int4-g64")
@@ -57,7 +57,7 @@ def test_sweep_finishes_every_variant(embedded):
     assert (work / "mlruns" / "mlflow.db").is_file() and (work / "mlruns" / "artifacts").is_dir()
     _, runs = _runs(uri)
     assert set(runs) == set(VARIANTS)
-    for name, run in runs.items():
+    for run in runs.values():
         assert run.info.status == "FINISHED"
         assert run.data.tags["quantlab.role"] == "variant"
         assert run.data.tags["quantlab.on_frontier"] in {"true", "false"}
@@ -98,8 +98,14 @@ def test_cost_keys_carry_their_provenance(embedded):
     _, uri, _ = embedded
     _, runs = _runs(uri)
     for run in runs.values():
-        for key in ("cost/weight_bytes", "cost/peak_memory_bytes", "cost/prefill_tokens_per_s",
-                    "cost/decode_tokens_per_s", "cost/ttft_ms_p50", "cost/ttft_ms_p99"):
+        for key in (
+            "cost/weight_bytes",
+            "cost/peak_memory_bytes",
+            "cost/prefill_tokens_per_s",
+            "cost/decode_tokens_per_s",
+            "cost/ttft_ms_p50",
+            "cost/ttft_ms_p99",
+        ):
             assert run.data.metrics[key] > 0, key
         tags = run.data.tags
         assert any(key.startswith("quantlab.cost.") and "kernel" in key for key in tags), tags
@@ -137,14 +143,22 @@ def test_pick_registers_the_choice_once(embedded):
 
 def test_pick_with_impossible_constraints_exits_1(embedded):
     work, uri, _ = embedded
-    result = quantlab("pick", "--max-memory", "1", "--objective", "cost/weight_bytes", "--json",
-                      cwd=work, env={"MLFLOW_TRACKING_URI": uri})
+    result = quantlab(
+        "pick",
+        "--max-memory",
+        "1",
+        "--objective",
+        "cost/weight_bytes",
+        "--json",
+        cwd=work,
+        env={"MLFLOW_TRACKING_URI": uri},
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     record = json.loads(result.stdout)
     assert record["chosen"] is None
-    assert all(any("peak memory" in reason or "peak_memory" in reason for reason in v["reasons"]) for v in record["variants"])
-
-
+    assert all(
+        any("peak memory" in reason or "peak_memory" in reason for reason in v["reasons"]) for v in record["variants"]
+    )
 
 
 def _wait_for(url: str, seconds: float) -> None:
@@ -162,9 +176,15 @@ def _wait_for(url: str, seconds: float) -> None:
 def ui_server(embedded):
     work, _, _ = embedded
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "quantlab", "ui", "--port", str(port)], cwd=work,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                              env={**os.environ, "MLFLOW_TRACKING_URI": ""})
+    server = subprocess.Popen(
+        [sys.executable, "-m", "quantlab", "ui", "--port", str(port)],
+        cwd=work,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "MLFLOW_TRACKING_URI": ""},
+    )
     try:
         _wait_for(f"http://127.0.0.1:{port}/health", 120)
         yield port, server
@@ -173,7 +193,9 @@ def ui_server(embedded):
         server.wait(timeout=30)
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium is not installed (apt-get install chromium)")
+@pytest.mark.skipif(
+    shutil.which("chromium") is None, reason="Debian's chromium is not installed (apt-get install chromium)"
+)
 def test_reviewer_sees_variants_metrics_and_frontier_in_a_browser(embedded, ui_server, tmp_path):
     from playwright.sync_api import sync_playwright
 
@@ -184,9 +206,17 @@ def test_reviewer_sees_variants_metrics_and_frontier_in_a_browser(embedded, ui_s
     table = f"http://127.0.0.1:{port}/#/experiments/{experiment}/runs?workflowType=machine_learning"
     shots = Path(os.environ.get("QUANTLAB_SCREENSHOTS", tmp_path))
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=shutil.which("chromium"), args=[
-            "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
+        browser = playwright.chromium.launch(
+            executable_path=shutil.which("chromium"),
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+            ],
+        )
         page = browser.new_page(viewport={"width": 1600, "height": 1000})
         # The runs table: the sweep is one parent run; expanding it shows one nested run per variant.
         page.goto(table)
@@ -212,5 +242,6 @@ def test_reviewer_sees_variants_metrics_and_frontier_in_a_browser(embedded, ui_s
         page.screenshot(path=str(shots / "parent-run-frontier.png"))
         browser.close()
     png = urllib.request.urlopen(
-        f"http://127.0.0.1:{port}/get-artifact?path=frontier.png&run_uuid={parent.info.run_id}", timeout=30).read()
+        f"http://127.0.0.1:{port}/get-artifact?path=frontier.png&run_uuid={parent.info.run_id}", timeout=30
+    ).read()
     assert png.startswith(b"\x89PNG")

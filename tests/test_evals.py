@@ -93,7 +93,10 @@ def test_known_tasks_include_bundled_and_standard_names() -> None:
 def test_unknown_tasks_suggest_the_closest_name() -> None:
     names = ["mmlu_dve", "mmlu_dev", "hellaswag", "no_such_task_at_all"]
 
-    assert unknown_tasks(names, known_tasks(BUNDLED_EVALS_DIR)) == [("mmlu_dve", "mmlu_dev"), ("no_such_task_at_all", None)]
+    assert unknown_tasks(names, known_tasks(BUNDLED_EVALS_DIR)) == [
+        ("mmlu_dve", "mmlu_dev"),
+        ("no_such_task_at_all", None),
+    ]
 
 
 def test_the_task_index_identity_follows_the_task_files(tmp_path) -> None:

@@ -43,14 +43,26 @@ def two_sweeps(tmp_path_factory, tiny_llama):
     (work / "short.txt").write_text("Far too short to calibrate on.\n")
     recipe = tiny_recipe(
         tiny_llama.path,
-        variants=[{"name": "bf16", "method": "bf16"}, {"name": "fp8", "method": "fp8"},
-                  {"name": "awq", "method": "awq_int4", "params": {"group_size": 32}}],
+        variants=[
+            {"name": "bf16", "method": "bf16"},
+            {"name": "fp8", "method": "fp8"},
+            {"name": "awq", "method": "awq_int4", "params": {"group_size": 32}},
+        ],
         calibration={"source": "short.txt", "num_samples": 4, "seq_len": 32},
-        evals={"include_path": str(Path(__file__).resolve().parents[1] / "evals"), "batch_size": 4,
-               "tasks": [{"name": "pydoc_cloze", "limit": 4}]},
+        evals={
+            "include_path": str(Path(__file__).resolve().parents[1] / "evals"),
+            "batch_size": 4,
+            "tasks": [{"name": "pydoc_cloze", "limit": 4}],
+        },
         quality={"max_tokens": 64, "window": 32},
-        measure={"prompt_tokens": 8, "output_tokens": 2, "repeats": 1, "warmup": 0,
-                 "bandwidth_probe_bytes": 1 << 20, "bandwidth_probe_repeats": 1},
+        measure={
+            "prompt_tokens": 8,
+            "output_tokens": 2,
+            "repeats": 1,
+            "warmup": 0,
+            "bandwidth_probe_bytes": 1 << 20,
+            "bandwidth_probe_repeats": 1,
+        },
     )
     loaded = validate(write(work / "recipe.yaml", recipe), work / "cache-check")
     swept = {}
@@ -92,7 +104,11 @@ def test_in_process_sweep_logs_the_same_layout_as_the_local_executor(two_sweeps)
     assert local.exit_code == inproc.exit_code == 1
     expected = _layout(local_uri, local.parent_run_id)
     got = _layout(inproc_uri, inproc.parent_run_id)
-    assert {name: run["status"] for name, run in got.items()} == {"bf16": "FINISHED", "fp8": "FINISHED", "awq": "FAILED"}
+    assert {name: run["status"] for name, run in got.items()} == {
+        "bf16": "FINISHED",
+        "fp8": "FINISHED",
+        "awq": "FAILED",
+    }
     for name, run in expected.items():
         assert got[name]["tags"] == run["tags"], name
         assert got[name]["metrics"] == run["metrics"], name
@@ -160,8 +176,11 @@ def test_a_keyboard_interrupt_is_not_a_variant_failure(monkeypatch, tmp_path):
 
     monkeypatch.setattr("quantlab.executors.run_variant", run_variant)
     seen = []
-    outcomes = InProcessExecutor().run([_Job("broken"), _Job("interrupted"), _Job("never")], tmp_path,
-                                       lambda variant, stage: seen.append((variant, stage)))
+    outcomes = InProcessExecutor().run(
+        [_Job("broken"), _Job("interrupted"), _Job("never")],
+        tmp_path,
+        lambda variant, stage: seen.append((variant, stage)),
+    )
     _, failed, log_path = next(outcomes)
     assert isinstance(failed, VariantFailed) and not isinstance(failed, VariantResult)
     assert failed.reason == "RuntimeError: broken broke" and "Traceback" in failed.details

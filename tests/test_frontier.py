@@ -37,8 +37,11 @@ ERRORS = "eval/toxic/rate"  # a 0-1 score lm-eval declares lower-is-better
 KLD = "quality/kld_mean"
 WEIGHTS = "cost/weight_bytes"
 DECODE = "cost/decode_tokens_per_s"
-DECLARED = {ACC: Declared(True, Scale.FRACTION), GSM: Declared(True, Scale.FRACTION),
-            ERRORS: Declared(False, Scale.FRACTION)}
+DECLARED = {
+    ACC: Declared(True, Scale.FRACTION),
+    GSM: Declared(True, Scale.FRACTION),
+    ERRORS: Declared(False, Scale.FRACTION),
+}
 
 ACC_VS_WEIGHTS = AxisPair(Axis(ACC, True), Axis(WEIGHTS, False))
 ERRORS_VS_WEIGHTS = AxisPair(Axis(ERRORS, False), Axis(WEIGHTS, False))
@@ -61,8 +64,14 @@ def answers(right_to_wrong: int = 0, wrong_to_right: int = 0, *, n: int = N, rig
 def sweep(pair: AxisPair, *variants: tuple[str, dict[int, float], float], baseline: str | None = None):
     """Variants placed by (name, per-document scores, cost): the logged score is the documents' mean."""
     summaries = [
-        VariantSummary(name, name, True, {pair.quality.metric: sum(docs.values()) / len(docs), pair.cost.metric: cost},
-                       is_baseline=name == baseline, declared=DECLARED)
+        VariantSummary(
+            name,
+            name,
+            True,
+            {pair.quality.metric: sum(docs.values()) / len(docs), pair.cost.metric: cost},
+            is_baseline=name == baseline,
+            declared=DECLARED,
+        )
         for name, docs, cost in variants
     ]
     documents = {name: {pair.quality.metric: DocumentScores(Aggregation.MEAN, docs)} for name, docs, _ in variants}
@@ -77,30 +86,102 @@ def sweep(pair: AxisPair, *variants: tuple[str, dict[int, float], float], baseli
 @pytest.mark.parametrize(
     ("pair", "points", "front", "dominated", "ties"),
     [
-        pytest.param(ACC_VS_WEIGHTS, [("a", answers(), 100), ("b", answers(25, 5), 200)],
-                     {"a"}, {"b": ("a",)}, {}, id="cheaper-and-better-beyond-noise-dominates"),
-        pytest.param(ACC_VS_WEIGHTS, [("a", answers(3, 1), 100), ("b", answers(), 200)],
-                     {"a", "b"}, {}, {"a": ("b",), "b": ("a",)}, id="cheaper-slightly-worse-is-a-tie"),
-        pytest.param(ACC_VS_WEIGHTS, [("a", answers(1, 3), 100), ("b", answers(), 200)],
-                     {"a", "b"}, {}, {"a": ("b",), "b": ("a",)}, id="cheaper-better-within-noise-is-a-tie-not-dominance"),
-        pytest.param(ACC_VS_WEIGHTS, [("a", answers(), 100), ("b", answers(30, 0), 100)],
-                     {"a"}, {"b": ("a",)}, {}, id="equal-cost-better-beyond-noise-dominates"),
-        pytest.param(ACC_VS_WEIGHTS, [("a", answers(), 100), ("b", answers(2, 0), 100)],
-                     {"a", "b"}, {}, {"a": ("b",), "b": ("a",)}, id="equal-cost-within-noise-is-a-tie"),
-        pytest.param(ACC_VS_WEIGHTS, [("a", answers(), 100), ("b", answers(), 100)],
-                     {"a", "b"}, {}, {}, id="identical-documents-equal-cost-neither-dominates"),
-        pytest.param(ACC_VS_WEIGHTS, [("a", answers(), 100), ("b", answers(), 150)],
-                     {"a"}, {"b": ("a",)}, {}, id="identical-documents-cheaper-dominates"),
-        pytest.param(ACC_VS_WEIGHTS, [("a", answers(), 200), ("b", answers(100, 0), 100)],
-                     {"a", "b"}, {}, {}, id="trade-off-keeps-both"),
-        pytest.param(ACC_VS_WEIGHTS, [("a", answers(), 100), ("b", answers(), 100), ("c", answers(40, 0), 200)],
-                     {"a", "b"}, {"c": ("a", "b")}, {}, id="several-dominators-listed"),
-        pytest.param(ERRORS_VS_WEIGHTS, [("a", answers(), 100), ("b", answers(0, 40), 100)],
-                     {"a"}, {"b": ("a",)}, {}, id="lower-is-better-more-errors-beyond-noise-dominated"),
-        pytest.param(ERRORS_VS_WEIGHTS, [("a", answers(0, 2), 100), ("b", answers(), 200)],
-                     {"a", "b"}, {}, {"a": ("b",), "b": ("a",)}, id="lower-is-better-within-noise-tie"),
-        pytest.param(ACC_VS_DECODE, [("fast", answers(), 50), ("slow", answers(30, 0), 40)],
-                     {"fast"}, {"slow": ("fast",)}, {}, id="higher-is-better-cost"),
+        pytest.param(
+            ACC_VS_WEIGHTS,
+            [("a", answers(), 100), ("b", answers(25, 5), 200)],
+            {"a"},
+            {"b": ("a",)},
+            {},
+            id="cheaper-and-better-beyond-noise-dominates",
+        ),
+        pytest.param(
+            ACC_VS_WEIGHTS,
+            [("a", answers(3, 1), 100), ("b", answers(), 200)],
+            {"a", "b"},
+            {},
+            {"a": ("b",), "b": ("a",)},
+            id="cheaper-slightly-worse-is-a-tie",
+        ),
+        pytest.param(
+            ACC_VS_WEIGHTS,
+            [("a", answers(1, 3), 100), ("b", answers(), 200)],
+            {"a", "b"},
+            {},
+            {"a": ("b",), "b": ("a",)},
+            id="cheaper-better-within-noise-is-a-tie-not-dominance",
+        ),
+        pytest.param(
+            ACC_VS_WEIGHTS,
+            [("a", answers(), 100), ("b", answers(30, 0), 100)],
+            {"a"},
+            {"b": ("a",)},
+            {},
+            id="equal-cost-better-beyond-noise-dominates",
+        ),
+        pytest.param(
+            ACC_VS_WEIGHTS,
+            [("a", answers(), 100), ("b", answers(2, 0), 100)],
+            {"a", "b"},
+            {},
+            {"a": ("b",), "b": ("a",)},
+            id="equal-cost-within-noise-is-a-tie",
+        ),
+        pytest.param(
+            ACC_VS_WEIGHTS,
+            [("a", answers(), 100), ("b", answers(), 100)],
+            {"a", "b"},
+            {},
+            {},
+            id="identical-documents-equal-cost-neither-dominates",
+        ),
+        pytest.param(
+            ACC_VS_WEIGHTS,
+            [("a", answers(), 100), ("b", answers(), 150)],
+            {"a"},
+            {"b": ("a",)},
+            {},
+            id="identical-documents-cheaper-dominates",
+        ),
+        pytest.param(
+            ACC_VS_WEIGHTS,
+            [("a", answers(), 200), ("b", answers(100, 0), 100)],
+            {"a", "b"},
+            {},
+            {},
+            id="trade-off-keeps-both",
+        ),
+        pytest.param(
+            ACC_VS_WEIGHTS,
+            [("a", answers(), 100), ("b", answers(), 100), ("c", answers(40, 0), 200)],
+            {"a", "b"},
+            {"c": ("a", "b")},
+            {},
+            id="several-dominators-listed",
+        ),
+        pytest.param(
+            ERRORS_VS_WEIGHTS,
+            [("a", answers(), 100), ("b", answers(0, 40), 100)],
+            {"a"},
+            {"b": ("a",)},
+            {},
+            id="lower-is-better-more-errors-beyond-noise-dominated",
+        ),
+        pytest.param(
+            ERRORS_VS_WEIGHTS,
+            [("a", answers(0, 2), 100), ("b", answers(), 200)],
+            {"a", "b"},
+            {},
+            {"a": ("b",), "b": ("a",)},
+            id="lower-is-better-within-noise-tie",
+        ),
+        pytest.param(
+            ACC_VS_DECODE,
+            [("fast", answers(), 50), ("slow", answers(30, 0), 40)],
+            {"fast"},
+            {"slow": ("fast",)},
+            {},
+            id="higher-is-better-cost",
+        ),
     ],
 )
 def test_dominance_is_judged_against_paired_noise(pair, points, front, dominated, ties):
@@ -131,8 +212,10 @@ def test_the_issue_example_is_a_loss_not_noise():
 
 
 def test_without_paired_noise_points_are_compared_and_the_result_says_so():
-    variants = [VariantSummary(name, name, True, {ACC: acc, WEIGHTS: cost}, declared=DECLARED)
-                for name, acc, cost in (("a", 0.60, 100), ("b", 0.59, 200), ("c", 0.55, 50))]
+    variants = [
+        VariantSummary(name, name, True, {ACC: acc, WEIGHTS: cost}, declared=DECLARED)
+        for name, acc, cost in (("a", 0.60, 100), ("b", 0.59, 200), ("c", 0.55, 50))
+    ]
 
     result = pareto_front(variants, ACC_VS_WEIGHTS)
 
@@ -140,7 +223,10 @@ def test_without_paired_noise_points_are_compared_and_the_result_says_so():
     assert result.ties == {}
     assert result.point_compared == (("a", "b"), ("a", "c"), ("b", "c"))
     assert frontiers_to_dict(compute_frontiers(variants))["frontiers"][0]["no_paired_noise"] == [
-        ["a", "b"], ["a", "c"], ["b", "c"]]
+        ["a", "b"],
+        ["a", "c"],
+        ["b", "c"],
+    ]
 
 
 def test_logged_paired_figures_serve_against_the_baseline():
@@ -161,13 +247,19 @@ def test_logged_paired_figures_serve_against_the_baseline():
 
 def test_group_scores_are_compared_from_their_leaves_with_the_stored_weights():
     group, leaves = "eval/mmlu/acc", ("eval/mmlu_a/acc", "eval/mmlu_b/acc")
-    docs = {"bf16": (answers(n=500, right=300), answers(n=500, right=300)),
-            "int4": (answers(20, 0, n=500, right=300), answers(15, 5, n=500, right=300))}
+    docs = {
+        "bf16": (answers(n=500, right=300), answers(n=500, right=300)),
+        "int4": (answers(20, 0, n=500, right=300), answers(15, 5, n=500, right=300)),
+    }
     declared = {key: Declared(True, Scale.FRACTION) for key in (group, *leaves)}
-    variants = [VariantSummary(name, name, True, {group: 0.6, WEIGHTS: cost}, is_baseline=name == "bf16", declared=declared)
-                for name, cost in (("bf16", 270), ("int4", 100))]
-    documents = {name: {leaf: DocumentScores(Aggregation.MEAN, d) for leaf, d in zip(leaves, pair)}
-                 for name, pair in docs.items()}
+    variants = [
+        VariantSummary(name, name, True, {group: 0.6, WEIGHTS: cost}, is_baseline=name == "bf16", declared=declared)
+        for name, cost in (("bf16", 270), ("int4", 100))
+    ]
+    documents = {
+        name: {leaf: DocumentScores(Aggregation.MEAN, d) for leaf, d in zip(leaves, pair)}
+        for name, pair in docs.items()
+    }
 
     noise = paired_noise(variants, documents, {group: Group(leaves, (0.5, 0.5))})
     found = noise(group, "bf16", "int4")
@@ -179,8 +271,10 @@ def test_group_scores_are_compared_from_their_leaves_with_the_stored_weights():
 
 def test_documents_of_different_tasks_versions_give_no_paired_noise():
     variants, _ = sweep(ACC_VS_WEIGHTS, ("a", answers(), 100), ("b", answers(), 200))
-    documents = {"a": {ACC: DocumentScores(Aggregation.MEAN, answers())},
-                 "b": {ACC: DocumentScores(Aggregation.MEAN, answers(n=900))}}
+    documents = {
+        "a": {ACC: DocumentScores(Aggregation.MEAN, answers())},
+        "b": {ACC: DocumentScores(Aggregation.MEAN, answers(n=900))},
+    }
 
     result = pareto_front(variants, ACC_VS_WEIGHTS, paired_noise(variants, documents, {}))
 
@@ -194,8 +288,9 @@ def test_documents_of_different_tasks_versions_give_no_paired_noise():
 
 def summary(name: str, succeeded: bool = True, baseline: bool = False, **metrics: float) -> VariantSummary:
     keys = {"acc": ACC, "kld": KLD, "weights": WEIGHTS, "decode": DECODE}
-    return VariantSummary(name, name, succeeded, {keys.get(k, k): v for k, v in metrics.items()},
-                          is_baseline=baseline, declared=DECLARED)
+    return VariantSummary(
+        name, name, succeeded, {keys.get(k, k): v for k, v in metrics.items()}, is_baseline=baseline, declared=DECLARED
+    )
 
 
 @pytest.mark.parametrize(
@@ -217,7 +312,10 @@ def test_variants_that_cannot_be_placed_are_excluded_with_a_reason(variants, exp
 
 
 def test_failed_variant_with_good_numbers_does_not_dominate_and_a_failed_baseline_gives_no_intervals():
-    variants = [summary("base", succeeded=False, baseline=True, acc=0.9, weights=1), summary("ok", acc=0.5, weights=100)]
+    variants = [
+        summary("base", succeeded=False, baseline=True, acc=0.9, weights=1),
+        summary("ok", acc=0.5, weights=100),
+    ]
 
     result = pareto_front(variants, ACC_VS_WEIGHTS)
 
@@ -227,15 +325,21 @@ def test_failed_variant_with_good_numbers_does_not_dominate_and_a_failed_baselin
 
 
 def test_points_are_ordered_cheapest_first_then_best_quality_then_name():
-    variants = [summary(n, acc=a, decode=d) for n, a, d in
-                (("slow", 0.9, 10), ("fast-b", 0.5, 50), ("fast-a", 0.5, 50), ("fast-good", 0.6, 50))]
+    variants = [
+        summary(n, acc=a, decode=d)
+        for n, a, d in (("slow", 0.9, 10), ("fast-b", 0.5, 50), ("fast-a", 0.5, 50), ("fast-good", 0.6, 50))
+    ]
 
     assert [p.name for p in pareto_front(variants, ACC_VS_DECODE).points] == ["fast-good", "fast-a", "fast-b", "slow"]
 
 
 def test_on_frontier_overall_means_on_the_front_of_at_least_one_pair():
-    variants = [summary("bf16", baseline=True, acc=0.50, kld=0.0, weights=270), summary("fp8", acc=0.49, kld=0.03, weights=170),
-                summary("lossy", acc=0.40, kld=0.30, weights=170), summary("tiny", acc=0.45, kld=0.50, weights=90)]
+    variants = [
+        summary("bf16", baseline=True, acc=0.50, kld=0.0, weights=270),
+        summary("fp8", acc=0.49, kld=0.03, weights=170),
+        summary("lossy", acc=0.40, kld=0.30, weights=170),
+        summary("tiny", acc=0.45, kld=0.50, weights=90),
+    ]
 
     results = [pareto_front(variants, ACC_VS_WEIGHTS), pareto_front(variants, KLD_VS_WEIGHTS)]
 
@@ -246,8 +350,10 @@ def test_duplicate_names_and_several_baselines_are_errors():
     with pytest.raises(ValueError, match="unique"):
         pareto_front([summary("a", acc=1, weights=1), summary("a", acc=1, weights=1)], ACC_VS_WEIGHTS)
     with pytest.raises(ValueError, match="several variants are marked as baseline"):
-        pareto_front([summary("a", baseline=True, acc=1, weights=1), summary("b", baseline=True, acc=1, weights=1)],
-                     ACC_VS_WEIGHTS)
+        pareto_front(
+            [summary("a", baseline=True, acc=1, weights=1), summary("b", baseline=True, acc=1, weights=1)],
+            ACC_VS_WEIGHTS,
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -256,16 +362,34 @@ def test_duplicate_names_and_several_baselines_are_errors():
 
 
 def test_default_axes_take_every_declared_score_including_filtered_ones_and_name_the_unknown():
-    variants = [VariantSummary("bf16", "bf16", True, {
-        ACC: 0.5, ACC.replace("acc", "acc_stderr"): 0.05, GSM: 0.3, "eval/custom/score": 3.0,
-        KLD: 0.0, WEIGHTS: 270, DECODE: 40,
-    }, is_baseline=True, declared={ACC: DECLARED[ACC], GSM: DECLARED[GSM]})]
+    variants = [
+        VariantSummary(
+            "bf16",
+            "bf16",
+            True,
+            {
+                ACC: 0.5,
+                ACC.replace("acc", "acc_stderr"): 0.05,
+                GSM: 0.3,
+                "eval/custom/score": 3.0,
+                KLD: 0.0,
+                WEIGHTS: 270,
+                DECODE: 40,
+            },
+            is_baseline=True,
+            declared={ACC: DECLARED[ACC], GSM: DECLARED[GSM]},
+        )
+    ]
 
     frontiers = compute_frontiers(variants)
 
     assert [r.pair.name for r in frontiers.results] == [
-        f"{GSM} vs {WEIGHTS}", f"{ACC} vs {WEIGHTS}", f"{KLD} vs {WEIGHTS}",
-        f"{GSM} vs {DECODE}", f"{ACC} vs {DECODE}", f"{KLD} vs {DECODE}",
+        f"{GSM} vs {WEIGHTS}",
+        f"{ACC} vs {WEIGHTS}",
+        f"{KLD} vs {WEIGHTS}",
+        f"{GSM} vs {DECODE}",
+        f"{ACC} vs {DECODE}",
+        f"{KLD} vs {DECODE}",
     ]
     assert frontiers.direction_unknown == ("eval/custom/score",)
     assert frontiers_to_dict(frontiers)["direction_unknown"] == ["eval/custom/score"]
@@ -282,8 +406,10 @@ def test_an_undeclared_score_gets_no_axis_whatever_its_name():
 
 def test_declarations_are_merged_and_a_disagreement_makes_the_direction_unknown():
     lower = Declared(False, Scale.FRACTION)
-    variants = [VariantSummary("a", "a", True, {}, declared={ACC: DECLARED[ACC]}),
-                VariantSummary("b", "b", True, {}, declared={GSM: DECLARED[GSM], ACC: lower})]
+    variants = [
+        VariantSummary("a", "a", True, {}, declared={ACC: DECLARED[ACC]}),
+        VariantSummary("b", "b", True, {}, declared={GSM: DECLARED[GSM], ACC: lower}),
+    ]
 
     assert merged_declared(variants) == {ACC: Declared(None, Scale.FRACTION), GSM: DECLARED[GSM]}
 
@@ -312,10 +438,14 @@ def test_axis_direction_from_the_contract_or_given():
     [
         pytest.param({"axes": [{"quality": ACC, "cost": WEIGHTS, "colour": "red"}]}, "extra", id="extra-axis-field"),
         pytest.param({"unknown_key": 1}, "extra", id="extra-top-level-field"),
-        pytest.param({"axes": [{"quality": "custom/score", "cost": WEIGHTS}]}, "custom/score", id="not-in-the-contract"),
+        pytest.param(
+            {"axes": [{"quality": "custom/score", "cost": WEIGHTS}]}, "custom/score", id="not-in-the-contract"
+        ),
         pytest.param({"objective": "cost/dollars"}, "cost/dollars", id="unknown-objective-direction"),
         pytest.param({"default_policy": {"max_drop": {ACC: -1}}}, ">= 0", id="negative-drop"),
-        pytest.param({"default_policy": {"min_top1_agreement": 90}}, "less than or equal to 1", id="top1-is-a-fraction"),
+        pytest.param(
+            {"default_policy": {"min_top1_agreement": 90}}, "less than or equal to 1", id="top1-is-a-fraction"
+        ),
     ],
 )
 def test_frontier_settings_reject_bad_input(settings, error):
@@ -324,8 +454,9 @@ def test_frontier_settings_reject_bad_input(settings, error):
 
 
 def test_an_lm_eval_axis_loads_before_the_sweep_and_takes_its_direction_from_the_declarations():
-    settings = FrontierSettings.model_validate({"axes": [{"quality": GSM, "cost": DECODE},
-                                                          {"quality": "eval/custom/score", "cost": DECODE}]})
+    settings = FrontierSettings.model_validate(
+        {"axes": [{"quality": GSM, "cost": DECODE}, {"quality": "eval/custom/score", "cost": DECODE}]}
+    )
     variants = [VariantSummary("a", "a", True, {GSM: 0.3, "eval/custom/score": 1.0, DECODE: 10.0}, declared=DECLARED)]
 
     frontiers = compute_frontiers(variants, settings)
@@ -335,10 +466,13 @@ def test_an_lm_eval_axis_loads_before_the_sweep_and_takes_its_direction_from_the
 
 
 def test_frontier_settings_explicit_directions_and_defaults():
-    settings = FrontierSettings.model_validate({
-        "axes": [{"quality": "eval/custom/score", "quality_higher_is_better": True, "cost": DECODE}],
-        "objective": "cost/dollars_per_mtok", "objective_higher_is_better": False,
-    })
+    settings = FrontierSettings.model_validate(
+        {
+            "axes": [{"quality": "eval/custom/score", "quality_higher_is_better": True, "cost": DECODE}],
+            "objective": "cost/dollars_per_mtok",
+            "objective_higher_is_better": False,
+        }
+    )
 
     (pair,) = settings.axis_pairs([summary("a", decode=10.0, **{"eval/custom/score": 1.0})])
     assert pair == AxisPair(Axis("eval/custom/score", True), Axis(DECODE, True))
@@ -347,8 +481,9 @@ def test_frontier_settings_explicit_directions_and_defaults():
 
 
 def test_frontiers_to_dict_is_json_with_ties_and_intervals():
-    variants, noise = sweep(ACC_VS_WEIGHTS, ("bf16", answers(), 270), ("fp8", answers(2, 1), 170),
-                            ("gone", answers(), 1), baseline="bf16")
+    variants, noise = sweep(
+        ACC_VS_WEIGHTS, ("bf16", answers(), 270), ("fp8", answers(2, 1), 170), ("gone", answers(), 1), baseline="bf16"
+    )
     variants[2] = VariantSummary("gone", "gone", False, {})
 
     record = json.loads(json.dumps(frontiers_to_dict(compute_frontiers(variants, noise=noise))))

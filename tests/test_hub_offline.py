@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from recipes import REPO, write
 from test_sweep import quantlab
+
+from recipes import REPO, write
 
 GPU_RECIPE = REPO / "recipes" / "llama-3.1-8b-instruct.yaml"
 
@@ -25,15 +26,26 @@ def test_validate_checks_the_gpu_recipe_offline_and_names_what_needs_the_hub(tmp
 
 def test_validate_still_finds_mistakes_in_a_hub_recipe_offline(tmp_path: Path) -> None:
     broken = GPU_RECIPE.read_text().replace("name: gsm8k", "name: gsm8kk")
-    done = quantlab("validate", str(write(tmp_path / "r.yaml", broken)), cwd=tmp_path,
-                    env={"QUANTLAB_CACHE_DIR": str(tmp_path / "cache")})
+    done = quantlab(
+        "validate",
+        str(write(tmp_path / "r.yaml", broken)),
+        cwd=tmp_path,
+        env={"QUANTLAB_CACHE_DIR": str(tmp_path / "cache")},
+    )
     assert done.returncode == 2
     assert "evals.tasks[1].name: lm-eval cannot resolve task 'gsm8kk' (did you mean 'gsm8k'?)" in done.stderr
 
 
 def test_a_sweep_of_an_unreachable_hub_model_is_bad_input(tmp_path: Path) -> None:
-    recipe = write(tmp_path / "r.yaml", {"name": "hub", "model": {"source": "meta-llama/Llama-3.1-8B-Instruct"},
-                                         "baseline": "bf16", "variants": [{"name": "bf16", "method": "bf16"}]})
+    recipe = write(
+        tmp_path / "r.yaml",
+        {
+            "name": "hub",
+            "model": {"source": "meta-llama/Llama-3.1-8B-Instruct"},
+            "baseline": "bf16",
+            "variants": [{"name": "bf16", "method": "bf16"}],
+        },
+    )
     done = quantlab("sweep", str(recipe), "--cache-dir", str(tmp_path / "cache"), cwd=tmp_path)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [

@@ -50,11 +50,21 @@ def _doc(doc_id, filter_name="none", **values):
         # a bool per document is a 0/1 score
         ("exact_match", [_doc(0, exact_match=True), _doc(1, exact_match=False)], 0.5, Aggregation.MEAN, None),
         # wikitext: (loglikelihood, words) under exp(-sum ll / sum words)
-        ("word_perplexity", [_doc(0, word_perplexity=(-20.0, 10)), _doc(1, word_perplexity=(-10.0, 10))],
-         math.exp(30 / 20), Aggregation.WEIGHTED_PERPLEXITY, None),
+        (
+            "word_perplexity",
+            [_doc(0, word_perplexity=(-20.0, 10)), _doc(1, word_perplexity=(-10.0, 10))],
+            math.exp(30 / 20),
+            Aggregation.WEIGHTED_PERPLEXITY,
+            None,
+        ),
         # (loglikelihood, bytes) under -sum ll / (sum bytes * ln 2)
-        ("bits_per_byte", [_doc(0, bits_per_byte=(-20.0, 40)), _doc(1, bits_per_byte=(-10.0, 20))],
-         30 / (60 * math.log(2)), Aggregation.BITS_PER_BYTE, None),
+        (
+            "bits_per_byte",
+            [_doc(0, bits_per_byte=(-20.0, 40)), _doc(1, bits_per_byte=(-10.0, 20))],
+            30 / (60 * math.log(2)),
+            Aggregation.BITS_PER_BYTE,
+            None,
+        ),
         # a median (or any other aggregation) does not re-aggregate as a mean: logged without analysis
         ("acc", [_doc(0, acc=0.0), _doc(1, acc=0.0), _doc(2, acc=1.0)], 0.0, None, "re-aggregating"),
         # per-document values of a shape nobody aggregates here (sacrebleu's (ref, pred) pairs)
@@ -74,8 +84,12 @@ def test_document_scores_accept_only_what_reproduces_lm_eval(metric, samples, re
 
 
 def test_each_filter_keeps_its_own_documents():
-    samples = [_doc(0, "strict-match", exact_match=0.0), _doc(1, "strict-match", exact_match=0.0),
-               _doc(0, "flexible-extract", exact_match=1.0), _doc(1, "flexible-extract", exact_match=0.0)]
+    samples = [
+        _doc(0, "strict-match", exact_match=0.0),
+        _doc(1, "strict-match", exact_match=0.0),
+        _doc(0, "flexible-extract", exact_match=1.0),
+        _doc(1, "flexible-extract", exact_match=0.0),
+    ]
     strict, _ = document_scores("exact_match", "strict-match", samples, 0.0)
     flexible, _ = document_scores("exact_match", "flexible-extract", samples, 0.5)
     assert strict.values == {0: 0.0, 1: 0.0} and flexible.values == {0: 1.0, 1: 0.0}
@@ -100,13 +114,19 @@ def test_group_weights_are_the_ones_that_reproduce_lm_eval(values, sizes, report
 def _leaf(name, accs, hib=True):
     samples = [_doc(i, acc=a) for i, a in enumerate(accs)]
     mean = sum(accs) / len(accs)
-    return name, {"alias": name, "sample_len": len(accs), "acc,none": mean, "acc_stderr,none": 0.1}, samples, {"acc": hib}
+    return (
+        name,
+        {"alias": name, "sample_len": len(accs), "acc,none": mean, "acc_stderr,none": 0.1},
+        samples,
+        {"acc": hib},
+    )
 
 
 def _results(leaves, groups, group_values, group_hib):
     """A dict shaped like simple_evaluate's: nested groups aggregate over all their leaves."""
     return {
-        "results": {name: raw for name, raw, _, _ in leaves} | {g: {"alias": g, "acc,none": v, "acc_stderr,none": "N/A"} for g, v in group_values.items()},
+        "results": {name: raw for name, raw, _, _ in leaves}
+        | {g: {"alias": g, "acc,none": v, "acc_stderr,none": "N/A"} for g, v in group_values.items()},
         "group_subtasks": groups,
         "samples": {name: samples for name, _, samples, _ in leaves},
         "higher_is_better": {name: hib for name, _, _, hib in leaves} | group_hib,
@@ -147,13 +167,24 @@ def test_a_group_s_flips_are_the_sum_of_its_leaves():
     flipped["results"]["top"]["acc,none"] = 4 / 10
     flipped["results"]["mid"]["acc,none"] = 3 / 5
     variant = eval_outcome(read_results(TaskRequest("top"), flipped))
-    stored = BaselineOutputs.from_samples(json.loads(json.dumps(
-        BaselineOutputs(None, baseline.documents, baseline.groups, baseline.scores, baseline.primary).to_samples())), None)
+    stored = BaselineOutputs.from_samples(
+        json.loads(
+            json.dumps(
+                BaselineOutputs(
+                    None, baseline.documents, baseline.groups, baseline.scores, baseline.primary
+                ).to_samples()
+            )
+        ),
+        None,
+    )
 
     damage = answer_damage(variant, stored).metrics
 
     for task, (c2w, w2c) in {"a1": (1, 0), "a2": (0, 1), "b1": (1, 0), "mid": (1, 1), "top": (2, 1)}.items():
-        assert damage[f"quality/flips/{task}/correct_to_wrong"] == c2w and damage[f"quality/flips/{task}/wrong_to_correct"] == w2c
+        assert (
+            damage[f"quality/flips/{task}/correct_to_wrong"] == c2w
+            and damage[f"quality/flips/{task}/wrong_to_correct"] == w2c
+        )
         assert damage[f"quality/flips/{task}"] == c2w + w2c
     assert damage["quality/paired/eval/top/acc/diff"] == pytest.approx(-0.1)  # 4/10 - 5/10, from the leaves
     assert damage["quality/paired/eval/top/acc/correct_to_wrong"] == 2
@@ -161,7 +192,11 @@ def test_a_group_s_flips_are_the_sum_of_its_leaves():
     assert damage["quality/recovery/top/acc"] == pytest.approx(0.8)
     # The baseline against itself: its own zeros.
     own = answer_damage(baseline, None).metrics
-    assert own["quality/flips/top"] == 0 and own["quality/paired/eval/top/acc/diff"] == 0 and own["quality/mcnemar_p/top"] == 1
+    assert (
+        own["quality/flips/top"] == 0
+        and own["quality/paired/eval/top/acc/diff"] == 0
+        and own["quality/mcnemar_p/top"] == 1
+    )
 
 
 def test_undeclared_directions_and_unanalysable_shapes_are_named_not_dropped(capsys):
@@ -188,11 +223,27 @@ def test_undeclared_directions_and_unanalysable_shapes_are_named_not_dropped(cap
 @pytest.mark.parametrize(
     ("task", "field", "message"),
     [
-        ({"name": "mmlu_dev", "num_fewshot": -1}, "evals.tasks[0] (mmlu_dev).num_fewshot", "greater than or equal to 0"),
+        (
+            {"name": "mmlu_dev", "num_fewshot": -1},
+            "evals.tasks[0] (mmlu_dev).num_fewshot",
+            "greater than or equal to 0",
+        ),
         ({"name": "mmlu_dev", "limit": 0}, "evals.tasks[0] (mmlu_dev).limit", "greater than 0"),
-        ({"name": "mmlu_dev", "gen_kwargs": {"max_gen_toks": 0}}, "evals.tasks[0] (mmlu_dev).gen_kwargs.max_gen_toks", "greater than 0"),
-        ({"name": "mmlu_dev", "gen_kwargs": "max_gen_toks=8"}, "evals.tasks[0] (mmlu_dev).gen_kwargs", "valid dictionary"),
-        ({"name": "mmlu_dev", "fewshot_as_multiturn": True}, "evals.tasks[0] (mmlu_dev).fewshot_as_multiturn", "needs apply_chat_template"),
+        (
+            {"name": "mmlu_dev", "gen_kwargs": {"max_gen_toks": 0}},
+            "evals.tasks[0] (mmlu_dev).gen_kwargs.max_gen_toks",
+            "greater than 0",
+        ),
+        (
+            {"name": "mmlu_dev", "gen_kwargs": "max_gen_toks=8"},
+            "evals.tasks[0] (mmlu_dev).gen_kwargs",
+            "valid dictionary",
+        ),
+        (
+            {"name": "mmlu_dev", "fewshot_as_multiturn": True},
+            "evals.tasks[0] (mmlu_dev).fewshot_as_multiturn",
+            "needs apply_chat_template",
+        ),
         ({"name": "mmlu_dev", "shots": 5}, "evals.tasks[0] (mmlu_dev).shots", "unknown key"),
     ],
 )
@@ -200,7 +251,10 @@ def test_bad_task_settings_are_one_line_errors_naming_the_field(tmp_path, tiny_l
     from quantlab.checks import validate
     from quantlab.errors import BadInput
 
-    path = write(tmp_path / "recipe.yaml", tiny_recipe(tiny_llama.path, evals={"include_path": str(Path(__file__).parents[1] / "evals"), "tasks": [task]}))
+    path = write(
+        tmp_path / "recipe.yaml",
+        tiny_recipe(tiny_llama.path, evals={"include_path": str(Path(__file__).parents[1] / "evals"), "tasks": [task]}),
+    )
     with pytest.raises(BadInput) as caught:
         validate(path)
     problems = [str(p) for p in caught.value.problems]
@@ -209,10 +263,16 @@ def test_bad_task_settings_are_one_line_errors_naming_the_field(tmp_path, tiny_l
 
 def test_a_task_listed_twice_is_bad_input_at_the_command_line(tmp_path, tiny_llama):
     tasks = [{"name": "mmlu_dev", "limit": 2}, {"name": "mmlu_dev", "num_fewshot": 1}]
-    path = write(tmp_path / "recipe.yaml", tiny_recipe(tiny_llama.path, evals={"include_path": str(Path(__file__).parents[1] / "evals"), "tasks": tasks}))
+    path = write(
+        tmp_path / "recipe.yaml",
+        tiny_recipe(tiny_llama.path, evals={"include_path": str(Path(__file__).parents[1] / "evals"), "tasks": tasks}),
+    )
     result = quantlab("validate", str(path), cwd=tmp_path)
     assert result.returncode == 2
-    assert result.stderr.strip() == f"error: {path}: evals.tasks[1] (mmlu_dev).name: task listed twice (also evals.tasks[0])"
+    assert (
+        result.stderr.strip()
+        == f"error: {path}: evals.tasks[1] (mmlu_dev).name: task listed twice (also evals.tasks[0])"
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -232,7 +292,9 @@ def test_another_compute_dtype_gets_another_reference(tmp_path, tiny_llama):
     dirs = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float32):
         model, tokenizer = tiny_llama.load(dtype)
-        dirs.setdefault(dtype, set()).add(token_damage(model, tokenizer, loaded.recipe.quality, tmp_path, job, "same-checkpoint").reference_dir)
+        dirs.setdefault(dtype, set()).add(
+            token_damage(model, tokenizer, loaded.recipe.quality, tmp_path, job, "same-checkpoint").reference_dir
+        )
     assert len(dirs[torch.float32]) == 1  # the same settings find the same reference again
     assert dirs[torch.float32].isdisjoint(dirs[torch.bfloat16])
 
@@ -283,10 +345,19 @@ def test_every_logged_metric_has_its_direction(swept):
         assert not missing, missing
         assert "quantlab.direction_unknown" not in run.data.tags
         scores = {key for key in run.data.metrics if metrics.is_eval_score(key)}
-        assert {"eval/ql_gsm8k/exact_match:strict-match", "eval/ql_gsm8k/exact_match:flexible-extract",
-                "eval/ql_wikitext/word_perplexity", "eval/ql_wikitext/byte_perplexity", "eval/ql_wikitext/bits_per_byte",
-                "eval/ql_truthfulqa_mc2/acc", "eval/ql_arc_easy/acc", "eval/ql_arc_easy/acc_norm",
-                "eval/ql_mmlu/acc", "eval/ql_mmlu_anatomy/acc", "eval/ql_mmlu_astronomy/acc"} == scores
+        assert {
+            "eval/ql_gsm8k/exact_match:strict-match",
+            "eval/ql_gsm8k/exact_match:flexible-extract",
+            "eval/ql_wikitext/word_perplexity",
+            "eval/ql_wikitext/byte_perplexity",
+            "eval/ql_wikitext/bits_per_byte",
+            "eval/ql_truthfulqa_mc2/acc",
+            "eval/ql_arc_easy/acc",
+            "eval/ql_arc_easy/acc_norm",
+            "eval/ql_mmlu/acc",
+            "eval/ql_mmlu_anatomy/acc",
+            "eval/ql_mmlu_astronomy/acc",
+        } == scores
         assert declared["eval/ql_wikitext/word_perplexity"] == metrics.Declared(False, metrics.Scale.PERPLEXITY)
         assert declared["eval/ql_wikitext/bits_per_byte"] == metrics.Declared(False, metrics.Scale.BITS)
         assert declared["eval/ql_truthfulqa_mc2/acc"] == metrics.Declared(True, metrics.Scale.FRACTION)
@@ -345,10 +416,21 @@ def test_samples_artifact_keeps_every_analysable_score_per_document(swept):
 def test_each_variant_records_its_tasks_as_evaluation_datasets(swept):
     _, _, uri, _, runs = swept
     client = MlflowClient(uri)
-    (table_run,) = client.search_runs([runs["fp8"].info.experiment_id], f"attributes.run_id = '{runs['fp8'].info.run_id}'")
+    (table_run,) = client.search_runs(
+        [runs["fp8"].info.experiment_id], f"attributes.run_id = '{runs['fp8'].info.run_id}'"
+    )
     inputs = {item.dataset.name: item for item in table_run.inputs.dataset_inputs}
-    assert set(inputs) == {"ql_gsm8k", "ql_wikitext", "ql_truthfulqa_mc2", "ql_arc_easy", "ql_mmlu_anatomy", "ql_mmlu_astronomy"}
-    assert all({(t.key, t.value) for t in item.tags} == {("mlflow.data.context", "evaluation")} for item in inputs.values())
+    assert set(inputs) == {
+        "ql_gsm8k",
+        "ql_wikitext",
+        "ql_truthfulqa_mc2",
+        "ql_arc_easy",
+        "ql_mmlu_anatomy",
+        "ql_mmlu_astronomy",
+    }
+    assert all(
+        {(t.key, t.value) for t in item.tags} == {("mlflow.data.context", "evaluation")} for item in inputs.values()
+    )
     baseline_inputs = {item.dataset.name: item.dataset.digest for item in runs["bf16"].inputs.dataset_inputs}
     assert baseline_inputs == {name: item.dataset.digest for name, item in inputs.items()}  # same data, same digest
     assert json.loads(inputs["ql_gsm8k"].dataset.profile)["limit"] == 2
@@ -356,13 +438,18 @@ def test_each_variant_records_its_tasks_as_evaluation_datasets(swept):
 
 def test_a_copied_run_keeps_its_datasets(swept):
     work, _, uri, _, first = swept
-    result = quantlab("sweep", str(work / "recipe.yaml"), "--tracking-uri", uri, "--cache-dir", str(work / "cache"), cwd=work)
+    result = quantlab(
+        "sweep", str(work / "recipe.yaml"), "--tracking-uri", uri, "--cache-dir", str(work / "cache"), cwd=work
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     client = MlflowClient(uri)
-    copies = client.search_runs([first["fp8"].info.experiment_id], f"tags.`quantlab.reused_from` = '{first['fp8'].info.run_id}'")
+    copies = client.search_runs(
+        [first["fp8"].info.experiment_id], f"tags.`quantlab.reused_from` = '{first['fp8'].info.run_id}'"
+    )
     assert copies
-    assert ({(i.dataset.name, i.dataset.digest) for i in copies[0].inputs.dataset_inputs}
-            == {(i.dataset.name, i.dataset.digest) for i in first["fp8"].inputs.dataset_inputs})
+    assert {(i.dataset.name, i.dataset.digest) for i in copies[0].inputs.dataset_inputs} == {
+        (i.dataset.name, i.dataset.digest) for i in first["fp8"].inputs.dataset_inputs
+    }
 
 
 def test_a_logged_score_equals_the_lm_eval_cli(swept, tmp_path):
@@ -373,9 +460,23 @@ def test_a_logged_score_equals_the_lm_eval_cli(swept, tmp_path):
     """
     _, tasks_dir, _, _, runs = swept
     checkpoint = runs["bf16"].data.tags["quantlab.checkpoint"]
-    command = [str(Path(sys.executable).with_name("lm_eval")), "--model", "hf", "--model_args", f"pretrained={checkpoint},dtype=float32",
-               "--tasks", "ql_wikitext", "--include_path", str(tasks_dir), "--limit", "3", "--batch_size", str(BATCH_SIZE),
-               "--output_path", str(tmp_path / "out")]
+    command = [
+        str(Path(sys.executable).with_name("lm_eval")),
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={checkpoint},dtype=float32",
+        "--tasks",
+        "ql_wikitext",
+        "--include_path",
+        str(tasks_dir),
+        "--limit",
+        "3",
+        "--batch_size",
+        str(BATCH_SIZE),
+        "--output_path",
+        str(tmp_path / "out"),
+    ]
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (results_file,) = (tmp_path / "out").rglob("results_*.json")

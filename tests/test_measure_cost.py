@@ -14,24 +14,51 @@ from quantlab.stages.measure import measure
 
 REPO = Path(__file__).resolve().parents[1]
 MEASURED_KEYS = [
-    "cost/load_seconds", "cost/peak_memory_bytes", "cost/prefill_tokens_per_s", "cost/decode_tokens_per_s",
-    "cost/ttft_ms_p50", "cost/ttft_ms_p90", "cost/ttft_ms_p99", "cost/itl_ms_p50", "cost/itl_ms_p90",
-    "cost/itl_ms_p99", "cost/roofline_efficiency",
+    "cost/load_seconds",
+    "cost/peak_memory_bytes",
+    "cost/prefill_tokens_per_s",
+    "cost/decode_tokens_per_s",
+    "cost/ttft_ms_p50",
+    "cost/ttft_ms_p90",
+    "cost/ttft_ms_p99",
+    "cost/itl_ms_p50",
+    "cost/itl_ms_p90",
+    "cost/itl_ms_p99",
+    "cost/roofline_efficiency",
 ]
 MODELED_KEYS = [
-    "cost/weight_bytes", "cost/weight_bytes_in_memory", "cost/bits_per_weight", "cost/kv_bytes_per_token",
-    "cost/max_concurrent_sequences", "cost/roofline_decode_tokens_per_s", "cost/usd_per_million_output_tokens",
+    "cost/weight_bytes",
+    "cost/weight_bytes_in_memory",
+    "cost/bits_per_weight",
+    "cost/kv_bytes_per_token",
+    "cost/max_concurrent_sequences",
+    "cost/roofline_decode_tokens_per_s",
+    "cost/usd_per_million_output_tokens",
 ]
-SMALL = dict(prompt_tokens=8, output_tokens=4, warmup=1, repeats=2, bandwidth_probe_bytes=4_000_000,
-             bandwidth_probe_repeats=2, target={"accelerator": "L4", "price_per_hour": 0.8})
+SMALL = dict(
+    prompt_tokens=8,
+    output_tokens=4,
+    warmup=1,
+    repeats=2,
+    bandwidth_probe_bytes=4_000_000,
+    bandwidth_probe_repeats=2,
+    target={"accelerator": "L4", "price_per_hour": 0.8},
+)
 
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny-llama-measure")
     LlamaForCausalLM(config).save_pretrained(path)

@@ -55,8 +55,9 @@ def test_weights_before_compression_are_fake_quantized_each_forward():
 
 
 def test_layers_are_grouped_by_path_most_common_first():
-    model = torch.nn.Sequential(quantized_linear(INT4_G64), quantized_linear(INT4_G64),
-                                torch.nn.Linear(64, 64).to(torch.bfloat16))
+    model = torch.nn.Sequential(
+        quantized_linear(INT4_G64), quantized_linear(INT4_G64), torch.nn.Linear(64, 64).to(torch.bfloat16)
+    )
     assert kernel_path(model) == (
         "INT4 group-64 symmetric weights dequantized to BF16 once, BF16 matmul (2 Linear); "
         "BF16 matmul (1 Linear) on CPU"

@@ -21,16 +21,34 @@ from quantlab.measure.modeled import (
 from quantlab.measure.settings import MeasureSettings
 
 LLAMA_8B = {
-    "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "intermediate_size": 14336, "vocab_size": 128256, "tie_word_embeddings": False, "dtype": "bfloat16",
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+    "dtype": "bfloat16",
 }
 LLAMA_70B = {
-    "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
-    "intermediate_size": 28672, "vocab_size": 128256, "tie_word_embeddings": False, "dtype": "bfloat16",
+    "hidden_size": 8192,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "intermediate_size": 28672,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+    "dtype": "bfloat16",
 }
 SMOLLM2_135M = {
-    "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-    "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True, "dtype": "bfloat16",
+    "hidden_size": 576,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "intermediate_size": 1536,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+    "dtype": "bfloat16",
 }
 GIB = 1024**3
 
@@ -147,11 +165,17 @@ def llama_checkpoint_facts(config: dict, linear_tensors) -> CheckpointFacts:
     lm_head; each linear layer's tensors from `linear_tensors(out_features, in_features)`."""
     shape = ModelShape.from_config(config)
     hidden, kv = shape.hidden_size, shape.num_kv_heads * shape.head_dim
-    tensors = [TensorFact("model.embed_tokens.weight", "BF16", (shape.vocab_size, hidden), shape.vocab_size * hidden * 2)]
+    tensors = [
+        TensorFact("model.embed_tokens.weight", "BF16", (shape.vocab_size, hidden), shape.vocab_size * hidden * 2)
+    ]
     projections = {
-        "self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (kv, hidden), "self_attn.v_proj": (kv, hidden),
-        "self_attn.o_proj": (hidden, hidden), "mlp.gate_proj": (shape.intermediate_size, hidden),
-        "mlp.up_proj": (shape.intermediate_size, hidden), "mlp.down_proj": (hidden, shape.intermediate_size),
+        "self_attn.q_proj": (hidden, hidden),
+        "self_attn.k_proj": (kv, hidden),
+        "self_attn.v_proj": (kv, hidden),
+        "self_attn.o_proj": (hidden, hidden),
+        "mlp.gate_proj": (shape.intermediate_size, hidden),
+        "mlp.up_proj": (shape.intermediate_size, hidden),
+        "mlp.down_proj": (hidden, shape.intermediate_size),
     }
     for layer in range(shape.num_layers):
         prefix = f"model.layers.{layer}"
@@ -172,15 +196,19 @@ def bf16_linear(out_features, in_features):
 
 
 def fp8_channel_linear(out_features, in_features):
-    return [("weight", "F8_E4M3", (out_features, in_features), out_features * in_features),
-            ("weight_scale", "BF16", (out_features, 1), out_features * 2)]
+    return [
+        ("weight", "F8_E4M3", (out_features, in_features), out_features * in_features),
+        ("weight_scale", "BF16", (out_features, 1), out_features * 2),
+    ]
 
 
 def int4_group64_linear(out_features, in_features):
-    return [("weight_packed", "I32", (out_features, in_features // 8), out_features * in_features // 2),
-            ("weight_scale", "BF16", (out_features, in_features // 64), out_features * in_features // 64 * 2),
-            ("weight_shape", "I64", (2,), 16),
-            ("input_scale", "BF16", (1,), 2)]  # an activation scale: not a weight
+    return [
+        ("weight_packed", "I32", (out_features, in_features // 8), out_features * in_features // 2),
+        ("weight_scale", "BF16", (out_features, in_features // 64), out_features * in_features // 64 * 2),
+        ("weight_shape", "I64", (2,), 16),
+        ("input_scale", "BF16", (1,), 2),
+    ]  # an activation scale: not a weight
 
 
 # bits per linear weight = 8 x bytes of the linear layers' weight tensors / linear weights
@@ -223,7 +251,9 @@ def test_bf16_checkpoint_figures_of_llama_8b_on_h100():
 
 def test_what_does_not_fit_is_absent_with_a_reason_never_zero():
     facts = llama_checkpoint_facts(LLAMA_70B, bf16_linear)
-    cost = modeled_cost_from_facts(LLAMA_70B, facts, MeasureSettings(target={"accelerator": "H100-SXM", "price_per_hour": 3}))
+    cost = modeled_cost_from_facts(
+        LLAMA_70B, facts, MeasureSettings(target={"accelerator": "H100-SXM", "price_per_hour": 3})
+    )
     assert cost.max_concurrent_sequences == 0
     metrics = cost.to_metrics()
     for figure in ("roofline_decode_tokens_per_s", "serving_decode_tokens_per_s", "usd_per_million_output_tokens"):
@@ -255,8 +285,15 @@ def test_modeled_cost_reads_a_saved_checkpoint(tmp_path):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(tmp_path)
 

@@ -40,8 +40,10 @@ def test_defaults_are_small_and_valid():
         ({"target": {"context_length": 0}}, ("target", "context_length")),
         ({"target": {"memory_utilization": 1.5}}, ("target", "memory_utilization")),
         ({"target": {"bandwidth_bytes_per_s": 0}}, ("target", "bandwidth_bytes_per_s")),
-        ({"accelerators": {"mine": {"memory_bytes": -1, "bandwidth_bytes_per_s": 1e12}}},
-         ("accelerators", "mine", "memory_bytes")),
+        (
+            {"accelerators": {"mine": {"memory_bytes": -1, "bandwidth_bytes_per_s": 1e12}}},
+            ("accelerators", "mine", "memory_bytes"),
+        ),
         ({"repeat": 3}, ("repeat",)),
         ({"target": {"gpu": "H100"}}, ("target", "gpu")),
     ],
@@ -79,8 +81,9 @@ def test_target_overrides_memory_and_bandwidth_and_says_so():
     assert "overridden" in spec.source
 
 
-@pytest.mark.parametrize("name", ["H100-SXM", "H100-PCIe", "H200", "A100-80GB", "A100-40GB", "L40S", "L4", "A10G",
-                                  "RTX-4090", "MI300X"])
+@pytest.mark.parametrize(
+    "name", ["H100-SXM", "H100-PCIe", "H200", "A100-80GB", "A100-40GB", "L40S", "L4", "A10G", "RTX-4090", "MI300X"]
+)
 def test_the_builtin_table_has_the_common_accelerators_with_sources(name):
     found, spec = find_accelerator(name)
     assert found == name

@@ -18,8 +18,10 @@ from quantlab.metrics import (
     unknown_directions,
 )
 
-GSM8K = {"eval/gsm8k/exact_match:strict-match": Declared(True, Scale.FRACTION),
-         "eval/wikitext/word_perplexity": Declared(False, Scale.PERPLEXITY)}
+GSM8K = {
+    "eval/gsm8k/exact_match:strict-match": Declared(True, Scale.FRACTION),
+    "eval/wikitext/word_perplexity": Declared(False, Scale.PERPLEXITY),
+}
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import EMBEDDED_GGUF, embedded_gguf_path
+
 from quantlab.models import linear_input_widths, load_source_model, materialize, resolve_source, source_problem
 from quantlab.recipe import ModelSpec
 
@@ -57,9 +57,11 @@ def test_gguf_materializes_to_a_checkpoint_with_identical_logits(tmp_path):
     model, tokenizer = load_source_model(local, torch.float32, "cpu")
     gguf = embedded_gguf_path()
     direct = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
-    ids = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)("The capital of France is", return_tensors="pt")["input_ids"]
+    ids = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)(
+        "The capital of France is", return_tensors="pt"
+    )["input_ids"]
     assert tokenizer("The capital of France is", return_tensors="pt")["input_ids"].tolist() == ids.tolist()
     with torch.inference_mode():
         assert torch.equal(model(ids).logits, direct(ids).logits)
         answer = model.generate(ids, max_new_tokens=3, do_sample=False)
-    assert "Paris" in tokenizer.decode(answer[0, ids.shape[1]:])
+    assert "Paris" in tokenizer.decode(answer[0, ids.shape[1] :])

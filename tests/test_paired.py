@@ -62,8 +62,11 @@ def test_continuous_scores_use_a_paired_t_test() -> None:
     rng = np.random.default_rng(0)
     base = rng.random(50)
     variant = np.clip(base - 0.02 + rng.normal(0, 0.05, 50), 0, 1)
-    result = compare("truthfulqa_mc2", DocumentScores(Aggregation.MEAN, dict(enumerate(base))),
-                     DocumentScores(Aggregation.MEAN, dict(enumerate(variant))))
+    result = compare(
+        "truthfulqa_mc2",
+        DocumentScores(Aggregation.MEAN, dict(enumerate(base))),
+        DocumentScores(Aggregation.MEAN, dict(enumerate(variant))),
+    )
     assert result.test == "paired_t"
     assert result.p_value == pytest.approx(stats.ttest_rel(variant, base).pvalue, rel=1e-12)
     assert result.se == pytest.approx(stats.sem(variant - base), rel=1e-12)
@@ -103,8 +106,14 @@ def test_different_documents_are_not_paired() -> None:
 
 def test_a_group_adds_its_leaves_flips_and_pools_by_size() -> None:
     first, second = compare("a", *binary(100, 60, 6, 1)), compare("b", *binary(300, 150, 9, 2))
-    pooled_base = DocumentScores(Aggregation.MEAN, {**binary(100, 60, 6, 1)[0].values, **{k + 100: v for k, v in binary(300, 150, 9, 2)[0].values.items()}})
-    pooled_variant = DocumentScores(Aggregation.MEAN, {**binary(100, 60, 6, 1)[1].values, **{k + 100: v for k, v in binary(300, 150, 9, 2)[1].values.items()}})
+    pooled_base = DocumentScores(
+        Aggregation.MEAN,
+        {**binary(100, 60, 6, 1)[0].values, **{k + 100: v for k, v in binary(300, 150, 9, 2)[0].values.items()}},
+    )
+    pooled_variant = DocumentScores(
+        Aggregation.MEAN,
+        {**binary(100, 60, 6, 1)[1].values, **{k + 100: v for k, v in binary(300, 150, 9, 2)[1].values.items()}},
+    )
     group = combine([first, second], [100 / 400, 300 / 400])
     pooled = compare("group", pooled_base, pooled_variant)
     assert (group.correct_to_wrong, group.wrong_to_correct) == (15, 3)
@@ -148,10 +157,20 @@ def test_documents_needed_is_the_size_that_settles_the_same_spread() -> None:
 
 def test_too_few_documents_have_no_interval_and_no_verdict() -> None:
     result = compare("task", *binary(1, 1, 1, 0))
-    assert math.isnan(result.se) and set(result.statistics()) == {"diff", "p_value", "n", "correct_to_wrong", "wrong_to_correct"}
+    assert math.isnan(result.se) and set(result.statistics()) == {
+        "diff",
+        "p_value",
+        "n",
+        "correct_to_wrong",
+        "wrong_to_correct",
+    }
     assert non_inferiority(-result.diff, result.se, 1, 0.01).outcome is Outcome.UNSURE
 
 
 def test_documents_survive_json() -> None:
-    scores = {"eval/wikitext/word_perplexity": DocumentScores(Aggregation.WEIGHTED_PERPLEXITY, {3: -1.5, 7: -2.0}, {3: 2.0, 7: 4.0})}
+    scores = {
+        "eval/wikitext/word_perplexity": DocumentScores(
+            Aggregation.WEIGHTED_PERPLEXITY, {3: -1.5, 7: -2.0}, {3: 2.0, 7: 4.0}
+        )
+    }
     assert documents_from_json(documents_to_json(scores)) == scores

@@ -37,8 +37,16 @@ DECLARED = {
     WORD_PPL: Declared(False, Scale.PERPLEXITY),
     BLEU: Declared(None, Scale.SCORE),  # lm-eval gave no direction
 }
-BASELINE = {ACC: 0.60, GSM: 0.35, WORD_PPL: 20.0, BLEU: 12.0, PPL: 10.0, "quality/kld_mean": 0.0,
-            ACC + "_stderr": 0.015, "cost/weight_bytes": 270e6}
+BASELINE = {
+    ACC: 0.60,
+    GSM: 0.35,
+    WORD_PPL: 20.0,
+    BLEU: 12.0,
+    PPL: 10.0,
+    "quality/kld_mean": 0.0,
+    ACC + "_stderr": 0.015,
+    "cost/weight_bytes": 270e6,
+}
 
 
 @pytest.mark.parametrize(
@@ -113,7 +121,9 @@ def test_the_reported_bug_ppl_1_is_one_unit_of_perplexity_not_100_points():
     ("metric", "written", "message"),
     [
         pytest.param(PPL, "1 pts", "not a 0-1 metric (perplexity), so points do not apply", id="points-on-perplexity"),
-        pytest.param("quality/top1_agreement", "2%", "0-1 metric, whose limits are percentage points", id="percent-on-fraction"),
+        pytest.param(
+            "quality/top1_agreement", "2%", "0-1 metric, whose limits are percentage points", id="percent-on-fraction"
+        ),
         pytest.param("cost/weight_bytes", 1, "is a cost, not a quality metric", id="cost-metric"),
         pytest.param("time/quantize_seconds", 1, "is a cost, not a quality metric", id="time-metric"),
         pytest.param(ACC + "_stderr", 1, "standard error", id="stderr"),
@@ -168,7 +178,8 @@ def test_default_policy_covers_every_known_0_1_lm_eval_score_and_names_the_rest(
 
     assert policy.max_drop_any_task == 1.0
     assert [(r.metric, r.allowed, r.source) for r in rules] == [
-        (GSM, 0.01, "max_drop_any_task"), (ACC, 0.01, "max_drop_any_task"),  # sorted by key
+        (GSM, 0.01, "max_drop_any_task"),
+        (ACC, 0.01, "max_drop_any_task"),  # sorted by key
     ]
     assert sorted(any_task_metrics(BASELINE, DECLARED)) == [GSM, ACC]
     assert unchecked_by_any_task(BASELINE, DECLARED) == [
@@ -181,7 +192,8 @@ def test_a_named_limit_overrides_the_any_task_limit_for_its_metric():
     rules = Policy(max_drop={ACC: 3}, max_drop_any_task=0.5).drop_rules(BASELINE, DECLARED)
 
     assert {r.metric: (r.allowed, r.source) for r in rules} == {
-        ACC: (pytest.approx(0.03), "max_drop"), GSM: (pytest.approx(0.005), "max_drop_any_task"),
+        ACC: (pytest.approx(0.03), "max_drop"),
+        GSM: (pytest.approx(0.005), "max_drop_any_task"),
     }
 
 
@@ -221,7 +233,10 @@ def test_a_recipe_with_a_limit_that_does_not_fit_names_the_file_and_field(tmp_pa
         load_recipe(recipe)
 
     shown = [str(problem) for problem in raised.value.problems]
-    assert f"{recipe}: frontier.default_policy.max_drop: {PPL}=1 pts: is not a 0-1 metric (perplexity), so points do not apply: give its own unit ({PPL}=1) or a limit relative to the baseline ({PPL}=+1%)" in shown
+    assert (
+        f"{recipe}: frontier.default_policy.max_drop: {PPL}=1 pts: is not a 0-1 metric (perplexity), so points do not apply: give its own unit ({PPL}=1) or a limit relative to the baseline ({PPL}=+1%)"
+        in shown
+    )
     assert f"{recipe}: frontier.default_policy.max_kld: Input should be greater than or equal to 0" in shown
 
 

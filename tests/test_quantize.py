@@ -33,8 +33,9 @@ def quantized(tmp_path_factory, tiny_llama):
     cache_root = tmp_path_factory.mktemp("cache")
     source = resolve_source(ModelSpec(source=str(tiny_llama.path)), Path.cwd())
     made = {
-        method: quantize_variant(source, _variant(name=method, method=method, params=params), CALIBRATION,
-                                 Path.cwd(), cache_root, "cpu")
+        method: quantize_variant(
+            source, _variant(name=method, method=method, params=params), CALIBRATION, Path.cwd(), cache_root, "cpu"
+        )
         for method, params in PARAMS.items()
     }
     return source, cache_root, made
@@ -92,18 +93,21 @@ def test_cached_checkpoint_is_reused_and_keyed_by_content(quantized):
     assert cache.cache_key({"x": 1}) != cache.cache_key({"x": 2})
     from quantlab.stages.quantize import checkpoint_identity
 
-    assert checkpoint_identity(source, other, CALIBRATION) != checkpoint_identity(source, _variant(name="fp8", method="fp8"), CALIBRATION)
+    assert checkpoint_identity(source, other, CALIBRATION) != checkpoint_identity(
+        source, _variant(name="fp8", method="fp8"), CALIBRATION
+    )
     # Calibration settings only matter to methods that calibrate.
     more = CalibrationSettings(num_samples=8, seq_len=32)
-    assert checkpoint_identity(source, _variant(name="b", method="bf16"), more) == checkpoint_identity(source, _variant(name="b", method="bf16"), CALIBRATION)
+    assert checkpoint_identity(source, _variant(name="b", method="bf16"), more) == checkpoint_identity(
+        source, _variant(name="b", method="bf16"), CALIBRATION
+    )
 
 
 def test_partial_checkpoint_is_never_taken_as_complete(tmp_path):
     target = tmp_path / "checkpoints" / "x-123"
-    with pytest.raises(RuntimeError):
-        with cache.writing(target, {"k": 1}) as scratch:
-            (scratch / "model.safetensors").write_bytes(b"half")
-            raise RuntimeError("killed mid-write")
+    with pytest.raises(RuntimeError), cache.writing(target, {"k": 1}) as scratch:
+        (scratch / "model.safetensors").write_bytes(b"half")
+        raise RuntimeError("killed mid-write")
     assert not target.exists() and not cache.is_complete(target)
     assert list((tmp_path / "checkpoints").iterdir()) == []
     # A crash that leaves a scratch directory behind (SIGKILL) is not a cache hit either.
@@ -114,7 +118,9 @@ def test_partial_checkpoint_is_never_taken_as_complete(tmp_path):
 def test_next_writer_removes_scratch_of_dead_writers_on_this_host_only(tmp_path):
     target = tmp_path / "checkpoints" / "x-123"
     target.parent.mkdir(parents=True)
-    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    finished = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     host = socket.gethostname()
     dead = target.with_name(f"x-123.partial-{host}-{finished.stdout.strip()}")
     alive = target.with_name(f"x-123.partial-{host}-{os.getppid()}")
@@ -144,5 +150,7 @@ def test_losing_the_race_to_an_equal_checkpoint_keeps_the_winner(tmp_path):
 
 def test_force_recomputes(quantized):
     source, cache_root, made = quantized
-    forced = quantize_variant(source, _variant(name="bf16", method="bf16"), CALIBRATION, Path.cwd(), cache_root, "cpu", force=True)
+    forced = quantize_variant(
+        source, _variant(name="bf16", method="bf16"), CALIBRATION, Path.cwd(), cache_root, "cpu", force=True
+    )
     assert not forced.reused and cache.is_complete(forced.path)

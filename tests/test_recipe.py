@@ -31,19 +31,47 @@ def _variant(name, method, **params):
         ({"name": "../escape"}, "name", "must be 1-64 letters"),
         ({"variants": []}, "variants", "at least 1"),
         ({"baseline": "bf17"}, "baseline", "did you mean 'bf16'"),
-        ({"variants": [_variant("bf16", "bf16"), _variant("bf16", "fp8")]}, "variants[1] (bf16).name", "duplicate variant name"),
-        ({"variants": [_variant("bf16", "bf16"), _variant("w4", "awq_int5")]}, "variants[1] (w4).method", "did you mean 'awq_int4'"),
-        ({"variants": [_variant("bf16", "bf16"), _variant("w4", "awq_int4", bits=3)]}, "variants[1] (w4).params.bits", "unknown parameter"),
-        ({"variants": [_variant("bf16", "bf16"), _variant("w4", "awq_int4", group_size=0)]}, "variants[1] (w4).params.group_size", "greater than 0"),
-        ({"variants": [_variant("bf16", "bf16"), _variant("w4", "awq_int4", group_size=48)]}, "variants[1] (w4).params.group_size", "does not divide"),
-        ({"variants": [_variant("bf16", "bf16"), _variant("../../x", "fp8")]}, "variants[1] (../../x).name", "must be 1-64 letters"),
+        (
+            {"variants": [_variant("bf16", "bf16"), _variant("bf16", "fp8")]},
+            "variants[1] (bf16).name",
+            "duplicate variant name",
+        ),
+        (
+            {"variants": [_variant("bf16", "bf16"), _variant("w4", "awq_int5")]},
+            "variants[1] (w4).method",
+            "did you mean 'awq_int4'",
+        ),
+        (
+            {"variants": [_variant("bf16", "bf16"), _variant("w4", "awq_int4", bits=3)]},
+            "variants[1] (w4).params.bits",
+            "unknown parameter",
+        ),
+        (
+            {"variants": [_variant("bf16", "bf16"), _variant("w4", "awq_int4", group_size=0)]},
+            "variants[1] (w4).params.group_size",
+            "greater than 0",
+        ),
+        (
+            {"variants": [_variant("bf16", "bf16"), _variant("w4", "awq_int4", group_size=48)]},
+            "variants[1] (w4).params.group_size",
+            "does not divide",
+        ),
+        (
+            {"variants": [_variant("bf16", "bf16"), _variant("../../x", "fp8")]},
+            "variants[1] (../../x).name",
+            "must be 1-64 letters",
+        ),
         ({"calibration": {"num_samples": -4}}, "calibration.num_samples", "greater than 0"),
         ({"calibration": {"num_samples": "many"}}, "calibration.num_samples", "valid integer"),
         ({"calibration": {"source": "missing.txt"}}, "calibration.source", "no such file"),
         ({"calibration": {"source": "builtin:nope"}}, "calibration.source", "unknown builtin text"),
         ({"evals": {"batch_size": 0}}, "evals.batch_size", "greater than 0"),
         ({"evals": {"include_path": "no-such-dir"}}, "evals.include_path", "no such directory"),
-        ({"evals": {"include_path": str(REPO / "evals"), "tasks": [{"name": "mmlu_dve"}]}}, "evals.tasks[0].name", "did you mean 'mmlu_dev'"),
+        (
+            {"evals": {"include_path": str(REPO / "evals"), "tasks": [{"name": "mmlu_dve"}]}},
+            "evals.tasks[0].name",
+            "did you mean 'mmlu_dev'",
+        ),
         ({"model": {"source": "missing.gguf"}}, "model.source", "no such GGUF file"),
         ({"model": {"source": "not a model"}}, "model.source", "not a local path"),
         ({"model": {"source": "pkg://no_such_package/model.gguf"}}, "model.source", "not installed"),
@@ -73,8 +101,7 @@ def test_missing_recipe_file(tmp_path):
 
 
 def test_every_problem_is_reported_at_once(tmp_path, tiny_llama):
-    recipe = tiny_recipe(tiny_llama.path, baseline="nope",
-                         variants=[_variant("a", "fp9"), _variant("a", "bf16")])
+    recipe = tiny_recipe(tiny_llama.path, baseline="nope", variants=[_variant("a", "fp9"), _variant("a", "bf16")])
     problems = _problems(write(tmp_path / "recipe.yaml", recipe))
     assert len(problems) == 3, problems
 
@@ -121,7 +148,10 @@ def test_a_valid_recipe_check_is_remembered_and_used_again(tmp_path, tiny_llama)
     names.write_text(json.dumps(["pydoc_cloze"]))
     task_problem, width_problem = sorted(_problems(good, cache_root))
     assert task_problem.startswith(f"{good}: evals.tasks[0].name: lm-eval cannot resolve task 'mmlu_dev'")
-    assert width_problem.startswith(f"{good}: variants[2] (awq).params.group_size: 32 does not divide") and "[48]" in width_problem
+    assert (
+        width_problem.startswith(f"{good}: variants[2] (awq).params.group_size: 32 does not divide")
+        and "[48]" in width_problem
+    )
 
 
 def test_load_recipe_does_not_touch_the_model(tmp_path):

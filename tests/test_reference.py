@@ -31,8 +31,13 @@ N_TOKENS = 150
 
 def tiny_llama(vocab_size: int = VOCAB, seed: int = 0) -> LlamaForCausalLM:
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).eval()

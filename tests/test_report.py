@@ -37,8 +37,11 @@ from quantlab.report import (
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MMLU, CLOZE = "eval/mmlu_dev/acc", "eval/cloze/acc"
 DECLARED = {MMLU: Declared(True, Scale.FRACTION), CLOZE: Declared(True, Scale.FRACTION)}
-SETUP = {"quantlab.cost.engine": "transformers", "quantlab.cost.kernel_path": "decompressed-bf16",
-         "quantlab.cost.hardware": "cpu-2-cores"}
+SETUP = {
+    "quantlab.cost.engine": "transformers",
+    "quantlab.cost.kernel_path": "decompressed-bf16",
+    "quantlab.cost.hardware": "cpu-2-cores",
+}
 
 
 def scores(right: int, n: int = 200, extra: int = 0) -> DocumentScores:
@@ -47,23 +50,46 @@ def scores(right: int, n: int = 200, extra: int = 0) -> DocumentScores:
 
 
 def build():
-    docs = {"bf16": (scores(120), scores(150)), "fp8-dynamic": (scores(118), scores(149)),
-            "awq-int4-g64": (scores(100, extra=4), scores(120))}
+    docs = {
+        "bf16": (scores(120), scores(150)),
+        "fp8-dynamic": (scores(118), scores(149)),
+        "awq-int4-g64": (scores(100, extra=4), scores(120)),
+    }
 
     def metrics(name: str, kld: float, size: float, speed: float) -> dict[str, float]:
         mmlu, cloze = docs[name]
         # What the sweep logs beside each score: the paired figures against the baseline.
-        paired = {paired_key(key, stat): value for key, own, base in ((MMLU, mmlu, docs["bf16"][0]), (CLOZE, cloze, docs["bf16"][1]))
-                  if name != "bf16" for stat, value in compare(key, base, own).statistics().items()}
-        return {**paired, MMLU: mmlu.aggregate(), CLOZE: cloze.aggregate(), "eval/custom/score": 3.0,
-                "quality/kld_mean": kld, "quality/top1_agreement": 1 - kld, "cost/weight_bytes": size,
-                "cost/decode_tokens_per_s": speed, "cost/peak_memory_bytes": size * 4}
+        paired = {
+            paired_key(key, stat): value
+            for key, own, base in ((MMLU, mmlu, docs["bf16"][0]), (CLOZE, cloze, docs["bf16"][1]))
+            if name != "bf16"
+            for stat, value in compare(key, base, own).statistics().items()
+        }
+        return {
+            **paired,
+            MMLU: mmlu.aggregate(),
+            CLOZE: cloze.aggregate(),
+            "eval/custom/score": 3.0,
+            "quality/kld_mean": kld,
+            "quality/top1_agreement": 1 - kld,
+            "cost/weight_bytes": size,
+            "cost/decode_tokens_per_s": speed,
+            "cost/peak_memory_bytes": size * 4,
+        }
 
     variants = [
         VariantSummary("bf16", "bf16", True, metrics("bf16", 0.0, 270e6, 41.0), SETUP, True, DECLARED),
-        VariantSummary("fp8-dynamic", "fp8", True, metrics("fp8-dynamic", 0.03, 170e6, 38.0),
-                       {**SETUP, "quantlab.cost.kernel_path": "fp8-matmul"}, declared=DECLARED),
-        VariantSummary("awq-int4-g64", "awq_int4", True, metrics("awq-int4-g64", 0.18, 110e6, 35.0), SETUP, declared=DECLARED),
+        VariantSummary(
+            "fp8-dynamic",
+            "fp8",
+            True,
+            metrics("fp8-dynamic", 0.03, 170e6, 38.0),
+            {**SETUP, "quantlab.cost.kernel_path": "fp8-matmul"},
+            declared=DECLARED,
+        ),
+        VariantSummary(
+            "awq-int4-g64", "awq_int4", True, metrics("awq-int4-g64", 0.18, 110e6, 35.0), SETUP, declared=DECLARED
+        ),
         VariantSummary("gptq-int4", "gptq", False, {}),
     ]
     documents = {name: {MMLU: mmlu, CLOZE: cloze} for name, (mmlu, cloze) in docs.items()}
@@ -129,8 +155,10 @@ def test_y_range_does_not_blow_a_sub_noise_difference_up_to_the_whole_height(rig
     """The issue's example: 69.0% vs 70.0% on 100 questions filled the whole y axis."""
     pair = AxisPair(Axis(MMLU, True, Scale.FRACTION), Axis("cost/weight_bytes", False, Scale.BYTES))
     base, variant = scores(70, n=100), scores(right, n=100)
-    variants = [VariantSummary("bf16", "bf16", True, {MMLU: 0.70, "cost/weight_bytes": 2}, is_baseline=True, declared=DECLARED),
-                VariantSummary("fp8", "fp8", True, {MMLU: 0.69, "cost/weight_bytes": 1}, declared=DECLARED)]
+    variants = [
+        VariantSummary("bf16", "bf16", True, {MMLU: 0.70, "cost/weight_bytes": 2}, is_baseline=True, declared=DECLARED),
+        VariantSummary("fp8", "fp8", True, {MMLU: 0.69, "cost/weight_bytes": 1}, declared=DECLARED),
+    ]
     documents = {"bf16": {MMLU: base}, "fp8": {MMLU: variant}} if flips is not None else {}
     result = pareto_front(variants, pair, paired_noise(variants, documents, {}))
 
@@ -170,7 +198,9 @@ def test_html_hover_data_names_each_plotted_point_and_its_figures(tmp_path, swee
 
     page = render_html(frontiers, plots, tmp_path / "f.html", variants=variants, model=MODEL).read_text()
 
-    data = json.loads(re.search(r'<script type="application/json" id="quantlab-data">(.*?)</script>', page, re.DOTALL).group(1))
+    data = json.loads(
+        re.search(r'<script type="application/json" id="quantlab-data">(.*?)</script>', page, re.DOTALL).group(1)
+    )
     assert len(data) == sum(len(r.points) for r in frontiers.results)
     for point_id in data:
         assert f'id="{point_id}"' in page  # the SVG element the script attaches to
@@ -179,12 +209,19 @@ def test_html_hover_data_names_each_plotted_point_and_its_figures(tmp_path, swee
 
 
 def test_html_escapes_names(tmp_path):
-    hostile = VariantSummary('<script>alert("x")</script>', "m", True, {MMLU: 0.5, "cost/weight_bytes": 1e6},
-                             is_baseline=True, declared=DECLARED)
+    hostile = VariantSummary(
+        '<script>alert("x")</script>',
+        "m",
+        True,
+        {MMLU: 0.5, "cost/weight_bytes": 1e6},
+        is_baseline=True,
+        declared=DECLARED,
+    )
     frontiers = compute_frontiers([hostile])
 
-    page = render_html(frontiers, render_plots(frontiers, tmp_path, MODEL), tmp_path / "f.html",
-                       variants=[hostile], model=MODEL).read_text()
+    page = render_html(
+        frontiers, render_plots(frontiers, tmp_path, MODEL), tmp_path / "f.html", variants=[hostile], model=MODEL
+    ).read_text()
 
     assert '<script>alert("x")' not in page
     assert "&lt;script&gt;alert(" in page
@@ -193,7 +230,9 @@ def test_html_escapes_names(tmp_path):
 def test_html_without_any_frontier(tmp_path):
     frontiers = compute_frontiers([])
 
-    page = render_html(frontiers, render_plots(frontiers, tmp_path, MODEL), tmp_path / "f.html", variants=[], model=MODEL)
+    page = render_html(
+        frontiers, render_plots(frontiers, tmp_path, MODEL), tmp_path / "f.html", variants=[], model=MODEL
+    )
 
     assert "No frontier" in page.read_text()
     with Image.open(tmp_path / "frontier.png") as image:
@@ -201,9 +240,11 @@ def test_html_without_any_frontier(tmp_path):
 
 
 def test_inline_svg_drops_the_prolog_and_namespaces():
-    text = '<?xml version="1.0"?>\n<!DOCTYPE svg PUBLIC "-//W3C//DTD SVG 1.1//EN" "http://x">\n' \
-           '<svg xmlns="http://www.w3.org/2000/svg" xmlns:xlink="http://www.w3.org/1999/xlink" width="1">' \
-           '<metadata><rdf:RDF/></metadata><g/></svg>'
+    text = (
+        '<?xml version="1.0"?>\n<!DOCTYPE svg PUBLIC "-//W3C//DTD SVG 1.1//EN" "http://x">\n'
+        '<svg xmlns="http://www.w3.org/2000/svg" xmlns:xlink="http://www.w3.org/1999/xlink" width="1">'
+        "<metadata><rdf:RDF/></metadata><g/></svg>"
+    )
 
     assert inline_svg(text) == '<svg width="1"><g/></svg>'
 
@@ -220,8 +261,14 @@ def test_markdown_explains_quality_with_paired_intervals_ties_and_the_decision(s
     report = render_markdown(variants, frontiers, decision, [note], model=MODEL)
 
     assert report.startswith(f"# Which precision to ship: {MODEL}")
-    for heading in ("## Recommendation", "## What was compared", "## Quality against the baseline", "## Variants",
-                    "## Frontier", "## Caveats"):
+    for heading in (
+        "## Recommendation",
+        "## What was compared",
+        "## Quality against the baseline",
+        "## Variants",
+        "## Frontier",
+        "## Caveats",
+    ):
         assert heading in report
     assert f"**Recommendation: ship `{decision.chosen}`.**" in report
     for verdict in decision.verdicts[1:]:
@@ -250,7 +297,9 @@ def test_markdown_without_decision_or_without_winner(sweep):
 
 
 def test_markdown_says_when_no_setup_was_recorded():
-    bare = [VariantSummary("a", "bf16", True, {MMLU: 0.5, "cost/weight_bytes": 1e6}, is_baseline=True, declared=DECLARED)]
+    bare = [
+        VariantSummary("a", "bf16", True, {MMLU: 0.5, "cost/weight_bytes": 1e6}, is_baseline=True, declared=DECLARED)
+    ]
 
     assert "No variant recorded which engine" in render_markdown(bare, compute_frontiers(bare), None)
 
@@ -282,13 +331,23 @@ def test_publish_reads_per_document_scores_from_the_runs_and_writes_every_artifa
     store = tracking.open_store(f"sqlite:///{tmp_path / 'store.db'}")
     experiment = store.experiment_id("tiny")
     parent = store.start_run(experiment, "sweep tiny", {tracking.ROLE: "sweep"})
-    store.log_files(parent, {"recipe.yaml": "name: tiny\nbaseline: bf16\nmodel:\n  source: HuggingFaceTB/SmolLM2-135M\n"})
+    store.log_files(
+        parent, {"recipe.yaml": "name: tiny\nbaseline: bf16\nmodel:\n  source: HuggingFaceTB/SmolLM2-135M\n"}
+    )
     docs = {"bf16": scores(120), "fp8": scores(119), "int4": scores(90)}
     for name, size in (("bf16", 270e6), ("fp8", 170e6), ("int4", 100e6)):
-        run = store.start_run(experiment, name, {
-            tracking.ROLE: "variant", tracking.VARIANT: name, tracking.METHOD: name,
-            **({"quantlab.baseline": "true"} if name == "bf16" else {}), **declared_tags({MMLU: DECLARED[MMLU]}),
-        }, parent=parent)
+        run = store.start_run(
+            experiment,
+            name,
+            {
+                tracking.ROLE: "variant",
+                tracking.VARIANT: name,
+                tracking.METHOD: name,
+                **({"quantlab.baseline": "true"} if name == "bf16" else {}),
+                **declared_tags({MMLU: DECLARED[MMLU]}),
+            },
+            parent=parent,
+        )
         store.log_values(run, metrics={MMLU: docs[name].aggregate(), "cost/weight_bytes": size})
         samples = {"version": 2, "documents": documents_to_json({MMLU: docs[name]}), "groups": {}}
         store.log_files(run, {"samples.json": json.dumps(samples)})
@@ -298,12 +357,21 @@ def test_publish_reads_per_document_scores_from_the_runs_and_writes_every_artifa
     written = {path.relative_to(tmp_path / "out").as_posix() for path in render_artifacts(view, tmp_path / "out")}
 
     assert view.model == "HuggingFaceTB/SmolLM2-135M"
-    assert {"frontier.json", "frontier.png", "frontier.html", "report.md",
-            "plots/eval-mmlu-dev-acc-vs-cost-weight-bytes.png", "plots/eval-mmlu-dev-acc-vs-cost-weight-bytes.svg"} <= written
+    assert {
+        "frontier.json",
+        "frontier.png",
+        "frontier.html",
+        "report.md",
+        "plots/eval-mmlu-dev-acc-vs-cost-weight-bytes.png",
+        "plots/eval-mmlu-dev-acc-vs-cost-weight-bytes.svg",
+    } <= written
     (frontier,) = json.loads((tmp_path / "out" / "frontier.json").read_text())["frontiers"]
     points = {point["name"]: point for point in frontier["points"]}
     # fp8 vs int4 and bf16 vs int4 were paired from the documents, not only against the baseline.
     assert frontier["no_paired_noise"] == []
     assert points["fp8"]["tied_with"] == ["bf16"] and points["int4"]["tied_with"] == []
     assert points["int4"]["vs_baseline"]["correct_to_wrong"] == 30
-    assert "HuggingFaceTB/SmolLM2-135M" in (tmp_path / "out" / "plots" / "eval-mmlu-dev-acc-vs-cost-weight-bytes.svg").read_text()
+    assert (
+        "HuggingFaceTB/SmolLM2-135M"
+        in (tmp_path / "out" / "plots" / "eval-mmlu-dev-acc-vs-cost-weight-bytes.svg").read_text()
+    )

@@ -8,6 +8,7 @@ so recipes turn off what the point under test does not need (evals, quality, mea
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -20,11 +21,11 @@ from pathlib import Path
 
 import psutil
 import pytest
-from mlflow.tracking import MlflowClient
-
 from conftest import free_port
-from recipes import tiny_recipe, write
+from mlflow.tracking import MlflowClient
 from test_sweep import quantlab
+
+from recipes import tiny_recipe, write
 
 FP8_MIXED = {"name": "fp8-mixed", "method": "fp8", "params": {"ignore": ["lm_head", "re:.*down_proj$"]}}
 
@@ -32,9 +33,12 @@ FP8_MIXED = {"name": "fp8-mixed", "method": "fp8", "params": {"ignore": ["lm_hea
 def _recipe(tiny_llama, name: str, variants: list, **overrides) -> dict:
     """A tiny recipe that only quantizes, loads and logs: no evals, no quality pass, no timing."""
     settings = {"evals": {"tasks": []}, "quality": {"enabled": False}, "measure": {"enabled": False}} | overrides
-    return tiny_recipe(tiny_llama.path, name=name, variants=[
-        v if isinstance(v, dict) else {"name": v, "method": v} for v in variants
-    ], **settings)
+    return tiny_recipe(
+        tiny_llama.path,
+        name=name,
+        variants=[v if isinstance(v, dict) else {"name": v, "method": v} for v in variants],
+        **settings,
+    )
 
 
 def _sweep_args(recipe: Path, uri: str, cache: Path, *extra: str) -> list[str]:
@@ -50,8 +54,12 @@ class Sweep:
         self.started = time.monotonic()
         with self.output.open("w") as sink:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "quantlab", *args], cwd=cwd, stdout=sink, stderr=subprocess.STDOUT,
-                env={k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}, start_new_session=True,
+                [sys.executable, "-m", "quantlab", *args],
+                cwd=cwd,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                env={k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None},
+                start_new_session=True,
             )
 
     @property
@@ -70,17 +78,13 @@ class Sweep:
         return code, time.monotonic() - self.started
 
     def signal_group(self, signum: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signum)
-        except ProcessLookupError:
-            pass
 
     def kill_group(self) -> None:
         self.signal_group(signal.SIGKILL)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
 
     def variant_process(self, variant: str) -> psutil.Process | None:
         """The variant's process, by the name the local executor gives it (`quantlab-<variant>`)."""
@@ -133,7 +137,9 @@ def _parents(uri: str, experiment: str) -> list:
     found = client.get_experiment_by_name(experiment)
     if found is None:
         return []
-    return client.search_runs([found.experiment_id], "tags.`quantlab.role` = 'sweep'", order_by=["attributes.start_time ASC"])
+    return client.search_runs(
+        [found.experiment_id], "tags.`quantlab.role` = 'sweep'", order_by=["attributes.start_time ASC"]
+    )
 
 
 def _variants(uri: str, parent_run_id: str) -> dict:
@@ -159,8 +165,6 @@ def _seconds(run) -> float:
     return (run.info.end_time - run.info.start_time) / 1000
 
 
-
-
 # --- 1. Ray ---------------------------------------------------------------------------------------
 
 
@@ -173,7 +177,11 @@ def test_ray_sweep_gives_the_same_layout_as_local(tmp_path, tiny_llama):
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "quantlab", *_sweep_args(recipe, uri, tmp_path / "cache", "--executor", "ray")],
-        cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env | {"RAY_USAGE_STATS_ENABLED": "0"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env | {"RAY_USAGE_STATS_ENABLED": "0"},
     )
     print(f"ray sweep: {time.monotonic() - started:.0f} s")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -182,9 +190,16 @@ def test_ray_sweep_gives_the_same_layout_as_local(tmp_path, tiny_llama):
     (parent,) = _parents(uri, "tiny-ray")
     assert parent.info.status == "FINISHED"
     runs = _variants(uri, parent.info.run_id)
-    assert {name: run.info.status for name, run in runs.items()} == {"bf16": "FINISHED", "fp8": "FINISHED", "fp8-mixed": "FINISHED"}
+    assert {name: run.info.status for name, run in runs.items()} == {
+        "bf16": "FINISHED",
+        "fp8": "FINISHED",
+        "fp8-mixed": "FINISHED",
+    }
     for name, run in runs.items():
-        assert run.data.tags["quantlab.role"] == "variant" and run.data.tags["quantlab.on_frontier"] in {"true", "false"}
+        assert run.data.tags["quantlab.role"] == "variant" and run.data.tags["quantlab.on_frontier"] in {
+            "true",
+            "false",
+        }
         assert run.data.metrics["cost/weight_bytes"] > 0 and "time/quantize_seconds" in run.data.metrics
         assert Path(run.data.tags["quantlab.checkpoint"], "config.json").is_file()
         assert run.data.params["variant.name"] == name
@@ -195,14 +210,18 @@ def test_ray_sweep_gives_the_same_layout_as_local(tmp_path, tiny_llama):
     assert {"recipe.yaml", "frontier.json", "frontier.png", "frontier.html", "report.md"} <= artifacts
     assert not (tmp_path / "mlruns").exists()  # nothing logged beside the store given
     # Workers write their logs under the cache directory (shared on a cluster), removed afterwards.
-    assert {item.path for item in MlflowClient(uri).list_artifacts(runs["fp8"].info.run_id, "logs")} == {"logs/variant.log"}
+    assert {item.path for item in MlflowClient(uri).list_artifacts(runs["fp8"].info.run_id, "logs")} == {
+        "logs/variant.log"
+    }
     assert not any((tmp_path / "cache" / "logs").iterdir())
 
 
 def test_a_killed_ray_worker_fails_its_variant_without_a_rerun(tmp_path, tiny_llama, sweeps):
     """A Ray worker SIGKILLed mid-variant (as the OOM killer would) fails that variant only, once:
     Ray's default would run the task again (up to 3 times; without end for its memory monitor)."""
-    recipe = write(tmp_path / "recipe.yaml", _recipe(tiny_llama, "tiny-ray", ["bf16", {"name": "kill", "method": "fp8"}, "fp8"]))
+    recipe = write(
+        tmp_path / "recipe.yaml", _recipe(tiny_llama, "tiny-ray", ["bf16", {"name": "kill", "method": "fp8"}, "fp8"])
+    )
     uri = f"sqlite:///{tmp_path / 'store.db'}"
     env = {"RAY_ADDRESS": None, "RAY_USAGE_STATS_ENABLED": "0"}  # None: unset, a local cluster
     sweep = Sweep(_sweep_args(recipe, uri, tmp_path / "cache", "--executor", "ray"), tmp_path, env=env)
@@ -224,8 +243,14 @@ def test_a_killed_ray_worker_fails_its_variant_without_a_rerun(tmp_path, tiny_ll
     assert code == 1, sweep.text()[-3000:]
     (parent,) = _parents(uri, "tiny-ray")
     runs = _variants(uri, parent.info.run_id)
-    assert {name: run.info.status for name, run in runs.items()} == {"bf16": "FINISHED", "kill": "FAILED", "fp8": "FINISHED"}
-    assert runs["kill"].data.tags["quantlab.failure"].startswith("Ray worker failed"), runs["kill"].data.tags["quantlab.failure"]
+    assert {name: run.info.status for name, run in runs.items()} == {
+        "bf16": "FINISHED",
+        "kill": "FAILED",
+        "fp8": "FINISHED",
+    }
+    assert runs["kill"].data.tags["quantlab.failure"].startswith("Ray worker failed"), runs["kill"].data.tags[
+        "quantlab.failure"
+    ]
     assert "time/quantize_seconds" not in runs["kill"].data.metrics
 
 
@@ -247,6 +272,7 @@ def resumed(tmp_path_factory, tiny_llama):
 
     first = Sweep(args, work, label="first")
     try:
+
         def first_done_second_running():
             parents = _parents(uri, "tiny")
             statuses = _statuses(uri, parents[0].info.run_id) if parents else {}
@@ -274,8 +300,10 @@ def resumed(tmp_path_factory, tiny_llama):
     third = Sweep(args, work, label="third")
     found["third_code"], found["third_seconds"] = third.wait()
     found["third_output"] = third.text()
-    print(f"\nkill and resume: first sweep killed after {found['first_seconds']:.0f} s, "
-          f"resumed sweep {found['second_seconds']:.0f} s, unchanged re-run {found['third_seconds']:.0f} s")
+    print(
+        f"\nkill and resume: first sweep killed after {found['first_seconds']:.0f} s, "
+        f"resumed sweep {found['second_seconds']:.0f} s, unchanged re-run {found['third_seconds']:.0f} s"
+    )
     return found
 
 
@@ -332,8 +360,10 @@ def test_unchanged_rerun_copies_every_variant_in_seconds(resumed):
     # Its own work (the parent run, from its creation to its end) takes seconds; the process as a
     # whole also imports torch and lm-eval and validates the recipe first, the same in every sweep.
     own = _seconds(parents[2])
-    print(f"unchanged re-run: {resumed['third_seconds']:.0f} s in all, {own:.1f} s of sweep work "
-          f"(resumed sweep: {resumed['second_seconds']:.0f} s, {_seconds(parents[1]):.1f} s of sweep work)")
+    print(
+        f"unchanged re-run: {resumed['third_seconds']:.0f} s in all, {own:.1f} s of sweep work "
+        f"(resumed sweep: {resumed['second_seconds']:.0f} s, {_seconds(parents[1]):.1f} s of sweep work)"
+    )
     assert own < 60
     assert own < _seconds(parents[1]) / 2
     assert resumed["third_seconds"] < resumed["second_seconds"]
@@ -347,13 +377,25 @@ def fourth(resumed, tiny_llama):
     uri = resumed["uri"]
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("tiny").experiment_id
-    ghost = client.create_run(experiment, run_name="sweep tiny", tags={
-        "quantlab.role": "sweep", "quantlab.host": socket.gethostname(), "quantlab.pid": str(os.getpid()),
-        "quantlab.pid_started": str(psutil.Process().create_time() - 3600),
-    }).info.run_id
-    ghost_variant = client.create_run(experiment, run_name="ghost", tags={
-        "quantlab.role": "variant", "quantlab.variant": "ghost", "mlflow.parentRunId": ghost,
-    }).info.run_id
+    ghost = client.create_run(
+        experiment,
+        run_name="sweep tiny",
+        tags={
+            "quantlab.role": "sweep",
+            "quantlab.host": socket.gethostname(),
+            "quantlab.pid": str(os.getpid()),
+            "quantlab.pid_started": str(psutil.Process().create_time() - 3600),
+        },
+    ).info.run_id
+    ghost_variant = client.create_run(
+        experiment,
+        run_name="ghost",
+        tags={
+            "quantlab.role": "variant",
+            "quantlab.variant": "ghost",
+            "mlflow.parentRunId": ghost,
+        },
+    ).info.run_id
     renamed = _recipe(tiny_llama, "tiny", ["bf16", {"name": "fp8-dynamic", "method": "fp8"}, FP8_MIXED])
     recipe = write(resumed["work"] / "renamed.yaml", renamed)
     result = quantlab(*_sweep_args(recipe, uri, resumed["work"] / "cache"), cwd=resumed["work"])
@@ -428,6 +470,7 @@ def test_killed_and_starved_variants_fail_alone(tmp_path, tiny_llama, sweeps):
         def check():
             parents = _parents(uri, "tiny")
             return parents and _statuses(uri, parents[0].info.run_id).get(name) == "RUNNING"
+
         return check
 
     _wait_until(running("kill"), sweep, "the kill run to start")
@@ -444,19 +487,29 @@ def test_killed_and_starved_variants_fail_alone(tmp_path, tiny_llama, sweeps):
     (parent,) = _parents(uri, "tiny")
     runs = _variants(uri, parent.info.run_id)
     assert {name: run.info.status for name, run in runs.items()} == {
-        "bf16": "FINISHED", "kill": "FAILED", "oom": "FAILED", "fp8": "FINISHED",
+        "bf16": "FINISHED",
+        "kill": "FAILED",
+        "oom": "FAILED",
+        "fp8": "FINISHED",
     }
     assert "killed by SIGKILL" in runs["kill"].data.tags["quantlab.failure"]
     client = MlflowClient(uri)
     for name in ("kill", "oom"):
-        assert {item.path for item in client.list_artifacts(runs[name].info.run_id, "failure")} == {"failure/traceback.txt"}
+        assert {item.path for item in client.list_artifacts(runs[name].info.run_id, "failure")} == {
+            "failure/traceback.txt"
+        }
     oom_reason = runs["oom"].data.tags["quantlab.failure"]
-    oom_details = Path(client.download_artifacts(runs["oom"].info.run_id, "failure/traceback.txt", str(tmp_path))).read_text()
+    oom_details = Path(
+        client.download_artifacts(runs["oom"].info.run_id, "failure/traceback.txt", str(tmp_path))
+    ).read_text()
     print(f"starved variant: {oom_reason}")
     # Where the allocation fails decides how it surfaces: MemoryError, a failed mmap or thread
     # start, a signal, or (seen once in CI) a C extension returning NULL without an exception.
-    assert re.search(r"memory|alloc|map|ENOMEM|SIGABRT|SIGSEGV|SIGKILL|thread|error return without exception",
-                     oom_reason + oom_details, re.IGNORECASE), oom_reason
+    assert re.search(
+        r"memory|alloc|map|ENOMEM|SIGABRT|SIGSEGV|SIGKILL|thread|error return without exception",
+        oom_reason + oom_details,
+        re.IGNORECASE,
+    ), oom_reason
     assert runs["fp8"].data.metrics["cost/weight_bytes"] > 0
     assert parent.info.status == "FAILED"
     assert {item.path for item in client.list_artifacts(parent.info.run_id)} >= {"report.md", "frontier.json"}
@@ -472,12 +525,30 @@ def tracking_server(tmp_path):
     artifacts = tmp_path / "server-artifacts"
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-         "--artifacts-destination", str(artifacts), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{tmp_path / 'server.db'}",
+            "--artifacts-destination",
+            str(artifacts),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+        cwd=tmp_path,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     uri = f"http://127.0.0.1:{port}"
     try:
+
         def healthy():
             if server.poll() is not None:
                 pytest.fail(f"mlflow server exited: {(tmp_path / 'server.log').read_text()[-3000:]}")
@@ -564,12 +635,20 @@ CANARIES = {"HF_TOKEN": "hf_secret_canary_123", "MLFLOW_TRACKING_PASSWORD": "pw_
 
 def test_secrets_never_reach_mlflow(tmp_path, tiny_llama):
     """A sweep with evals and the quality pass on, so that every kind of artifact is written."""
-    recipe = write(tmp_path / "recipe.yaml", _recipe(
-        tiny_llama, "tiny", ["bf16", "fp8"],
-        evals={"include_path": str(Path(__file__).resolve().parents[1] / "evals"), "batch_size": 4,
-               "tasks": [{"name": "pydoc_cloze", "limit": 3}]},
-        quality={"max_tokens": 64, "window": 32},
-    ))
+    recipe = write(
+        tmp_path / "recipe.yaml",
+        _recipe(
+            tiny_llama,
+            "tiny",
+            ["bf16", "fp8"],
+            evals={
+                "include_path": str(Path(__file__).resolve().parents[1] / "evals"),
+                "batch_size": 4,
+                "tasks": [{"name": "pydoc_cloze", "limit": 3}],
+            },
+            quality={"max_tokens": 64, "window": 32},
+        ),
+    )
     uri = f"sqlite:///{tmp_path / 'store.db'}"
     result = quantlab(*_sweep_args(recipe, uri, tmp_path / "cache"), cwd=tmp_path, env=CANARIES)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -577,8 +656,14 @@ def test_secrets_never_reach_mlflow(tmp_path, tiny_llama):
     assert len(runs) == 3
     client = MlflowClient(uri)
     for run in runs:
-        exposed = [run.info.run_name, *run.data.params, *run.data.params.values(), *run.data.tags,
-                   *run.data.tags.values(), *run.data.metrics]
+        exposed = [
+            run.info.run_name,
+            *run.data.params,
+            *run.data.params.values(),
+            *run.data.tags,
+            *run.data.tags.values(),
+            *run.data.metrics,
+        ]
         folder = Path(client.download_artifacts(run.info.run_id, "", str(tmp_path / "artifacts" / run.info.run_id)))
         files = [path for path in folder.rglob("*") if path.is_file()]
         assert files

@@ -17,7 +17,12 @@ VARIANTS = ("bf16", "fp8", "awq-int4-g128")
 
 def gpu_check(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(GPU_CHECK), *args], check=False, cwd=cwd, capture_output=True, text=True, timeout=600,
+        [sys.executable, str(GPU_CHECK), *args],
+        check=False,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
         env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
     )
 
@@ -49,7 +54,9 @@ def test_tiny_cpu_run_prints_one_row_per_variant_with_its_kernel_path(tmp_path):
     client = MlflowClient(results["tracking_uri"])
     parent = client.get_run(results["parent_run_id"])
     assert parent.data.tags["quantlab.role"] == "sweep" and parent.info.status == "FINISHED"
-    assert {"recipe.yaml", "frontier.json", "report.md"} <= {item.path for item in client.list_artifacts(parent.info.run_id)}
+    assert {"recipe.yaml", "frontier.json", "report.md"} <= {
+        item.path for item in client.list_artifacts(parent.info.run_id)
+    }
     runs = client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     assert {run.data.tags["quantlab.variant"] for run in runs} == set(VARIANTS)
     for run in runs:

@@ -15,7 +15,11 @@ from recipes import tiny_recipe, write
 
 def quantlab(*args: str, cwd: Path, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "quantlab", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "quantlab", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         env={**os.environ, **(env or {})},
     )
 
@@ -40,7 +44,9 @@ def test_failed_variant_gives_exit_1_and_others_still_finish(swept):
     assert result.returncode == 1, result.stdout + result.stderr
     runs = _variant_runs(uri)
     assert {name: run.info.status for name, run in runs.items()} == {
-        "bf16": "FINISHED", "fp8": "FINISHED", "awq": "FAILED",
+        "bf16": "FINISHED",
+        "fp8": "FINISHED",
+        "awq": "FAILED",
     }
 
 
@@ -59,8 +65,9 @@ def test_run_layout_follows_the_contract(swept):
     _, uri, _ = swept
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("tiny")
-    parent = client.search_runs([experiment.experiment_id], "tags.`quantlab.role` = 'sweep'",
-                                order_by=["attributes.start_time ASC"])[0]
+    parent = client.search_runs(
+        [experiment.experiment_id], "tags.`quantlab.role` = 'sweep'", order_by=["attributes.start_time ASC"]
+    )[0]
     runs = _variant_runs(uri)
     for name, run in runs.items():
         tags = run.data.tags
@@ -87,8 +94,17 @@ def test_run_layout_follows_the_contract(swept):
 
 def test_unchanged_variants_are_copied_not_recomputed(swept):
     work, uri, _ = swept
-    result = quantlab("sweep", str(work / "recipe.yaml"), "--tracking-uri", uri, "--cache-dir", str(work / "cache"),
-                      "--only", "fp8", cwd=work)
+    result = quantlab(
+        "sweep",
+        str(work / "recipe.yaml"),
+        "--tracking-uri",
+        uri,
+        "--cache-dir",
+        str(work / "cache"),
+        "--only",
+        "fp8",
+        cwd=work,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Reused (unchanged, not recomputed): bf16, fp8" in result.stdout
     runs = _variant_runs(uri, newest=True)
@@ -96,8 +112,9 @@ def test_unchanged_variants_are_copied_not_recomputed(swept):
     assert set(runs) == {"bf16", "fp8"}
     assert runs["fp8"].data.tags["quantlab.reused_from"] == first["fp8"].info.run_id
     assert runs["fp8"].data.metrics == first["fp8"].data.metrics
-    assert ({(i.dataset.name, i.dataset.digest) for i in runs["fp8"].inputs.dataset_inputs}
-            == {(i.dataset.name, i.dataset.digest) for i in first["fp8"].inputs.dataset_inputs})
+    assert {(i.dataset.name, i.dataset.digest) for i in runs["fp8"].inputs.dataset_inputs} == {
+        (i.dataset.name, i.dataset.digest) for i in first["fp8"].inputs.dataset_inputs
+    }
 
 
 def test_force_recomputes_every_variant_and_the_reference(swept):
@@ -105,8 +122,18 @@ def test_force_recomputes_every_variant_and_the_reference(swept):
     before = _variant_runs(uri, newest=True)
     reference = Path(before["bf16"].data.tags["quantlab.reference_dir"]) / "reference.json"
     written = reference.stat().st_mtime_ns
-    result = quantlab("sweep", str(work / "recipe.yaml"), "--tracking-uri", uri, "--cache-dir", str(work / "cache"),
-                      "--only", "fp8", "--force", cwd=work)
+    result = quantlab(
+        "sweep",
+        str(work / "recipe.yaml"),
+        "--tracking-uri",
+        uri,
+        "--cache-dir",
+        str(work / "cache"),
+        "--only",
+        "fp8",
+        "--force",
+        cwd=work,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Reused" not in result.stdout
     runs = _variant_runs(uri, newest=True)
@@ -120,7 +147,10 @@ def test_force_recomputes_every_variant_and_the_reference(swept):
 def _variant_runs(uri: str, newest: bool = False) -> dict:
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("tiny")
-    parent = client.search_runs([experiment.experiment_id], "tags.`quantlab.role` = 'sweep'",
-                                order_by=[f"attributes.start_time {'DESC' if newest else 'ASC'}"])[0]
+    parent = client.search_runs(
+        [experiment.experiment_id],
+        "tags.`quantlab.role` = 'sweep'",
+        order_by=[f"attributes.start_time {'DESC' if newest else 'ASC'}"],
+    )[0]
     runs = client.search_runs([experiment.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     return {run.data.tags["quantlab.variant"]: run for run in runs}

@@ -16,14 +16,23 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-
 from memory_store import MemoryStore
+
 from quantlab import publish, tracking
+from quantlab.jobs import BaselineOutputs
 from quantlab.metrics import Declared, Scale, declared_tags, paired_key
 from quantlab.paired import Aggregation, DocumentScores, compare, documents_to_json
 from quantlab.recipe import LoadedRecipe, Recipe
-from quantlab.jobs import BaselineOutputs
-from quantlab.sweep import HOST, PID, PID_STARTED, REFERENCE_DIR, SAMPLES_ARTIFACT, SweepOptions, SweepRuns, mark_dead_sweeps
+from quantlab.sweep import (
+    HOST,
+    PID,
+    PID_STARTED,
+    REFERENCE_DIR,
+    SAMPLES_ARTIFACT,
+    SweepOptions,
+    SweepRuns,
+    mark_dead_sweeps,
+)
 from recipes import tiny_recipe
 
 MMLU = "eval/mmlu_dev/acc"
@@ -94,10 +103,15 @@ def _previous_sweep(store, experiment, tmp_path) -> dict[str, str]:
         run = tracking.start_variant(store, experiment, parent, name, name, baseline=name == "bf16", run_key=key)
         samples = BaselineOutputs(None, scores={MMLU: acc}, primary={"mmlu_dev": MMLU}).to_samples()
         tracking.log_variant(
-            store, run, metrics={MMLU: acc, "cost/weight_bytes": 1e6},
+            store,
+            run,
+            metrics={MMLU: acc, "cost/weight_bytes": 1e6},
             params={"variant.name": name, "method.scheme": name.upper()},
-            tags={tracking.CHECKPOINT: str(tmp_path / name), tracking.CONTENT_KEY: f"content-{name}",
-                  REFERENCE_DIR: str(tmp_path / "gone")},
+            tags={
+                tracking.CHECKPOINT: str(tmp_path / name),
+                tracking.CONTENT_KEY: f"content-{name}",
+                REFERENCE_DIR: str(tmp_path / "gone"),
+            },
             datasets=[tracking.DatasetRecord("mmlu_dev", "d1g3st", "lm-eval", "evals/mmlu_dev.yaml", '{"limit": 4}')],
             files={SAMPLES_ARTIFACT: json.dumps(samples), "logs/variant.log": "quantized in 3 s\n"},
         )
@@ -153,7 +167,9 @@ def test_runs_of_dead_sweeps_on_this_host_are_killed_and_live_ones_left(store):
     here = socket.gethostname()
 
     def sweep(host: str, pid: int, started_at: float) -> str:
-        return tracking.start_sweep(store, experiment, "sweep tiny", {HOST: host, PID: str(pid), PID_STARTED: str(started_at)})
+        return tracking.start_sweep(
+            store, experiment, "sweep tiny", {HOST: host, PID: str(pid), PID_STARTED: str(started_at)}
+        )
 
     dead = sweep(here, _dead_pid(), started)
     reused_pid = sweep(here, parent_pid, started - 100)  # the pid now belongs to another process
@@ -166,8 +182,14 @@ def test_runs_of_dead_sweeps_on_this_host_are_killed_and_live_ones_left(store):
 
     assert sorted(killed) == sorted([dead, reused_pid])
     status = {run: store.run(run).status for run in (dead, reused_pid, alive, elsewhere, running, done)}
-    assert status == {dead: "KILLED", reused_pid: "KILLED", alive: "RUNNING", elsewhere: "RUNNING",
-                      running: "KILLED", done: "FINISHED"}
+    assert status == {
+        dead: "KILLED",
+        reused_pid: "KILLED",
+        alive: "RUNNING",
+        elsewhere: "RUNNING",
+        running: "KILLED",
+        done: "FINISHED",
+    }
     assert store.run(running).tags[tracking.FAILURE] == "its sweep process died"
     assert tracking.FAILURE not in store.run(done).tags
 
@@ -181,7 +203,9 @@ def _logged_sweep(store, tmp_path) -> str:
     w8 loses 10 points and costs more than fp8."""
     experiment = store.experiment_id("tiny")
     parent = tracking.start_sweep(store, experiment, "sweep tiny", {})
-    store.log_files(parent, {"recipe.yaml": "name: tiny\nbaseline: bf16\nmodel:\n  source: HuggingFaceTB/SmolLM2-135M\n"})
+    store.log_files(
+        parent, {"recipe.yaml": "name: tiny\nbaseline: bf16\nmodel:\n  source: HuggingFaceTB/SmolLM2-135M\n"}
+    )
     baseline = _scores(1200)
     for name, right, size in (("bf16", 1200, 270e6), ("fp8", 1199, 170e6), ("int4", 900, 100e6), ("w8", 1000, 200e6)):
         run = tracking.start_variant(store, experiment, parent, name, name, baseline=name == "bf16", run_key=name)
@@ -189,11 +213,19 @@ def _logged_sweep(store, tmp_path) -> str:
         # What the sweep logs beside each score: the paired figures against the baseline (pick judges on these).
         paired = {paired_key(MMLU, stat): value for stat, value in compare(MMLU, baseline, docs).statistics().items()}
         tracking.log_variant(
-            store, run, metrics={MMLU: docs.aggregate(), "cost/weight_bytes": size, **(paired if name != "bf16" else {})},
+            store,
+            run,
+            metrics={MMLU: docs.aggregate(), "cost/weight_bytes": size, **(paired if name != "bf16" else {})},
             params={},
-            tags={**declared_tags({MMLU: Declared(True, Scale.FRACTION)}), tracking.CHECKPOINT: str(tmp_path / name),
-                  tracking.CONTENT_KEY: f"content-{name}"},
-            datasets=[], files={SAMPLES_ARTIFACT: json.dumps({"version": 2, "documents": documents_to_json({MMLU: docs}), "groups": {}})},
+            tags={
+                **declared_tags({MMLU: Declared(True, Scale.FRACTION)}),
+                tracking.CHECKPOINT: str(tmp_path / name),
+                tracking.CONTENT_KEY: f"content-{name}",
+            },
+            datasets=[],
+            files={
+                SAMPLES_ARTIFACT: json.dumps({"version": 2, "documents": documents_to_json({MMLU: docs}), "groups": {}})
+            },
         )
     store.finish(parent, "FINISHED")
     return parent
@@ -204,7 +236,12 @@ def test_publish_tags_the_frontier_and_attaches_the_report_to_the_parent(store, 
 
     view = publish.publish_sweep(store, parent)
 
-    assert [v.name for v in view.variants] == ["bf16", "fp8", "int4", "w8"] and view.model == "HuggingFaceTB/SmolLM2-135M"
+    assert [v.name for v in view.variants] == [
+        "bf16",
+        "fp8",
+        "int4",
+        "w8",
+    ] and view.model == "HuggingFaceTB/SmolLM2-135M"
     assert publish.frontiers(view).on_front == {"bf16", "fp8", "int4"}  # w8: fp8 is cheaper and better beyond noise
     tags = {run.variant: run.tags[tracking.ON_FRONTIER] for run in tracking.child_runs(store, parent)}
     assert tags == {"bf16": "true", "fp8": "true", "int4": "true", "w8": "false"}
@@ -231,7 +268,9 @@ def test_pick_registers_the_chosen_checkpoint_once_and_logs_each_decision(store,
     assert first["registered"] == {"model": "tiny", "version": "1", "alias": "prod", "new_version": True}
     assert second["registered"] == {"model": "tiny", "version": "1", "alias": "prod", "new_version": False}
     (version,) = store.model_versions("tiny")
-    assert version.tags[tracking.CONTENT_KEY] == "content-fp8" and version.tags[tracking.CHECKPOINT] == str(tmp_path / "fp8")
+    assert version.tags[tracking.CONTENT_KEY] == "content-fp8" and version.tags[tracking.CHECKPOINT] == str(
+        tmp_path / "fp8"
+    )
     assert version.tags[MMLU] == "0.5995"  # the chosen run's scores travel with the version
     assert json.loads(store.read_artifact(parent, "decisions/pick-1000.json")) == first
     assert json.loads(store.read_artifact(parent, "decisions/pick-2000.json"))["chosen"] == "fp8"

@@ -120,10 +120,16 @@ class TaskSettings:
 
     def params(self, task: str) -> dict[str, str]:
         values: dict[str, Any] = {
-            "num_fewshot": self.num_fewshot, "limit": self.limit, "documents": self.documents,
-            "gen_kwargs": json.dumps(self.gen_kwargs, sort_keys=True, default=str) if self.gen_kwargs is not None else "not used",
-            "apply_chat_template": self.apply_chat_template, "fewshot_as_multiturn": self.fewshot_as_multiturn,
-            "system_instruction": self.system_instruction, "version": self.version,
+            "num_fewshot": self.num_fewshot,
+            "limit": self.limit,
+            "documents": self.documents,
+            "gen_kwargs": json.dumps(self.gen_kwargs, sort_keys=True, default=str)
+            if self.gen_kwargs is not None
+            else "not used",
+            "apply_chat_template": self.apply_chat_template,
+            "fewshot_as_multiturn": self.fewshot_as_multiturn,
+            "system_instruction": self.system_instruction,
+            "version": self.version,
         }
         return {f"eval.{task}.{name}": str(value) for name, value in values.items()}
 
@@ -282,42 +288,82 @@ def _leaves_under(group: str, structure: Mapping[str, list[str]]) -> list[str]:
 
 
 def _leaf_scores(
-    task: str, raw: Mapping[str, Any], samples: list[dict[str, Any]], directions: Mapping[str, Any],
-    request: TaskRequest, results: Mapping[str, Any],
+    task: str,
+    raw: Mapping[str, Any],
+    samples: list[dict[str, Any]],
+    directions: Mapping[str, Any],
+    request: TaskRequest,
+    results: Mapping[str, Any],
 ) -> TaskScores:
     scores = []
     for metric, filter_name, value, stderr in reported_metrics(raw):
         documents, note = document_scores(metric, filter_name, samples, value)
-        scores.append(Score(
-            task, metric, filter_name, value, stderr, _direction(directions, metric),
-            scale_of(metric, documents), documents, note=note,
-        ))
+        scores.append(
+            Score(
+                task,
+                metric,
+                filter_name,
+                value,
+                stderr,
+                _direction(directions, metric),
+                scale_of(metric, documents),
+                documents,
+                note=note,
+            )
+        )
     primary_filter = scores[0].filter if scores else NO_FILTER
-    labels = {int(s["doc_id"]): _document_label(s) for s in samples if s.get("filter", NO_FILTER) == primary_filter and "doc_id" in s}
+    labels = {
+        int(s["doc_id"]): _document_label(s)
+        for s in samples
+        if s.get("filter", NO_FILTER) == primary_filter and "doc_id" in s
+    }
     settings = _settings(task, request, results)
     return TaskScores(task, scores, False, settings, _dataset(task, request, results, settings), labels)
 
 
 def _group_scores(
-    group: str, raw: Mapping[str, Any], leaf_names: list[str], leaves: Mapping[str, TaskScores], directions: Mapping[str, Any],
+    group: str,
+    raw: Mapping[str, Any],
+    leaf_names: list[str],
+    leaves: Mapping[str, TaskScores],
+    directions: Mapping[str, Any],
 ) -> TaskScores:
     scores = []
     for metric, filter_name, value, stderr in reported_metrics(raw):
-        parts = [leaf.score(metric, filter_name) for name in leaf_names if (leaf := leaves.get(name)) is not None
-                 and any(s.metric == metric and s.filter == filter_name for s in leaf.scores)]
+        parts = [
+            leaf.score(metric, filter_name)
+            for name in leaf_names
+            if (leaf := leaves.get(name)) is not None
+            and any(s.metric == metric and s.filter == filter_name for s in leaf.scores)
+        ]
         sizes = [leaves[p.task].settings.documents if leaves[p.task].settings else 0 for p in parts]
         weights, note = group_weights([p.value for p in parts], sizes, value)
         scales = {p.scale for p in parts}
         scale = scales.pop() if len(scales) == 1 else Scale.SCORE
-        if weights is not None and not all(p.documents is not None and p.documents.aggregation is Aggregation.MEAN for p in parts):
+        if weights is not None and not all(
+            p.documents is not None and p.documents.aggregation is Aggregation.MEAN for p in parts
+        ):
             # combine() adds weighted differences: right for means, not for perplexities.
             note = "a leaf has no per-document mean scores: " + "; ".join(
-                f"{p.task}: {p.note or 'not a mean'}" for p in parts if p.documents is None or p.documents.aggregation is not Aggregation.MEAN)
+                f"{p.task}: {p.note or 'not a mean'}"
+                for p in parts
+                if p.documents is None or p.documents.aggregation is not Aggregation.MEAN
+            )
             weights = None
-        scores.append(Score(
-            group, metric, filter_name, value, stderr, _direction(directions, metric), scale,
-            leaves=tuple(p.key for p in parts) if weights else (), weights=tuple(weights or ()), note=note,
-        ))
+        scores.append(
+            Score(
+                group,
+                metric,
+                filter_name,
+                value,
+                stderr,
+                _direction(directions, metric),
+                scale,
+                leaves=tuple(p.key for p in parts) if weights else (),
+                weights=tuple(weights or ()),
+                note=note,
+            )
+        )
     return TaskScores(group, scores, is_group=True)
 
 
@@ -359,8 +405,10 @@ def document_scores(
     elif all(isinstance(v, (tuple, list)) and len(v) == 2 and all(_is_number(x) for x in v) for v in values):
         loglikelihoods = {d: float(v[0]) for d, v in zip(doc_ids, values)}
         weights = {d: float(v[1]) for d, v in zip(doc_ids, values)}
-        candidates = [DocumentScores(aggregation, loglikelihoods, weights)
-                      for aggregation in (Aggregation.WEIGHTED_PERPLEXITY, Aggregation.BITS_PER_BYTE)]
+        candidates = [
+            DocumentScores(aggregation, loglikelihoods, weights)
+            for aggregation in (Aggregation.WEIGHTED_PERPLEXITY, Aggregation.BITS_PER_BYTE)
+        ]
     else:
         return None, f"per-document values of type {type(values[0]).__name__} have no known aggregation"
     found = []
@@ -372,7 +420,10 @@ def document_scores(
         if math.isclose(again, reported, rel_tol=REAGGREGATION_REL_TOL, abs_tol=1e-12):
             return candidate, None
         found.append(f"{candidate.aggregation.value} {again:.6g}")
-    return None, f"re-aggregating the per-document values gives {' or '.join(found) or 'nothing'}, lm-eval reported {reported:.6g}"
+    return (
+        None,
+        f"re-aggregating the per-document values gives {' or '.join(found) or 'nothing'}, lm-eval reported {reported:.6g}",
+    )
 
 
 def group_weights(values: list[float], sizes: list[int], reported: float) -> tuple[list[float] | None, str | None]:
@@ -387,7 +438,9 @@ def group_weights(values: list[float], sizes: list[int], reported: float) -> tup
         candidates.append([size / sum(sizes) for size in sizes])
     candidates.append([1 / len(values)] * len(values))
     for weights in candidates:
-        if math.isclose(sum(w * v for w, v in zip(weights, values)), reported, rel_tol=REAGGREGATION_REL_TOL, abs_tol=1e-12):
+        if math.isclose(
+            sum(w * v for w, v in zip(weights, values)), reported, rel_tol=REAGGREGATION_REL_TOL, abs_tol=1e-12
+        ):
             return weights, None
     return None, "neither the size-weighted nor the plain mean of its leaves reproduces lm-eval's group value"
 
@@ -450,8 +503,12 @@ def _dataset(task: str, request: TaskRequest, results: Mapping[str, Any], settin
         source += f":{config['dataset_name']}"
     if files:
         source += " " + ",".join(files)
-    profile = {"limit": request.limit, "documents": settings.documents, "num_fewshot": settings.num_fewshot,
-               "version": settings.version}
+    profile = {
+        "limit": request.limit,
+        "documents": settings.documents,
+        "num_fewshot": settings.num_fewshot,
+        "version": settings.version,
+    }
     return TaskDataset(task, digest.hexdigest()[:16], source, json.dumps(profile, sort_keys=True))
 
 

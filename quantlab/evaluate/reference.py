@@ -275,9 +275,15 @@ def token_documents(nll: np.ndarray, kld: np.ndarray, top1_match: np.ndarray) ->
     unit, and the quality corpus is one long text)."""
     ones = {index: 1.0 for index in range(len(nll))}
     return {
-        "quality/ppl": DocumentScores(Aggregation.WEIGHTED_PERPLEXITY, dict(enumerate((-np.asarray(nll, dtype=np.float64)).tolist())), ones),
-        "quality/kld_mean": DocumentScores(Aggregation.MEAN, dict(enumerate(np.asarray(kld, dtype=np.float64).tolist()))),
-        "quality/top1_agreement": DocumentScores(Aggregation.MEAN, dict(enumerate(np.asarray(top1_match, dtype=np.float64).tolist()))),
+        "quality/ppl": DocumentScores(
+            Aggregation.WEIGHTED_PERPLEXITY, dict(enumerate((-np.asarray(nll, dtype=np.float64)).tolist())), ones
+        ),
+        "quality/kld_mean": DocumentScores(
+            Aggregation.MEAN, dict(enumerate(np.asarray(kld, dtype=np.float64).tolist()))
+        ),
+        "quality/top1_agreement": DocumentScores(
+            Aggregation.MEAN, dict(enumerate(np.asarray(top1_match, dtype=np.float64).tolist()))
+        ),
     }
 
 
@@ -427,9 +433,8 @@ def _token_vector(token_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
 
 def _refuse_foreign(out_dir: Path) -> None:
     # Replacing means deleting: only ever delete something that is recognisably a reference.
-    if out_dir.exists() and not (out_dir / INFO_FILE).is_file():
-        if out_dir.is_file() or any(out_dir.iterdir()):
-            raise FileExistsError(f"{out_dir} exists and is not a baseline reference; refusing to replace it")
+    if out_dir.exists() and not (out_dir / INFO_FILE).is_file() and (out_dir.is_file() or any(out_dir.iterdir())):
+        raise FileExistsError(f"{out_dir} exists and is not a baseline reference; refusing to replace it")
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

@@ -32,9 +32,7 @@ class AcceleratorSpec(BaseModel):
 
 
 def _spec(memory_gb: float, bandwidth_tb_s: float, source: str) -> AcceleratorSpec:
-    return AcceleratorSpec(
-        memory_bytes=int(memory_gb * _GB), bandwidth_bytes_per_s=bandwidth_tb_s * _TB, source=source
-    )
+    return AcceleratorSpec(memory_bytes=int(memory_gb * _GB), bandwidth_bytes_per_s=bandwidth_tb_s * _TB, source=source)
 
 
 BUILTIN_ACCELERATORS: Mapping[str, AcceleratorSpec] = {
@@ -83,9 +81,7 @@ class UnknownAccelerator(KeyError):
         return self.args[0]
 
 
-def find_accelerator(
-    name: str, overrides: Mapping[str, AcceleratorSpec] | None = None
-) -> tuple[str, AcceleratorSpec]:
+def find_accelerator(name: str, overrides: Mapping[str, AcceleratorSpec] | None = None) -> tuple[str, AcceleratorSpec]:
     """The table's own spelling of `name` and its spec; `UnknownAccelerator` when absent."""
     table = accelerator_table(overrides)
     for known, spec in table.items():

@@ -57,7 +57,9 @@ def random_prompt_ids(
     return pool[picks].to(device)
 
 
-def time_generation(model: torch.nn.Module, prompt_ids: torch.Tensor, output_tokens: int, clock: Clock) -> GenerationTiming:
+def time_generation(
+    model: torch.nn.Module, prompt_ids: torch.Tensor, output_tokens: int, clock: Clock
+) -> GenerationTiming:
     forward_options: dict = {"use_cache": True}
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
         forward_options["logits_to_keep"] = 1

@@ -88,9 +88,7 @@ def _placement(model: torch.nn.Module) -> str:
 def kernel_path(model: torch.nn.Module) -> str:
     """Every distinct linear-layer path with how many layers take it, most common first,
     then where the weights live, e.g. "BF16 matmul (211 Linear) on CPU"."""
-    paths = Counter(
-        linear_kernel_path(module) for module in model.modules() if isinstance(module, torch.nn.Linear)
-    )
+    paths = Counter(linear_kernel_path(module) for module in model.modules() if isinstance(module, torch.nn.Linear))
     if not paths:
         return f"no torch.nn.Linear layers found, on {_placement(model)}"
     layers = "; ".join(f"{path} ({count} Linear)" for path, count in paths.most_common())

@@ -277,7 +277,9 @@ def modeled_cost_from_facts(
     else:
         parameters = parameter_count(shape)
         figures.set("parameter_count", parameters)
-        figures.set("kv_bytes_per_token", kv_cache_bytes_per_token(shape, kv_cache_element_bytes(values, target.kv_cache_dtype)))
+        figures.set(
+            "kv_bytes_per_token", kv_cache_bytes_per_token(shape, kv_cache_element_bytes(values, target.kv_cache_dtype))
+        )
         if not no_weights:
             figures.set("bits_per_parameter", bits_per_element(facts.payload_bytes, parameters))
             linear_bytes = facts.linear_weight_bytes()
@@ -304,16 +306,24 @@ def _model_serving(
     spec: AcceleratorSpec,
     reason: str,
 ) -> None:
-    serving = ("max_concurrent_sequences", "roofline_decode_tokens_per_s", "serving_decode_tokens_per_s",
-               "usd_per_million_output_tokens")
+    serving = (
+        "max_concurrent_sequences",
+        "roofline_decode_tokens_per_s",
+        "serving_decode_tokens_per_s",
+        "usd_per_million_output_tokens",
+    )
     if shape is None or reason:
         for name in serving:
             figures.absent(name, reason)
         return
     weights, kv_per_token = facts.payload_bytes, figures.values["kv_bytes_per_token"]
     sequences = max_concurrent_sequences(
-        spec.memory_bytes, weights, kv_per_token, target.context_length,
-        target.memory_utilization, target.runtime_overhead_bytes,
+        spec.memory_bytes,
+        weights,
+        kv_per_token,
+        target.context_length,
+        target.memory_utilization,
+        target.runtime_overhead_bytes,
     )
     figures.set("max_concurrent_sequences", sequences)
     if sequences == 0:
@@ -327,7 +337,9 @@ def _model_serving(
     streamed = streamed_weight_bytes(weights, facts.input_embedding_bytes(), shape.tie_word_embeddings)
 
     def roofline(batch_size: int) -> float:
-        return decode_roofline_tokens_per_s(spec.bandwidth_bytes_per_s, streamed, kv_per_token, target.context_length, batch_size)
+        return decode_roofline_tokens_per_s(
+            spec.bandwidth_bytes_per_s, streamed, kv_per_token, target.context_length, batch_size
+        )
 
     figures.set("roofline_decode_tokens_per_s", roofline(1))
     serving_tokens_per_s = roofline(sequences)
@@ -335,4 +347,6 @@ def _model_serving(
     if target.price_per_hour is None:
         figures.absent("usd_per_million_output_tokens", "measure.target.price_per_hour is not set")
     else:
-        figures.set("usd_per_million_output_tokens", usd_per_million_tokens(target.price_per_hour, serving_tokens_per_s))
+        figures.set(
+            "usd_per_million_output_tokens", usd_per_million_tokens(target.price_per_hour, serving_tokens_per_s)
+        )

@@ -59,7 +59,9 @@ class MeasureSettings(_Strict):
     repeats: int = Field(3, gt=0, le=10_000, description="Timed generations per batch size; medians are reported.")
     seed: int = Field(0, description="Seeds the random prompt token ids.")
     cpu_threads: int | None = Field(
-        None, gt=0, le=4096,
+        None,
+        gt=0,
+        le=4096,
         description="torch intra-op threads while measuring; None keeps the process's setting. On a shared "
         "machine fewer threads than cores can be faster and steadier: a busy core stalls every worker thread.",
     )
@@ -102,5 +104,7 @@ class MeasureSettings(_Strict):
             if value is not None
         }
         if changes:
-            spec = spec.model_copy(update={**changes, "source": f"{spec.source}; overridden in the recipe: {sorted(changes)}"})
+            spec = spec.model_copy(
+                update={**changes, "source": f"{spec.source}; overridden in the recipe: {sorted(changes)}"}
+            )
         return name, spec

@@ -67,8 +67,13 @@ def reset_high_water_mark() -> bool:
 
 
 def _cuda_indices(devices: Sequence[torch.device]) -> list[int]:
-    return sorted({device.index if device.index is not None else torch.cuda.current_device()
-                   for device in devices if device.type == "cuda"})
+    return sorted(
+        {
+            device.index if device.index is not None else torch.cuda.current_device()
+            for device in devices
+            if device.type == "cuda"
+        }
+    )
 
 
 def _synchronize(cuda_indices: Sequence[int]) -> None:
@@ -137,7 +142,9 @@ class MemoryTracker:
             self._thread.start()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
         if self._cuda:
             _synchronize(self._cuda)
         self._stop.set()
@@ -227,7 +234,9 @@ class EnergyTracker:
             self._start_mj = self._counters()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
         if not isinstance(self._nvml, str):
             _synchronize(self._cuda)
             end_mj = self._counters()

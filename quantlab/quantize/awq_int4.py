@@ -12,7 +12,9 @@ from quantlab.quantize.cpu_shims import pinned_memory_optional
 
 class AwqInt4:
     class Params(MethodParams):
-        group_size: int = Field(128, gt=0, description="Input channels sharing one scale; must divide every layer's input width.")
+        group_size: int = Field(
+            128, gt=0, description="Input channels sharing one scale; must divide every layer's input width."
+        )
         symmetric: bool = Field(True, description="Symmetric (no zero point) or asymmetric INT4.")
         duo_scaling: bool | Literal["both"] = Field(True, description="AWQ scale search uses weights and activations.")
         ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="Modules kept in BF16.")
@@ -26,12 +28,14 @@ class AwqInt4:
         if not misfits:
             return []
         example = next(name for name, width in linear_widths.items() if width == misfits[0])
-        return [(
-            "group_size",
-            f"{params.group_size} does not divide the input width of every linear layer "
-            f"(widths {misfits}, e.g. {example}); pick a divisor such as "
-            f"{_largest_common_power_of_two(linear_widths.values())}",
-        )]
+        return [
+            (
+                "group_size",
+                f"{params.group_size} does not divide the input width of every linear layer "
+                f"(widths {misfits}, e.g. {example}); pick a divisor such as "
+                f"{_largest_common_power_of_two(linear_widths.values())}",
+            )
+        ]
 
     @staticmethod
     def apply(model, params: Params, calibration) -> None:

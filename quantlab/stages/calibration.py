@@ -23,12 +23,20 @@ def calibration_dataset(settings: CalibrationSettings, tokenizer, base_dir: Path
     stream: list[int] = []
     for text in load_texts(settings.source, base_dir):
         stream += tokenizer(text, add_special_tokens=False)["input_ids"] + separator
-    blocks = [stream[start : start + settings.seq_len] for start in range(0, len(stream) - settings.seq_len + 1, settings.seq_len)]
+    blocks = [
+        stream[start : start + settings.seq_len]
+        for start in range(0, len(stream) - settings.seq_len + 1, settings.seq_len)
+    ]
     if len(blocks) < settings.num_samples:
-        raise BadInput([Problem(
-            "", "calibration.num_samples",
-            f"{settings.source} holds {len(stream)} tokens: {len(blocks)} blocks of {settings.seq_len}, "
-            f"fewer than the {settings.num_samples} asked for",
-        )])
+        raise BadInput(
+            [
+                Problem(
+                    "",
+                    "calibration.num_samples",
+                    f"{settings.source} holds {len(stream)} tokens: {len(blocks)} blocks of {settings.seq_len}, "
+                    f"fewer than the {settings.num_samples} asked for",
+                )
+            ]
+        )
     chosen = random.Random(settings.seed).sample(blocks, settings.num_samples)
     return Dataset.from_dict({"input_ids": chosen, "attention_mask": [[1] * settings.seq_len for _ in chosen]})

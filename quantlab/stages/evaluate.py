@@ -66,18 +66,28 @@ NOTE_TAG = "quantlab.eval_note/"  # + score key: why a score has no per-document
 UNKNOWN_DIRECTION_TAG = "quantlab.direction_unknown"  # scores lm-eval declared no direction for
 
 
-def evaluate_tasks(model, tokenizer, settings: EvalSettings, include_path: Path | None, report: StageReporter) -> EvalOutcome:
+def evaluate_tasks(
+    model, tokenizer, settings: EvalSettings, include_path: Path | None, report: StageReporter
+) -> EvalOutcome:
     from quantlab.evaluate.lm_eval_runner import TaskRequest, run_tasks
 
     if not settings.tasks:
         return EvalOutcome()
     requests = [
-        TaskRequest(task.name, task.num_fewshot, task.limit,
-                    task.gen_kwargs.model_dump(exclude_none=True) if task.gen_kwargs else None,
-                    task.apply_chat_template, task.fewshot_as_multiturn, task.system_instruction)
+        TaskRequest(
+            task.name,
+            task.num_fewshot,
+            task.limit,
+            task.gen_kwargs.model_dump(exclude_none=True) if task.gen_kwargs else None,
+            task.apply_chat_template,
+            task.fewshot_as_multiturn,
+            task.system_instruction,
+        )
         for task in settings.tasks
     ]
-    scores = run_tasks(model, tokenizer, requests, include_path, settings.batch_size, progress=lambda step: report(f"evaluate: {step}"))
+    scores = run_tasks(
+        model, tokenizer, requests, include_path, settings.batch_size, progress=lambda step: report(f"evaluate: {step}")
+    )
     return eval_outcome(scores)
 
 
@@ -132,7 +142,9 @@ def eval_outcome(tasks: list[TaskScores]) -> EvalOutcome:
     )
 
 
-def token_damage(model, tokenizer, settings: QualitySettings, recipe_dir: Path, job: VariantJob, checkpoint_key: str) -> TokenOutcome:
+def token_damage(
+    model, tokenizer, settings: QualitySettings, recipe_dir: Path, job: VariantJob, checkpoint_key: str
+) -> TokenOutcome:
     """Perplexity and KL against the baseline's stored pass (written here when this is the baseline)."""
     from quantlab.evaluate.reference import (
         baseline_damage,
@@ -148,8 +160,11 @@ def token_damage(model, tokenizer, settings: QualitySettings, recipe_dir: Path, 
         # Everything that moves the stored numbers: the weights, the corpus settings, and how
         # they were computed (dtype, device, and the libraries doing the arithmetic).
         identity = {
-            "baseline": checkpoint_key, "quality": settings.model_dump(),
-            "compute_dtype": str(model.dtype), "device": str(model.device), "versions": cache.library_versions(),
+            "baseline": checkpoint_key,
+            "quality": settings.model_dump(),
+            "compute_dtype": str(model.dtype),
+            "device": str(model.device),
+            "versions": cache.library_versions(),
         }
         reference_dir = job.cache_root / "references" / cache.cache_key(identity)
         if job.force or not (reference_dir / "reference.json").is_file():
@@ -158,7 +173,9 @@ def token_damage(model, tokenizer, settings: QualitySettings, recipe_dir: Path, 
             write_reference(model, token_ids, reference_dir, window=settings.window, stride=settings.stride)
         damage, documents = baseline_damage(reference_dir), baseline_documents(reference_dir)
     elif job.baseline is None or job.baseline.reference_dir is None:
-        return TokenOutcome({}, {"quantlab.quality.skipped": "the baseline variant did not produce a reference pass"}, None)
+        return TokenOutcome(
+            {}, {"quantlab.quality.skipped": "the baseline variant did not produce a reference pass"}, None
+        )
     else:
         reference_dir = Path(job.baseline.reference_dir)
         tokens = compare_tokens(model, reference_dir)
@@ -209,14 +226,17 @@ def answer_damage(scores: EvalOutcome, baseline: BaselineOutputs | None) -> Answ
         metrics.update(flip_metrics(task, comparison.correct_to_wrong, comparison.wrong_to_correct))
         if baseline is not None and key in scores.documents:
             flips = paired_flips(task, reference[key].values, scores.documents[key].values)
-            artifacts[f"flips/{task}.jsonl"] = _flips_jsonl(flips, reference[key].values, scores.documents[key].values,
-                                                            scores.labels.get(task, {}))
+            artifacts[f"flips/{task}.jsonl"] = _flips_jsonl(
+                flips, reference[key].values, scores.documents[key].values, scores.labels.get(task, {})
+            )
     for task, (base, variant) in _by_task(reference_values, scores.scores).items():
         metrics.update(recovery(task, base, variant).to_metrics())
     return AnswerOutcome(metrics, artifacts, {NOTE_TAG + key: f"not paired: {note}" for key, note in notes.items()})
 
 
-def _by_task(baseline: dict[str, float], variant: dict[str, float]) -> dict[str, tuple[dict[str, float], dict[str, float]]]:
+def _by_task(
+    baseline: dict[str, float], variant: dict[str, float]
+) -> dict[str, tuple[dict[str, float], dict[str, float]]]:
     """task -> ({metric[:filter]: baseline value}, {metric[:filter]: variant value}) over the scores both have."""
     found: dict[str, tuple[dict[str, float], dict[str, float]]] = {}
     for key in baseline.keys() & variant.keys():
@@ -231,7 +251,10 @@ def _by_task(baseline: dict[str, float], variant: dict[str, float]) -> dict[str,
 
 def _flips_jsonl(flips, baseline: Mapping[int, float], variant: Mapping[int, float], documents: dict[int, str]) -> str:
     lines = []
-    for direction, doc_ids in (("correct_to_wrong", flips.correct_to_wrong_ids), ("wrong_to_correct", flips.wrong_to_correct_ids)):
+    for direction, doc_ids in (
+        ("correct_to_wrong", flips.correct_to_wrong_ids),
+        ("wrong_to_correct", flips.wrong_to_correct_ids),
+    ):
         for doc_id in doc_ids:
             row = {"doc_id": doc_id, "direction": direction, "baseline": baseline[doc_id], "variant": variant[doc_id]}
             if doc_id in documents:
