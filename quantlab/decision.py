@@ -28,7 +28,7 @@ from typing import Any
 
 from quantlab.frontier import Axis, VariantSummary, ensure_unique_names
 from quantlab.metrics import MetricSpec, Scale, paired_key, spec
-from quantlab.paired import Outcome, non_inferiority
+from quantlab.paired import Outcome, agresti_min_se, non_inferiority
 from quantlab.policy import (
     KLD_MEAN,
     Bound,
@@ -124,6 +124,11 @@ class DropCheck:
                 outcome=Outcome.UNSURE,
                 limit=rule.allowed,
             )
+        flips = [variant.value(paired_key(metric, name)) for name in ("correct_to_wrong", "wrong_to_correct")]
+        if None not in flips:
+            # 0/1 scores: with no flip the plain paired se is 0, and five identical answers would
+            # "show" any limit; Agresti and Min's adjusted se says how little they show.
+            se = agresti_min_se(n, int(flips[0]), int(flips[1]))
         drop = -diff if rule.spec.higher_is_better else diff
         found = non_inferiority(drop, se, n, rule.allowed)
         return result(

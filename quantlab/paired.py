@@ -10,6 +10,7 @@ Shapes (how lm-eval aggregates a metric over documents), each compared its own w
 - `Aggregation.MEAN`: the score is the mean of per-document values (acc, exact_match, mc2).
   diff = mean of per-document differences; se = their sample deviation / sqrt(n). p: the exact
   McNemar test when every value is 0 or 1, otherwise a paired t-test (scipy's `ttest_rel`).
+  Verdicts on 0/1 scores use `agresti_min_se` instead, which is never 0 (see there).
 - `Aggregation.WEIGHTED_PERPLEXITY` / `Aggregation.BITS_PER_BYTE`: lm-eval's rolling
   loglikelihood metrics, exp(-sum ll / sum w) and -sum ll / (sum w ln 2), where w is a
   document's words or bytes. Both rest on D = sum(ll_b - ll_v) / sum w, the difference of mean
@@ -204,6 +205,18 @@ def combine(parts: Sequence[PairedComparison], weights: Sequence[float]) -> Pair
         )
         return PairedComparison(n, baseline, variant, diff, se, low, high, p_value, test, c2w, w2c)
     return PairedComparison(n, baseline, variant, diff, se, low, high, _z_p(diff, se), "combined_z")
+
+
+def agresti_min_se(n: int, correct_to_wrong: int, wrong_to_correct: int) -> float:
+    """Standard error of a difference of matched proportions with Agresti and Min's (2005)
+    adjustment: half a document added to each of the four cells.
+
+    The plain paired standard error is 0 when no answer flipped, which would declare 5 identical
+    answers proof that nothing changes; the adjusted one says how little 5 documents show.
+    """
+    adjusted_n = n + 2
+    b, c = correct_to_wrong + 0.5, wrong_to_correct + 0.5
+    return math.sqrt((b + c) - (c - b) ** 2 / adjusted_n) / adjusted_n
 
 
 def mcnemar_exact_p(correct_to_wrong: int, wrong_to_correct: int) -> float:

@@ -231,7 +231,7 @@ def test_pick_explains_each_verdict_by_non_inferiority(picked_store):
     assert "quality/ppl: shown within the limit: drop 0.05" in text and "limit +2% of the baseline (0.2)" in text
     assert (
         "fp8 (rejected): eval/mmlu_dev/acc: shown over the limit: drop 2.00 pts, one-sided 95% bounds "
-        "[1.10 pts, 2.90 pts], limit 1 pt (paired, n=1,000)"
+        "[1.09 pts, 2.91 pts], limit 1 pt (paired, n=1,000)"
     ) in text
     assert "fp8" in text and "quality/ppl: not enough evidence: no paired statistics logged" in text
     assert (

@@ -132,14 +132,16 @@ def test_the_issue_example_is_shown_over_a_one_point_limit():
     decision = decide(variants, only(max_drop={ACC: 1}))
 
     (check,) = decision.verdict("int4").checks
-    se = math.sqrt(29.6 / 999 / 1000)
+    # The verdict's se on 0/1 scores is Agresti and Min's: half a document added to each cell,
+    # sqrt((25.5 + 5.5) - (5.5 - 25.5)^2 / 1002) / 1002 = 0.5521 pts (the logged plain one: 0.5443).
+    se = math.sqrt(31 - 400 / 1002) / 1002
     assert check.outcome is Outcome.OVER and check.status is CheckStatus.FAILED
     assert check.drop == pytest.approx(0.02)
     assert (check.lower, check.upper) == (pytest.approx(0.02 - Z * se), pytest.approx(0.02 + Z * se))
     assert check.lower > 0.01  # even the optimistic end loses more than a point
     assert check.detail == (
         f"{ACC}: shown over the limit: drop 2.00 pts, one-sided 95% bounds "
-        "[1.10 pts, 2.90 pts], limit 1 pt (paired, n=1,000)"
+        "[1.09 pts, 2.91 pts], limit 1 pt (paired, n=1,000)"
     )
     assert decision.verdict("int4").status is Status.REJECTED
     assert decision.chosen == "bf16"
@@ -152,27 +154,28 @@ def test_the_same_flip_rate_is_undecided_on_40_documents_and_shown_within_on_400
 
     (unsure,) = small.verdict("int4").checks
     assert unsure.outcome is Outcome.UNSURE and unsure.status is CheckStatus.UNDECIDED
-    # By hand: variance of the differences 4 / 39, se = sqrt(4 / 39 / 40) = 5.06 pts; bounds +-8.33 pts.
-    assert unsure.upper == pytest.approx(Z * math.sqrt(4 / 39 / 40))
-    # Documents that would settle it: z^2 * (4 / 39) / 0.01^2 = 2774.9 -> 2775.
-    assert pytest.approx(2774.9, abs=0.05) == Z**2 * (4 / 39) / 0.01**2
-    assert unsure.documents_needed == 2775
-    assert "not enough evidence" in unsure.detail and "about 2,775 documents would settle it" in unsure.detail
+    # By hand (Agresti-Min): se = sqrt((2.5 + 2.5) - 0 / 42) / 42 = 5.32 pts; bounds +-8.76 pts.
+    small_se = math.sqrt(5) / 42
+    assert unsure.upper == pytest.approx(Z * small_se)
+    # Documents that would settle it: (z * se * sqrt(40) / 0.01)^2 = 3067.5 -> 3068.
+    assert pytest.approx(3067.5, abs=0.05) == (Z * small_se * math.sqrt(40) / 0.01) ** 2
+    assert unsure.documents_needed == 3068
+    assert "not enough evidence" in unsure.detail and "about 3,068 documents would settle it" in unsure.detail
     assert small.verdict("int4").status is Status.UNDECIDED
     assert small.chosen == "bf16"  # "not enough evidence" is not a pass
-    assert "int4 would need ~2,775 documents" in small.summary
+    assert "int4 would need ~3,068 documents" in small.summary
 
     (within,) = large.verdict("int4").checks
-    # se = sqrt(400 / 3999 / 4000) = 0.50 pts; upper bound 0.82 pts <= 1 pt.
-    assert within.upper == pytest.approx(Z * math.sqrt(400 / 3999 / 4000))
+    # se = sqrt(401) / 4002 = 0.50 pts; upper bound 0.82 pts <= 1 pt.
+    assert within.upper == pytest.approx(Z * math.sqrt(401) / 4002)
     assert within.outcome is Outcome.WITHIN and within.upper < 0.01
     assert large.chosen == "int4"
 
 
 def test_the_documents_estimate_settles_it_at_that_size():
     # At the estimated size, with the same per-document spread, the upper bound meets the limit.
-    spread = math.sqrt(4 / 39)
-    assert Z * spread / math.sqrt(2775) <= 0.01 < Z * spread / math.sqrt(2774)
+    spread = math.sqrt(5) / 42 * math.sqrt(40)
+    assert Z * spread / math.sqrt(3068) <= 0.01 < Z * spread / math.sqrt(3067)
 
 
 # (limit, paired diff of quality/ppl, its se): lower is better, so the drop is +diff.
@@ -516,8 +519,20 @@ def test_verdicts_agree_with_scipys_one_sided_bounds_on_random_documents(seed):
     (check,) = decide(summaries(base_docs, variant_docs), only(max_drop={ACC: 1})).verdict("int4").checks
 
     d = variant.astype(float) - base.astype(float)
-    mean, sem = d.mean(), stats.sem(d)
+    # Agresti-Min's se of matched proportions, by hand from the flips.
+    to_wrong, to_right = float(np.sum(d < 0)) + 0.5, float(np.sum(d > 0)) + 0.5
+    mean, sem = d.mean(), math.sqrt(to_wrong + to_right - (to_right - to_wrong) ** 2 / 502) / 502
     assert check.drop == pytest.approx(-mean)
     assert check.upper == pytest.approx(-mean + stats.norm.ppf(0.95) * sem)
     expected = Outcome.WITHIN if check.upper <= 0.01 else Outcome.OVER if check.lower > 0.01 else Outcome.UNSURE
     assert check.outcome is expected
+
+
+def test_a_few_identical_answers_are_not_proof_of_no_loss():
+    # 5 documents, no flip: the plain paired se is 0, but 5 documents cannot show a 1-point limit.
+    (check,) = decide(summaries(*documents(0, 0, 3, 2)), only(max_drop={ACC: 1})).verdict("int4").checks
+    assert check.drop == 0 and check.outcome is Outcome.UNSURE
+    assert check.upper == pytest.approx(Z * math.sqrt(1) / 7)  # Agresti-Min: sqrt(0.5 + 0.5) / (5 + 2)
+    # With 10,000 identical answers the same limit is shown.
+    (many,) = decide(summaries(*documents(0, 0, 6000, 4000)), only(max_drop={ACC: 1})).verdict("int4").checks
+    assert many.outcome is Outcome.WITHIN
