@@ -240,10 +240,18 @@ def _sweep_view(experiment: str | None, tracking_uri: str | None):
 
 
 def _print_table(table) -> None:
+    """One column per variant when there are more figures than fit side by side (a sweep over
+    many lm-eval tasks has dozens): a row per figure stays readable in any terminal."""
     from rich.table import Table as RichTable
 
-    rich_table = RichTable(*table.headers)
-    for row in table.rows:
+    headers, rows = list(table.headers), [list(row) for row in table.rows]
+    if len(headers) > 6:
+        headers, rows = (
+            ["", *(row[0] for row in rows)],
+            [[header, *(row[i] for row in rows)] for i, header in enumerate(headers) if i],
+        )
+    rich_table = RichTable(*headers)
+    for row in rows:
         rich_table.add_row(*row)
     out.print(rich_table)
 

@@ -9,7 +9,6 @@ in-process executor gives both up for one process and one CUDA context (see InPr
 
 from __future__ import annotations
 
-import gc
 import multiprocessing
 import os
 import pickle
@@ -186,19 +185,11 @@ class InProcessExecutor:
 
 
 def _release_memory() -> None:
-    """Give back what a finished variant held, so the next one's peak memory is its own.
+    """Give back what a finished variant held, so the next one's peak memory is its own (a spawned
+    process drops everything on exit; in-process, the quantizer's session and caches would stay)."""
+    from quantlab.stages.quantize import release_quantizer_memory
 
-    llm-compressor's global session keeps the last model it compressed until it is reset; a
-    spawned process drops it on exit, here it would stay on the GPU through every later variant.
-    """
-    if "llmcompressor" in sys.modules:
-        from llmcompressor.core import reset_session
-
-        reset_session()
-    gc.collect()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    release_quantizer_memory()
 
 
 class RayExecutor:

@@ -68,4 +68,26 @@ def quantize_variant(
     with cache.writing(target, identity) as scratch:
         model.save_pretrained(scratch)
         tokenizer.save_pretrained(scratch)
+    del model
+    release_quantizer_memory()
     return QuantizedCheckpoint(target, key, reused=False, seconds=time.perf_counter() - started)
+
+
+def release_quantizer_memory() -> None:
+    """Give back what quantizing held before the variant is loaded, evaluated and measured.
+
+    llm-compressor's global session keeps the last model it compressed until it is reset, so the
+    quantized-in-memory model would otherwise stay resident (on the GPU, too) through the
+    measure stage and count in the variant's peak memory.
+    """
+    import gc
+    import sys
+
+    if "llmcompressor" in sys.modules:
+        from llmcompressor.core import reset_session
+
+        reset_session()
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
