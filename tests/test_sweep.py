@@ -92,19 +92,15 @@ def test_run_layout_follows_the_contract(swept):
     assert {"recipe.yaml", "frontier.json", "frontier.png", "frontier.html", "report.md"} <= parent_artifacts
 
 
+def _sweep_fp8_again(work: Path, uri: str, *flags: str) -> subprocess.CompletedProcess:
+    """The swept recipe once more, into the same store and cache, asking for fp8 only."""
+    recipe, cache = str(work / "recipe.yaml"), str(work / "cache")
+    return quantlab("sweep", recipe, "--tracking-uri", uri, "--cache-dir", cache, "--only", "fp8", *flags, cwd=work)
+
+
 def test_unchanged_variants_are_copied_not_recomputed(swept):
     work, uri, _ = swept
-    result = quantlab(
-        "sweep",
-        str(work / "recipe.yaml"),
-        "--tracking-uri",
-        uri,
-        "--cache-dir",
-        str(work / "cache"),
-        "--only",
-        "fp8",
-        cwd=work,
-    )
+    result = _sweep_fp8_again(work, uri)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Reused (unchanged, not recomputed): bf16, fp8" in result.stdout
     runs = _variant_runs(uri, newest=True)
@@ -122,18 +118,7 @@ def test_force_recomputes_every_variant_and_the_reference(swept):
     before = _variant_runs(uri, newest=True)
     reference = Path(before["bf16"].data.tags["quantlab.reference_dir"]) / "reference.json"
     written = reference.stat().st_mtime_ns
-    result = quantlab(
-        "sweep",
-        str(work / "recipe.yaml"),
-        "--tracking-uri",
-        uri,
-        "--cache-dir",
-        str(work / "cache"),
-        "--only",
-        "fp8",
-        "--force",
-        cwd=work,
-    )
+    result = _sweep_fp8_again(work, uri, "--force")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Reused" not in result.stdout
     runs = _variant_runs(uri, newest=True)
