@@ -1,25 +1,9 @@
 """Paired statistics against the baseline, and non-inferiority verdicts (pure: numbers in, numbers out).
 
-Baseline and variant answer the same documents, so their difference is judged from the
-per-document pairs, never from two independent standard errors: with 1,000 questions,
-0.60 -> 0.58 through 25 right-to-wrong and 5 wrong-to-right flips has a paired standard error
-of 0.54 points (McNemar p = 3e-4), where treating the two scores as independent samples would
-give 2.2 points and call it noise.
-
-Shapes (how lm-eval aggregates a metric over documents), each compared its own way:
-- `Aggregation.MEAN`: the score is the mean of per-document values (acc, exact_match, mc2).
-  diff = mean of per-document differences; se = their sample deviation / sqrt(n). p: the exact
-  McNemar test when every value is 0 or 1, otherwise a paired t-test (scipy's `ttest_rel`).
-  Verdicts on 0/1 scores use `agresti_min_se` instead, which is never 0 (see there).
-- `Aggregation.WEIGHTED_PERPLEXITY` / `Aggregation.BITS_PER_BYTE`: lm-eval's rolling
-  loglikelihood metrics, exp(-sum ll / sum w) and -sum ll / (sum w ln 2), where w is a
-  document's words or bytes. Both rest on D = sum(ll_b - ll_v) / sum w, the difference of mean
-  negative loglikelihood per unit; its standard error treats documents as the sampled units
-  (ratio estimator). Perplexity diffs and intervals are baseline * (exp(D) - 1) mapped through
-  the same exp; p is a two-sided z test on D.
-
-Intervals use the normal approximation (z = 1.96 two-sided, 1.645 one-sided), the same one the
-non-inferiority verdicts and the sample-size estimates use, so all three agree.
+Baseline and variant answer the same documents, so their difference is judged from the per-document
+pairs, never from two independent standard errors (25 right-to-wrong and 5 wrong-to-right flips in
+1,000 questions: paired se 0.54 points, McNemar p = 3e-4, where unpaired noise would say 2.2 points).
+Intervals, verdicts and sample sizes all use the normal approximation, so the three agree.
 """
 
 from __future__ import annotations
@@ -37,9 +21,11 @@ Z_ONE_SIDED_95 = float(stats.norm.ppf(0.95))
 
 
 class Aggregation(str, Enum):
+    """How lm-eval aggregates a metric over documents."""
+
     MEAN = "mean"
-    WEIGHTED_PERPLEXITY = "weighted_perplexity"
-    BITS_PER_BYTE = "bits_per_byte"
+    WEIGHTED_PERPLEXITY = "weighted_perplexity"  # exp(-sum ll / sum words)
+    BITS_PER_BYTE = "bits_per_byte"  # -sum ll / (sum bytes * ln 2)
 
 
 @dataclass(frozen=True)
@@ -66,6 +52,9 @@ class DocumentScores:
         return self.aggregation is Aggregation.MEAN and all(v in (0.0, 1.0) for v in self.values.values())
 
 
+_STATISTICS = ("diff", "se", "ci95_low", "ci95_high", "p_value", "n", "correct_to_wrong", "wrong_to_correct")
+
+
 @dataclass(frozen=True)
 class PairedComparison:
     """variant - baseline on one metric, from its per-document pairs."""
@@ -84,18 +73,8 @@ class PairedComparison:
 
     def statistics(self) -> dict[str, float]:
         """The finite figures, by the statistic names of `quantlab.metrics.PAIRED_STATISTICS`."""
-        figures: dict[str, float] = {
-            "diff": self.diff,
-            "se": self.se,
-            "ci95_low": self.ci95_low,
-            "ci95_high": self.ci95_high,
-            "p_value": self.p_value,
-            "n": float(self.n),
-        }
-        if self.correct_to_wrong is not None and self.wrong_to_correct is not None:
-            figures["correct_to_wrong"] = float(self.correct_to_wrong)
-            figures["wrong_to_correct"] = float(self.wrong_to_correct)
-        return {name: value for name, value in figures.items() if math.isfinite(value)}
+        figures = {name: getattr(self, name) for name in _STATISTICS}
+        return {name: float(value) for name, value in figures.items() if value is not None and math.isfinite(value)}
 
 
 class NotPaired(ValueError):
@@ -103,7 +82,12 @@ class NotPaired(ValueError):
 
 
 def compare(task: str, baseline: DocumentScores, variant: DocumentScores) -> PairedComparison:
-    """The paired comparison of one metric; raises NotPaired when the documents differ."""
+    """The paired comparison of one metric; raises NotPaired when the documents differ.
+
+    MEAN: the mean of per-document differences, se from their spread; p from the exact McNemar
+    test on 0/1 scores, else a paired t-test. Ratio shapes rest on D = sum(ll_b - ll_v) / sum w
+    (documents as the sampled units); perplexity maps D's interval through exp, p is a z test on D.
+    """
     if baseline.values.keys() != variant.values.keys() or baseline.aggregation is not variant.aggregation:
         only_base = len(baseline.values.keys() - variant.values.keys())
         only_variant = len(variant.values.keys() - baseline.values.keys())
@@ -121,27 +105,16 @@ def compare(task: str, baseline: DocumentScores, variant: DocumentScores) -> Pai
 
 
 def _compare_means(b: np.ndarray, v: np.ndarray, binary: bool) -> PairedComparison:
-    n = int(b.size)
     d = v - b
     diff = float(d.mean())
-    se = float(d.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
+    se = float(stats.sem(d)) if d.size > 1 else math.nan
     low, high = _interval(diff, se)
     if binary:
-        c2w, w2c = int(np.sum((b == 1) & (v == 0))), int(np.sum((b == 0) & (v == 1)))
-        return PairedComparison(
-            n,
-            float(b.mean()),
-            float(v.mean()),
-            diff,
-            se,
-            low,
-            high,
-            mcnemar_exact_p(c2w, w2c),
-            "mcnemar_exact",
-            c2w,
-            w2c,
-        )
-    return PairedComparison(n, float(b.mean()), float(v.mean()), diff, se, low, high, _paired_t_p(d), "paired_t")
+        flips = (int(np.sum((b == 1) & (v == 0))), int(np.sum((b == 0) & (v == 1))))
+        p_value, test = mcnemar_exact_p(*flips), "mcnemar_exact"
+    else:
+        flips, p_value, test = (None, None), _paired_t_p(d), "paired_t"
+    return PairedComparison(d.size, float(b.mean()), float(v.mean()), diff, se, low, high, p_value, test, *flips)
 
 
 def _paired_t_p(d: np.ndarray) -> float:
@@ -159,25 +132,16 @@ def _compare_ratio(
     total = float(w.sum())
     x = b_ll - v_ll  # per document: how much more negative loglikelihood the variant has
     shift = float(x.sum()) / total  # D: difference of mean NLL per word (or byte)
-    residual = x - shift * w
+    residual = x - shift * w  # ratio estimator
     se_shift = float(math.sqrt(n / (n - 1) * float(np.sum(residual**2))) / total) if n > 1 else math.nan
-    p = _z_p(shift, se_shift)
     if aggregation is Aggregation.BITS_PER_BYTE:
         scale = 1 / math.log(2)
-        low, high = _interval(shift * scale, se_shift * scale)
-        return PairedComparison(n, baseline, variant, variant - baseline, se_shift * scale, low, high, p, "ratio_z")
-    low_shift, high_shift = _interval(shift, se_shift)
-    return PairedComparison(
-        n,
-        baseline,
-        variant,
-        variant - baseline,
-        variant * se_shift,  # delta method on exp
-        baseline * math.expm1(low_shift),
-        baseline * math.expm1(high_shift),
-        p,
-        "ratio_z",
-    )
+        se = se_shift * scale
+        low, high = _interval(shift * scale, se)
+    else:  # perplexity: the delta method for se, D's interval mapped through exp
+        se = variant * se_shift
+        low, high = (baseline * math.expm1(end) for end in _interval(shift, se_shift))
+    return PairedComparison(n, baseline, variant, variant - baseline, se, low, high, _z_p(shift, se_shift), "ratio_z")
 
 
 def combine(parts: Sequence[PairedComparison], weights: Sequence[float]) -> PairedComparison:
@@ -190,30 +154,27 @@ def combine(parts: Sequence[PairedComparison], weights: Sequence[float]) -> Pair
     if not parts or len(parts) != len(weights):
         raise ValueError("combine needs one weight per part, and at least one part")
     w = np.array(weights, dtype=np.float64)
-    diff = float(sum(wi * p.diff for wi, p in zip(w, parts)))
+
+    def weighted(figure: str) -> float:
+        return float(sum(wi * getattr(p, figure) for wi, p in zip(w, parts)))
+
+    diff = weighted("diff")
     se = float(math.sqrt(sum((wi * p.se) ** 2 for wi, p in zip(w, parts))))
-    low, high = _interval(diff, se)
     n = sum(p.n for p in parts)
-    baseline = float(sum(wi * p.baseline for wi, p in zip(w, parts)))
-    variant = float(sum(wi * p.variant for wi, p in zip(w, parts)))
     flips = [(p.correct_to_wrong, p.wrong_to_correct) for p in parts]
-    if all(c is not None and r is not None for c, r in flips):
-        c2w, w2c = sum(c for c, _ in flips), sum(r for _, r in flips)  # type: ignore[misc]
-        size_weighted = np.allclose(w, [p.n / n for p in parts])
-        p_value, test = (
-            (mcnemar_exact_p(c2w, w2c), "mcnemar_exact") if size_weighted else (_z_p(diff, se), "combined_z")
-        )
-        return PairedComparison(n, baseline, variant, diff, se, low, high, p_value, test, c2w, w2c)
-    return PairedComparison(n, baseline, variant, diff, se, low, high, _z_p(diff, se), "combined_z")
+    summed, p_value, test = (None, None), _z_p(diff, se), "combined_z"
+    if all(None not in pair for pair in flips):
+        summed = tuple(sum(column) for column in zip(*flips))
+        if np.allclose(w, [p.n / n for p in parts]):
+            p_value, test = mcnemar_exact_p(*summed), "mcnemar_exact"
+    low, high = _interval(diff, se)
+    return PairedComparison(n, weighted("baseline"), weighted("variant"), diff, se, low, high, p_value, test, *summed)
 
 
 def agresti_min_se(n: int, correct_to_wrong: int, wrong_to_correct: int) -> float:
     """Standard error of a difference of matched proportions with Agresti and Min's (2005)
-    adjustment: half a document added to each of the four cells.
-
-    The plain paired standard error is 0 when no answer flipped, which would declare 5 identical
-    answers proof that nothing changes; the adjusted one says how little 5 documents show.
-    """
+    adjustment (half a document added to each cell): never 0, so five identical answers do not
+    prove that nothing changes."""
     adjusted_n = n + 2
     b, c = correct_to_wrong + 0.5, wrong_to_correct + 0.5
     return math.sqrt((b + c) - (c - b) ** 2 / adjusted_n) / adjusted_n
@@ -244,9 +205,7 @@ def _z_p(center: float, se: float) -> float:
     return float(2 * stats.norm.sf(abs(center) / se))
 
 
-# --------------------------------------------------------------------------------------
-# Non-inferiority: is the drop shown to be within a limit?
-# --------------------------------------------------------------------------------------
+# --- Non-inferiority: is the drop shown to be within a limit? ---
 
 
 class Outcome(str, Enum):
@@ -268,23 +227,26 @@ class NonInferiority:
     documents_needed: int | None  # UNSURE only: about how many documents would settle it
 
 
+def float_slack(limit: float) -> float:
+    """Float arithmetic turns a 1.0-point drop into 1.0000000000000009 points: forgive that much."""
+    return 1e-9 * max(1.0, abs(limit))
+
+
 def non_inferiority(drop: float, se: float, n: int, limit: float) -> NonInferiority:
     """WITHIN when the one-sided 95% upper bound of the drop is within `limit`, OVER when even
-    the lower bound exceeds it, UNSURE otherwise, with the documents that would settle it at the
-    same per-document spread (se * sqrt(n)) and the same observed drop."""
+    the lower bound exceeds it, UNSURE otherwise, with the documents that would settle it."""
     if not math.isfinite(se):
         return NonInferiority(drop, se, limit, math.nan, math.nan, Outcome.UNSURE, None)
-    margin = Z_ONE_SIDED_95 * se
-    lower, upper = drop - margin, drop + margin
-    if upper <= limit + _slack(limit):
-        return NonInferiority(drop, se, limit, lower, upper, Outcome.WITHIN, None)
-    if lower > limit + _slack(limit):
-        return NonInferiority(drop, se, limit, lower, upper, Outcome.OVER, None)
-    return NonInferiority(drop, se, limit, lower, upper, Outcome.UNSURE, documents_to_settle(drop, se, n, limit))
+    lower, upper = drop - Z_ONE_SIDED_95 * se, drop + Z_ONE_SIDED_95 * se
+    edge = limit + float_slack(limit)
+    outcome = Outcome.WITHIN if upper <= edge else Outcome.OVER if lower > edge else Outcome.UNSURE
+    needed = documents_to_settle(drop, se, n, limit) if outcome is Outcome.UNSURE else None
+    return NonInferiority(drop, se, limit, lower, upper, outcome, needed)
 
 
 def documents_to_settle(drop: float, se: float, n: int, limit: float) -> int | None:
-    """n such that z * sd / sqrt(n) = |limit - drop|: None when the drop sits on the limit."""
+    """n such that z * sd / sqrt(n) = |limit - drop|, at the same per-document spread (se * sqrt(n))
+    and observed drop: None when the drop sits on the limit."""
     gap = abs(limit - drop)
     if gap == 0 or n < 1 or not math.isfinite(se):
         return None
@@ -292,14 +254,7 @@ def documents_to_settle(drop: float, se: float, n: int, limit: float) -> int | N
     return max(n + 1, math.ceil((Z_ONE_SIDED_95 * spread / gap) ** 2))
 
 
-def _slack(limit: float) -> float:
-    # Float arithmetic turns a 1.0-point drop into 1.0000000000000009 points: forgive that much.
-    return 1e-9 * max(1.0, abs(limit))
-
-
-# --------------------------------------------------------------------------------------
-# Per-document scores as JSON (the variant run's samples.json carries them)
-# --------------------------------------------------------------------------------------
+# --- Per-document scores as JSON (the variant run's samples.json carries them) ---
 
 
 def documents_to_json(scores: Mapping[str, DocumentScores]) -> dict[str, dict]:
