@@ -1,12 +1,7 @@
-"""Offline English text that every machine has: CPython's own `pydoc_data.topics`.
-
-The language-reference topics are split into three disjoint parts by topic, so that the
-text a quantizer calibrates on never appears in the text a variant is scored on:
-
-- ``calibration``: AWQ calibration samples;
-- ``perplexity``: perplexity and KL divergence against the baseline;
-- ``eval``: source of the bundled lm-eval cloze task (``evals/``).
-"""
+"""Offline English text that every machine has: CPython's own `pydoc_data.topics`, split by topic
+into three disjoint parts so that the text a quantizer calibrates on is never the text a variant is
+scored on: ``calibration`` (AWQ samples), ``perplexity`` (perplexity and KL against the baseline)
+and ``eval`` (source of the bundled lm-eval cloze task, ``evals/``)."""
 
 from __future__ import annotations
 
@@ -18,25 +13,14 @@ Split = Literal["calibration", "perplexity", "eval"]
 SPLITS: tuple[Split, ...] = ("calibration", "perplexity", "eval")
 
 
-def topic_names(split: Split) -> list[str]:
-    """Names of the pydoc topics in one split (every third topic, in sorted order)."""
-    import pydoc_data.topics
-
-    offset = SPLITS.index(split)
-    return sorted(pydoc_data.topics.topics)[offset::3]
-
-
 def paragraphs(split: Split) -> list[str]:
-    """Prose paragraphs of a split: blank-line separated, whitespace folded, code-free enough."""
-    import pydoc_data.topics
+    """Prose paragraphs of a split (every third topic, in sorted order): blank-line separated,
+    whitespace folded, code-free enough."""
+    from pydoc_data.topics import topics
 
-    found: list[str] = []
-    for name in topic_names(split):
-        for block in pydoc_data.topics.topics[name].split("\n\n"):
-            text = " ".join(block.split())
-            if _looks_like_prose(text):
-                found.append(text)
-    return found
+    names = sorted(topics)[SPLITS.index(split) :: 3]
+    blocks = (" ".join(block.split()) for name in names for block in topics[name].split("\n\n"))
+    return [block for block in blocks if _looks_like_prose(block)]
 
 
 def text(split: Split) -> str:
@@ -63,19 +47,14 @@ BUILTIN_SOURCES: dict[str, Split] = {
 def text_source_problem(source: str, base_dir: Path) -> str | None:
     """Why a text source cannot be used, or None. Checks only what needs no network."""
     if source.startswith("builtin:"):
-        if source not in BUILTIN_SOURCES:
-            return f"unknown builtin text '{source}'; known: {', '.join(BUILTIN_SOURCES)}"
-        return None
+        known = ", ".join(BUILTIN_SOURCES)
+        return None if source in BUILTIN_SOURCES else f"unknown builtin text '{source}'; known: {known}"
     if source.startswith("hf:"):
-        if len(source.split(":")) != 4:
-            return f"'{source}' should be hf:<dataset>:<split>:<text field>"
-        return None
+        return None if len(source.split(":")) == 4 else f"'{source}' should be hf:<dataset>:<split>:<text field>"
     path = (base_dir / source).resolve()
     if path.suffix not in (".txt", ".jsonl"):
         return f"'{source}' should be builtin:..., hf:..., or a .txt/.jsonl file"
-    if not path.is_file():
-        return f"no such file: {path}"
-    return None
+    return None if path.is_file() else f"no such file: {path}"
 
 
 def load_texts(source: str, base_dir: Path) -> list[str]:

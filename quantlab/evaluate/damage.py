@@ -1,41 +1,23 @@
-"""Quantization damage against the baseline, as pure statistics over already computed numbers.
-
-Token level (one value per scored corpus token, computed by :mod:`quantlab.evaluate.reference`):
-perplexity, and the statistics ``llama-perplexity --kl-divergence`` reports for
-KL(P_baseline || Q_variant): mean with its standard error, median, p90, p95, p99, p99.9 and max
-(percentiles interpolate linearly between order statistics, as llama.cpp and numpy's default do),
-the share of tokens whose top-1 prediction matches the baseline's, the change in probability of
-the correct token ``Δp = p_variant - p_baseline`` (mean and RMS, as fractions, not percent) and
-``ln(PPL(variant) / PPL(baseline))``.
-
-Answer level (one value per lm-eval sample): flips between correct and wrong, the exact McNemar
-test on the discordant pairs (:func:`quantlab.paired.mcnemar_exact_p`), and recovery
-``variant metric / baseline metric``. The paired difference, its interval and test for every
-score shape live in :mod:`quantlab.paired`.
-
-The baseline compared to itself goes through the same functions and yields the same keys
-(KL 0, agreement 1, no flips, recovery 1), so every run can be compared column by column.
-"""
+"""Quantization damage against the baseline, as pure statistics over already computed numbers:
+token level (perplexity, KL divergence as ``llama-perplexity --kl-divergence`` reports it, top-1
+agreement, Δp) and answer level (flips with the exact McNemar test, recovery). The baseline
+compared with itself yields the same keys (KL 0, agreement 1, no flips, recovery 1)."""
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from quantlab.paired import (
-    mcnemar_exact_p,  # the one exact McNemar test (re-exported here)
-)
-
-QUALITY = "quality"
+from quantlab.paired import mcnemar_exact_p  # re-exported: the one exact McNemar test
 
 
 def perplexity(nll: np.ndarray) -> float:
     """exp of the mean negative log-likelihood (natural log) of the scored tokens."""
-    nll = _as_1d_float64(nll, "nll")
-    return math.exp(float(nll.mean()))
+    return math.exp(float(_as_1d_float64(nll, "nll").mean()))
 
 
 @dataclass(frozen=True)
@@ -53,22 +35,14 @@ class KldStats:
 
 
 def kld_stats(per_token_kld: np.ndarray) -> KldStats:
-    """Summary of per-token KL values; the standard error uses the sample deviation (ddof=1)."""
+    """Summary of per-token KL values; the standard error uses the sample deviation (ddof=1).
+    Percentiles interpolate linearly between order statistics, as llama.cpp and numpy do."""
     kld = _as_1d_float64(per_token_kld, "per_token_kld")
-    median, p90, p95, p99, p999 = np.percentile(kld, [50.0, 90.0, 95.0, 99.0, 99.9])
+    percentiles = np.percentile(kld, [50.0, 90.0, 95.0, 99.0, 99.9])
     # One token has no spread to estimate; 0 keeps the column numeric (and is exact for the
     # baseline, whose KL is identically 0).
     stderr = float(kld.std(ddof=1) / math.sqrt(kld.size)) if kld.size > 1 else 0.0
-    return KldStats(
-        mean=float(kld.mean()),
-        mean_stderr=stderr,
-        median=float(median),
-        p90=float(p90),
-        p95=float(p95),
-        p99=float(p99),
-        p999=float(p999),
-        max=float(kld.max()),
-    )
+    return KldStats(float(kld.mean()), stderr, *map(float, percentiles), float(kld.max()))
 
 
 @dataclass(frozen=True)
@@ -85,27 +59,20 @@ class TokenDamage:
     baseline_ppl: float
     kld: KldStats
     top1_agreement: float
-    delta_p_mean: float
+    delta_p_mean: float  # Δp = p_variant - p_baseline of the correct token, as a fraction
     delta_p_rms: float
     ln_ppl_ratio: float
     kld_error_bound_mean: float = 0.0
 
     def to_metrics(self) -> dict[str, float]:
         return {
-            f"{QUALITY}/ppl": self.ppl,
-            f"{QUALITY}/ppl_tokens": float(self.ppl_tokens),
-            f"{QUALITY}/kld_mean": self.kld.mean,
-            f"{QUALITY}/kld_mean_stderr": self.kld.mean_stderr,
-            f"{QUALITY}/kld_median": self.kld.median,
-            f"{QUALITY}/kld_p90": self.kld.p90,
-            f"{QUALITY}/kld_p95": self.kld.p95,
-            f"{QUALITY}/kld_p99": self.kld.p99,
-            f"{QUALITY}/kld_p999": self.kld.p999,
-            f"{QUALITY}/kld_max": self.kld.max,
-            f"{QUALITY}/top1_agreement": self.top1_agreement,
-            f"{QUALITY}/delta_p_mean": self.delta_p_mean,
-            f"{QUALITY}/delta_p_rms": self.delta_p_rms,
-            f"{QUALITY}/ln_ppl_ratio": self.ln_ppl_ratio,
+            "quality/ppl": self.ppl,
+            "quality/ppl_tokens": float(self.ppl_tokens),
+            **{f"quality/kld_{name}": value for name, value in asdict(self.kld).items()},
+            "quality/top1_agreement": self.top1_agreement,
+            "quality/delta_p_mean": self.delta_p_mean,
+            "quality/delta_p_rms": self.delta_p_rms,
+            "quality/ln_ppl_ratio": self.ln_ppl_ratio,
         }
 
 
@@ -152,34 +119,22 @@ class FlipStats:
     mcnemar_p: float
 
     @property
-    def correct_to_wrong(self) -> int:
-        return len(self.correct_to_wrong_ids)
-
-    @property
-    def wrong_to_correct(self) -> int:
-        return len(self.wrong_to_correct_ids)
-
-    @property
-    def flips(self) -> int:
-        return self.correct_to_wrong + self.wrong_to_correct
-
-    @property
     def flipped_doc_ids(self) -> tuple[int | str, ...]:
         return tuple(sorted((*self.correct_to_wrong_ids, *self.wrong_to_correct_ids), key=_doc_id_order))
 
     def to_metrics(self) -> dict[str, float]:
-        return flip_metrics(self.task, self.correct_to_wrong, self.wrong_to_correct)
+        return flip_metrics(self.task, len(self.correct_to_wrong_ids), len(self.wrong_to_correct_ids))
 
 
 def flip_metrics(task: str, correct_to_wrong: int, wrong_to_correct: int) -> dict[str, float]:
     """quality/flips/<task> (both ways, and each way) and quality/mcnemar_p/<task>; for a group,
     give the sums over its leaves (its documents are theirs)."""
-    prefix = f"{QUALITY}/flips/{task}"
+    prefix = f"quality/flips/{task}"
     return {
         prefix: float(correct_to_wrong + wrong_to_correct),
         f"{prefix}/correct_to_wrong": float(correct_to_wrong),
         f"{prefix}/wrong_to_correct": float(wrong_to_correct),
-        f"{QUALITY}/mcnemar_p/{task}": mcnemar_exact_p(correct_to_wrong, wrong_to_correct),
+        f"quality/mcnemar_p/{task}": mcnemar_exact_p(correct_to_wrong, wrong_to_correct),
     }
 
 
@@ -200,24 +155,19 @@ def paired_flips(
             f"task {task!r}: baseline and variant scored different samples "
             f"({only_base} only in baseline, {only_variant} only in variant)"
         )
-    counts = {(True, True): 0, (False, False): 0}
-    correct_to_wrong: list[int | str] = []
-    wrong_to_correct: list[int | str] = []
-    for doc_id in sorted(baseline, key=_doc_id_order):
-        was = _is_correct(task, doc_id, baseline[doc_id])
-        now = _is_correct(task, doc_id, variant[doc_id])
-        if was == now:
-            counts[(was, now)] += 1
-        elif was:
-            correct_to_wrong.append(doc_id)
-        else:
-            wrong_to_correct.append(doc_id)
+    pairs = {
+        doc_id: (_is_correct(task, doc_id, baseline[doc_id]), _is_correct(task, doc_id, variant[doc_id]))
+        for doc_id in sorted(baseline, key=_doc_id_order)
+    }
+    correct_to_wrong = tuple(doc_id for doc_id, pair in pairs.items() if pair == (True, False))
+    wrong_to_correct = tuple(doc_id for doc_id, pair in pairs.items() if pair == (False, True))
+    counts = Counter(pairs.values())
     return FlipStats(
         task=task,
-        both_correct=counts[(True, True)],
-        both_wrong=counts[(False, False)],
-        correct_to_wrong_ids=tuple(correct_to_wrong),
-        wrong_to_correct_ids=tuple(wrong_to_correct),
+        both_correct=counts[True, True],
+        both_wrong=counts[False, False],
+        correct_to_wrong_ids=correct_to_wrong,
+        wrong_to_correct_ids=wrong_to_correct,
         mcnemar_p=mcnemar_exact_p(len(correct_to_wrong), len(wrong_to_correct)),
     )
 
@@ -235,7 +185,7 @@ class Recovery:
     ratios: Mapping[str, float]
 
     def to_metrics(self) -> dict[str, float]:
-        return {f"{QUALITY}/recovery/{self.task}/{metric}": ratio for metric, ratio in self.ratios.items()}
+        return {f"quality/recovery/{self.task}/{metric}": ratio for metric, ratio in self.ratios.items()}
 
 
 def recovery(task: str, baseline: Mapping[str, float], variant: Mapping[str, float]) -> Recovery:
@@ -243,16 +193,14 @@ def recovery(task: str, baseline: Mapping[str, float], variant: Mapping[str, flo
 
     Standard errors (``*_stderr``) are not metrics to recover and are skipped.
     """
-    ratios: dict[str, float] = {}
-    for metric in sorted(baseline.keys() & variant.keys()):
-        if metric.endswith("_stderr"):
-            continue
-        base, var = float(baseline[metric]), float(variant[metric])
-        if base == 0.0:
-            ratios[metric] = 1.0 if var == 0.0 else math.nan
-        else:
-            ratios[metric] = var / base
-    return Recovery(task=task, ratios=ratios)
+    shared = sorted(metric for metric in baseline.keys() & variant.keys() if not metric.endswith("_stderr"))
+    return Recovery(task, {metric: _ratio(float(baseline[metric]), float(variant[metric])) for metric in shared})
+
+
+def _ratio(base: float, var: float) -> float:
+    if base == 0.0:
+        return 1.0 if var == 0.0 else math.nan
+    return var / base
 
 
 def _is_correct(task: str, doc_id: int | str, value: float) -> bool:

@@ -1,57 +1,7 @@
-"""The baseline's forward pass over the perplexity corpus, stored once per sweep, and every
-variant's comparison against it (perplexity, KL divergence, top-1 agreement, Δp).
-
-The baseline variant's process calls :func:`write_reference`; each later variant, in its own
-process and possibly on another day, calls :func:`compare_to_reference` on the directory. Two
-models are never loaded at once. The baseline's own row comes from :func:`baseline_damage`
-(stored values compared with themselves: KL 0, agreement 1) without a second forward pass.
-
-Windows
-    The corpus is scored in fixed windows of ``window`` tokens started every ``stride`` tokens
-    (non-overlapping by default: ``stride = window``). Every token from the second on is scored
-    at most once, predicted from the tokens before it inside its window: the first window
-    scores all its ``window - 1`` predictions; each later window scores only the tokens the
-    previous one did not reach, i.e. its last ``stride`` tokens (its last ``window - 1`` when
-    ``stride = window``, so the first token of each window is context only). With
-    ``stride < window`` every scored token therefore sees at least ``window - stride`` tokens of
-    context, at the price of ``window / stride`` times the compute. See :func:`scoring_windows`.
-
-Stored form (one directory, written aside and renamed into place when complete, so a partial
-reference is never read)::
-
-    reference.json      format, window, stride, token count, vocabulary, baseline perplexity
-    token_ids.npy       int32   [n_tokens]          the corpus: every variant scores these tokens
-    baseline_nll.npy    float32 [n_scored]          exact -ln p_baseline(correct token)
-    baseline_top1.npy   int32   [n_scored]          the baseline's float32 arg-max
-    logprobs.npy        float16 [n_scored, vocab]   baseline log-probabilities rounded to fp16
-
-Size bound: :func:`reference_bytes_bound` = ``2·n_scored·vocab + 4·n_tokens + 8·n_scored +
-4 KiB`` bytes on disk (``ReferenceInfo.bytes_on_disk`` is the measured size). For example a
-128k vocabulary over 4,096 scored tokens takes at most 1 GiB + 53 KiB; SmolLM2 (49,152) over 1,022
-scored tokens at most 96 MiB. Memory: the log-probabilities are written and read through a
-memory map in blocks of at most ``BLOCK_BYTES`` (4 MiB, or one row if a row is larger) of
-float32 rows, of which a comparison keeps about ten temporaries, so the bound beyond the model's
-own forward pass (its logits for the scored rows of one window) is about 40 MiB whatever the
-corpus length.
-
-Error bound: perplexity, Δp and top-1 agreement use exact float32 values. The KL divergence is
-computed between the two distributions at the stored precision, KL(P̃ || Q̃) with
-P̃ = softmax(fp16(log P)) and Q̃ = softmax(fp16(log Q)), so a deterministic model compared with
-itself gives exactly 0. fp16 rounding moves each stored log-probability ``l`` by at most
-``u·|l|`` (u = 2^-11; 2^-25 below fp16's normal range); renormalising adds the shift
-``c = logsumexp(l̃)``. With ``d_i = u/(1-u)·|l̃_i| + 2^-25 + |c|`` and the variant's exact
-float32 log-probabilities ``m``, per token::
-
-    |KL(P̃||Q̃) - KL(P||Q)| <= Σ P̃·expm1(d)·(|ln P̃ - m| + d) + Σ P̃·e^d·expm1(d)²
-                              + |Σ P̃·(ln Q̃ - m)| + float32 summation slack
-
-(first term: P̃ vs P weights, second: KL(P̃||P) <= χ², third: the variant's own rounding,
-known exactly). :func:`stored_kld` returns this bound with every KL; ``TokenDamage.
-kld_error_bound_mean`` is its mean over tokens, a bound on the error of ``kld_mean``. Its
-dominant term is ``u·E_P̃[|ln P̃|·|ln P̃ - ln Q|]``, which grows like the square root of the KL,
-so it is relatively largest for the mildest variants. Measured on SmolLM2-135M over 1,022
-tokens: a variant with mean KL 0.0123 had a mean bound of 2.2e-4 (actual mean error 1.7e-5);
-one with mean KL 0.0011 (BF16 weights) a mean bound of 8e-5.
+"""The baseline's forward pass over the perplexity corpus, stored once per sweep, and every variant's
+comparison against it, in the variant's own process (two models are never loaded at once): perplexity,
+KL divergence, top-1 agreement, Δp. Size on disk: at most :func:`reference_bytes_bound`, e.g. a 128k
+vocabulary over 4,096 scored tokens takes at most 1 GiB + 53 KiB.
 """
 
 from __future__ import annotations
@@ -76,15 +26,15 @@ TOKENS_FILE = "token_ids.npy"
 NLL_FILE = "baseline_nll.npy"
 TOP1_FILE = "baseline_top1.npy"
 LOGPROBS_FILE = "logprobs.npy"
+_INFO_FIELDS = ("window", "stride", "n_tokens", "n_scored", "vocab_size", "baseline_ppl", "baseline_model")
 
+# Largest float32 block of log-probability rows processed at once (about ten temporaries of it live,
+# so ~40 MiB beyond the model's own logits whatever the corpus length). Small on purpose: on CPU,
+# temporaries above glibc's mmap threshold are page-faulted afresh each time (4 MiB blocks compared
+# SmolLM2's 1,020 rows in 0.4 s on 2 cores, 32 MiB blocks in 0.6 to 3.6 s).
 BLOCK_BYTES = 4 * 2**20
-"""Largest float32 block of log-probability rows processed at once. Small on purpose: on CPU,
-temporaries above glibc's mmap threshold (at most 32 MiB) are page-faulted afresh each time; on a
-shared 2-core machine 4 MiB blocks compared 1,020 rows of SmolLM2's vocabulary in about 0.4 s,
-32 MiB blocks in 0.6 to 3.6 s over repeated runs."""
 
-FP16_LOWEST = float(torch.finfo(torch.float16).min)
-"""Stored log-probabilities are clamped here (-65504): below it a probability is 0 in float32."""
+FP16_LOWEST = float(torch.finfo(torch.float16).min)  # stored log-probabilities are clamped here (-65504)
 FP16_UNIT_ROUNDOFF = 2.0**-11
 FP16_SUBNORMAL_ERROR = 2.0**-25
 _FIXED_OVERHEAD_BYTES = 4096  # four .npy headers (128 bytes each) and reference.json
@@ -107,7 +57,10 @@ class Window:
 
 
 def scoring_windows(n_tokens: int, window: int, stride: int) -> tuple[Window, ...]:
-    """The windows covering ``n_tokens`` tokens; see the module docstring for the rule."""
+    """Windows of ``window`` tokens started every ``stride`` tokens. Every token from the second on is
+    scored once, predicted from the tokens before it in its window: the first window scores all it
+    can, each later one the tokens the previous one did not reach (its last ``stride``), so with
+    ``stride < window`` every scored token sees at least ``window - stride`` tokens of context."""
     if window < 2:
         raise ValueError(f"window must be at least 2 tokens, got {window}")
     if not 1 <= stride <= window:
@@ -173,40 +126,44 @@ def write_reference(
     stride: int | None = None,
     progress: Progress | None = None,
 ) -> ReferenceInfo:
-    """Run the baseline over ``token_ids`` and store what comparisons need in ``out_dir``.
+    """Run the baseline over ``token_ids`` and store what comparisons need in ``out_dir``: the
+    corpus (``token_ids.npy``, int32), and per scored token the baseline's exact NLL
+    (``baseline_nll.npy``, float32), float32 arg-max (``baseline_top1.npy``, int32) and
+    log-probabilities rounded to fp16 (``logprobs.npy``, ``[n_scored, vocab]``), then
+    ``reference.json``. The directory is written aside and renamed into place when complete.
 
     ``stride`` defaults to ``window`` (non-overlapping). An existing reference at ``out_dir`` is
     replaced; any other existing non-empty path is refused. ``model`` is a Hugging Face causal
     LM (it takes ``logits_to_keep``), on any device; it runs in eval mode, its mode restored after.
     """
-    token_ids = _token_vector(token_ids)
+    token_ids = torch.as_tensor(token_ids, dtype=torch.int64).cpu()
+    if token_ids.dim() != 1:
+        raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
     stride = window if stride is None else stride
     windows = scoring_windows(len(token_ids), window, stride)
     n_scored = sum(w.n_scored for w in windows)
     out_dir = Path(out_dir)
-    _refuse_foreign(out_dir)
+    # Replacing means deleting: only ever delete something that is recognisably a reference.
+    if out_dir.exists() and not (out_dir / INFO_FILE).is_file() and (out_dir.is_file() or any(out_dir.iterdir())):
+        raise FileExistsError(f"{out_dir} exists and is not a baseline reference; refusing to replace it")
     with cache.atomic_directory(out_dir, replace_existing=True) as staging:
         np.save(staging / TOKENS_FILE, token_ids.numpy().astype(np.int32))
         nll = np.empty(n_scored, dtype=np.float32)
         top1 = np.empty(n_scored, dtype=np.int32)
         logprobs: np.memmap | None = None
-        row = 0
-        for targets, block in _logprob_blocks(model, token_ids, windows, progress):
+        for rows, block, block_nll, block_top1 in _logprob_blocks(model, token_ids, windows, progress):
             if logprobs is None:
-                logprobs = np.lib.format.open_memmap(
-                    staging / LOGPROBS_FILE, mode="w+", dtype=np.float16, shape=(n_scored, block.shape[-1])
-                )
-            rows = slice(row, row + len(targets))
-            nll[rows] = _nll(block, targets).cpu().numpy()
-            top1[rows] = block.argmax(-1).cpu().numpy()
+                shape = (n_scored, block.shape[-1])
+                logprobs = np.lib.format.open_memmap(staging / LOGPROBS_FILE, mode="w+", dtype=np.float16, shape=shape)
             logprobs[rows] = encode_logprobs(block).cpu().numpy()
-            row = rows.stop
-        assert logprobs is not None and row == n_scored
+            nll[rows], top1[rows] = block_nll, block_top1
+        assert logprobs is not None
         vocab_size = int(logprobs.shape[1])
         logprobs.flush()
         del logprobs  # close the map before the directory moves
         np.save(staging / NLL_FILE, nll)
         np.save(staging / TOP1_FILE, top1)
+        config = getattr(model, "config", None)
         info = {
             "format": FORMAT,
             "window": window,
@@ -215,7 +172,7 @@ def write_reference(
             "n_scored": n_scored,
             "vocab_size": vocab_size,
             "baseline_ppl": perplexity(nll),
-            "baseline_model": _model_name(model)[:256],
+            "baseline_model": str(getattr(config, "_name_or_path", "") or type(model).__name__)[:256],
             "logprobs_dtype": "float16",
         }
         (staging / INFO_FILE).write_text(json.dumps(info, indent=1))
@@ -235,17 +192,8 @@ def read_reference(ref_dir: Path) -> ReferenceInfo:
     missing = [f.name for f in files if not f.is_file()]
     if missing:
         raise FileNotFoundError(f"{ref_dir}: incomplete reference, missing {missing}")
-    return ReferenceInfo(
-        path=ref_dir,
-        window=int(info["window"]),
-        stride=int(info["stride"]),
-        n_tokens=int(info["n_tokens"]),
-        n_scored=int(info["n_scored"]),
-        vocab_size=int(info["vocab_size"]),
-        baseline_ppl=float(info["baseline_ppl"]),
-        baseline_model=str(info["baseline_model"]),
-        bytes_on_disk=sum(f.stat().st_size for f in files),
-    )
+    fields = {name: info[name] for name in _INFO_FIELDS}
+    return ReferenceInfo(path=ref_dir, bytes_on_disk=sum(f.stat().st_size for f in files), **fields)
 
 
 @dataclass(frozen=True, eq=False)
@@ -262,35 +210,26 @@ class TokenComparison:
         return token_damage(self.kld, self.baseline_nll, self.variant_nll, self.top1_match, self.kld_error_bound)
 
     def documents(self) -> dict[str, DocumentScores]:
-        """The variant's per-token scores, for paired statistics against the baseline's
-        (`baseline_documents`) and between variants."""
-        return token_documents(self.variant_nll, self.kld, self.top1_match)
-
-
-def token_documents(nll: np.ndarray, kld: np.ndarray, top1_match: np.ndarray) -> dict[str, DocumentScores]:
-    """Per scored token, in the shapes `quantlab.paired` compares: perplexity as a weighted
-    perplexity of one token each (so the paired difference is the ratio of perplexities), KL
-    and top-1 agreement as means. Tokens are the paired units here; neighbouring tokens are
-    correlated, so these standard errors are on the small side (documents would be the honest
-    unit, and the quality corpus is one long text)."""
-    ones = {index: 1.0 for index in range(len(nll))}
-    return {
-        "quality/ppl": DocumentScores(
-            Aggregation.WEIGHTED_PERPLEXITY, dict(enumerate((-np.asarray(nll, dtype=np.float64)).tolist())), ones
-        ),
-        "quality/kld_mean": DocumentScores(
-            Aggregation.MEAN, dict(enumerate(np.asarray(kld, dtype=np.float64).tolist()))
-        ),
-        "quality/top1_agreement": DocumentScores(
-            Aggregation.MEAN, dict(enumerate(np.asarray(top1_match, dtype=np.float64).tolist()))
-        ),
-    }
+        """The variant's per-token scores in the shapes `quantlab.paired` compares: perplexity as a
+        weighted perplexity of one token each (so the paired difference is the ratio of perplexities),
+        KL and top-1 agreement as means. Neighbouring tokens are correlated, so these standard errors
+        are on the small side (documents would be the honest unit; the corpus is one long text)."""
+        ones = dict.fromkeys(range(len(self.variant_nll)), 1.0)
+        return {
+            "quality/ppl": DocumentScores(Aggregation.WEIGHTED_PERPLEXITY, _per_token(-self.variant_nll), ones),
+            "quality/kld_mean": DocumentScores(Aggregation.MEAN, _per_token(self.kld)),
+            "quality/top1_agreement": DocumentScores(Aggregation.MEAN, _per_token(self.top1_match)),
+        }
 
 
 def baseline_documents(ref_dir: Path) -> dict[str, DocumentScores]:
     """The baseline's per-token scores: its own NLL, no KL from itself, always its own top-1."""
-    nll = np.load(read_reference(ref_dir).path / NLL_FILE)
-    return token_documents(nll, np.zeros_like(nll), np.ones(nll.shape, dtype=bool))
+    return _self_comparison(ref_dir).documents()
+
+
+def baseline_damage(ref_dir: Path) -> TokenDamage:
+    """The baseline's own row: its stored values compared with themselves (no forward pass)."""
+    return _self_comparison(ref_dir).damage()
 
 
 def compare_tokens(model: torch.nn.Module, ref_dir: Path, progress: Progress | None = None) -> TokenComparison:
@@ -300,41 +239,22 @@ def compare_tokens(model: torch.nn.Module, ref_dir: Path, progress: Progress | N
     windows = scoring_windows(info.n_tokens, info.window, info.stride)
     stored = np.load(info.path / LOGPROBS_FILE, mmap_mode="r")
     baseline_top1 = np.load(info.path / TOP1_FILE)
-    kld = np.empty(info.n_scored, dtype=np.float32)
-    bound = np.empty(info.n_scored, dtype=np.float32)
-    variant_nll = np.empty(info.n_scored, dtype=np.float32)
+    kld, bound, variant_nll = (np.empty(info.n_scored, dtype=np.float32) for _ in range(3))
     top1_match = np.empty(info.n_scored, dtype=bool)
     # Checked before the first forward pass too: a smaller embedding fails on the corpus' ids.
     _check_vocab(getattr(getattr(model, "config", None), "vocab_size", None), info)
-    row = 0
-    for targets, block in _logprob_blocks(model, token_ids, windows, progress):
+    for rows, block, block_nll, block_top1 in _logprob_blocks(model, token_ids, windows, progress):
         _check_vocab(block.shape[-1], info)
-        rows = slice(row, row + len(targets))
-        reference = torch.from_numpy(np.array(stored[rows])).to(block.device)
-        block_kld, block_bound = stored_kld(reference, block)
-        kld[rows] = block_kld.cpu().numpy()
-        bound[rows] = block_bound.cpu().numpy()
-        variant_nll[rows] = _nll(block, targets).cpu().numpy()
-        top1_match[rows] = block.argmax(-1).cpu().numpy() == baseline_top1[rows]
-        row = rows.stop
-    return TokenComparison(
-        kld=kld,
-        kld_error_bound=bound,
-        baseline_nll=np.load(info.path / NLL_FILE),
-        variant_nll=variant_nll,
-        top1_match=top1_match,
-    )
+        block_kld, block_bound = stored_kld(torch.from_numpy(np.array(stored[rows])).to(block.device), block)
+        kld[rows], bound[rows] = block_kld.cpu().numpy(), block_bound.cpu().numpy()
+        variant_nll[rows] = block_nll
+        top1_match[rows] = block_top1 == baseline_top1[rows]
+    return TokenComparison(kld, bound, np.load(info.path / NLL_FILE), variant_nll, top1_match)
 
 
 def compare_to_reference(model: torch.nn.Module, ref_dir: Path, progress: Progress | None = None) -> TokenDamage:
     """Token-level damage of ``model`` against the stored baseline."""
     return compare_tokens(model, ref_dir, progress).damage()
-
-
-def baseline_damage(ref_dir: Path) -> TokenDamage:
-    """The baseline's own row: its stored values compared with themselves (no forward pass)."""
-    nll = np.load(read_reference(ref_dir).path / NLL_FILE)
-    return token_damage(np.zeros_like(nll), nll, nll, np.ones(nll.shape, dtype=bool))
 
 
 def encode_logprobs(logprobs: torch.Tensor) -> torch.Tensor:
@@ -343,10 +263,20 @@ def encode_logprobs(logprobs: torch.Tensor) -> torch.Tensor:
 
 
 def stored_kld(reference: torch.Tensor, variant_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row KL(P̃ || Q̃) and its error bound against the exact KL (module docstring).
+    """Per-row KL(P̃ || Q̃) between the two distributions at the stored precision, P̃ = softmax(fp16(log P))
+    and Q̃ = softmax(fp16(log Q)) (so a deterministic model compared with itself gives exactly 0), and a
+    bound on its distance from the exact KL(P || Q).
 
-    ``reference``: stored fp16 baseline log-probabilities ``[rows, vocab]``;
-    ``variant_logprobs``: the variant's float32 log-probabilities, same shape.
+    ``reference``: stored fp16 baseline log-probabilities ``[rows, vocab]``; ``variant_logprobs``: the
+    variant's float32 log-probabilities ``m``, same shape. fp16 rounding moves each stored ``l`` by at
+    most ``u·|l|`` (u = 2^-11; 2^-25 below fp16's normal range) and renormalising adds the shift
+    ``c = logsumexp(l̃)``; with ``d = u/(1-u)·|l̃| + 2^-25 + |c|``, per row::
+
+        |KL(P̃||Q̃) - KL(P||Q)| <= Σ P̃·expm1(d)·(|ln P̃ - m| + d) + Σ P̃·e^d·expm1(d)²
+                                  + |Σ P̃·(ln Q̃ - m)| + float32 summation slack
+
+    (P̃ vs P weights; KL(P̃||P) <= χ²; the variant's own rounding, known exactly). The dominant term,
+    ``u·E_P̃[|ln P̃|·|ln P̃ - ln Q|]``, grows like √KL: the bound is relatively largest for mild variants.
     """
     stored = reference.float()
     exact_variant = variant_logprobs.float().clamp_min(FP16_LOWEST)
@@ -354,8 +284,8 @@ def stored_kld(reference: torch.Tensor, variant_logprobs: torch.Tensor) -> tuple
     log_q, _, _ = _renormalized(encode_logprobs(exact_variant).float())
     kld = torch.linalg.vecdot(p, log_p - log_q)
 
-    # Per entry, ``rounding`` is the docstring's d and ``distance`` is |ln P̃ - m|. The first two
-    # terms are summed as one, P̃·expm1(d)·(distance + d + expm1(d)² + expm1(d)), as e^d = 1 + expm1(d).
+    # Per entry, ``rounding`` is d and ``distance`` is |ln P̃ - m|. The first two terms are summed
+    # as one, P̃·expm1(d)·(distance + d + expm1(d)² + expm1(d)), as e^d = 1 + expm1(d).
     distance = (log_p - exact_variant).abs_()
     rounding = stored.abs().mul_(FP16_UNIT_ROUNDOFF / (1 - FP16_UNIT_ROUNDOFF))
     rounding.add_(FP16_SUBNORMAL_ERROR + shift.abs())
@@ -371,9 +301,7 @@ def stored_kld(reference: torch.Tensor, variant_logprobs: torch.Tensor) -> tuple
 
 def _renormalized(logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log-probabilities, probabilities, shift) after making rounded log-probabilities sum to 1.
-
-    Plain exp is safe here, unlike for logits: rounded log-probabilities are at most ~0.
-    """
+    Plain exp is safe here, unlike for logits: rounded log-probabilities are at most ~0."""
     probs = logprobs.exp()
     total = probs.sum(-1, keepdim=True)
     shift = total.log()
@@ -385,9 +313,10 @@ def _logprob_blocks(
     token_ids: torch.Tensor,
     windows: Sequence[Window],
     progress: Progress | None,
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(targets, float32 log-probabilities) for the scored rows, window by window, in blocks."""
-    device = _device_of(model)
+) -> Iterator[tuple[slice, torch.Tensor, np.ndarray, np.ndarray]]:
+    """(rows among all scored tokens, float32 log-probabilities, NLL of the targets, arg-max) for
+    the scored rows, window by window, in blocks of at most ``BLOCK_BYTES``."""
+    device = next(model.parameters()).device
     total = sum(w.n_scored for w in windows)
     done = 0
     was_training = model.training
@@ -403,13 +332,21 @@ def _logprob_blocks(
                 targets = ids[0, w.score_from - w.start :]
                 rows_per_block = max(1, BLOCK_BYTES // (4 * logits.shape[-1]))
                 for first in range(0, w.n_scored, rows_per_block):
-                    rows = slice(first, first + rows_per_block)
-                    yield targets[rows], logits[rows].float().log_softmax(-1)
+                    rows = slice(first, min(first + rows_per_block, w.n_scored))
+                    block = logits[rows].float().log_softmax(-1)
+                    nll = -block.gather(-1, targets[rows, None])[:, 0]
+                    scored = slice(done + rows.start, done + rows.stop)
+                    yield scored, block, nll.cpu().numpy(), block.argmax(-1).cpu().numpy()
                 done += w.n_scored
                 if progress is not None:
                     progress(done, total)
     finally:
         model.train(was_training)
+
+
+def _self_comparison(ref_dir: Path) -> TokenComparison:
+    nll = np.load(read_reference(ref_dir).path / NLL_FILE)
+    return TokenComparison(np.zeros_like(nll), np.zeros_like(nll), nll, nll, np.ones(nll.shape, dtype=bool))
 
 
 def _check_vocab(model_vocab: int | None, info: ReferenceInfo) -> None:
@@ -420,28 +357,5 @@ def _check_vocab(model_vocab: int | None, info: ReferenceInfo) -> None:
         )
 
 
-def _nll(logprobs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return -logprobs.gather(-1, targets[:, None])[:, 0]
-
-
-def _token_vector(token_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
-    ids = torch.as_tensor(token_ids, dtype=torch.int64).cpu()
-    if ids.dim() != 1:
-        raise ValueError(f"token_ids must be 1-D, got shape {tuple(ids.shape)}")
-    return ids
-
-
-def _refuse_foreign(out_dir: Path) -> None:
-    # Replacing means deleting: only ever delete something that is recognisably a reference.
-    if out_dir.exists() and not (out_dir / INFO_FILE).is_file() and (out_dir.is_file() or any(out_dir.iterdir())):
-        raise FileExistsError(f"{out_dir} exists and is not a baseline reference; refusing to replace it")
-
-
-def _device_of(model: torch.nn.Module) -> torch.device:
-    device = getattr(model, "device", None)
-    return device if isinstance(device, torch.device) else next(model.parameters()).device
-
-
-def _model_name(model: torch.nn.Module) -> str:
-    config = getattr(model, "config", None)
-    return str(getattr(config, "_name_or_path", "") or type(model).__name__)
+def _per_token(values: np.ndarray) -> dict[int, float]:
+    return dict(enumerate(np.asarray(values, dtype=np.float64).tolist()))
