@@ -1,22 +1,7 @@
 """The metric contract: every metric key quantlab logs, with its direction, scale and meaning.
 
-Frontier, report, `pick` and the registry read directions and scales from here; nothing guesses
-from a name. Keys come in three families:
-
-- Fixed keys (``quality/ppl``, ``cost/weight_bytes``, ...) and templated ones
-  (``quality/flips/<task>``, ``cost/<figure>_bs<N>``, ``time/<stage>_seconds``) declared below.
-- lm-eval scores, ``eval/<task>/<metric>[:<filter>]``: lm-eval's own ``metric,filter`` with the
-  comma written as a colon (MLflow keys allow no comma) and the filter ``none`` left out, so
-  ``exact_match,strict-match`` of gsm8k is ``eval/gsm8k/exact_match:strict-match`` and
-  ``acc,none`` of arc_easy is ``eval/arc_easy/acc``. Standard errors put ``_stderr`` after the
-  metric, as lm-eval does: ``eval/gsm8k/exact_match_stderr:strict-match``. Their direction is
-  lm-eval's ``higher_is_better`` for that task and metric, recorded by the sweep with the run
-  (see `Declared`); their scale is what the scores were (0-1 fractions, perplexities, bits).
-- Paired comparisons with the baseline, ``quality/paired/<quality metric key>/<statistic>``
-  (see `PAIRED_STATISTICS`), e.g. ``quality/paired/eval/gsm8k/exact_match:strict-match/ci95_low``.
-
-A key with no entry, or an lm-eval score whose direction was not recorded, gets direction None:
-callers name it ("direction unknown") instead of dropping it.
+Frontier, report, `pick` and the registry read directions and scales from here; nothing guesses from a name.
+A key with no entry, or an lm-eval score whose direction was not recorded, gets direction None: callers name it.
 """
 
 from __future__ import annotations
@@ -71,13 +56,13 @@ class Declared:
     scale: Scale
 
 
-# --------------------------------------------------------------------------------------
-# lm-eval keys: a documented, reversible spelling of (task, metric, filter)
-# --------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class EvalKey:
+    """An lm-eval score, ``eval/<task>/<metric>[:<filter>]``: lm-eval's ``metric,filter`` with a colon
+    (MLflow keys allow no comma) and the filter ``none`` left out; stderr as lm-eval spells it,
+    ``eval/gsm8k/exact_match_stderr:strict-match``. Its direction is lm-eval's `higher_is_better`,
+    recorded with the run (see `Declared`)."""
+
     task: str
     metric: str
     filter: str = NO_FILTER
@@ -104,12 +89,10 @@ class EvalKey:
         if not key.startswith(EVAL_PREFIX):
             return None
         task, slash, last = key[len(EVAL_PREFIX) :].rpartition("/")
-        if not slash or not task or not last:
-            return None
         metric, _, filter_name = last.partition(":")
         stderr = metric.endswith(STDERR_SUFFIX)
-        metric = metric[: -len(STDERR_SUFFIX)] if stderr else metric
-        if not metric:
+        metric = metric.removesuffix(STDERR_SUFFIX)
+        if not slash or not task or not metric:
             return None
         return cls(task, metric, filter_name or NO_FILTER, stderr)
 
@@ -124,10 +107,7 @@ def is_eval_score(key: str) -> bool:
     return parsed is not None and not parsed.stderr
 
 
-# --------------------------------------------------------------------------------------
-# Paired comparisons with the baseline
-# --------------------------------------------------------------------------------------
-
+# Paired comparisons with the baseline: quality/paired/<quality metric key>/<statistic>.
 # statistic -> (scale relative to the metric: None = the metric's own, meaning)
 PAIRED_STATISTICS: dict[str, tuple[Scale | None, str]] = {
     "diff": (None, "variant minus baseline, over the documents (or tokens) both scored"),
@@ -161,25 +141,11 @@ def parse_paired_key(key: str) -> tuple[str, str] | None:
     return metric_key, statistic
 
 
-# --------------------------------------------------------------------------------------
-# Fixed and templated keys
-# --------------------------------------------------------------------------------------
-
+# key: (higher_is_better, scale, label, meaning)
 _FIXED: dict[str, tuple[bool | None, Scale, str, str]] = {
-    # key: (higher_is_better, scale, label, meaning)
     "quality/ppl": (False, Scale.PERPLEXITY, "perplexity", "token perplexity on the quality corpus"),
-    "quality/ppl_tokens": (
-        None,
-        Scale.COUNT,
-        "scored tokens",
-        "tokens scored for quality/ppl (a count, not a quality)",
-    ),
-    "quality/kld_mean": (
-        False,
-        Scale.NATS,
-        "mean KL divergence",
-        "mean per-token KL(baseline || variant) on the quality corpus",
-    ),
+    "quality/ppl_tokens": (None, Scale.COUNT, "scored tokens", "tokens scored for quality/ppl: a count, not a quality"),
+    "quality/kld_mean": (False, Scale.NATS, "mean KL divergence", "mean per-token KL(baseline || variant)"),
     "quality/kld_mean_stderr": (None, Scale.NATS, "mean KL stderr", "standard error of quality/kld_mean over tokens"),
     "quality/kld_median": (False, Scale.NATS, "median KL divergence", "median per-token KL"),
     "quality/kld_p90": (False, Scale.NATS, "p90 KL divergence", "90th percentile of per-token KL"),
@@ -187,17 +153,13 @@ _FIXED: dict[str, tuple[bool | None, Scale, str, str]] = {
     "quality/kld_p99": (False, Scale.NATS, "p99 KL divergence", "99th percentile of per-token KL"),
     "quality/kld_p999": (False, Scale.NATS, "p99.9 KL divergence", "99.9th percentile of per-token KL"),
     "quality/kld_max": (False, Scale.NATS, "max KL divergence", "largest per-token KL"),
-    "quality/top1_agreement": (
-        True,
-        Scale.FRACTION,
-        "top-1 agreement",
-        "share of tokens whose top-1 prediction matches the baseline's",
-    ),
+    "quality/top1_agreement": (True, Scale.FRACTION, "top-1 agreement", "tokens whose top-1 matches the baseline's"),
+    # Signed: its sign says which way p(correct) moved, not how much, so it has no better direction.
     "quality/delta_p_mean": (
         None,
         Scale.FRACTION,
         "mean change in p(correct)",
-        "mean of p_variant - p_baseline of the correct token (sign says direction, not size)",
+        "mean of p_variant - p_baseline of the correct token",
     ),
     "quality/delta_p_rms": (
         False,
@@ -205,49 +167,19 @@ _FIXED: dict[str, tuple[bool | None, Scale, str, str]] = {
         "RMS change in p(correct)",
         "root mean square of p_variant - p_baseline of the correct token",
     ),
-    "quality/ln_ppl_ratio": (
-        False,
-        Scale.NATS,
-        "ln(PPL ratio)",
-        "ln(ppl variant / ppl baseline): difference of mean token NLLs",
-    ),
+    "quality/ln_ppl_ratio": (False, Scale.NATS, "ln(PPL ratio)", "difference of mean token NLLs"),
     "cost/weight_bytes": (False, Scale.BYTES, "weight size", "*.safetensors files of the checkpoint on disk"),
-    "cost/weight_bytes_in_memory": (
-        False,
-        Scale.BYTES,
-        "weights in memory",
-        "tensor payload of the checkpoint in its stored format",
-    ),
+    "cost/weight_bytes_in_memory": (False, Scale.BYTES, "weights in memory", "tensor payload in its stored format"),
     "cost/loaded_weight_bytes": (
         False,
         Scale.BYTES,
         "weights as loaded here",
         "parameters as loaded by the measuring engine",
     ),
-    "cost/peak_memory_bytes": (
-        False,
-        Scale.BYTES,
-        "peak memory",
-        "peak memory while measuring (device memory on GPU, RSS on CPU)",
-    ),
-    "cost/peak_device_memory_bytes": (
-        False,
-        Scale.BYTES,
-        "peak device memory",
-        "peak accelerator memory while measuring",
-    ),
-    "cost/process_peak_rss_bytes": (
-        False,
-        Scale.BYTES,
-        "process peak RSS",
-        "peak resident memory of the variant's process",
-    ),
-    "cost/measured_bandwidth_bytes_per_s": (
-        None,
-        Scale.SCORE,
-        "measured copy bandwidth",
-        "memory copy bandwidth probed on this machine (a property of the machine)",
-    ),
+    "cost/peak_memory_bytes": (False, Scale.BYTES, "peak memory", "while measuring: device memory on GPU, RSS on CPU"),
+    "cost/peak_device_memory_bytes": (False, Scale.BYTES, "peak device memory", "accelerator memory, while measuring"),
+    "cost/process_peak_rss_bytes": (False, Scale.BYTES, "process peak RSS", "of the variant's process"),
+    "cost/measured_bandwidth_bytes_per_s": (None, Scale.SCORE, "measured copy bandwidth", "a property of the machine"),
     "cost/bits_per_weight": (False, Scale.BITS, "bits per weight", "stored bits per decoder-block linear weight"),
     "cost/bits_per_parameter": (False, Scale.BITS, "bits per parameter", "stored bits per parameter"),
     "cost/parameter_count": (None, Scale.COUNT, "parameters", "parameters of the model (a size, not a cost)"),
@@ -270,14 +202,39 @@ _FIXED: dict[str, tuple[bool | None, Scale, str, str]] = {
         "serving decode on target (modeled)",
         "modeled batched decode rate on the target",
     ),
-    "cost/usd_per_million_output_tokens": (
-        False,
-        Scale.USD,
-        "USD per million output tokens",
-        "modeled price of a million output tokens on the target",
-    ),
+    "cost/usd_per_million_output_tokens": (False, Scale.USD, "USD per million output tokens", "modeled, on the target"),
     "cost/load_seconds": (False, Scale.SECONDS, "load time", "seconds to load the checkpoint"),
 }
+
+# Templated keys: each <name> is one path segment, filled into the label.
+_TEMPLATES: dict[str, tuple[bool | None, Scale, str, str]] = {
+    "quality/flips/<task>": (
+        False,
+        Scale.COUNT,
+        "{task} answer flips",
+        "documents whose 0/1 score differs from the baseline's (a group: sum of its leaves)",
+    ),
+    "quality/flips/<task>/correct_to_wrong": (
+        False,
+        Scale.COUNT,
+        "{task} right-to-wrong flips",
+        "documents right for the baseline, wrong for the variant",
+    ),
+    "quality/flips/<task>/wrong_to_correct": (
+        True,
+        Scale.COUNT,
+        "{task} wrong-to-right flips",
+        "documents wrong for the baseline, right for the variant",
+    ),
+    "quality/mcnemar_p/<task>": (
+        None,
+        Scale.P_VALUE,
+        "{task} McNemar p",
+        "exact McNemar p of the task's primary 0/1 score against the baseline",
+    ),
+    "time/<stage>_seconds": (False, Scale.SECONDS, "{stage} time", "wall seconds of one stage of the variant's run"),
+}
+_TEMPLATE_PATTERNS = {re.compile(re.sub(r"<(\w+)>", r"(?P<\1>[^/]+)", entry) + "$"): entry for entry in _TEMPLATES}
 
 # Figures measured once per batch size: `cost/<figure>` and `cost/<figure>_bs<N>`.
 _BATCH_FIGURES: dict[str, tuple[bool, Scale, str]] = {
@@ -293,43 +250,7 @@ _BATCH_FIGURES: dict[str, tuple[bool, Scale, str]] = {
     "local_roofline_decode_tokens_per_s": (True, Scale.TOKENS_PER_S, "decode roofline here"),
     "roofline_efficiency": (True, Scale.FRACTION, "roofline efficiency"),
 }
-
 _BATCH_KEY = re.compile(r"^cost/(?P<figure>[a-z0-9_]+?)(?:_bs(?P<batch>\d+))?$")
-_TIME_KEY = re.compile(r"^time/(?P<stage>[\w .-]+)_seconds$")
-_TASK_TEMPLATES: tuple[tuple[re.Pattern[str], str, bool | None, Scale, str, str], ...] = (
-    (
-        re.compile(r"^quality/flips/(?P<task>[^/]+)$"),
-        "quality/flips/<task>",
-        False,
-        Scale.COUNT,
-        "{task} answer flips",
-        "documents whose 0/1 score differs from the baseline's (a group: sum of its leaves)",
-    ),
-    (
-        re.compile(r"^quality/flips/(?P<task>[^/]+)/correct_to_wrong$"),
-        "quality/flips/<task>/correct_to_wrong",
-        False,
-        Scale.COUNT,
-        "{task} right-to-wrong flips",
-        "documents right for the baseline, wrong for the variant",
-    ),
-    (
-        re.compile(r"^quality/flips/(?P<task>[^/]+)/wrong_to_correct$"),
-        "quality/flips/<task>/wrong_to_correct",
-        True,
-        Scale.COUNT,
-        "{task} wrong-to-right flips",
-        "documents wrong for the baseline, right for the variant",
-    ),
-    (
-        re.compile(r"^quality/mcnemar_p/(?P<task>[^/]+)$"),
-        "quality/mcnemar_p/<task>",
-        None,
-        Scale.P_VALUE,
-        "{task} McNemar p",
-        "exact McNemar p of the task's primary 0/1 score against the baseline",
-    ),
-)
 _RECOVERY = re.compile(r"^quality/recovery/(?P<score>[^/]+/[^/]+)$")  # <task>/<metric>[:<filter>]
 
 
@@ -337,119 +258,73 @@ def spec(key: str, declared: Mapping[str, Declared] | None = None) -> MetricSpec
     """The contract entry of a logged key. `declared`: what the sweep recorded for lm-eval scores."""
     declared = declared or {}
     if key in _FIXED:
-        higher, scale, label, meaning = _FIXED[key]
-        return MetricSpec(key, key, higher, scale, label, meaning)
-    parsed = EvalKey.parse(key)
-    if parsed is not None:
+        return MetricSpec(key, key, *_FIXED[key])
+    if (parsed := EvalKey.parse(key)) is not None:
         found = declared.get(parsed.score_key)
         scale = found.scale if found else Scale.SCORE
         if parsed.stderr:
-            return MetricSpec(
-                key,
-                "eval/<task>/<metric>_stderr[:<filter>]",
-                None,
-                scale,
-                parsed.label,
-                "lm-eval's standard error of the score (unpaired; quantlab's verdicts use the paired ones)",
-            )
+            meaning = "lm-eval's standard error of the score (unpaired; quantlab's verdicts use the paired ones)"
+            return MetricSpec(key, "eval/<task>/<metric>_stderr[:<filter>]", None, scale, parsed.label, meaning)
         higher = found.higher_is_better if found else None
-        return MetricSpec(
-            key,
-            "eval/<task>/<metric>[:<filter>]",
-            higher,
-            scale,
-            parsed.label,
-            "lm-eval's score, direction from lm-eval's higher_is_better",
-        )
-    paired = parse_paired_key(key)
-    if paired is not None:
+        meaning = "lm-eval's score, direction from lm-eval's higher_is_better"
+        return MetricSpec(key, "eval/<task>/<metric>[:<filter>]", higher, scale, parsed.label, meaning)
+    if (paired := parse_paired_key(key)) is not None:
         metric_key, statistic = paired
         base = spec(metric_key, declared)
         own_scale, meaning = PAIRED_STATISTICS[statistic]
         # A difference is better the more it favours the variant in the metric's direction.
         higher = base.higher_is_better if statistic in ("diff", "ci95_low", "ci95_high") else None
-        return MetricSpec(
-            key,
-            f"quality/paired/<metric>/{statistic}",
-            higher,
-            own_scale or base.scale,
-            f"{base.label}: paired {statistic}",
-            meaning,
-        )
+        label = f"{base.label}: paired {statistic}"
+        return MetricSpec(key, f"quality/paired/<metric>/{statistic}", higher, own_scale or base.scale, label, meaning)
     if (match := _RECOVERY.match(key)) is not None:
         base = spec(EVAL_PREFIX + match["score"], declared)
-        return MetricSpec(
-            key,
-            "quality/recovery/<task>/<metric>[:<filter>]",
-            base.higher_is_better,
-            Scale.RATIO,
-            f"{base.label} recovery",
-            "variant score / baseline score (above 1 is worse for lower-is-better scores)",
-        )
-    for pattern, entry, higher, scale, label, meaning in _TASK_TEMPLATES:
+        meaning = "variant score / baseline score (above 1 is worse for lower-is-better scores)"
+        entry = "quality/recovery/<task>/<metric>[:<filter>]"
+        return MetricSpec(key, entry, base.higher_is_better, Scale.RATIO, f"{base.label} recovery", meaning)
+    for pattern, entry in _TEMPLATE_PATTERNS.items():
         if (match := pattern.match(key)) is not None:
-            return MetricSpec(key, entry, higher, scale, label.format(task=match["task"]), meaning)
-    if (match := _TIME_KEY.match(key)) is not None:
-        return MetricSpec(
-            key,
-            "time/<stage>_seconds",
-            False,
-            Scale.SECONDS,
-            f"{match['stage']} time",
-            "wall seconds of one stage of the variant's run",
-        )
+            higher, scale, label, meaning = _TEMPLATES[entry]
+            return MetricSpec(key, entry, higher, scale, label.format(**match.groupdict()), meaning)
     if (match := _BATCH_KEY.match(key)) is not None and match["figure"] in _BATCH_FIGURES:
         higher, scale, label = _BATCH_FIGURES[match["figure"]]
-        batch = f" at batch {match['batch']}" if match["batch"] else ""
-        return MetricSpec(
-            key,
-            "cost/<figure>[_bs<N>]",
-            higher,
-            scale,
-            label + batch,
-            "measured on this machine by the measure stage (see the run's quantlab.cost.* tags)",
-        )
+        label += f" at batch {match['batch']}" if match["batch"] else ""
+        meaning = "measured on this machine by the measure stage (see the run's quantlab.cost.* tags)"
+        return MetricSpec(key, "cost/<figure>[_bs<N>]", higher, scale, label, meaning)
     return MetricSpec(key, "", None, Scale.SCORE, key, "not in quantlab's metric contract")
 
 
 def has_entry(key: str, declared: Mapping[str, Declared] | None = None) -> bool:
     """Whether the contract declares the key (lm-eval scores: with a recorded direction)."""
     found = spec(key, declared)
-    if not found.entry:
-        return False
-    parsed = EvalKey.parse(key)
-    return parsed is None or parsed.stderr or found.higher_is_better is not None
+    return bool(found.entry) and (not is_eval_score(key) or found.direction_known)
 
 
 def unknown_directions(keys: Iterable[str], declared: Mapping[str, Declared] | None = None) -> list[str]:
     """Quality scores among `keys` whose direction nobody declared: to be named, not dropped."""
-    return sorted(key for key in keys if is_eval_score(key) and spec(key, declared).higher_is_better is None)
+    return sorted(key for key in keys if is_eval_score(key) and not spec(key, declared).direction_known)
 
 
-# --------------------------------------------------------------------------------------
-# How declarations travel with a run: one tag per lm-eval score
-# --------------------------------------------------------------------------------------
-
+# How declarations travel with a run: tag `quantlab.metric/<score key>` = "higher|lower|unknown <scale>".
 DECLARED_TAG_PREFIX = "quantlab.metric/"
+_DIRECTION_WORDS = {True: "higher", False: "lower", None: "unknown"}
 
 
 def declared_tags(declared: Mapping[str, Declared]) -> dict[str, str]:
-    """Tags `quantlab.metric/<score key>` = "higher|lower|unknown <scale>"."""
-    words = {True: "higher", False: "lower", None: "unknown"}
     return {
-        f"{DECLARED_TAG_PREFIX}{key}": f"{words[d.higher_is_better]} {d.scale.value}" for key, d in declared.items()
+        f"{DECLARED_TAG_PREFIX}{key}": f"{_DIRECTION_WORDS[d.higher_is_better]} {d.scale.value}"
+        for key, d in declared.items()
     }
 
 
 def declared_from_tags(tags: Mapping[str, str]) -> dict[str, Declared]:
-    directions = {"higher": True, "lower": False, "unknown": None}
+    directions = {word: higher for higher, word in _DIRECTION_WORDS.items()}
     found: dict[str, Declared] = {}
     for tag, value in tags.items():
         if not tag.startswith(DECLARED_TAG_PREFIX):
             continue
         direction, _, scale = value.partition(" ")
         try:
-            found[tag[len(DECLARED_TAG_PREFIX) :]] = Declared(directions[direction], Scale(scale))
+            found[tag.removeprefix(DECLARED_TAG_PREFIX)] = Declared(directions[direction], Scale(scale))
         except (KeyError, ValueError):
             continue  # a tag this version cannot read counts as undeclared, and gets named
     return found
