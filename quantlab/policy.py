@@ -1,24 +1,7 @@
 """The release policy: one pydantic model for the recipe's `frontier.default_policy` and `quantlab pick`'s flags.
 
-A policy says what a variant must meet to be shipped: drops against the baseline at most so
-much (judged by non-inferiority in `quantlab.decision`), and plain bounds on measured figures.
-The recipe and the command line share this model, its field names and its validation; the
-command line only maps its flags onto the fields (`--max-drop` -> `max_drop`, `--max-kld` ->
-`max_kld`, `--min-top1` -> `min_top1_agreement`, `--max-memory` -> `max_peak_memory_bytes`).
-
-Drop limits (`max_drop`, METRIC=LIMIT on the command line) are read in the metric's own terms,
-from the metric contract (`quantlab.metrics`):
-- a plain number is percentage points for a 0-1 metric (`eval/mmlu_dev/acc=1`: one point) and
-  the metric's own unit otherwise (`quality/ppl=0.5`: half a unit of perplexity);
-- `N pts` says points explicitly, and is accepted only for 0-1 metrics;
-- `+N%` (or `N%`) is relative to the baseline's value (`quality/ppl=+2%`: 10.00 may become
-  10.20), and is refused for 0-1 metrics, where "2%" could mean points or a share of the score.
-A limit that does not fit its metric (points on a perplexity, a cost metric, a standard error, a
-metric whose better direction is unknown) is bad input. What the key alone shows is checked when
-the model is built; what needs the sweep (an lm-eval score's direction and scale, recorded with
-its runs) is checked by `Policy.drop_rules` before any variant is judged.
-
-Pure: imports only the metric contract and pydantic, so frontier.py can embed it.
+Drop limits are judged by non-inferiority in `quantlab.decision`; bounds cap measured figures. Pure:
+imports only the metric contract and pydantic, so frontier.py can embed it.
 """
 
 from __future__ import annotations
@@ -31,28 +14,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Annotated, Any
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    PlainSerializer,
-    PlainValidator,
-    WithJsonSchema,
-    field_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, field_validator
 from pydantic_core import PydanticCustomError
 
-from quantlab.metrics import (
-    PAIRED_PREFIX,
-    STDERR_SUFFIX,
-    Declared,
-    EvalKey,
-    MetricSpec,
-    Scale,
-    is_eval_score,
-    parse_paired_key,
-    spec,
-)
+from quantlab.metrics import PAIRED_PREFIX, STDERR_SUFFIX, Declared, EvalKey, MetricSpec, Scale, is_eval_score, spec
 
 KLD_MEAN = "quality/kld_mean"
 TOP1_AGREEMENT = "quality/top1_agreement"
@@ -62,12 +27,17 @@ PEAK_MEMORY = "cost/peak_memory_bytes"
 _NOT_QUALITY = ("cost/", "time/")
 
 
-# --------------------------------------------------------------------------------------
-# A drop limit as written: "1", "1 pts", "+2%"
-# --------------------------------------------------------------------------------------
+# --- A drop limit as written: "1", "1 pts", "+2%" ---
 
 
 class LimitKind(str, Enum):
+    """How a drop limit is written (`max_drop`, METRIC=LIMIT), read in the metric's own terms.
+
+    "+2%" would be ambiguous on a 0-1 metric (points or a share of the score?), so is refused there;
+    "N pts" applies to 0-1 metrics only. What needs the sweep (an lm-eval score's direction and
+    scale) is checked by `Policy.drop_rules`, the rest when the model is built.
+    """
+
     OWN = "own"  # the metric's own unit; percentage points for a 0-1 metric
     POINTS = "points"  # explicit percentage points: 0-1 metrics only
     RELATIVE = "relative"  # percent of the baseline's value: metrics that are not 0-1
@@ -123,21 +93,11 @@ def _validate_limit(value: Any) -> Limit:
     try:
         return parse_limit(value)
     except ValueError as error:
-        raise PydanticCustomError("drop_limit", str(error)) from None
+        raise PydanticCustomError("drop_limit", str(error)) from None  # no "Value error, " prefix
 
 
 DropLimit = Annotated[
-    Limit,
-    PlainValidator(_validate_limit),
-    PlainSerializer(_limit_text),
-    WithJsonSchema(
-        {
-            "anyOf": [
-                {"type": "number", "minimum": 0},
-                {"type": "string", "pattern": r"^\+?[0-9.]+\s*(%|pts?|points?)?$"},
-            ]
-        }
-    ),
+    Limit, PlainValidator(_validate_limit, json_schema_input_type=float | str), PlainSerializer(_limit_text)
 ]
 
 
@@ -146,7 +106,7 @@ def limit_problem(key: str, limit: Limit, metric: MetricSpec | None = None) -> s
     as the sweep declared it) only what the key alone shows is checked."""
     if not key:
         return "the metric name is empty"
-    if parse_paired_key(key) is not None or key.startswith(PAIRED_PREFIX):
+    if key.startswith(PAIRED_PREFIX):
         return "is a paired statistic; name the quality metric itself (its paired figures are read from the runs)"
     parsed = EvalKey.parse(key)
     if (parsed is not None and parsed.stderr) or key.endswith(STDERR_SUFFIX):
@@ -174,9 +134,7 @@ def limit_problem(key: str, limit: Limit, metric: MetricSpec | None = None) -> s
     return None
 
 
-# --------------------------------------------------------------------------------------
-# The policy
-# --------------------------------------------------------------------------------------
+# --- The policy ---
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -246,22 +204,19 @@ class Policy(BaseModel):
         return tuple(rules)
 
     def bounds(self) -> tuple[Bound, ...]:
-        named_upper = {
-            KLD_MEAN: (self.max_kld, "max_kld"),
-            PEAK_MEMORY: (self.max_peak_memory_bytes, "max_peak_memory_bytes"),
-        }
-        upper = {key: (limit, name) for key, (limit, name) in named_upper.items() if limit is not None}
-        upper.update({key: (limit, "at_most") for key, limit in self.at_most.items()})
-        lower = (
-            {TOP1_AGREEMENT: (self.min_top1_agreement, "min_top1_agreement")}
-            if self.min_top1_agreement is not None
-            else {}
+        """Upper bounds, then lower; `at_most`/`at_least` override a named field on the same metric."""
+        sides = (
+            (True, {KLD_MEAN: "max_kld", PEAK_MEMORY: "max_peak_memory_bytes"}, "at_most"),
+            (False, {TOP1_AGREEMENT: "min_top1_agreement"}, "at_least"),
         )
-        lower.update({key: (limit, "at_least") for key, limit in self.at_least.items()})
-        return (
-            *(Bound(key, limit, True, name) for key, (limit, name) in upper.items()),
-            *(Bound(key, limit, False, name) for key, (limit, name) in lower.items()),
-        )
+        found = []
+        for upper, named, extra in sides:
+            limits = {
+                key: (getattr(self, name), name) for key, name in named.items() if getattr(self, name) is not None
+            }
+            limits.update({key: (limit, extra) for key, limit in getattr(self, extra).items()})
+            found += [Bound(key, limit, upper, name) for key, (limit, name) in limits.items()]
+        return tuple(found)
 
     def check_logged(self, logged: Collection[str]) -> None:
         """PolicyError for a `max_drop` metric that no run logged (a typo, most likely)."""
@@ -307,17 +262,15 @@ class PolicyError(ValueError):
 
 def any_task_metrics(baseline: Mapping[str, float], declared: Mapping[str, Declared]) -> list[str]:
     """The baseline's 0-1 lm-eval scores of known direction: what `max_drop_any_task` checks."""
-    found = []
-    for key, value in baseline.items():
-        metric = spec(key, declared)
-        if (
-            is_eval_score(key)
-            and _finite(value) is not None
-            and metric.scale is Scale.FRACTION
-            and metric.higher_is_better is not None
-        ):
-            found.append(key)
-    return found
+    return [
+        key
+        for key, value in baseline.items()
+        if is_eval_score(key) and _finite(value) is not None and _any_task_fits(spec(key, declared))
+    ]
+
+
+def _any_task_fits(metric: MetricSpec) -> bool:
+    return metric.scale is Scale.FRACTION and metric.higher_is_better is not None
 
 
 def unchecked_by_any_task(baseline: Mapping[str, float], declared: Mapping[str, Declared]) -> list[str]:
@@ -334,11 +287,7 @@ def unchecked_by_any_task(baseline: Mapping[str, float], declared: Mapping[str, 
     return reasons
 
 
-# --------------------------------------------------------------------------------------
-# Command-line text: METRIC=LIMIT
-# --------------------------------------------------------------------------------------
-
-_EXAMPLE = "eval/mmlu_dev/acc=1"
+# --- Command-line text: METRIC=LIMIT ---
 
 
 def parse_max_drop(text: str) -> tuple[str, Limit]:
@@ -346,7 +295,7 @@ def parse_max_drop(text: str) -> tuple[str, Limit]:
     metric, separator, limit_text = text.partition("=")
     metric, limit_text = metric.strip(), limit_text.strip()
     if not separator:
-        raise ValueError(f"{text!r}: expected METRIC=LIMIT, e.g. {_EXAMPLE} or quality/ppl=+2%")
+        raise ValueError(f"{text!r}: expected METRIC=LIMIT, e.g. eval/mmlu_dev/acc=1 or quality/ppl=+2%")
     if not metric:
         raise ValueError(f"{text!r}: the metric name before '=' is missing")
     if not limit_text:
@@ -376,9 +325,7 @@ def _unlogged_message(metric: str, logged: Collection[str]) -> str:
     return f"no variant logged this metric; logged: {', '.join(scores or candidates) or 'none'}"
 
 
-# --------------------------------------------------------------------------------------
-# Values in the metric's own terms
-# --------------------------------------------------------------------------------------
+# --- Values in the metric's own terms ---
 
 
 def format_value(metric: MetricSpec, value: float | None) -> str:
@@ -408,7 +355,4 @@ def format_change(metric: MetricSpec, change: float, *, signed: bool = True) -> 
 
 
 def _finite(value: float | None) -> float | None:
-    if value is None:
-        return None
-    number = float(value)
-    return number if math.isfinite(number) else None
+    return None if value is None or not math.isfinite(value) else float(value)
