@@ -6,9 +6,10 @@ Exit codes: 0 every variant succeeded; 1 at least one variant failed (the others
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import sys
-import time
 from pathlib import Path
 from typing import Annotated
 
@@ -16,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from quantlab.errors import BadInput
+from quantlab.errors import BadInput, Problem, bad_input
 
 # MLflow's own download bars would interleave with ours.
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -34,16 +35,13 @@ err = Console(stderr=True)
 TrackingUri = Annotated[
     str | None,
     typer.Option(
-        "--tracking-uri",
-        help="MLflow tracking URI. Default: $MLFLOW_TRACKING_URI, else sqlite:///mlruns/mlflow.db (artifacts under mlruns/).",
+        help="MLflow tracking URI. Default: $MLFLOW_TRACKING_URI, else sqlite:///mlruns/mlflow.db (artifacts under mlruns/)."
     ),
 ]
 
 
-def _fail_on_bad_input(error: BadInput) -> None:
-    for problem in error.problems:
-        err.print(f"[bold red]error:[/] {problem}", highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
+def _say(text: str) -> None:
+    out.print(text, highlight=False)
 
 
 class _RichSweepDisplay:
@@ -54,7 +52,6 @@ class _RichSweepDisplay:
         self.task = None
         self.order: list[str] = []
         self.done = 0
-        self.started = 0.0
 
     def sweep_started(self, experiment: str, run_id: str, variants: list[str]) -> None:
         self.order = variants
@@ -65,24 +62,27 @@ class _RichSweepDisplay:
 
     def stage(self, variant: str, stage: str) -> None:
         index = self.order.index(variant) + 1
-        if stage == "prepare model":
-            self.started = time.perf_counter()
         self.progress.update(self.task, description=f"[{index}/{len(self.order)}] [bold]{variant}[/]: {stage}")
 
     def variant_finished(self, variant: str, result, failure: str | None, reused: bool = False) -> None:
         self.done += 1
         self.progress.update(self.task, advance=1, description=f"{self.done}/{len(self.order)} variants done")
         if reused:
-            self.progress.console.print(
-                f"[green]✓[/] {variant}: unchanged since a finished run, copied from it", highlight=False
-            )
-            return
-        if failure:
-            self.progress.console.print(f"[red]✗[/] {variant} failed: {failure}", highlight=False)
-            return
-        seconds = ", ".join(f"{stage} {value:.0f}s" for stage, value in result.stage_seconds.items())
-        reused = " (checkpoint reused)" if result.reused_checkpoint else ""
-        self.progress.console.print(f"[green]✓[/] {variant}{reused}: {seconds}", highlight=False)
+            line = f"[green]✓[/] {variant}: unchanged since a finished run, copied from it"
+        elif failure:
+            line = f"[red]✗[/] {variant} failed: {failure}"
+        else:
+            seconds = ", ".join(f"{stage} {value:.0f}s" for stage, value in result.stage_seconds.items())
+            line = f"[green]✓[/] {variant}{' (checkpoint reused)' if result.reused_checkpoint else ''}: {seconds}"
+        self.progress.console.print(line, highlight=False)
+
+
+def _open_store(flag: str | None):
+    """The resolved tracking URI and its store, checked usable (bad input otherwise)."""
+    from quantlab.tracking import open_store, tracking_uri
+
+    uri = tracking_uri(flag)
+    return uri, open_store(uri)
 
 
 @app.command()
@@ -107,7 +107,7 @@ def sweep(
     ] = False,
     only: Annotated[
         list[str] | None,
-        typer.Option("--only", help="Run only this variant (repeatable); the baseline always runs as the reference."),
+        typer.Option(help="Run only this variant (repeatable); the baseline always runs as the reference."),
     ] = None,
     cache_dir: Annotated[
         Path | None, typer.Option(help="Checkpoint cache. Default: $QUANTLAB_CACHE_DIR or ~/.cache/quantlab.")
@@ -117,31 +117,18 @@ def sweep(
     from quantlab.cache import default_root
     from quantlab.checks import validate
     from quantlab.sweep import SweepOptions, run_sweep
-    from quantlab.tracking import open_store, run_address, shown_uri
-    from quantlab.tracking import tracking_uri as resolve_uri
+    from quantlab.tracking import run_address, shown_uri
 
     try:
         if executor not in ("local", "ray", "inprocess"):
-            raise BadInput([_flag_problem("--executor", f"'{executor}' is not one of: local, ray, inprocess")])
+            raise bad_input("--executor", "", f"'{executor}' is not one of: local, ray, inprocess")
         cache_root = (cache_dir or default_root()).resolve()
         loaded = validate(recipe, cache_root)
-        uri = resolve_uri(tracking_uri)
-        open_store(uri)
-        options = SweepOptions(
-            tracking_uri=uri,
-            cache_root=cache_root,
-            executor=executor,  # type: ignore[arg-type]
-            force=force,
-            only=tuple(only or ()),
-            ray_address=ray_address,
-        )
+        uri, _ = _open_store(tracking_uri)
+        options = SweepOptions(uri, cache_root, executor, force, tuple(only or ()), ray_address)  # type: ignore[arg-type]
         _stop_on_sigterm()
-        columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
-        with Progress(*columns, console=out, transient=False) as progress:
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=out) as progress:
             outcome = run_sweep(loaded, options, _RichSweepDisplay(progress))
-    except BadInput as error:
-        _fail_on_bad_input(error)
-        return
     except KeyboardInterrupt:
         err.print(
             "Interrupted: this sweep's unfinished runs are marked KILLED. Run the same command again to resume; "
@@ -150,17 +137,15 @@ def sweep(
             soft_wrap=True,
         )
         raise typer.Exit(130) from None
-    failed = ", ".join(outcome.failures)
     if outcome.reused:
-        out.print(
-            f"Reused (unchanged, not recomputed): {', '.join(outcome.reused)}; --force recomputes.", highlight=False
-        )
+        _say(f"Reused (unchanged, not recomputed): {', '.join(outcome.reused)}; --force recomputes.")
+    failed = ", ".join(outcome.failures)
     out.print(
         f"Logged to {shown_uri(uri)}, experiment '{loaded.recipe.name}', parent run {outcome.parent_run_id}."
         + (f" [red]Failed: {failed}[/]" if failed else "")
     )
     if (address := run_address(uri, outcome.experiment_id, outcome.parent_run_id)) is not None:
-        out.print(f"View it at {address}", highlight=False)
+        _say(f"View it at {address}")
     raise typer.Exit(outcome.exit_code)
 
 
@@ -171,17 +156,13 @@ def validate_command(recipe: Annotated[Path, typer.Argument(help="Recipe YAML to
     from quantlab.checks import remember_lookups, validate
 
     cache_root = default_root()
-    try:
-        loaded = validate(recipe, cache_root, hub_optional=True)
-    except BadInput as error:
-        _fail_on_bad_input(error)
-        return
+    loaded = validate(recipe, cache_root, hub_optional=True)
     remember_lookups(loaded, cache_root)
     names = ", ".join(f"{variant.name} ({variant.method})" for variant in loaded.recipe.variants)
     checked = "OK offline" if loaded.needs_hub else "OK"
-    out.print(f"{recipe}: {checked} - {len(loaded.recipe.variants)} variants: {names}", highlight=False)
+    _say(f"{recipe}: {checked} - {len(loaded.recipe.variants)} variants: {names}")
     for what in loaded.needs_hub:
-        out.print(f"  not checked, needs the hub (unreachable from here): {what}", highlight=False)
+        _say(f"  not checked, needs the hub (unreachable from here): {what}")
 
 
 @app.command()
@@ -193,29 +174,19 @@ def ui(
     tracking_uri: TrackingUri = None,
 ) -> None:
     """Serve the MLflow UI on the project's store and print the address of the runs table."""
-    import signal
     import subprocess
 
-    from quantlab.tracking import open_store, ui_addresses
-    from quantlab.tracking import tracking_uri as resolve_uri
+    from quantlab.tracking import ui_addresses
 
-    uri = resolve_uri(tracking_uri)
-    try:
-        store = open_store(uri)
-    except BadInput as error:
-        _fail_on_bad_input(error)
-        return
+    uri, store = _open_store(tracking_uri)
     command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", host, "--port", str(port)]
-    # mlflow ui starts helper processes: a session of its own lets us stop them all together.
     _stop_on_sigterm()
     # Its job runners (seven huey consumers) serve GenAI features, not the runs we browse.
-    env = {
-        **os.environ,
-        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false"),
-    }
+    env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ}
+    # mlflow ui starts helper processes: a session of its own lets us stop them all together.
     server = subprocess.Popen(command, start_new_session=True, env=env)
     for name, address in ui_addresses(store, host, port):
-        out.print(f"{name}: {address}", highlight=False)
+        _say(f"{name}: {address}")
     out.print("Press Ctrl-C to stop.")
     try:
         raise typer.Exit(server.wait())
@@ -225,17 +196,16 @@ def ui(
 
 
 Experiment = Annotated[
-    str | None, typer.Option("--experiment", help="Experiment (recipe name). Default: the one with the newest sweep.")
+    str | None, typer.Option(help="Experiment (recipe name). Default: the one with the newest sweep.")
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 
 def _sweep_view(experiment: str | None, tracking_uri: str | None):
     from quantlab.publish import read_sweep
-    from quantlab.tracking import latest_sweep, open_store
-    from quantlab.tracking import tracking_uri as resolve_uri
+    from quantlab.tracking import latest_sweep
 
-    store = open_store(resolve_uri(tracking_uri))
+    _, store = _open_store(tracking_uri)
     return store, read_sweep(store, latest_sweep(store, experiment).run_id)
 
 
@@ -259,38 +229,29 @@ def _print_table(table) -> None:
 @app.command()
 def frontier(experiment: Experiment = None, tracking_uri: TrackingUri = None, as_json: AsJson = False) -> None:
     """Print the quality-versus-cost frontier of the newest sweep of an experiment (ties within paired noise named)."""
-    import json
-
-    from quantlab.frontier import frontiers_to_dict
-    from quantlab.publish import frontiers, json_safe
+    from quantlab.publish import frontier_json, frontiers
     from quantlab.report import variants_table
 
-    try:
-        _, view = _sweep_view(experiment, tracking_uri)
-    except BadInput as error:
-        _fail_on_bad_input(error)
-        return
+    _, view = _sweep_view(experiment, tracking_uri)
     found = frontiers(view)
     if as_json:
-        out.print_json(json.dumps(json_safe(frontiers_to_dict(found))))
+        out.print_json(frontier_json(found))
         return
     _print_table(variants_table(view.variants, found))
     for result in found.results:
-        out.print(f"[bold]{result.pair.title}[/]: frontier {', '.join(result.on_front) or 'empty'}", highlight=False)
+        _say(f"[bold]{result.pair.title}[/]: frontier {', '.join(result.on_front) or 'empty'}")
         for point in result.points:
             if point.dominated_by:
-                out.print(f"  {point.name} dominated by {', '.join(point.dominated_by)}", highlight=False)
+                _say(f"  {point.name} dominated by {', '.join(point.dominated_by)}")
             if point.tied_with:
-                out.print(f"  {point.name}: tie within noise with {', '.join(point.tied_with)}", highlight=False)
+                _say(f"  {point.name}: tie within noise with {', '.join(point.tied_with)}")
         for exclusion in result.excluded:
-            out.print(f"  left out {exclusion.name}: {exclusion.reason}", highlight=False)
+            _say(f"  left out {exclusion.name}: {exclusion.reason}")
         if result.point_compared:
             pairs = ", ".join(f"{a} vs {b}" for a, b in result.point_compared)
-            out.print(f"  no paired noise available for {pairs}: compared on the point estimates", highlight=False)
+            _say(f"  no paired noise available for {pairs}: compared on the point estimates")
     if found.direction_unknown:
-        out.print(
-            f"direction unknown: {', '.join(found.direction_unknown)} (not placed on a frontier)", highlight=False
-        )
+        _say(f"direction unknown: {', '.join(found.direction_unknown)} (not placed on a frontier)")
 
 
 @app.command()
@@ -307,13 +268,9 @@ def report(
     """Write the newest sweep's report and frontier plots to a directory."""
     from quantlab.publish import render_artifacts
 
-    try:
-        _, view = _sweep_view(experiment, tracking_uri)
-    except BadInput as error:
-        _fail_on_bad_input(error)
-        return
+    _, view = _sweep_view(experiment, tracking_uri)
     for path in render_artifacts(view, out_dir):
-        out.print(f"wrote {path}", highlight=False)
+        _say(f"wrote {path}")
 
 
 @app.command("pick")
@@ -323,22 +280,16 @@ def pick_command(
     max_drop: Annotated[
         list[str] | None,
         typer.Option(
-            "--max-drop",
-            help="METRIC=LIMIT: largest allowed drop against the baseline, to be shown by paired non-inferiority. LIMIT is percentage points for a 0-1 metric (eval/mmlu_dev/acc=1), the metric's own unit otherwise (quality/ppl=0.5), or relative to the baseline (quality/ppl=+2%). Repeatable.",
+            help="METRIC=LIMIT: largest allowed drop against the baseline, to be shown by paired non-inferiority. LIMIT is percentage points for a 0-1 metric (eval/mmlu_dev/acc=1), the metric's own unit otherwise (quality/ppl=0.5), or relative to the baseline (quality/ppl=+2%). Repeatable."
         ),
     ] = None,
-    max_kld: Annotated[float | None, typer.Option("--max-kld", help="Largest allowed quality/kld_mean.")] = None,
-    min_top1: Annotated[
-        float | None, typer.Option("--min-top1", help="Smallest allowed quality/top1_agreement (0-1).")
-    ] = None,
-    max_memory: Annotated[
-        float | None, typer.Option("--max-memory", help="Largest allowed cost/peak_memory_bytes.")
-    ] = None,
+    max_kld: Annotated[float | None, typer.Option(help="Largest allowed quality/kld_mean.")] = None,
+    min_top1: Annotated[float | None, typer.Option(help="Smallest allowed quality/top1_agreement (0-1).")] = None,
+    max_memory: Annotated[float | None, typer.Option(help="Largest allowed cost/peak_memory_bytes.")] = None,
     objective: Annotated[
         str | None,
         typer.Option(
-            "--objective",
-            help="Cost metric to optimise, e.g. cost/weight_bytes (default: the recipe's frontier.objective).",
+            help="Cost metric to optimise, e.g. cost/weight_bytes (default: the recipe's frontier.objective)."
         ),
     ] = None,
     register: Annotated[
@@ -361,31 +312,21 @@ def pick_command(
     With no limit flags the recipe's default policy applies (by default: at most 1 point lost on
     any 0-1 lm-eval score). Exit 1 when no variant is shown within every limit.
     """
-    import json
-
     from quantlab.publish import decide, record_pick
 
-    try:
-        store, view = _sweep_view(experiment, tracking_uri)
-        policy = _pick_policy(
-            view, max_drop or [], max_kld=max_kld, min_top1_agreement=min_top1, max_peak_memory_bytes=max_memory
-        )
-        decision = decide(view, policy, objective)
-    except BadInput as error:
-        _fail_on_bad_input(error)
-        return
+    store, view = _sweep_view(experiment, tracking_uri)
+    policy = _pick_policy(
+        view, max_drop or [], max_kld=max_kld, min_top1_agreement=min_top1, max_peak_memory_bytes=max_memory
+    )
+    decision = decide(view, policy, objective)
     record = record_pick(store, view, decision, register=register, alias=alias, model_name=model_name)
     if as_json:
         out.print_json(json.dumps(record))
     else:
         _print_decision(decision)
-        if "registered" in record:
-            reg = record["registered"]
+        if reg := record.get("registered"):
             state = "registered as new" if reg["new_version"] else "already registered as"
-            out.print(
-                f"{decision.chosen} {state} version {reg['version']} of '{reg['model']}', alias '{reg['alias']}'",
-                highlight=False,
-            )
+            _say(f"{decision.chosen} {state} version {reg['version']} of '{reg['model']}', alias '{reg['alias']}'")
     raise typer.Exit(0 if decision.chosen else 1)
 
 
@@ -410,44 +351,38 @@ def _pick_policy(view, max_drop: list[str], **bounds: float | None):
     try:
         drops = parse_max_drops(max_drop)
     except ValueError as error:
-        raise BadInput([_flag_problem("--max-drop", str(error))]) from None
+        raise bad_input("--max-drop", "", str(error)) from None
     try:
         # Flags replace the recipe's policy whole: no implicit any-task limit beside them.
         policy = Policy(max_drop=drops, max_drop_any_task=None, **bounds)
     except ValidationError as error:
-        raise BadInput(
-            [
-                _flag_problem(
-                    _PICK_FLAGS.get(str(item["loc"][0]), "--max-drop") if item["loc"] else "--max-drop", item["msg"]
-                )
-                for item in error.errors()
-            ]
-        ) from None
+        problems = [
+            Problem(_PICK_FLAGS.get(str(item["loc"][0]) if item["loc"] else "", "--max-drop"), "", item["msg"])
+            for item in error.errors()
+        ]
+        raise BadInput(problems) from None
     baseline = next((v for v in view.variants if v.name == view.baseline), None)
     try:
         policy.check_logged({key for variant in view.variants for key in variant.metrics})
         if baseline is not None:  # an lm-eval score's direction and scale come with the sweep's runs
             policy.drop_rules(baseline.metrics, baseline.declared)
     except PolicyError as error:
-        raise BadInput([_flag_problem(_PICK_FLAGS[error.field], str(error))]) from None
+        raise bad_input(_PICK_FLAGS[error.field], "", str(error)) from None
     return policy
 
 
 def _print_decision(decision) -> None:
     """The summary, then each variant's verdict in words: the chosen one's evidence, the others' reasons."""
-    out.print(decision.summary, highlight=False)
+    _say(decision.summary)
     for verdict in decision.verdicts:
         lines = [check.detail for check in verdict.checks] if verdict.name == decision.chosen else list(verdict.reasons)
-        out.print(
-            f"  {verdict.name} ({verdict.status.words}): {'; '.join(lines) or 'no limits to check'}", highlight=False
-        )
+        _say(f"  {verdict.name} ({verdict.status.words}): {'; '.join(lines) or 'no limits to check'}")
     if decision.unchecked:
-        out.print(f"  not checked by the any-task limit: {', '.join(decision.unchecked)}", highlight=False)
+        _say(f"  not checked by the any-task limit: {', '.join(decision.unchecked)}")
 
 
 def _stop_on_sigterm() -> None:
     """SIGTERM (a scheduler stopping the job) ends the sweep like Ctrl-C: its runs are marked KILLED."""
-    import signal
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
@@ -455,14 +390,14 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
-def _flag_problem(flag: str, message: str):
-    from quantlab.errors import Problem
-
-    return Problem(flag, "", message)
-
-
 def main() -> None:
-    app()
+    """Bad input anywhere in a command: one line per problem on stderr, exit 2, no traceback."""
+    try:
+        app()
+    except BadInput as error:
+        for problem in error.problems:
+            err.print(f"[bold red]error:[/] {problem}", highlight=False, soft_wrap=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 """From a sweep's logged runs to what reviewers and release managers read: frontier, report, decision.
 
-Reads the variant runs back from MLflow (so `quantlab frontier/report/pick` work on any past
-sweep exactly as the sweep itself did), computes with the pure modules, writes artifacts.
+Reads the runs back from MLflow, so `quantlab frontier/report/pick` work on any past sweep as the sweep itself did.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import yaml
 
 from quantlab import tracking
 from quantlab.decision import Decision, DecisionError, pick
-from quantlab.errors import BadInput, Problem
+from quantlab.errors import BadInput, bad_input
 from quantlab.frontier import (
     Axis,
     Frontiers,
@@ -30,13 +29,11 @@ from quantlab.frontier import (
     merged_declared,
     paired_noise,
 )
+from quantlab.jobs import SAMPLES_FORMAT
 from quantlab.metrics import declared_from_tags
 from quantlab.paired import DocumentScores, documents_from_json
 from quantlab.policy import Policy, PolicyError
 from quantlab.report import render_html, render_markdown, render_plots
-
-SAMPLES_ARTIFACT = "samples.json"
-SAMPLES_VERSION = 2  # per-document scores of every metric, and the groups' leaves and weights
 
 
 @dataclass(frozen=True)
@@ -71,17 +68,9 @@ def read_sweep(store: tracking.TrackingStore, parent_run_id: str) -> SweepView:
     variants.sort(key=lambda v: (not v.is_baseline, v.name))
     settings = FrontierSettings.model_validate(recipe.get("frontier") or {})
     baseline = recipe.get("baseline") or next((v.name for v in variants if v.is_baseline), "")
-    model = model_label(str((recipe.get("model") or {}).get("source", "")) or parent.experiment_id)
-    return SweepView(
-        parent_run_id,
-        parent.experiment_id,
-        variants,
-        settings,
-        baseline,
-        _notes(recipe),
-        model,
-        paired_noise(variants, documents, groups),
-    )
+    source = str((recipe.get("model") or {}).get("source", ""))
+    model, noise = model_label(source or parent.experiment_id), paired_noise(variants, documents, groups)
+    return SweepView(parent_run_id, parent.experiment_id, variants, settings, baseline, _notes(source), model, noise)
 
 
 def model_label(source: str) -> str:
@@ -92,14 +81,13 @@ def model_label(source: str) -> str:
 
 
 def _samples(store: tracking.TrackingStore, run_id: str) -> dict | None:
-    """The run's samples.json when it is version 2 (per-document scores); None otherwise (an older
-    run, or none: its noise comes from the logged paired figures)."""
-    raw = store.read_artifact(run_id, SAMPLES_ARTIFACT)
+    """The run's samples.json in this version's format; None otherwise (its noise comes from the logged paired figures)."""
+    raw = store.read_artifact(run_id, tracking.SAMPLES_ARTIFACT)
     try:
         data = json.loads(raw) if raw is not None else None
     except ValueError:
         return None
-    return data if isinstance(data, dict) and data.get("version") == SAMPLES_VERSION else None
+    return data if isinstance(data, dict) and data.get("version") == SAMPLES_FORMAT else None
 
 
 def _summary(run: tracking.RunRecord) -> VariantSummary:
@@ -120,17 +108,13 @@ def _logged_recipe(store: tracking.TrackingStore, run_id: str) -> dict:
     return (yaml.safe_load(raw) or {}) if raw is not None else {}
 
 
-def _notes(recipe: dict) -> tuple[str, ...]:
-    source = str((recipe.get("model") or {}).get("source", ""))
-    if source.endswith(".gguf"):
-        return (
-            (
-                f"The baseline comes from a GGUF file ({source}): its weights are that file's "
-                "quantized values dequantized, so 'BF16' means BF16 of the dequantized GGUF, "
-                "not of the original full-precision release."
-            ),
-        )
-    return ()
+def _notes(source: str) -> tuple[str, ...]:
+    if not source.endswith(".gguf"):
+        return ()
+    return (
+        f"The baseline comes from a GGUF file ({source}): its weights are that file's quantized values dequantized, "
+        "so 'BF16' means BF16 of the dequantized GGUF, not of the original full-precision release.",
+    )
 
 
 def frontiers(view: SweepView) -> Frontiers:
@@ -144,17 +128,10 @@ def decide(view: SweepView, policy: Policy | None = None, objective: str | None 
         axis = Axis.of(objective, declared=declared) if objective else view.settings.objective_axis(declared)
         return pick(view.variants, view.baseline, policy or view.settings.default_policy, axis)
     except PolicyError as error:  # names the recipe's field, or the policy field behind a CLI flag
-        raise BadInput(
-            [
-                Problem(
-                    "recipe" if policy is None else "policy",
-                    error.recipe_field if policy is None else error.field,
-                    str(error),
-                )
-            ]
-        ) from None
+        where = ("recipe", error.recipe_field) if policy is None else ("policy", error.field)
+        raise bad_input(*where, str(error)) from None
     except (DecisionError, ValueError) as error:
-        raise BadInput([Problem("--objective" if objective else "sweep", "", str(error))]) from None
+        raise bad_input("--objective" if objective else "sweep", "", str(error)) from None
 
 
 def render_artifacts(view: SweepView, out_dir: Path) -> list[Path]:
@@ -166,12 +143,16 @@ def render_artifacts(view: SweepView, out_dir: Path) -> list[Path]:
     except BadInput:
         decision = None
     plots = render_plots(found, out_dir, view.model)
-    (out_dir / "frontier.json").write_text(json.dumps(json_safe(frontiers_to_dict(found)), indent=2, allow_nan=False))
+    (out_dir / "frontier.json").write_text(frontier_json(found, indent=2))
     render_html(found, plots, out_dir / "frontier.html", variants=view.variants, model=view.model)
     (out_dir / "report.md").write_text(render_markdown(view.variants, found, decision, view.notes, model=view.model))
     return [out_dir / name for name in ("frontier.json", "frontier.png", "frontier.html", "report.md")] + [
         path for plot in plots for path in (plot.png, plot.svg)
     ]
+
+
+def frontier_json(found: Frontiers, indent: int | None = None) -> str:
+    return json.dumps(json_safe(frontiers_to_dict(found)), indent=indent, allow_nan=False)
 
 
 def json_safe(value):
@@ -217,9 +198,8 @@ def record_pick(
     alias: str = "production",
     model_name: str | None = None,
 ) -> dict:
-    """`quantlab pick`'s record: the decision, logged on the sweep's parent run as
-    decisions/pick-<time>.json; with `register`, the chosen checkpoint registered under `alias`
-    (model name: the experiment's, unless given)."""
+    """`quantlab pick`'s record, logged on the parent run as decisions/pick-<time>.json; with `register`,
+    the chosen checkpoint registered under `alias` (model name: the experiment's, unless given)."""
     record = json_safe(decision.to_dict())
     if decision.chosen and register:
         run = next(

@@ -1,10 +1,7 @@
 """A sweep: plan the variants, run each (baseline first), log each into MLflow, publish the frontier.
 
-Resuming is by content: every variant has a run key, a hash of everything that decides its
-numbers (checkpoint identity, eval / quality / measure settings, the baseline it is compared
-with). A finished run with the same key in the experiment is copied into the new sweep in
-seconds instead of being recomputed (`--force` recomputes). Runs left RUNNING by a sweep that
-died on this host (SIGKILL, power loss) are marked KILLED when the next sweep starts.
+Resuming is by content: a finished run with the same run key (`run_keys`) is copied, not recomputed (`--force`
+recomputes). Runs left RUNNING by a sweep that died on this host are marked KILLED when the next one starts.
 """
 
 from __future__ import annotations
@@ -23,11 +20,11 @@ from quantlab.errors import BadInput, Problem
 from quantlab.executors import VariantFailed, make_executor
 from quantlab.jobs import SAMPLES_FORMAT, BaselineOutputs, VariantJob, VariantResult
 from quantlab.recipe import LoadedRecipe
+from quantlab.tracking import SAMPLES_ARTIFACT
 
 HOST, PID = "quantlab.host", "quantlab.pid"
 PID_STARTED = "quantlab.pid_started"  # the sweep process's start time: with host and pid, who it was
 REFERENCE_DIR = "quantlab.reference_dir"
-SAMPLES_ARTIFACT = "samples.json"  # per-document scores; format: runner.BaselineOutputs
 
 
 class SweepDisplay(Protocol):
@@ -65,14 +62,9 @@ def plan(loaded: LoadedRecipe, only: tuple[str, ...]) -> list[str]:
     """Variant names in run order: the baseline first, since the others compare against it."""
     recipe = loaded.recipe
     names = [variant.name for variant in recipe.variants]
-    unknown = [name for name in only if name not in names]
-    if unknown:
-        raise BadInput(
-            [
-                Problem("--only", "", f"'{name}' is not a variant of {loaded.path.name}; variants: {', '.join(names)}")
-                for name in unknown
-            ]
-        )
+    if unknown := [name for name in only if name not in names]:
+        known = f"is not a variant of {loaded.path.name}; variants: {', '.join(names)}"
+        raise BadInput([Problem("--only", "", f"'{name}' {known}") for name in unknown])
     chosen = [name for name in names if not only or name in only or name == recipe.baseline]
     return [recipe.baseline] + [name for name in chosen if name != recipe.baseline]
 
@@ -112,16 +104,8 @@ def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay
     mark_dead_sweeps(store, experiment)
     keys = run_keys(loaded, order, options.cache_root)
     reusable = {} if options.force else tracking.finished_runs(store, experiment, set(keys.values()))
-    parent = tracking.start_sweep(
-        store,
-        experiment,
-        f"sweep {loaded.recipe.name}",
-        {
-            HOST: socket.gethostname(),
-            PID: str(os.getpid()),
-            PID_STARTED: str(_started_at(os.getpid())),
-        },
-    )
+    who = {HOST: socket.gethostname(), PID: str(os.getpid()), PID_STARTED: str(_started_at(os.getpid()))}
+    parent = tracking.start_sweep(store, experiment, f"sweep {loaded.recipe.name}", who)
     sweep = SweepRuns(store, experiment, parent, loaded, options, display, keys)
     try:
         store.log_files(parent, {"recipe.yaml": loaded.text})
@@ -133,9 +117,8 @@ def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay
         if log_root is not None:
             log_root.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="quantlab-logs-", dir=log_root) as logs:
-            baseline_name, others = order[0], order[1:]
-            sweep.run_batch([baseline_name], reusable, Path(logs))
-            sweep.run_batch(others, reusable, Path(logs))
+            sweep.run_batch(order[:1], reusable, Path(logs))  # the baseline, which the others compare against
+            sweep.run_batch(order[1:], reusable, Path(logs))
         publish_sweep(store, parent)
     except BaseException as error:
         status = "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
@@ -146,26 +129,22 @@ def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay
     return SweepOutcome(experiment, parent, sweep.finished, sweep.reused, sweep.failures)
 
 
+@dataclass
 class SweepRuns:
     """The bookkeeping of one sweep: which run belongs to which variant, and what came of it."""
 
-    def __init__(
-        self,
-        store: tracking.TrackingStore,
-        experiment: str,
-        parent: str,
-        loaded: LoadedRecipe,
-        options: SweepOptions,
-        display: SweepDisplay,
-        keys: dict[str, str],
-    ):
-        self.store, self.experiment, self.parent = store, experiment, parent
-        self.loaded, self.options, self.display, self.keys = loaded, options, display, keys
-        self.runs: dict[str, str] = {}
-        self.baseline: BaselineOutputs | None = None
-        self.finished: list[str] = []
-        self.reused: list[str] = []
-        self.failures: dict[str, str] = {}
+    store: tracking.TrackingStore
+    experiment: str
+    parent: str
+    loaded: LoadedRecipe
+    options: SweepOptions
+    display: SweepDisplay
+    keys: dict[str, str]
+    runs: dict[str, str] = field(default_factory=dict)  # variant -> its run in this sweep
+    baseline: BaselineOutputs | None = None
+    finished: list[str] = field(default_factory=list)
+    reused: list[str] = field(default_factory=list)
+    failures: dict[str, str] = field(default_factory=dict)
 
     def run_batch(self, names: list[str], reusable: dict[str, tracking.RunRecord], logs: Path) -> None:
         to_run = []
@@ -191,15 +170,9 @@ class SweepRuns:
 
     def _run_for(self, name: str) -> str:
         if name not in self.runs:
-            variant = self.loaded.recipe.variant(name)
+            method, baseline = self.loaded.recipe.variant(name).method, name == self.loaded.recipe.baseline
             self.runs[name] = tracking.start_variant(
-                self.store,
-                self.experiment,
-                self.parent,
-                name,
-                variant.method,
-                baseline=name == self.loaded.recipe.baseline,
-                run_key=self.keys[name],
+                self.store, self.experiment, self.parent, name, method, baseline=baseline, run_key=self.keys[name]
             )
         return self.runs[name]
 
@@ -250,9 +223,12 @@ class SweepRuns:
         # renamed variant is copied under its new name; the numbers are the content's.
         run_id = self._run_for(name)
         if name == self.loaded.recipe.baseline:  # read before the copy: a baseline without samples ends the sweep
-            self.baseline = _baseline_outputs(
-                self.store.read_artifact(previous.run_id, SAMPLES_ARTIFACT), previous.tags.get(REFERENCE_DIR)
-            )
+            samples = self.store.read_artifact(previous.run_id, SAMPLES_ARTIFACT)
+            if samples is None:
+                raise ValueError(f"the reused baseline run has no {SAMPLES_ARTIFACT}")
+            reference = previous.tags.get(REFERENCE_DIR)
+            usable = reference if reference and Path(reference, "reference.json").is_file() else None
+            self.baseline = BaselineOutputs.from_samples(json.loads(samples), usable)
         tracking.copy_run(self.store, previous, run_id)
         self.reused.append(name)
         self.display.variant_finished(name, None, None, reused=True)
@@ -262,13 +238,6 @@ class SweepRuns:
         for run_id in self.runs.values():
             if self.store.run(run_id).status == "RUNNING":
                 self.store.finish(run_id, status)
-
-
-def _baseline_outputs(samples: bytes | None, reference_dir: str | None) -> BaselineOutputs:
-    if samples is None:
-        raise ValueError(f"the reused baseline run has no {SAMPLES_ARTIFACT}")
-    usable_reference = reference_dir if reference_dir and Path(reference_dir, "reference.json").is_file() else None
-    return BaselineOutputs.from_samples(json.loads(samples), usable_reference)
 
 
 def mark_dead_sweeps(store: tracking.TrackingStore, experiment: str) -> list[str]:
@@ -285,11 +254,8 @@ def mark_dead_sweeps(store: tracking.TrackingStore, experiment: str) -> list[str
 
 
 def _process_alive(pid: int, started: str | None = None) -> bool:
-    """Whether the sweep process that recorded (pid, start time) still runs.
-
-    A pid alone is not enough: a restarted container gives the next sweep the same small pid
-    (then it is this very process), and a busy host reuses pids.
-    """
+    """Whether the sweep process that recorded (pid, start time) still runs. A pid alone is not enough:
+    a restarted container gives the next sweep the same small pid (this very process), a busy host reuses pids."""
     if pid <= 0 or pid == os.getpid():
         return False
     try:

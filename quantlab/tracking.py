@@ -1,13 +1,7 @@
 """MLflow behind one door: the only quantlab module that imports MLflow (`quantlab ui` aside).
 
-Layout (a contract other tools rely on, see DESIGN.md): experiment = recipe name; parent run
-tagged quantlab.role=sweep; nested runs tagged quantlab.role=variant, quantlab.variant,
-quantlab.method, quantlab.checkpoint, quantlab.on_frontier.
-
-Two halves: `TrackingStore`, the few primitives a store offers (MlflowStore here; the tests'
-MemoryStore is a fake of it), and the operations quantlab performs, written once over any
-store (start a sweep, log a variant, find finished runs by run key, copy a run, mark a dead
-sweep's runs, register a checkpoint). Runs come back as `RunRecord`s, never MLflow objects.
+`TrackingStore` is the few primitives a store offers (MlflowStore; the tests' MemoryStore fakes it); the
+operations below write DESIGN.md's run layout once over any store. Runs come back as `RunRecord`s.
 """
 
 from __future__ import annotations
@@ -21,12 +15,12 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Protocol
 
-from quantlab.errors import BadInput, Problem
+from quantlab.errors import bad_input
 
 DEFAULT_TRACKING_URI = "sqlite:///mlruns/mlflow.db"
 ROLE = "quantlab.role"
@@ -42,6 +36,7 @@ FAILURE = "quantlab.failure"
 PARENT = "mlflow.parentRunId"
 NOTE = "mlflow.note.content"
 EVALUATION_CONTEXT = "evaluation"
+SAMPLES_ARTIFACT = "samples.json"  # a variant run's per-document scores (format: jobs.BaselineOutputs)
 # MLflow's batch endpoint limits.
 _BATCH = {"metrics": 1000, "params": 100, "tags": 100}
 _CREATED: set[str] = set()  # SQLite stores this process has opened (and so created, if new)
@@ -57,6 +52,12 @@ class DatasetRecord:
     source: str
     profile: str | None = None
     schema: str | None = None
+
+    @classmethod
+    def of(cls, item) -> DatasetRecord:
+        """From anything with these fields (profile and schema optional), e.g. a TaskDataset or an MLflow Dataset."""
+        optional = {key: getattr(item, key, None) for key in ("profile", "schema")}
+        return cls(item.name, item.digest, item.source_type, item.source, **optional)
 
 
 @dataclass(frozen=True)
@@ -116,10 +117,7 @@ def tracking_uri(flag: str | None) -> str:
 
 
 class MlflowStore:
-    """A TrackingStore on MLflow: SQLite, a tracking server, or any URI MLflow accepts.
-
-    search() returns runs newest first, as the in-memory fake must too.
-    """
+    """A TrackingStore on MLflow (SQLite, a tracking server, any URI MLflow accepts); search() is newest first."""
 
     def __init__(self, uri: str):
         self.uri = uri
@@ -198,27 +196,12 @@ class MlflowStore:
             self._client.log_artifacts(run_id, scratch)
 
     def log_datasets(self, run_id: str, datasets: Iterable, context: str = EVALUATION_CONTEXT) -> None:
-        """Record what a run was scored on as MLflow dataset inputs (the runs table's Dataset column).
-
-        Each item has name, digest, source_type, source and profile (a TaskDataset or a DatasetRecord).
-        """
+        """Record what a run was scored on as MLflow dataset inputs (the runs table's Dataset column)."""
         from mlflow.entities import Dataset, DatasetInput, InputTag
         from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
-        inputs = [
-            DatasetInput(
-                Dataset(
-                    name=item.name,
-                    digest=item.digest,
-                    source_type=item.source_type,
-                    source=item.source,
-                    schema=getattr(item, "schema", None),
-                    profile=getattr(item, "profile", None),
-                ),
-                tags=[InputTag(key=MLFLOW_DATASET_CONTEXT, value=context)],
-            )
-            for item in datasets
-        ]
+        tags = [InputTag(key=MLFLOW_DATASET_CONTEXT, value=context)]
+        inputs = [DatasetInput(Dataset(**asdict(DatasetRecord.of(item))), tags=tags) for item in datasets]
         if inputs:
             self._client.log_inputs(run_id, datasets=inputs)
 
@@ -229,18 +212,12 @@ class MlflowStore:
         return _record(self._client.get_run(run_id))
 
     def search(self, experiment_ids: list[str], tags: dict[str, str], status: str | None = None) -> list[RunRecord]:
+        if not experiment_ids:
+            return []
         where = [f"tags.`{key}` = '{value}'" for key, value in tags.items()]
         where += [f"attributes.status = '{status}'"] if status else []
-        runs = (
-            self._client.search_runs(
-                experiment_ids,
-                filter_string=" and ".join(where),
-                order_by=["attributes.start_time DESC"],
-                max_results=5000,
-            )
-            if experiment_ids
-            else []
-        )
+        order = ["attributes.start_time DESC"]
+        runs = self._client.search_runs(experiment_ids, " and ".join(where), order_by=order, max_results=5000)
         return [_record(run) for run in runs]
 
     def read_artifact(self, run_id: str, path: str) -> bytes | None:
@@ -284,10 +261,7 @@ def _record(run) -> RunRecord:
         metrics=dict(run.data.metrics),
         params=dict(run.data.params),
         tags=dict(run.data.tags),
-        datasets=tuple(
-            DatasetRecord(d.name, d.digest, d.source_type, d.source, d.profile, d.schema)
-            for d in (item.dataset for item in inputs)
-        ),
+        datasets=tuple(DatasetRecord.of(item.dataset) for item in inputs),
     )
 
 
@@ -326,6 +300,7 @@ def _health_request(uri: str) -> urllib.request.Request:
 
 def open_store(uri: str) -> MlflowStore:
     """Check the store is usable before any work: an unreachable server is bad input (exit 2)."""
+    store = MlflowStore(uri)
     if uri.startswith(("http://", "https://")):
         # MLflow's own client retries for minutes; one direct probe answers in seconds.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
@@ -336,15 +311,12 @@ def open_store(uri: str) -> MlflowStore:
             with urllib.request.urlopen(_health_request(uri), timeout=10) as response:
                 response.read()
         except (urllib.error.URLError, OSError) as error:
-            raise BadInput(
-                [Problem("--tracking-uri", "", f"tracking server {shown_uri(uri)} is unreachable: {error}")]
-            ) from None
-    elif uri.startswith("sqlite:///"):
-        database = Path(uri.removeprefix("sqlite:///"))
-        database.parent.mkdir(parents=True, exist_ok=True)
+            raise bad_input("--tracking-uri", "", f"tracking server {shown_uri(uri)} is unreachable: {error}") from None
+    elif store.sqlite_path:
+        store.sqlite_path.parent.mkdir(parents=True, exist_ok=True)
     elif not uri.startswith(("file:", "databricks", "postgresql", "mysql", "mssql")) and "://" in uri:
-        raise BadInput([Problem("--tracking-uri", "", f"unsupported tracking URI scheme: {shown_uri(uri)}")])
-    return MlflowStore(uri)
+        raise bad_input("--tracking-uri", "", f"unsupported tracking URI scheme: {shown_uri(uri)}")
+    return store
 
 
 # Operations on any TrackingStore: the MLflow layout is written and read here, once.
@@ -403,12 +375,8 @@ _IDENTITY_TAGS = frozenset({ON_FRONTIER, ROLE, VARIANT, BASELINE})
 
 
 def copy_run(store: TrackingStore, source: RunRecord, target_run_id: str) -> None:
-    """Copy a finished run's numbers, datasets and artifacts into `target_run_id` (a run that
-    start_variant made, so it already says who it is) and finish it.
-
-    A renamed variant keeps its new name (also in the `variant.name` param), and reused_from
-    names the run that computed the numbers, not a copy of a copy.
-    """
+    """Copy a finished run's numbers, datasets and artifacts into `target_run_id` (made by start_variant, so it
+    says who it is: a renamed variant keeps its new name) and finish it; reused_from names the original run."""
     name = store.run(target_run_id).tags.get(VARIANT)
     tags = {k: v for k, v in source.tags.items() if not k.startswith("mlflow.") and k not in _IDENTITY_TAGS}
     params = source.params | ({"variant.name": name} if "variant.name" in source.params and name else {})
@@ -444,11 +412,11 @@ def latest_sweep(store: TrackingStore, experiment_name: str | None) -> RunRecord
     else:
         found = store.experiment_id(experiment_name, create=False)
         if found is None:
-            raise BadInput([Problem("--experiment", "", f"no experiment named '{experiment_name}' in {store.uri}")])
+            raise bad_input("--experiment", "", f"no experiment named '{experiment_name}' in {store.uri}")
         experiments, where = [found], f"experiment '{experiment_name}'"
     runs = store.search(experiments, {ROLE: "sweep"})
     if not runs:
-        raise BadInput([Problem("--experiment", "", f"{where} has no sweep runs; run `quantlab sweep RECIPE` first")])
+        raise bad_input("--experiment", "", f"{where} has no sweep runs; run `quantlab sweep RECIPE` first")
     return runs[0]
 
 
@@ -467,9 +435,7 @@ def register_checkpoint(
     store: TrackingStore, model_name: str, alias: str, run: RunRecord, tags: dict[str, str]
 ) -> tuple[str, bool]:
     """Register the run's checkpoint where it lies (no weights copied) under `alias`; (version, created).
-
-    The same checkpoint (content key) registered again reuses its version instead of adding one.
-    """
+    The same checkpoint (content key) registered again reuses its version."""
     checkpoint, content_key = run.tags[CHECKPOINT], run.tags.get(CONTENT_KEY, run.run_id)
     existing = [version for version in store.model_versions(model_name) if version.tags.get(CONTENT_KEY) == content_key]
     if existing:

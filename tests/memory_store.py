@@ -81,17 +81,7 @@ class MemoryStore:
         )
 
     def log_datasets(self, run_id: str, datasets: Iterable, context: str = EVALUATION_CONTEXT) -> None:
-        self._runs[run_id].datasets.extend(
-            DatasetRecord(
-                item.name,
-                item.digest,
-                item.source_type,
-                item.source,
-                getattr(item, "profile", None),
-                getattr(item, "schema", None),
-            )
-            for item in datasets
-        )
+        self._runs[run_id].datasets.extend(map(DatasetRecord.of, datasets))
 
     def finish(self, run_id: str, status: str) -> None:
         self._runs[run_id].status = status
