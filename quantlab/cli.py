@@ -78,11 +78,10 @@ class _RichSweepDisplay:
 
 
 def _open_store(flag: str | None):
-    """The resolved tracking URI and its store, checked usable (bad input otherwise)."""
+    """The store the flag (or the environment, or the default) names, checked usable: bad input otherwise."""
     from quantlab.tracking import open_store, tracking_uri
 
-    uri = tracking_uri(flag)
-    return uri, open_store(uri)
+    return open_store(tracking_uri(flag))
 
 
 @app.command()
@@ -124,7 +123,7 @@ def sweep(
             raise bad_input("--executor", "", f"'{executor}' is not one of: local, ray, inprocess")
         cache_root = (cache_dir or default_root()).resolve()
         loaded = validate(recipe, cache_root)
-        uri, _ = _open_store(tracking_uri)
+        uri = _open_store(tracking_uri).uri
         options = SweepOptions(uri, cache_root, executor, force, tuple(only or ()), ray_address)  # type: ignore[arg-type]
         _stop_on_sigterm()
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=out) as progress:
@@ -178,13 +177,13 @@ def ui(
 
     from quantlab.tracking import ui_addresses
 
-    uri, store = _open_store(tracking_uri)
-    command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", host, "--port", str(port)]
+    store = _open_store(tracking_uri)
+    options = ["--backend-store-uri", store.uri, "--host", host, "--port", str(port)]
     _stop_on_sigterm()
     # Its job runners (seven huey consumers) serve GenAI features, not the runs we browse.
     env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ}
     # mlflow ui starts helper processes: a session of its own lets us stop them all together.
-    server = subprocess.Popen(command, start_new_session=True, env=env)
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", *options], start_new_session=True, env=env)
     for name, address in ui_addresses(store, host, port):
         _say(f"{name}: {address}")
     out.print("Press Ctrl-C to stop.")
@@ -205,7 +204,7 @@ def _sweep_view(experiment: str | None, tracking_uri: str | None):
     from quantlab.publish import read_sweep
     from quantlab.tracking import latest_sweep
 
-    _, store = _open_store(tracking_uri)
+    store = _open_store(tracking_uri)
     return store, read_sweep(store, latest_sweep(store, experiment).run_id)
 
 

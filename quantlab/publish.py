@@ -50,21 +50,17 @@ class SweepView:
 
 def read_sweep(store: tracking.TrackingStore, parent_run_id: str) -> SweepView:
     parent = store.run(parent_run_id)
-    recipe = _logged_recipe(store, parent_run_id)
+    # No recipe.yaml: a sweep logged by an older quantlab, defaults apply.
+    recipe = yaml.safe_load(store.read_artifact(parent_run_id, "recipe.yaml") or b"") or {}
     runs = tracking.child_runs(store, parent_run_id)
     variants = [_summary(run) for run in runs]
     documents: dict[str, dict[str, DocumentScores]] = {}
     groups: dict[str, Group] = {}
     for run, variant in zip(runs, variants):
-        samples = _samples(store, run.run_id) if variant.succeeded else None
-        if samples is not None:
+        if variant.succeeded and (samples := _samples(store, run.run_id)) is not None:
             documents[variant.name] = documents_from_json(samples.get("documents") or {})
-            groups.update(
-                {
-                    key: Group(tuple(g["leaves"]), tuple(g["weights"]))
-                    for key, g in (samples.get("groups") or {}).items()
-                }
-            )
+            for key, group in (samples.get("groups") or {}).items():
+                groups[key] = Group(tuple(group["leaves"]), tuple(group["weights"]))
     variants.sort(key=lambda v: (not v.is_baseline, v.name))
     settings = FrontierSettings.model_validate(recipe.get("frontier") or {})
     baseline = recipe.get("baseline") or next((v.name for v in variants if v.is_baseline), "")
@@ -101,11 +97,6 @@ def _summary(run: tracking.RunRecord) -> VariantSummary:
         is_baseline=tags.get(tracking.BASELINE) == "true",
         declared=declared_from_tags(tags),
     )
-
-
-def _logged_recipe(store: tracking.TrackingStore, run_id: str) -> dict:
-    raw = store.read_artifact(run_id, "recipe.yaml")  # None: a sweep logged by an older quantlab, defaults apply
-    return (yaml.safe_load(raw) or {}) if raw is not None else {}
 
 
 def _notes(source: str) -> tuple[str, ...]:
