@@ -47,12 +47,9 @@ def kld_stats(per_token_kld: np.ndarray) -> KldStats:
 
 @dataclass(frozen=True)
 class TokenDamage:
-    """Token-level damage of one variant over the perplexity corpus.
-
-    ``kld_error_bound_mean`` bounds how far ``kld.mean`` may lie from the KL computed with
-    exact float32 baseline log-probabilities (the stored baseline is rounded; see
-    :mod:`quantlab.evaluate.reference`). It is a diagnostic, not one of the contract keys.
-    """
+    """Token-level damage of one variant over the perplexity corpus. ``kld_error_bound_mean``, a
+    diagnostic and no contract key, bounds how far ``kld.mean`` may lie from the KL of exact float32
+    baseline log-probabilities (the stored ones are rounded; see :mod:`quantlab.evaluate.reference`)."""
 
     ppl: float
     ppl_tokens: int
@@ -138,16 +135,9 @@ def flip_metrics(task: str, correct_to_wrong: int, wrong_to_correct: int) -> dic
     }
 
 
-def paired_flips(
-    task: str,
-    baseline: Mapping[int | str, float],
-    variant: Mapping[int | str, float],
-) -> FlipStats:
-    """Flips between baseline and variant correctness (doc_id -> 1.0 correct / 0.0 wrong).
-
-    Both must score the same samples: differing doc ids mean the runs are not paired (another
-    `limit`, another task version), which would make every count meaningless.
-    """
+def paired_flips(task: str, baseline: Mapping[int | str, float], variant: Mapping[int | str, float]) -> FlipStats:
+    """Flips between baseline and variant correctness (doc_id -> 1.0 correct / 0.0 wrong). Both must
+    score the same samples: differing doc ids (another `limit`, another task version) are refused."""
     if baseline.keys() != variant.keys():
         only_base = len(baseline.keys() - variant.keys())
         only_variant = len(variant.keys() - baseline.keys())
@@ -162,24 +152,15 @@ def paired_flips(
     correct_to_wrong = tuple(doc_id for doc_id, pair in pairs.items() if pair == (True, False))
     wrong_to_correct = tuple(doc_id for doc_id, pair in pairs.items() if pair == (False, True))
     counts = Counter(pairs.values())
-    return FlipStats(
-        task=task,
-        both_correct=counts[True, True],
-        both_wrong=counts[False, False],
-        correct_to_wrong_ids=correct_to_wrong,
-        wrong_to_correct_ids=wrong_to_correct,
-        mcnemar_p=mcnemar_exact_p(len(correct_to_wrong), len(wrong_to_correct)),
-    )
+    p = mcnemar_exact_p(len(correct_to_wrong), len(wrong_to_correct))
+    return FlipStats(task, counts[True, True], counts[False, False], correct_to_wrong, wrong_to_correct, p)
 
 
 @dataclass(frozen=True)
 class Recovery:
-    """variant / baseline for each metric of one task (1.0 = nothing lost).
-
-    The ratio is taken as is: for lower-is-better metrics (perplexities) above 1 means worse.
-    A baseline of 0 gives 1.0 when the variant is 0 too, and NaN (undefined, but the column
-    stays) otherwise.
-    """
+    """variant / baseline for each metric of one task (1.0 = nothing lost), taken as is: for
+    lower-is-better metrics above 1 means worse. A baseline of 0 gives 1.0 when the variant is 0
+    too, and NaN (undefined, but the column stays) otherwise."""
 
     task: str
     ratios: Mapping[str, float]
@@ -189,10 +170,8 @@ class Recovery:
 
 
 def recovery(task: str, baseline: Mapping[str, float], variant: Mapping[str, float]) -> Recovery:
-    """Recovery of every metric the baseline and the variant both report for one task.
-
-    Standard errors (``*_stderr``) are not metrics to recover and are skipped.
-    """
+    """Recovery of every metric the baseline and the variant both report for one task, except
+    standard errors (``*_stderr``)."""
     shared = sorted(metric for metric in baseline.keys() & variant.keys() if not metric.endswith("_stderr"))
     return Recovery(task, {metric: _ratio(float(baseline[metric]), float(variant[metric])) for metric in shared})
 

@@ -1,8 +1,7 @@
 """The baseline's forward pass over the perplexity corpus, stored once per sweep, and every variant's
 comparison against it, in the variant's own process (two models are never loaded at once): perplexity,
 KL divergence, top-1 agreement, Δp. Size on disk: at most :func:`reference_bytes_bound`, e.g. a 128k
-vocabulary over 4,096 scored tokens takes at most 1 GiB + 53 KiB.
-"""
+vocabulary over 4,096 scored tokens takes at most 1 GiB + 53 KiB."""
 
 from __future__ import annotations
 
@@ -28,10 +27,8 @@ TOP1_FILE = "baseline_top1.npy"
 LOGPROBS_FILE = "logprobs.npy"
 _INFO_FIELDS = ("window", "stride", "n_tokens", "n_scored", "vocab_size", "baseline_ppl", "baseline_model")
 
-# Largest float32 block of log-probability rows processed at once (about ten temporaries of it live,
-# so ~40 MiB beyond the model's own logits whatever the corpus length). Small on purpose: on CPU,
-# temporaries above glibc's mmap threshold are page-faulted afresh each time (4 MiB blocks compared
-# SmolLM2's 1,020 rows in 0.4 s on 2 cores, 32 MiB blocks in 0.6 to 3.6 s).
+# Largest float32 block of log-probability rows processed at once (~10 temporaries live: ~40 MiB beyond
+# the logits). Small on purpose: on CPU, glibc page-faults temporaries above its mmap threshold afresh.
 BLOCK_BYTES = 4 * 2**20
 
 FP16_LOWEST = float(torch.finfo(torch.float16).min)  # stored log-probabilities are clamped here (-65504)
@@ -39,8 +36,7 @@ FP16_UNIT_ROUNDOFF = 2.0**-11
 FP16_SUBNORMAL_ERROR = 2.0**-25
 _FIXED_OVERHEAD_BYTES = 4096  # four .npy headers (128 bytes each) and reference.json
 
-Progress = Callable[[int, int], None]
-"""Called as ``progress(scored_tokens_done, scored_tokens_total)`` after each window."""
+Progress = Callable[[int, int], None]  # progress(scored_tokens_done, scored_tokens_total) after each window
 
 
 @dataclass(frozen=True)
@@ -105,10 +101,8 @@ class ReferenceInfo:
 
 
 def corpus_token_ids(tokenizer: Callable[..., Mapping[str, Any]], text: str, max_tokens: int) -> torch.Tensor:
-    """The first ``max_tokens`` token ids of ``text`` (fewer if the text is shorter), int64 1-D.
-
-    No special tokens are added: the windows score plain text, the same for every variant.
-    """
+    """The first ``max_tokens`` token ids of ``text`` (fewer if the text is shorter), int64 1-D; no
+    special tokens are added: the windows score plain text, the same for every variant."""
     if max_tokens < 2:
         raise ValueError(f"max_tokens must be at least 2, got {max_tokens}")
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])[:max_tokens]
@@ -126,15 +120,12 @@ def write_reference(
     stride: int | None = None,
     progress: Progress | None = None,
 ) -> ReferenceInfo:
-    """Run the baseline over ``token_ids`` and store what comparisons need in ``out_dir``: the
-    corpus (``token_ids.npy``, int32), and per scored token the baseline's exact NLL
-    (``baseline_nll.npy``, float32), float32 arg-max (``baseline_top1.npy``, int32) and
-    log-probabilities rounded to fp16 (``logprobs.npy``, ``[n_scored, vocab]``), then
-    ``reference.json``. The directory is written aside and renamed into place when complete.
+    """Run the baseline (a Hugging Face causal LM, on any device) over ``token_ids`` and store in
+    ``out_dir``, written aside and renamed into place when complete: the corpus, and per scored token
+    the baseline's exact NLL, float32 arg-max and log-probabilities rounded to fp16 ``[n_scored, vocab]``.
 
     ``stride`` defaults to ``window`` (non-overlapping). An existing reference at ``out_dir`` is
-    replaced; any other existing non-empty path is refused. ``model`` is a Hugging Face causal
-    LM (it takes ``logits_to_keep``), on any device; it runs in eval mode, its mode restored after.
+    replaced; any other existing non-empty path is refused. The model's train/eval mode is restored.
     """
     token_ids = torch.as_tensor(token_ids, dtype=torch.int64).cpu()
     if token_ids.dim() != 1:
@@ -210,10 +201,9 @@ class TokenComparison:
         return token_damage(self.kld, self.baseline_nll, self.variant_nll, self.top1_match, self.kld_error_bound)
 
     def documents(self) -> dict[str, DocumentScores]:
-        """The variant's per-token scores in the shapes `quantlab.paired` compares: perplexity as a
-        weighted perplexity of one token each (so the paired difference is the ratio of perplexities),
-        KL and top-1 agreement as means. Neighbouring tokens are correlated, so these standard errors
-        are on the small side (documents would be the honest unit; the corpus is one long text)."""
+        """Per token, as `quantlab.paired` compares: perplexity as a weighted perplexity of one token
+        each (the paired difference is the ratio of perplexities), KL and top-1 agreement as means.
+        Neighbouring tokens are correlated, so these standard errors are on the small side."""
         ones = dict.fromkeys(range(len(self.variant_nll)), 1.0)
         return {
             "quality/ppl": DocumentScores(Aggregation.WEIGHTED_PERPLEXITY, _per_token(-self.variant_nll), ones),
@@ -263,14 +253,12 @@ def encode_logprobs(logprobs: torch.Tensor) -> torch.Tensor:
 
 
 def stored_kld(reference: torch.Tensor, variant_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row KL(P̃ || Q̃) between the two distributions at the stored precision, P̃ = softmax(fp16(log P))
-    and Q̃ = softmax(fp16(log Q)) (so a deterministic model compared with itself gives exactly 0), and a
-    bound on its distance from the exact KL(P || Q).
+    """Per-row KL(P̃ || Q̃) at the stored precision, P̃ = softmax(fp16(log P)) and Q̃ = softmax(fp16(log Q))
+    (a deterministic model against itself gives exactly 0), and a bound on its distance from KL(P || Q).
 
     ``reference``: stored fp16 baseline log-probabilities ``[rows, vocab]``; ``variant_logprobs``: the
-    variant's float32 log-probabilities ``m``, same shape. fp16 rounding moves each stored ``l`` by at
-    most ``u·|l|`` (u = 2^-11; 2^-25 below fp16's normal range) and renormalising adds the shift
-    ``c = logsumexp(l̃)``; with ``d = u/(1-u)·|l̃| + 2^-25 + |c|``, per row::
+    variant's float32 ones ``m``. fp16 moves each stored ``l`` by at most ``u·|l|`` (u = 2^-11; 2^-25
+    below fp16's normal range), renormalising by ``c = logsumexp(l̃)``; with ``d = u/(1-u)·|l̃| + 2^-25 + |c|``::
 
         |KL(P̃||Q̃) - KL(P||Q)| <= Σ P̃·expm1(d)·(|ln P̃ - m| + d) + Σ P̃·e^d·expm1(d)²
                                   + |Σ P̃·(ln Q̃ - m)| + float32 summation slack
@@ -309,10 +297,7 @@ def _renormalized(logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def _logprob_blocks(
-    model: torch.nn.Module,
-    token_ids: torch.Tensor,
-    windows: Sequence[Window],
-    progress: Progress | None,
+    model: torch.nn.Module, token_ids: torch.Tensor, windows: Sequence[Window], progress: Progress | None
 ) -> Iterator[tuple[slice, torch.Tensor, np.ndarray, np.ndarray]]:
     """(rows among all scored tokens, float32 log-probabilities, NLL of the targets, arg-max) for
     the scored rows, window by window, in blocks of at most ``BLOCK_BYTES``."""
