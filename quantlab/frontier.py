@@ -1,46 +1,25 @@
 """Quality-versus-cost Pareto frontiers of a finished sweep, judged against paired noise (pure).
 
-Directions and scales come from the metric contract (`quantlab.metrics`): lm-eval scores take
-lm-eval's own `higher_is_better`, recorded by the sweep and merged across its variants. A score
-whose direction nobody declared is named (`Frontiers.direction_unknown`), never placed or dropped
-in silence.
-
-Dominance. On one quality/cost pair, variant B is dominated by A when A costs no more, A is at
-least as good on quality beyond the paired noise (the lower end of the paired 95% interval of
-A - B, taken in the metric's better direction, is >= 0), and A is strictly better on one axis
-(cheaper, or that lower end > 0). Two variants whose quality interval straddles 0
-are a tie within noise: neither can dominate the other on quality, both are reported as tied.
-Paired noise comes from a `Noise` callable (per-document scores of both runs, or the figures each
-run logged against the baseline); where it has none the pair is compared on the point estimates
-and the result says so. Unpaired standard errors are never used: baseline and variants answer the
-same documents, and treating them as independent overstates the noise several times.
+Unpaired standard errors are never used: baseline and variants answer the same documents, and treating
+them as independent overstates the noise several times.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from quantlab.metrics import Declared, MetricSpec, Scale, is_eval_score, paired_key
 from quantlab.metrics import spec as metric_spec
 from quantlab.metrics import unknown_directions as contract_unknown_directions
-from quantlab.paired import (
-    DocumentScores,
-    NotPaired,
-    PairedComparison,
-    combine,
-    compare,
-)
+from quantlab.paired import DocumentScores, NotPaired, PairedComparison, combine, compare
 from quantlab.policy import Policy, format_change
-
-# --------------------------------------------------------------------------------------
-# Input
-# --------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -57,18 +36,11 @@ class VariantSummary:
     declared: dict[str, Declared] = field(default_factory=dict)
 
     def spec(self, key: str) -> MetricSpec:
-        """The metric contract's entry for one of this run's keys."""
         return metric_spec(key, self.declared)
 
     def value(self, metric: str) -> float | None:
-        """The metric's value, or None when it was not logged or is not a finite number.
-
-        NaN and infinities count as missing: a diverged measurement must not win a frontier.
-        """
-        raw = self.metrics.get(metric)
-        if raw is None:
-            return None
-        number = float(raw)
+        """None when not logged or not finite: a diverged measurement must not win a frontier."""
+        number = math.nan if self.metrics.get(metric) is None else float(self.metrics[metric])
         return number if math.isfinite(number) else None
 
 
@@ -92,15 +64,9 @@ def find_baseline(variants: Sequence[VariantSummary]) -> VariantSummary | None:
 
 
 def ensure_unique_names(variants: Sequence[VariantSummary]) -> None:
-    counts = Counter(variant.name for variant in variants)
-    duplicates = sorted(name for name, count in counts.items() if count > 1)
-    if duplicates:
-        raise ValueError(f"variant names must be unique; repeated: {duplicates}")
-
-
-# --------------------------------------------------------------------------------------
-# Paired comparisons in words (values through policy.py's formatting, in the contract's scale)
-# --------------------------------------------------------------------------------------
+    repeated = sorted(name for name, count in Counter(variant.name for variant in variants).items() if count > 1)
+    if repeated:
+        raise ValueError(f"variant names must be unique; repeated: {repeated}")
 
 
 def format_p(p: float) -> str:
@@ -109,22 +75,22 @@ def format_p(p: float) -> str:
     return f"{p:.0e}".replace("e-0", "e-") if p < 1e-3 else f"{p:.2g}"
 
 
-def describe_comparison(comparison: PairedComparison, metric: MetricSpec) -> str:
-    """ "-2.00 pts [-3.10, -0.90], p=3e-4, 25 right→wrong / 5 wrong→right" (variant minus baseline)."""
+def format_diff(metric: MetricSpec, comparison: PairedComparison) -> str:
+    """ "-2.00 pts [-3.10, -0.90]": variant minus baseline and its paired 95% interval, where it has one."""
     text = format_change(metric, comparison.diff)
-    if math.isfinite(comparison.ci95_low) and math.isfinite(comparison.ci95_high):
-        ends = (comparison.ci95_low, comparison.ci95_high)
+    ends = (comparison.ci95_low, comparison.ci95_high)
+    if all(map(math.isfinite, ends)):
         low, high = (format_change(metric, end).removesuffix(" pts") for end in ends)
         text += f" [{low}, {high}]"
-    text += f", p={format_p(comparison.p_value)}"
-    if comparison.correct_to_wrong is not None and comparison.wrong_to_correct is not None:
-        text += f", {comparison.correct_to_wrong} right→wrong / {comparison.wrong_to_correct} wrong→right"
     return text
 
 
-# --------------------------------------------------------------------------------------
-# Axes
-# --------------------------------------------------------------------------------------
+def describe_comparison(comparison: PairedComparison, metric: MetricSpec) -> str:
+    """ "-2.00 pts [-3.10, -0.90], p=3e-4, 25 right→wrong / 5 wrong→right" (variant minus baseline)."""
+    text = f"{format_diff(metric, comparison)}, p={format_p(comparison.p_value)}"
+    if comparison.correct_to_wrong is not None and comparison.wrong_to_correct is not None:
+        text += f", {comparison.correct_to_wrong} right→wrong / {comparison.wrong_to_correct} wrong→right"
+    return text
 
 
 class UnknownDirectionError(ValueError):
@@ -206,38 +172,35 @@ def task_scores(variants: Sequence[VariantSummary], declared: Mapping[str, Decla
     )
 
 
+def quality_metrics(
+    variants: Sequence[VariantSummary], declared: Mapping[str, Declared], damage: Iterable[str] = DAMAGE_METRICS
+) -> list[str]:
+    """The task scores, then the damage figures a succeeded variant logged."""
+    logged = logged_keys(variants)
+    return [*task_scores(variants, declared), *(key for key in damage if key in logged)]
+
+
 def default_axis_pairs(
     variants: Sequence[VariantSummary], declared: Mapping[str, Declared] | None = None
 ) -> tuple[AxisPair, ...]:
-    """Every lm-eval score of known direction, and mean KL, against weight size and decode speed.
-
-    Only pairs that at least one succeeded variant can be placed on are returned, so a CPU
-    sweep without throughput numbers simply has no speed plots.
-    """
+    """Every lm-eval score of known direction, and mean KL, against weight size and decode speed;
+    only pairs some succeeded variant can be placed on (a CPU sweep has no speed plots)."""
     declared = merged_declared(variants) if declared is None else declared
     succeeded = [variant for variant in variants if variant.succeeded]
-    logged = logged_keys(variants)
-    qualities = [*task_scores(variants, declared), *(key for key in DEFAULT_DAMAGE_METRICS if key in logged)]
     return tuple(
         AxisPair(Axis.of(quality, declared=declared), Axis.of(cost, declared=declared))
         for cost in DEFAULT_COST_METRICS
-        for quality in qualities
+        for quality in quality_metrics(variants, declared, DEFAULT_DAMAGE_METRICS)
         if any(v.value(quality) is not None and v.value(cost) is not None for v in succeeded)
     )
 
 
-# --------------------------------------------------------------------------------------
-# Paired noise: second variant minus first, on one metric
-# --------------------------------------------------------------------------------------
-
+# (metric key, first variant, second variant) -> second minus first, or None without paired figures.
 Noise = Callable[[str, str, str], "PairedComparison | None"]
-"""(metric key, first variant, second variant) -> the paired comparison of second minus first,
-or None when no paired figures exist for them."""
 
 
 def no_noise(metric: str, first: str, second: str) -> None:
     """Point comparison everywhere (tests, and sweeps that logged no paired figures)."""
-    return
 
 
 @dataclass(frozen=True)
@@ -264,27 +227,18 @@ def reversed_comparison(c: PairedComparison) -> PairedComparison:
 
 def logged_comparison(variant: VariantSummary, metric: str) -> PairedComparison | None:
     """The variant-minus-baseline figures its run logged under `quality/paired/<metric>/...`."""
-    figure = {
-        stat: variant.value(paired_key(metric, stat))
-        for stat in ("diff", "se", "ci95_low", "ci95_high", "p_value", "n", "correct_to_wrong", "wrong_to_correct")
-    }
+    stats = ("diff", "se", "ci95_low", "ci95_high", "p_value", "n", "correct_to_wrong", "wrong_to_correct")
+    figures = {stat: variant.value(paired_key(metric, stat)) for stat in stats}
     value = variant.value(metric)
-    if value is None or any(figure[stat] is None for stat in ("diff", "ci95_low", "ci95_high")):
+    if value is None or None in (figures["diff"], figures["ci95_low"], figures["ci95_high"]):
         return None
-    flips = [None if figure[s] is None else int(figure[s]) for s in ("correct_to_wrong", "wrong_to_correct")]
-    return PairedComparison(
-        n=int(figure["n"] or 0),
-        baseline=value - figure["diff"],
-        variant=value,
-        diff=figure["diff"],
-        se=math.nan if figure["se"] is None else figure["se"],
-        ci95_low=figure["ci95_low"],
-        ci95_high=figure["ci95_high"],
-        p_value=math.nan if figure["p_value"] is None else figure["p_value"],
-        test="logged",
-        correct_to_wrong=flips[0],
-        wrong_to_correct=flips[1],
-    )
+    figures |= {
+        "n": int(figures["n"] or 0),
+        "se": math.nan if figures["se"] is None else figures["se"],
+        "p_value": math.nan if figures["p_value"] is None else figures["p_value"],
+        **{flip: None if figures[flip] is None else int(figures[flip]) for flip in stats[-2:]},
+    }
+    return PairedComparison(baseline=value - figures["diff"], variant=value, test="logged", **figures)
 
 
 def paired_noise(
@@ -292,34 +246,29 @@ def paired_noise(
     documents: Mapping[str, Mapping[str, DocumentScores]],
     groups: Mapping[str, Group],
 ) -> Noise:
-    """Paired comparisons between any two variants.
-
-    From both runs' per-document scores when both have them (`documents`: variant -> metric key ->
-    scores; a group score from its leaves with lm-eval's weights); otherwise, between a variant and
-    the baseline, from what the variant's run logged. Each answer is computed once.
-    """
+    """Paired comparisons between any two variants, each computed once: from both runs' per-document
+    scores (`documents`: variant -> metric key -> scores; a group from its leaves with lm-eval's weights)
+    when both have them, otherwise, between a variant and the baseline, from what the variant logged."""
     by_name = {variant.name: variant for variant in variants}
     baseline = find_baseline(variants)
     cache: dict[tuple[str, str, str], PairedComparison | None] = {}
 
     def from_documents(metric: str, first: str, second: str) -> PairedComparison | None:
         a, b = documents.get(first, {}), documents.get(second, {})
-        group = groups.get(metric)
+        leaves = groups[metric].leaves if metric in groups else (metric,)
+        if not all(leaf in a and leaf in b for leaf in leaves):
+            return None
         try:
-            if group is None:
-                return compare(metric, a[metric], b[metric]) if metric in a and metric in b else None
-            if not all(leaf in a and leaf in b for leaf in group.leaves):
-                return None
-            return combine([compare(leaf, a[leaf], b[leaf]) for leaf in group.leaves], group.weights)
+            if metric not in groups:
+                return compare(metric, a[metric], b[metric])
+            return combine([compare(leaf, a[leaf], b[leaf]) for leaf in leaves], groups[metric].weights)
         except NotPaired:
             return None  # other documents (another limit): not comparable pairwise
 
     def from_logged(metric: str, first: str, second: str) -> PairedComparison | None:
-        if baseline is None:
-            return None
-        if first == baseline.name and second in by_name:
+        if baseline is not None and first == baseline.name and second in by_name:
             return logged_comparison(by_name[second], metric)
-        if second == baseline.name and first in by_name:
+        if baseline is not None and second == baseline.name and first in by_name:
             found = logged_comparison(by_name[first], metric)
             return None if found is None else reversed_comparison(found)
         return None
@@ -334,11 +283,6 @@ def paired_noise(
         return cache[key]
 
     return noise
-
-
-# --------------------------------------------------------------------------------------
-# The Pareto front
-# --------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -419,31 +363,26 @@ def exclusion_reason(variant: VariantSummary, required_metrics: Iterable[str]) -
     return "missing metric " + ", ".join(missing) if missing else None
 
 
-@dataclass(frozen=True)
-class Margin:
-    """How much better the first point is than the second on quality, in the better direction."""
+class Margin(NamedTuple):
+    """How much better the first point is than the second on quality, in the better direction: the ends
+    of the paired 95% interval (both the point difference without paired noise)."""
 
-    point: float
-    low: float  # lower end of the paired 95% interval (= point without paired noise)
+    low: float
     high: float
     paired: bool
 
 
 def quality_margin(pair: AxisPair, first: FrontierPoint, second: FrontierPoint, noise: Noise) -> Margin:
     found = noise(pair.quality.metric, second.name, first.name)  # first minus second
-    if found is None:
-        point = first.quality - second.quality
-        low = high = point
-    else:
-        point, low, high = found.diff, found.ci95_low, found.ci95_high
+    low, high = (first.quality - second.quality,) * 2 if found is None else (found.ci95_low, found.ci95_high)
     if not pair.quality.higher_is_better:
-        point, low, high = -point, -high, -low
-    return Margin(point, low, high, found is not None)
+        low, high = -high, -low
+    return Margin(low, high, found is not None)
 
 
 def dominates(pair: AxisPair, first: FrontierPoint, second: FrontierPoint, margin: Margin) -> bool:
-    """First costs no more, is at least as good on quality beyond the noise, and is strictly
-    better on one axis."""
+    """First costs no more, is at least as good on quality beyond the noise, and is strictly better on one axis;
+    a quality interval straddling 0 is a tie within noise, where neither dominates on quality."""
     costs_no_more = not pair.cost.is_better(second.cost, first.cost)
     strictly = pair.cost.is_better(first.cost, second.cost) or margin.low > 0
     return costs_no_more and margin.low >= 0 and strictly
@@ -453,54 +392,37 @@ def pareto_front(variants: Sequence[VariantSummary], pair: AxisPair, noise: Nois
     """Place every variant on one quality/cost pair; find the dominated ones and the ties within noise."""
     ensure_unique_names(variants)
     baseline = find_baseline(variants)
-    required = (pair.quality.metric, pair.cost.metric)
     excluded: list[Exclusion] = []
     placed: list[FrontierPoint] = []
     for variant in variants:
-        reason = exclusion_reason(variant, required)
+        reason = exclusion_reason(variant, (pair.quality.metric, pair.cost.metric))
         if reason is not None:
             excluded.append(Exclusion(variant.name, reason))
             continue
         versus = None
         if baseline is not None and baseline.succeeded and variant.name != baseline.name:
             versus = noise(pair.quality.metric, baseline.name, variant.name)
+        quality, cost = variant.value(pair.quality.metric), variant.value(pair.cost.metric)
         placed.append(
             FrontierPoint(
-                variant.name,
-                variant.method,
-                variant.value(pair.quality.metric),  # type: ignore[arg-type]
-                variant.value(pair.cost.metric),
-                is_baseline=variant.is_baseline,
-                vs_baseline=versus,  # type: ignore[arg-type]
+                variant.name, variant.method, quality, cost, is_baseline=variant.is_baseline, vs_baseline=versus
             )
         )
     margins = {(a.name, b.name): quality_margin(pair, a, b, noise) for a in placed for b in placed if a is not b}
-    judged = [
-        replace(
+
+    def judge(point: FrontierPoint) -> FrontierPoint:
+        others = [(other, margins[other.name, point.name]) for other in placed if other is not point]
+        return replace(
             point,
-            dominated_by=tuple(
-                sorted(
-                    o.name for o in placed if o is not point and dominates(pair, o, point, margins[o.name, point.name])
-                )
-            ),
-            tied_with=tuple(
-                sorted(
-                    o.name
-                    for o in placed
-                    if o is not point and margins[o.name, point.name].low < 0 < margins[o.name, point.name].high
-                )
-            ),
+            dominated_by=tuple(sorted(o.name for o, margin in others if dominates(pair, o, point, margin))),
+            tied_with=tuple(sorted(o.name for o, margin in others if margin.low < 0 < margin.high)),
         )
-        for point in placed
-    ]
-    judged.sort(key=lambda p: (pair.cost.sort_key(p.cost), pair.quality.sort_key(p.quality), p.name))
+
+    judged = sorted(
+        map(judge, placed), key=lambda p: (pair.cost.sort_key(p.cost), pair.quality.sort_key(p.quality), p.name)
+    )
     unpaired = tuple(sorted((a, b) for (a, b), margin in margins.items() if a < b and not margin.paired))
     return FrontierResult(pair, tuple(judged), tuple(excluded), baseline.name if baseline else None, unpaired)
-
-
-# --------------------------------------------------------------------------------------
-# Settings (embedded in the recipe under `frontier:`)
-# --------------------------------------------------------------------------------------
 
 
 def _check_direction(metric: str, given: bool | None) -> None:
@@ -534,16 +456,14 @@ class AxisSettings(BaseModel):
 
 
 class FrontierSettings(BaseModel):
-    """Which frontiers to draw and how to pick; every field has a working default."""
+    """Which frontiers to draw and how to pick (the recipe's `frontier:`); every field has a working default."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     axes: list[AxisSettings] | None = None  # None: `default_axis_pairs`
     objective: str = "cost/weight_bytes"
     objective_higher_is_better: bool | None = None
-    default_policy: Policy = Field(
-        default_factory=Policy
-    )  # the report's recommendation: a `quantlab pick` without flags
+    default_policy: Policy = Field(default_factory=Policy)  # the report's recommendation: `quantlab pick` bare
 
     @model_validator(mode="after")
     def _objective_direction_is_known(self) -> FrontierSettings:
@@ -556,30 +476,23 @@ class FrontierSettings(BaseModel):
     def axis_pairs(
         self, variants: Sequence[VariantSummary], declared: Mapping[str, Declared] | None = None
     ) -> tuple[AxisPair, ...]:
-        """The pairs to draw; an explicit axis whose direction is still unknown is left out (and
-        its metric named by `compute_frontiers`)."""
+        """The pairs to draw; an explicit axis whose direction is still unknown is left out (and its
+        metric named by `compute_frontiers`)."""
         declared = merged_declared(variants) if declared is None else declared
         if self.axes is None:
             return default_axis_pairs(variants, declared)
         pairs = []
         for axis in self.axes:
-            try:
+            with contextlib.suppress(UnknownDirectionError):
                 pairs.append(axis.to_pair(declared))
-            except UnknownDirectionError:
-                continue
         return tuple(pairs)
-
-
-# --------------------------------------------------------------------------------------
-# A whole sweep
-# --------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Frontiers:
     results: tuple[FrontierResult, ...]
     declared: dict[str, Declared]  # merged over the sweep's variants
-    direction_unknown: tuple[str, ...]  # quality scores named, not placed on any frontier
+    direction_unknown: tuple[str, ...]  # quality scores named, never placed or dropped in silence
     # variant -> quality metric -> paired comparison with the baseline (variant minus baseline)
     vs_baseline: dict[str, dict[str, PairedComparison]]
 
@@ -588,14 +501,9 @@ class Frontiers:
         """Variants on the front of at least one pair: the `quantlab.on_frontier=true` ones."""
         return on_frontier_names(self.results)
 
-    def scale(self, key: str) -> Scale:
-        return metric_spec(key, self.declared).scale
-
 
 def compute_frontiers(
-    variants: Sequence[VariantSummary],
-    settings: FrontierSettings | None = None,
-    noise: Noise = no_noise,
+    variants: Sequence[VariantSummary], settings: FrontierSettings | None = None, noise: Noise = no_noise
 ) -> Frontiers:
     """One `FrontierResult` per axis pair of the settings (defaults when None), the metrics whose
     direction is unknown, and every variant's paired comparison with the baseline."""
@@ -604,8 +512,7 @@ def compute_frontiers(
     baseline = find_baseline(variants)
     versus: dict[str, dict[str, PairedComparison]] = {}
     if baseline is not None and baseline.succeeded:
-        logged = logged_keys(variants)
-        qualities = [*task_scores(variants, declared), *(key for key in DAMAGE_METRICS if key in logged)]
+        qualities = quality_metrics(variants, declared)
         for variant in variants:
             if variant.succeeded and variant.name != baseline.name:
                 found = {metric: noise(metric, baseline.name, variant.name) for metric in qualities}

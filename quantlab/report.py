@@ -1,9 +1,5 @@
-"""Render a sweep for people: one matplotlib figure per frontier (PNG and SVG), the HTML page and
-the Markdown report from Jinja2 templates (`quantlab/templates/`), the variants table as data.
-
-Every number comes from `quantlab.frontier` and `quantlab.decision`; this module lays them out.
-Writing files is its only side effect.
-"""
+"""Lay out a sweep for people: a matplotlib figure per frontier (PNG and SVG), the HTML page and Markdown
+report from the Jinja2 templates, the variants table as data. Every number comes from frontier and decision."""
 
 from __future__ import annotations
 
@@ -23,6 +19,7 @@ from quantlab.frontier import (
     VariantSummary,
     describe_comparison,
     find_baseline,
+    format_diff,
     task_scores,
 )
 from quantlab.metrics import Scale
@@ -51,11 +48,6 @@ _templates = jinja2.Environment(
 _templates.filters["md"] = lambda text: str(text).replace("|", "\\|")
 
 
-# --------------------------------------------------------------------------------------
-# The variants table as data (rich prints it, the templates lay it out)
-# --------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Table:
     headers: tuple[str, ...]
@@ -79,8 +71,7 @@ def _cell(variant: VariantSummary, metric: str, frontiers: Frontiers, baseline: 
         return text
     comparison = frontiers.vs_baseline.get(variant.name, {}).get(metric)
     if comparison is not None:
-        ends = (format_change(found, end).removesuffix(" pts") for end in (comparison.ci95_low, comparison.ci95_high))
-        return f"{text} ({format_change(found, comparison.diff)} [{', '.join(ends)}])"
+        return f"{text} ({format_diff(found, comparison)})"
     base = baseline.value(metric)
     return text if base is None else f"{text} ({format_change(found, variant.value(metric) - base)}, no paired noise)"
 
@@ -110,10 +101,6 @@ def variants_table(variants: Sequence[VariantSummary], frontiers: Frontiers) -> 
     )
     return Table(("variant", "method", *(metric_spec(m).label for m in metrics), "on frontier"), rows)
 
-
-# --------------------------------------------------------------------------------------
-# Plots: one matplotlib figure per axis pair
-# --------------------------------------------------------------------------------------
 
 _FRONT, _DOMINATED, _BASELINE, _TIE = "#1f77b4", "#9e9e9e", "#d62728", "#ff9800"
 
@@ -171,28 +158,15 @@ def draw(axes, result: FrontierResult, title: str, gid_prefix: str = "pt") -> No
     front = [p for p in result.points if p.on_front]
     if len(front) > 1:
         axes.plot([p.cost for p in front], [p.quality for p in front], "-", color=_FRONT, zorder=2, label="frontier")
-    for first, seconds in result.ties.items():
-        for second in (result.point(name) for name in seconds if name > first):
-            a = result.point(first)
-            axes.plot([a.cost, second.cost], [a.quality, second.quality], ":", color=_TIE, lw=2, zorder=2.5)  # type: ignore[union-attr]
+    for point in result.points:
+        for other in (result.point(name) for name in point.tied_with if name > point.name):
+            axes.plot([point.cost, other.cost], [point.quality, other.quality], ":", color=_TIE, lw=2, zorder=2.5)  # type: ignore[union-attr]
     for index, point in enumerate(result.points):
         color = _BASELINE if point.is_baseline else _FRONT if point.on_front else _DOMINATED
-        yerr = (
-            None
-            if point.interval is None
-            else [[point.quality - point.interval[0]], [point.interval[1] - point.quality]]
-        )
-        drawn = axes.errorbar(
-            [point.cost],
-            [point.quality],
-            yerr=yerr,
-            fmt="*" if point.is_baseline else "o",
-            markersize=14 if point.is_baseline else 7,
-            color=color,
-            ecolor=color,
-            capsize=4,
-            zorder=3,
-        )
+        low, high = point.interval or (point.quality, point.quality)
+        yerr = [[point.quality - low], [high - point.quality]] if point.interval else None
+        marker = {"fmt": "*", "markersize": 14} if point.is_baseline else {"fmt": "o", "markersize": 7}
+        drawn = axes.errorbar([point.cost], [point.quality], yerr=yerr, color=color, capsize=4, zorder=3, **marker)
         drawn.lines[0].set_gid(f"{gid_prefix}-{index}")
         axes.annotate(point.name, (point.cost, point.quality), xytext=(6, 6), textcoords="offset points", fontsize=8)
     axes.set_ylim(*y_limits(result))
@@ -207,13 +181,18 @@ def draw(axes, result: FrontierResult, title: str, gid_prefix: str = "pt") -> No
     _legend(axes)
 
 
-def figure(result: FrontierResult, model: str, gid_prefix: str = "pt"):
-    """One axis pair's figure; the object API on an Agg canvas leaves pyplot's global state alone."""
+def _blank(columns: int = 1, rows: int = 1):
+    """A figure on an Agg canvas: the object API leaves pyplot's global state alone."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(6.4, 4.8), layout="constrained")
+    fig = Figure(figsize=(6.4 * columns, 4.8 * rows), layout="constrained")
     FigureCanvasAgg(fig)
+    return fig
+
+
+def figure(result: FrontierResult, model: str, gid_prefix: str = "pt"):
+    fig = _blank()
     draw(fig.add_subplot(), result, f"{model}\n{result.pair.title}", gid_prefix)
     return fig
 
@@ -247,14 +226,11 @@ def render_plots(frontiers: Frontiers, out_dir: Path, model: str) -> list[Plot]:
 
 
 def render_overview(frontiers: Frontiers, path: Path, model: str) -> Path:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     results = frontiers.results
     columns = 1 if len(results) <= 1 else 2
-    fig = Figure(figsize=(6.4 * columns, 4.8 * max(1, -(-len(results) // columns))), layout="constrained")
-    FigureCanvasAgg(fig)
-    grid = fig.subplots(max(1, -(-len(results) // columns)), columns, squeeze=False).ravel()
+    rows = max(1, -(-len(results) // columns))
+    fig = _blank(columns, rows)
+    grid = fig.subplots(rows, columns, squeeze=False).ravel()
     for axes, result in zip(grid, results):
         draw(axes, result, result.pair.title)
     for axes in grid[len(results) :]:
@@ -263,11 +239,6 @@ def render_overview(frontiers: Frontiers, path: Path, model: str) -> Path:
         grid[0].text(0.5, 0.5, "no frontier: no variant logged both a quality and a cost metric", ha="center")
     fig.suptitle(f"{model}: quality vs cost")
     return _save(fig, path)
-
-
-# --------------------------------------------------------------------------------------
-# HTML and Markdown (Jinja2 templates)
-# --------------------------------------------------------------------------------------
 
 
 def inline_svg(text: str) -> str:
@@ -331,27 +302,20 @@ def _recommendation(decision: Decision | None) -> dict | None:
 
 def _setup_caveats(variants: Sequence[VariantSummary]) -> list[str]:
     """Speed and memory depend on engine, kernel path and hardware: say which produced which."""
-    setups: dict[tuple[str, ...], list[str]] = {}
+    setups: dict[str, list[str]] = {}
     for variant in (v for v in variants if v.succeeded):
-        setups.setdefault(tuple(variant.tags.get(tag, "unrecorded") for tag, _ in SETUP_TAGS), []).append(variant.name)
-    if not setups:
-        return []
-    if all(value == "unrecorded" for setup in setups for value in setup):
+        setup = ", ".join(f"{word} {variant.tags.get(tag, 'unrecorded')}" for tag, word in SETUP_TAGS)
+        setups.setdefault(setup, []).append(variant.name)
+    if list(setups) == [", ".join(f"{word} unrecorded" for _, word in SETUP_TAGS)]:
         return [
-            (
-                "No variant recorded which engine, kernel path or hardware measured its speed and memory; "
-                "treat those figures as indicative only."
-            )
+            "No variant recorded which engine, kernel path or hardware measured its speed and memory; "
+            "treat those figures as indicative only."
         ]
-
-    def describe(setup: tuple[str, ...]) -> str:
-        return ", ".join(f"{word} {value}" for (_, word), value in zip(SETUP_TAGS, setup))
-
-    if len(setups) == 1:
-        return [f"All speed and memory figures were measured the same way: {describe(next(iter(setups)))}."]
+    if len(setups) <= 1:  # no variant succeeded, or all were measured alike
+        return [f"All speed and memory figures were measured the same way: {setup}." for setup in setups]
     return [
         "Speed and memory figures were not all measured the same way; compare them with care:\n"
-        + "\n".join(f"  - {', '.join(names)}: {describe(setup)}" for setup, names in setups.items())
+        + "\n".join(f"  - {', '.join(names)}: {setup}" for setup, names in setups.items())
     ]
 
 
