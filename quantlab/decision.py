@@ -1,34 +1,22 @@
 """Pick the variant to ship: the best by the objective among those shown to meet the policy (pure).
 
-A policy (`quantlab.policy.Policy`) is what a release manager says out loud: "at most 1 point
-lost on any task, mean KL under 0.05, fits in 16 GB". `pick` checks every variant against every
-limit and returns a `Decision` that names the chosen variant and, for each other one, why not.
-
-Drops are judged by non-inferiority on the paired statistics each variant run logged against the
-baseline (`quality/paired/<metric>/{diff,se,n}`): a drop check passes when the one-sided 95%
-upper bound of the drop is within the limit ("shown within the limit"), fails when even the
-lower bound exceeds it ("shown over the limit"), and otherwise is undecided ("not enough
-evidence"), with about how many documents would settle it. Without logged paired statistics a
-drop check is undecided too: a point estimate alone, or two unpaired standard errors, decide
-nothing. Only a variant whose every check passes can be chosen; one with an undecided check and
-no failed one is UNDECIDED, and the summary says what it would take.
-
-Bounds on measured figures (max KL, min top-1 agreement, max memory, at_most/at_least) compare
-the logged value. A metric a check needs that a variant did not log rejects that variant: a
-missing measurement never counts as a pass.
+Drops are judged by non-inferiority on the paired statistics each variant logged against the
+baseline; without them a drop check is undecided. Bounds compare the logged value; a metric a
+check needs that a variant did not log rejects it (a missing measurement never counts as a pass).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from enum import Enum
+from functools import partial
 from typing import Any
 
 from quantlab.frontier import Axis, VariantSummary, ensure_unique_names
 from quantlab.metrics import MetricSpec, Scale, paired_key, spec
-from quantlab.paired import Outcome, agresti_min_se, non_inferiority
+from quantlab.paired import NonInferiority, Outcome, agresti_min_se, float_slack, non_inferiority
 from quantlab.policy import (
     KLD_MEAN,
     Bound,
@@ -40,17 +28,12 @@ from quantlab.policy import (
     unchecked_by_any_task,
 )
 
-# Float arithmetic turns a 1.0-point drop into 1.0000000000000009 points: forgive that much.
-_RELATIVE_TOLERANCE = 1e-9
-
 
 class DecisionError(ValueError):
     """The question cannot be asked as posed (e.g. the named baseline does not exist)."""
 
 
-# --------------------------------------------------------------------------------------
-# One check of one variant
-# --------------------------------------------------------------------------------------
+# --- One check of one variant ---
 
 
 class CheckStatus(str, Enum):
@@ -81,9 +64,8 @@ class CheckResult:
     n: int | None = None  # documents (or tokens) paired
     documents_needed: int | None = None  # undecided: about how many would settle it
 
-    @property
-    def passed(self) -> bool:
-        return self.status is CheckStatus.PASSED
+
+_FLIPS = ("correct_to_wrong", "wrong_to_correct")
 
 
 @dataclass(frozen=True)
@@ -97,70 +79,48 @@ class DropCheck:
 
     def evaluate(self, variant: VariantSummary, baseline: VariantSummary) -> CheckResult:
         rule, metric = self.rule, self.rule.metric
-        result = _drop_result(self.describe(), metric)
+        result = partial(CheckResult, self.describe(), metric)
         if rule.baseline_value is None or rule.allowed is None:
             return result(CheckStatus.FAILED, f"baseline lacks metric {metric}")
-        if variant.name == baseline.name:
-            # Compared with itself the difference is zero on every document: nothing to estimate.
+        if variant.name == baseline.name:  # the difference with itself is zero on every document
+            itself = NonInferiority(0.0, 0.0, rule.allowed, 0.0, 0.0, Outcome.WITHIN, None)
             return result(
-                CheckStatus.PASSED,
-                f"{metric}: the baseline itself, no drop by definition",
-                outcome=Outcome.WITHIN,
-                drop=0.0,
-                lower=0.0,
-                upper=0.0,
-                limit=rule.allowed,
+                CheckStatus.PASSED, f"{metric}: the baseline itself, no drop by definition", **_figures(itself)
             )
         value = variant.value(metric)
         if value is None:
             return result(CheckStatus.FAILED, f"missing metric {metric}")
         diff, se = variant.value(paired_key(metric, "diff")), variant.value(paired_key(metric, "se"))
-        n = int(variant.value(paired_key(metric, "n")) or 0)
         if diff is None or se is None:
             shown = f"{format_value(rule.spec, rule.baseline_value)} -> {format_value(rule.spec, value)}"
-            return result(
-                CheckStatus.UNDECIDED,
-                f"{metric}: {Outcome.UNSURE.value}: no paired statistics logged ({shown})",
-                outcome=Outcome.UNSURE,
-                limit=rule.allowed,
-            )
-        flips = [variant.value(paired_key(metric, name)) for name in ("correct_to_wrong", "wrong_to_correct")]
+            detail = f"{metric}: {Outcome.UNSURE.value}: no paired statistics logged ({shown})"
+            return result(CheckStatus.UNDECIDED, detail, outcome=Outcome.UNSURE, limit=rule.allowed)
+        n = int(variant.value(paired_key(metric, "n")) or 0)
+        flips = [variant.value(paired_key(metric, name)) for name in _FLIPS]
         if None not in flips:
             # 0/1 scores: with no flip the plain paired se is 0, and five identical answers would
             # "show" any limit; Agresti and Min's adjusted se says how little they show.
             se = agresti_min_se(n, int(flips[0]), int(flips[1]))
         drop = -diff if rule.spec.higher_is_better else diff
         found = non_inferiority(drop, se, n, rule.allowed)
-        return result(
-            _BY_OUTCOME[found.outcome],
-            _non_inferiority_words(rule, found.outcome, drop, found.lower, found.upper, n, found.documents_needed),
-            outcome=found.outcome,
-            drop=drop,
-            lower=found.lower,
-            upper=found.upper,
-            limit=rule.allowed,
-            n=n,
-            documents_needed=found.documents_needed,
-        )
+        return result(_BY_OUTCOME[found.outcome], _verdict_words(rule, found, n), n=n, **_figures(found))
 
 
-def _drop_result(constraint: str, metric: str):
-    def result(status: CheckStatus, detail: str, **figures: Any) -> CheckResult:
-        return CheckResult(constraint, metric, status, detail, **figures)
-
-    return result
+def _figures(found: NonInferiority) -> dict[str, Any]:
+    """A non-inferiority verdict as CheckResult fields."""
+    return {name: getattr(found, name) for name in ("outcome", "drop", "lower", "upper", "limit", "documents_needed")}
 
 
-def _non_inferiority_words(
-    rule: DropRule, outcome: Outcome, drop: float, lower: float, upper: float, n: int, needed: int | None
-) -> str:
-    """'eval/x/acc: shown over the limit: drop 2.00 pts, one-sided 95% bounds [1.11, 2.89] pts, limit 1 pt (paired, n=1000)'."""
+def _verdict_words(rule: DropRule, found: NonInferiority, n: int) -> str:
+    """'eval/x/acc: shown over the limit: drop 2.00 pts, one-sided 95% bounds [1.09 pts, 2.91 pts], limit 1 pt
+    (paired, n=1,000)', and for an undecided one how many documents would settle it."""
     metric = rule.spec
     text = (
-        f"{rule.metric}: {outcome.value}: drop {_amount(metric, drop)}, one-sided 95% bounds "
-        f"[{_amount(metric, lower)}, {_amount(metric, upper)}], limit {_limit_words(rule)} (paired, n={n:,})"
+        f"{rule.metric}: {found.outcome.value}: drop {_amount(metric, found.drop)}, one-sided 95% bounds "
+        f"[{_amount(metric, found.lower)}, {_amount(metric, found.upper)}], limit {_limit_words(rule)} (paired, n={n:,})"
     )
-    if outcome is Outcome.UNSURE:
+    if found.outcome is Outcome.UNSURE:
+        needed = found.documents_needed
         text += f"; about {needed:,} documents would settle it" if needed else "; more documents would settle it"
     return text
 
@@ -196,8 +156,7 @@ class BoundCheck:
         value = variant.value(metric)
         if value is None:
             return CheckResult(self.describe(), metric, CheckStatus.FAILED, f"missing metric {metric}")
-        slack = _RELATIVE_TOLERANCE * max(1.0, abs(limit))
-        passed = value <= limit + slack if upper else value >= limit - slack
+        passed = value <= limit + float_slack(limit) if upper else value >= limit - float_slack(limit)
         contract = variant.spec(metric)
         shown = f"{metric} is {format_value(contract, value)}"
         if not passed:
@@ -235,12 +194,10 @@ def checks_for(policy: Policy, baseline: VariantSummary) -> tuple[Check, ...]:
     return tuple(checks)
 
 
-# --------------------------------------------------------------------------------------
-# The decision
-# --------------------------------------------------------------------------------------
+# --- The decision ---
 
 
-class Status(str, Enum):
+class Status(str, Enum):  # in the order verdicts are listed
     CHOSEN = "chosen"
     COSTS_MORE = "costs_more"  # shown within every limit, but another is better by the objective
     UNDECIDED = "undecided"  # no limit shown exceeded, but not every one shown met: not enough evidence
@@ -250,17 +207,11 @@ class Status(str, Enum):
     @property
     def words(self) -> str:
         """The status as the report and `pick` say it."""
-        return _STATUS_WORDS[self]
+        return _STATUS_WORDS.get(self, self.value)
 
 
-_STATUS_WORDS = {
-    Status.CHOSEN: "chosen",
-    Status.COSTS_MORE: "shown within every limit, costs more",
-    Status.UNDECIDED: "not enough evidence",
-    Status.REJECTED: "rejected",
-    Status.FAILED: "failed",
-}
-_RANK = {Status.CHOSEN: 0, Status.COSTS_MORE: 1, Status.UNDECIDED: 2, Status.REJECTED: 3, Status.FAILED: 4}
+_STATUS_WORDS = {Status.COSTS_MORE: "shown within every limit, costs more", Status.UNDECIDED: "not enough evidence"}
+_RANK = {status: rank for rank, status in enumerate(Status)}
 
 
 @dataclass(frozen=True)
@@ -378,11 +329,9 @@ def pick(variants: Sequence[VariantSummary], baseline_name: str, policy: Policy,
     )
     chosen = satisfying[0] if satisfying else None
     if chosen is not None:
-        judged[chosen.name] = _with_status(chosen, Status.CHOSEN, ())
+        judged[chosen.name] = replace(chosen, status=Status.CHOSEN)
         for runner_up in satisfying[1:]:
-            judged[runner_up.name] = _with_status(
-                runner_up, Status.COSTS_MORE, (_costs_more_reason(runner_up, chosen, objective),)
-            )
+            judged[runner_up.name] = replace(runner_up, reasons=(_costs_more_reason(runner_up, chosen, objective),))
 
     ordered = sorted(
         judged.values(),
@@ -414,32 +363,22 @@ def _judge(variant: VariantSummary, baseline: VariantSummary, checks: Sequence[C
     objective_value = variant.value(objective.metric)
     if objective_value is None:
         failed.append(f"missing metric {objective.metric} (the objective)")
+    # Undecided checks are reasons too: the reader sees everything that stands in the way.
+    reasons = (*failed, *(result.detail for result in undecided))
     if failed:
-        # Undecided checks are reasons too: the reader sees everything that stands in the way.
-        return Verdict(
-            variant.name, Status.REJECTED, (*failed, *(r.detail for r in undecided)), objective_value, results
-        )
-    if undecided:
-        needed = [r.documents_needed for r in undecided if r.documents_needed is not None]
-        most = max(needed) if needed else None
-        return Verdict(
-            variant.name, Status.UNDECIDED, tuple(r.detail for r in undecided), objective_value, results, most
-        )
-    return Verdict(variant.name, Status.COSTS_MORE, (), objective_value, results)  # provisional until ranked
+        return Verdict(variant.name, Status.REJECTED, reasons, objective_value, results)
+    needed = max((r.documents_needed for r in undecided if r.documents_needed is not None), default=None)
+    # Passing every check is COSTS_MORE until ranked (the best becomes CHOSEN).
+    status = Status.UNDECIDED if undecided else Status.COSTS_MORE
+    return Verdict(variant.name, status, reasons, objective_value, results, needed)
 
 
 def _quality_tie_break(verdict: Verdict, variant: VariantSummary) -> tuple[float, float]:
     """(share of the drop limits used, mean KL): smaller is better."""
-    used = 0.0
-    for result in verdict.checks:
-        if result.drop is not None and result.limit is not None:
-            used += result.drop / result.limit if result.limit > 0 else result.drop
+    drops = [(r.drop, r.limit) for r in verdict.checks if r.drop is not None and r.limit is not None]
+    used = sum((drop / limit if limit > 0 else drop for drop, limit in drops), 0.0)
     kld = variant.value(KLD_MEAN)
     return used, math.inf if kld is None else kld
-
-
-def _with_status(verdict: Verdict, status: Status, reasons: tuple[str, ...]) -> Verdict:
-    return Verdict(verdict.name, status, reasons, verdict.objective_value, verdict.checks, verdict.documents_needed)
 
 
 def _costs_more_reason(verdict: Verdict, chosen: Verdict, objective: Axis) -> str:
