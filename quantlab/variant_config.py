@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import platform
+from importlib.metadata import version
 from typing import TYPE_CHECKING
 
 from quantlab.cache import library_versions
+from quantlab.measure.provenance import hardware
 from quantlab.quantize import METHODS
 
 if TYPE_CHECKING:
@@ -14,18 +14,6 @@ if TYPE_CHECKING:
 
     from quantlab.models import ModelSource
     from quantlab.recipe import LoadedRecipe, VariantSpec
-
-
-def hardware() -> dict[str, str]:
-    import torch
-
-    found = {"cpu": platform.processor() or platform.machine(), "cpu_count": str(os.cpu_count())}
-    if torch.cuda.is_available():
-        found["gpu"] = torch.cuda.get_device_name(0)
-        found["gpu_count"] = str(torch.cuda.device_count())
-    else:
-        found["gpu"] = "none"
-    return found
 
 
 def variant_params(
@@ -41,28 +29,19 @@ def variant_params(
         "quality": recipe.quality.model_dump(),
         "measure": recipe.measure.model_dump(),
         "runtime": {"device": device, "compute_dtype": str(dtype).removeprefix("torch.")},
-        "versions": library_versions() | {"lm-eval": _version("lm_eval"), "mlflow": _version("mlflow")},
+        "versions": library_versions() | {"lm-eval": version("lm_eval"), "mlflow": version("mlflow")},
         "hardware": hardware(),
     }
     return flatten("", resolved)
 
 
-def _version(package: str) -> str:
-    from importlib.metadata import version
-
-    return version(package)
-
-
 def flatten(prefix: str, value: object) -> dict[str, str]:
-    """Nested config -> dotted MLflow params ({"a": {"b": 1}} -> {"a.b": "1"})."""
-    if isinstance(value, dict):
-        flat: dict[str, str] = {}
-        for key, item in value.items():
-            flat.update(flatten(f"{prefix}.{key}" if prefix else str(key), item))
-        return flat
+    """Nested config -> dotted MLflow params ({"a": {"b": 1}} -> {"a.b": "1"}); a list of mappings by index."""
     if isinstance(value, (list, tuple)) and value and all(isinstance(item, dict) for item in value):
-        flat = {}
-        for index, item in enumerate(value):
-            flat.update(flatten(f"{prefix}.{index}", item))
-        return flat
-    return {prefix: str(value)}
+        value = dict(enumerate(value))
+    if not isinstance(value, dict):
+        return {prefix: str(value)}
+    flat: dict[str, str] = {}
+    for key, item in value.items():
+        flat.update(flatten(f"{prefix}.{key}" if prefix else str(key), item))
+    return flat

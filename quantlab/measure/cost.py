@@ -60,23 +60,36 @@ def measure_cost(
 def measure_loaded_model(model: Any, tokenizer: Any, settings: MeasureSettings) -> tuple[MeasuredCost, Provenance]:
     """The measured figures alone, and what produced them."""
     devices = sorted({parameter.device for parameter in model.parameters()}, key=str)
-    input_device = model.get_input_embeddings().weight.device
+    input_weight = model.get_input_embeddings().weight
+    output_weight = _output_embedding_weight(model)
     _check_positions(model.config, settings)
-    clock = clock_for(_output_device(model, input_device), devices)
+    clock = clock_for(input_weight.device if output_weight is None else output_weight.device, devices)
+    special_ids = getattr(tokenizer, "all_special_ids", None) or []
+    vocab_size = config_dict(model.config)["vocab_size"]
+
+    def time_batch(batch_size: int) -> tuple[int, list[GenerationTiming], EnergyReading]:
+        prompt = random_prompt_ids(
+            batch_size, settings.prompt_tokens, vocab_size, settings.seed, input_weight.device, special_ids
+        )
+        for _ in range(settings.warmup):
+            time_generation(model, prompt, settings.output_tokens, clock)
+        with EnergyTracker(devices) as energy:
+            timings = [time_generation(model, prompt, settings.output_tokens, clock) for _ in range(settings.repeats)]
+        return batch_size, timings, energy.reading
 
     load_before = _load_average()
     with MemoryTracker(devices) as memory:
-        timed = [
-            (batch_size, *_time_batch(model, tokenizer, settings, batch_size, input_device, devices, clock))
-            for batch_size in settings.batch_sizes
-        ]
+        timed = [time_batch(batch_size) for batch_size in settings.batch_sizes]
     host_load = f"1-minute load average {load_before} before, {_load_average()} after, on {visible_cores()} cores"
-    bandwidth = measure_copy_bandwidth(input_device, settings.bandwidth_probe_bytes, settings.bandwidth_probe_repeats)
+    bandwidth = measure_copy_bandwidth(
+        input_weight.device, settings.bandwidth_probe_bytes, settings.bandwidth_probe_repeats
+    )
 
     loaded_bytes = loaded_weight_bytes(model)
+    tied = output_weight is not None and output_weight.data_ptr() == input_weight.data_ptr()
     batches = tuple(
         BatchFigures.summarize(
-            timings, energy, _local_roofline(model, loaded_bytes, bandwidth.bytes_per_s, settings, batch_size)
+            timings, energy, _local_roofline(model, loaded_bytes, tied, bandwidth.bytes_per_s, settings, batch_size)
         )
         for batch_size, timings, energy in timed
     )
@@ -97,28 +110,9 @@ def _torch_threads(threads: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _time_batch(
-    model: Any,
-    tokenizer: Any,
-    settings: MeasureSettings,
-    batch_size: int,
-    input_device: torch.device,
-    devices: list[torch.device],
-    clock: Any,
-) -> tuple[list[GenerationTiming], EnergyReading]:
-    special_ids = getattr(tokenizer, "all_special_ids", None) or []
-    vocab_size = config_dict(model.config)["vocab_size"]
-    prompt = random_prompt_ids(batch_size, settings.prompt_tokens, vocab_size, settings.seed, input_device, special_ids)
-    for _ in range(settings.warmup):
-        time_generation(model, prompt, settings.output_tokens, clock)
-    with EnergyTracker(devices) as energy:
-        timings = [time_generation(model, prompt, settings.output_tokens, clock) for _ in range(settings.repeats)]
-    return timings, energy.reading
-
-
-def _output_device(model: Any, fallback: torch.device) -> torch.device:
+def _output_embedding_weight(model: Any) -> torch.Tensor | None:
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return output.weight.device if output is not None else fallback
+    return None if output is None else output.weight
 
 
 def _check_positions(config: Any, settings: MeasureSettings) -> None:
@@ -137,13 +131,8 @@ def loaded_weight_bytes(model: Any) -> int:
     return sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
 
 
-def _embeddings_tied(model: Any) -> bool:
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return output is not None and output.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
-
-
 def _local_roofline(
-    model: Any, loaded_bytes: int, bandwidth: float, settings: MeasureSettings, batch_size: int
+    model: Any, loaded_bytes: int, tied: bool, bandwidth: float, settings: MeasureSettings, batch_size: int
 ) -> float | str:
     """The memory-bound decode ceiling on this machine for the workload just timed: weights as
     loaded, the KV cache in the model's dtype at the mean decode context (prompt + output/2)."""
@@ -151,8 +140,7 @@ def _local_roofline(
         shape = ModelShape.from_config(model.config)
     except ValueError as error:
         return str(error)
-    embedding_bytes = model.get_input_embeddings().weight.nbytes
-    streamed = streamed_weight_bytes(loaded_bytes, embedding_bytes, _embeddings_tied(model))
+    streamed = streamed_weight_bytes(loaded_bytes, model.get_input_embeddings().weight.nbytes, tied)
     kv_per_token = kv_cache_bytes_per_token(shape, torch.empty((), dtype=model.dtype).element_size())
     context = settings.prompt_tokens + settings.output_tokens / 2
     return decode_roofline_tokens_per_s(bandwidth, streamed, kv_per_token, context, batch_size)

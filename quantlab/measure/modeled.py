@@ -1,23 +1,11 @@
 """Modeled cost: exact, engine-independent arithmetic on a model config and checkpoint facts.
 
-Definitions (each function says which it computes):
-
-- *linear weights*: the weight matrices of the decoder blocks' linear layers (attention
-  q/k/v/o and the MLP projections), which are what quantization recipes quantize; embeddings,
-  lm_head, norms and biases are not among them. `bits_per_weight` is over these.
-- *parameters*: every parameter, a tied embedding counted once. `bits_per_parameter` is over these.
-- *weight bytes in memory*: the tensor payload of the checkpoint, i.e. what a server that keeps
-  the stored format (vLLM on compressed-tensors) holds. transformers on CPU decompresses instead:
-  the measured `loaded_weight_bytes` shows that.
-- *KV cache per token*: layers x KV heads x head dim x 2 (K and V) x element bytes. Grouped-query
-  attention stores only the KV heads.
-- *decode roofline*: one decode step streams every weight once (the input embedding table is
-  gathered, not streamed, unless lm_head shares it) plus each sequence's KV cache at the target
-  context length (the worst point of a generation); tokens/s = batch x bandwidth / bytes per step.
-  The memory-bound ceiling: real servers reach a fraction of it, and large batches may turn
-  compute-bound first.
-- *capacity*: sequences of `context_length` tokens whose KV cache fits in
-  memory x memory_utilization - runtime overhead - weights (no prefix sharing).
+*Linear weights* (what `bits_per_weight` is over) are the decoder blocks' linear weight matrices, what
+quantization recipes quantize: not embeddings, lm_head, norms or biases. *Parameters* (`bits_per_parameter`)
+are all of them, a tied embedding once. *Weight bytes in memory* are the checkpoint's tensor payload: what a
+server that keeps the stored format (vLLM on compressed-tensors) holds; transformers on CPU decompresses
+(the measured `loaded_weight_bytes` shows that). The decode roofline is a memory-bound ceiling: real
+servers reach a fraction of it, and large batches may turn compute-bound first.
 """
 
 from __future__ import annotations
@@ -35,7 +23,6 @@ from quantlab.measure.settings import KvCacheDtype, MeasureSettings, TargetSetti
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "fp8": 1, "float8_e4m3fn": 1}
 _DEFAULT_KV_BYTES = 2  # servers keep the KV cache in BF16/FP16 unless told otherwise
-_SECONDS_PER_HOUR = 3600
 
 
 def config_dict(config: Any) -> dict[str, Any]:
@@ -89,18 +76,10 @@ class ModelShape:
             mlp_bias=bool(values.get("mlp_bias", False)),
         )
 
-    @property
-    def _query_width(self) -> int:
-        return self.num_attention_heads * self.head_dim
-
-    @property
-    def _kv_width(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
 
 def linear_weight_count(shape: ModelShape) -> int:
     """Elements of the decoder blocks' linear weight matrices (fused qkv / gate_up count the same)."""
-    attention = shape.hidden_size * (2 * shape._query_width + 2 * shape._kv_width)
+    attention = 2 * shape.hidden_size * (shape.num_attention_heads + shape.num_kv_heads) * shape.head_dim  # q,o + k,v
     mlp = 3 * shape.hidden_size * shape.intermediate_size
     return shape.num_layers * (attention + mlp)
 
@@ -109,11 +88,11 @@ def parameter_count(shape: ModelShape) -> int:
     """Every parameter: embeddings (once when tied), linear weights, biases, RMSNorm weights
     (two per block and a final one, as in Llama)."""
     embeddings = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
-    # A bias has one element per output: q (query width), k and v (KV width), o (hidden).
-    attention_biases = (shape._query_width + 2 * shape._kv_width + shape.hidden_size) if shape.attention_bias else 0
+    # A bias has one element per output: q, k, v (their heads x head dim) and o (hidden).
+    attention_heads = shape.num_attention_heads + 2 * shape.num_kv_heads
+    attention_biases = (attention_heads * shape.head_dim + shape.hidden_size) if shape.attention_bias else 0
     mlp_biases = (2 * shape.intermediate_size + shape.hidden_size) if shape.mlp_bias else 0
-    norms = 2 * shape.hidden_size
-    per_layer_extras = attention_biases + mlp_biases + norms
+    per_layer_extras = attention_biases + mlp_biases + 2 * shape.hidden_size  # + two norms
     return embeddings + linear_weight_count(shape) + shape.num_layers * per_layer_extras + shape.hidden_size
 
 
@@ -134,10 +113,6 @@ def kv_cache_element_bytes(config: Any, kv_cache_dtype: KvCacheDtype = "auto") -
 def kv_cache_bytes_per_token(shape: ModelShape, element_bytes: float) -> float:
     """K and V of every layer for one token; grouped-query attention stores only the KV heads."""
     return shape.num_layers * shape.num_kv_heads * shape.head_dim * 2 * element_bytes
-
-
-def bits_per_element(weight_bytes: float, element_count: int) -> float:
-    return 8 * weight_bytes / element_count
 
 
 def max_concurrent_sequences(
@@ -175,7 +150,7 @@ def decode_roofline_tokens_per_s(
 
 
 def usd_per_million_tokens(price_per_hour: float, tokens_per_s: float) -> float:
-    return price_per_hour / (tokens_per_s * _SECONDS_PER_HOUR) * 1_000_000
+    return price_per_hour / (tokens_per_s * 3600) * 1_000_000
 
 
 def _assumptions(target: TargetSettings) -> str:
@@ -220,21 +195,6 @@ class ModeledCost:
         return {f"cost/{name}": value for name, value in self.figures().items()}
 
 
-class _Figures:
-    """Collects figures and, for the absent ones, the reason, keyed by figure name."""
-
-    def __init__(self) -> None:
-        self.values: dict[str, Any] = {}
-        self.unavailable: dict[str, str] = {}
-
-    def set(self, name: str, value: Any) -> None:
-        self.values[name] = value
-
-    def absent(self, name: str, reason: str) -> None:
-        self.values[name] = None
-        self.unavailable[name] = reason
-
-
 def modeled_cost(config: Any, checkpoint_dir: Path | None, settings: MeasureSettings | None = None) -> ModeledCost:
     """Every modeled figure from a config (object, mapping, or None to read the checkpoint's
     config.json) and a checkpoint directory's safetensors headers; loads no model."""
@@ -252,101 +212,72 @@ def modeled_cost_from_facts(
     target = settings.target
     target_name, spec = settings.target_accelerator()
     values = config_dict(config)
-    figures = _Figures()
     if facts is None:
         facts, no_weights = CheckpointFacts((), ()), "no checkpoint directory given"
     else:
         no_weights = "" if facts.has_weights else f"no *.safetensors files in {where}"
-
     try:
-        shape: ModelShape | None = ModelShape.from_config(values)
-        no_shape = ""
+        shape, no_shape = ModelShape.from_config(values), ""
     except ValueError as error:
         shape, no_shape = None, str(error)
 
-    if no_weights:
-        for name in ("weight_bytes", "weight_bytes_in_memory", "bits_per_weight", "bits_per_parameter"):
-            figures.absent(name, no_weights)
-    else:
-        figures.set("weight_bytes", facts.file_bytes)
-        figures.set("weight_bytes_in_memory", facts.payload_bytes)
-
-    if shape is None:
-        for name in ("parameter_count", "kv_bytes_per_token", "bits_per_weight", "bits_per_parameter"):
-            figures.absent(name, no_shape)
-    else:
-        parameters = parameter_count(shape)
-        figures.set("parameter_count", parameters)
-        figures.set(
-            "kv_bytes_per_token", kv_cache_bytes_per_token(shape, kv_cache_element_bytes(values, target.kv_cache_dtype))
+    figures: dict[str, float] = {}
+    if not no_weights:
+        figures.update(weight_bytes=facts.file_bytes, weight_bytes_in_memory=facts.payload_bytes)
+    does_not_fit = ""
+    if shape is not None:
+        kv_per_token = kv_cache_bytes_per_token(shape, kv_cache_element_bytes(values, target.kv_cache_dtype))
+        figures.update(parameter_count=parameter_count(shape), kv_bytes_per_token=kv_per_token)
+    if shape is not None and not no_weights:
+        figures["bits_per_parameter"] = 8 * facts.payload_bytes / figures["parameter_count"]
+        if linear_bytes := facts.linear_weight_bytes():
+            figures["bits_per_weight"] = 8 * linear_bytes / linear_weight_count(shape)
+        weights = facts.payload_bytes
+        sequences = max_concurrent_sequences(
+            spec.memory_bytes,
+            weights,
+            kv_per_token,
+            target.context_length,
+            target.memory_utilization,
+            target.runtime_overhead_bytes,
         )
-        if not no_weights:
-            figures.set("bits_per_parameter", bits_per_element(facts.payload_bytes, parameters))
-            linear_bytes = facts.linear_weight_bytes()
-            if linear_bytes:
-                figures.set("bits_per_weight", bits_per_element(linear_bytes, linear_weight_count(shape)))
-            else:
-                figures.absent("bits_per_weight", "no decoder-layer linear weights recognised in the checkpoint")
+        figures["max_concurrent_sequences"] = sequences
+        if sequences == 0:
+            does_not_fit = (
+                f"the weights ({weights} B) and one {target.context_length}-token KV cache do not fit in "
+                f"{target.memory_utilization:.0%} of {spec.memory_bytes} B minus {target.runtime_overhead_bytes} B "
+                "overhead"
+            )
+        else:
+            streamed = streamed_weight_bytes(weights, facts.input_embedding_bytes(), shape.tie_word_embeddings)
+            for name, batch_size in (("roofline_decode_tokens_per_s", 1), ("serving_decode_tokens_per_s", sequences)):
+                figures[name] = decode_roofline_tokens_per_s(
+                    spec.bandwidth_bytes_per_s, streamed, kv_per_token, target.context_length, batch_size
+                )
+            if target.price_per_hour is not None:
+                figures["usd_per_million_output_tokens"] = usd_per_million_tokens(
+                    target.price_per_hour, figures["serving_decode_tokens_per_s"]
+                )
 
-    _model_serving(figures, shape, facts, target, spec, reason=no_shape or no_weights)
+    # Why each figure would be absent, the first reason that applies.
+    both = no_shape or no_weights
+    serving = both or does_not_fit
+    reasons = {
+        "weight_bytes": no_weights,
+        "weight_bytes_in_memory": no_weights,
+        "bits_per_weight": both or "no decoder-layer linear weights recognised in the checkpoint",
+        "bits_per_parameter": both,
+        "parameter_count": no_shape,
+        "kv_bytes_per_token": no_shape,
+        "max_concurrent_sequences": both,
+        "roofline_decode_tokens_per_s": serving,
+        "serving_decode_tokens_per_s": serving,
+        "usd_per_million_output_tokens": serving or "measure.target.price_per_hour is not set",
+    }
     return ModeledCost(
-        **figures.values,
+        **{name: figures.get(name) for name in reasons},
         target=target_name,
         target_spec=spec,
         assumptions=_assumptions(target),
-        unavailable=figures.unavailable,
+        unavailable={name: reason for name, reason in reasons.items() if name not in figures},
     )
-
-
-def _model_serving(
-    figures: _Figures,
-    shape: ModelShape | None,
-    facts: CheckpointFacts,
-    target: TargetSettings,
-    spec: AcceleratorSpec,
-    reason: str,
-) -> None:
-    serving = (
-        "max_concurrent_sequences",
-        "roofline_decode_tokens_per_s",
-        "serving_decode_tokens_per_s",
-        "usd_per_million_output_tokens",
-    )
-    if shape is None or reason:
-        for name in serving:
-            figures.absent(name, reason)
-        return
-    weights, kv_per_token = facts.payload_bytes, figures.values["kv_bytes_per_token"]
-    sequences = max_concurrent_sequences(
-        spec.memory_bytes,
-        weights,
-        kv_per_token,
-        target.context_length,
-        target.memory_utilization,
-        target.runtime_overhead_bytes,
-    )
-    figures.set("max_concurrent_sequences", sequences)
-    if sequences == 0:
-        does_not_fit = (
-            f"the weights ({weights} B) and one {target.context_length}-token KV cache do not fit in "
-            f"{target.memory_utilization:.0%} of {spec.memory_bytes} B minus {target.runtime_overhead_bytes} B overhead"
-        )
-        for name in serving[1:]:
-            figures.absent(name, does_not_fit)
-        return
-    streamed = streamed_weight_bytes(weights, facts.input_embedding_bytes(), shape.tie_word_embeddings)
-
-    def roofline(batch_size: int) -> float:
-        return decode_roofline_tokens_per_s(
-            spec.bandwidth_bytes_per_s, streamed, kv_per_token, target.context_length, batch_size
-        )
-
-    figures.set("roofline_decode_tokens_per_s", roofline(1))
-    serving_tokens_per_s = roofline(sequences)
-    figures.set("serving_decode_tokens_per_s", serving_tokens_per_s)
-    if target.price_per_hour is None:
-        figures.absent("usd_per_million_output_tokens", "measure.target.price_per_hour is not set")
-    else:
-        figures.set(
-            "usd_per_million_output_tokens", usd_per_million_tokens(target.price_per_hour, serving_tokens_per_s)
-        )

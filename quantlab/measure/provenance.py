@@ -1,4 +1,4 @@
-"""What produced a measured figure: the engine, the kernel path, the hardware and the clock."""
+"""What produced a measured figure (engine, kernel path, hardware, clock), and the machine a variant ran on."""
 
 from __future__ import annotations
 
@@ -50,19 +50,28 @@ def visible_cores() -> int:
         return os.cpu_count() or 1
 
 
+def hardware() -> dict[str, str]:
+    """The machine in brief: every variant's `hardware.*` params (the cost tag, `describe_hardware`,
+    details the devices a measurement used)."""
+    found = {"cpu": platform.processor() or platform.machine(), "cpu_count": str(os.cpu_count())}
+    if not torch.cuda.is_available():
+        return found | {"gpu": "none"}
+    return found | {"gpu": torch.cuda.get_device_name(0), "gpu_count": str(torch.cuda.device_count())}
+
+
+def _describe_gpu(index: int) -> str:
+    gpu = torch.cuda.get_device_properties(index)
+    return (
+        f"cuda:{index} {gpu.name} (SM {gpu.major}.{gpu.minor}, {gpu.total_memory} B, {gpu.multi_processor_count} SMs)"
+    )
+
+
 def describe_hardware(devices: Sequence[torch.device]) -> str:
     host = f"{cpu_model_name()}, {visible_cores()} cores visible, {torch.get_num_threads()} torch threads"
     indices = sorted({device.index or 0 for device in devices if device.type == "cuda"})
     if not indices:
         return f"CPU: {host}"
-    gpus = []
-    for index in indices:
-        properties = torch.cuda.get_device_properties(index)
-        gpus.append(
-            f"cuda:{index} {properties.name} (SM {properties.major}.{properties.minor}, "
-            f"{properties.total_memory} B, {properties.multi_processor_count} SMs)"
-        )
-    return f"GPU: {'; '.join(gpus)}; host: {host}"
+    return f"GPU: {'; '.join(map(_describe_gpu, indices))}; host: {host}"
 
 
 def provenance(model: torch.nn.Module, devices: Sequence[torch.device], clock: str) -> Provenance:

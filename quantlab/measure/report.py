@@ -1,16 +1,14 @@
-"""The cost of one variant, measured and modeled, as MLflow metrics and tags.
+"""The cost of one variant, measured and modeled, as MLflow metrics `cost/<figure>` and tags.
 
-Metric keys are `cost/<figure>`. With several batch sizes, the first configured one is the
-default and keeps the plain keys; figures of the others carry a `_bs<N>` suffix, e.g.
-`cost/decode_tokens_per_s` (batch 1) and `cost/decode_tokens_per_s_bs8`. A figure that
-could not be produced is never logged as zero: it is left out, and the tag
-`quantlab.cost.unavailable.<figure>` says why.
+Figures of other batch sizes than the first configured one carry a `_bs<N>` suffix. A figure that could not
+be produced is never logged as zero: it is left out, and the tag `quantlab.cost.unavailable.<figure>` says why.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -114,13 +112,15 @@ class MeasuredCost:
     workload: str  # batch sizes, lengths, warm-up and repeats, in words
     host_load: str  # load average around the measurement: other work on the machine skews timings
 
-    def figures(self) -> dict[str, float]:
+    def _per_batch(self, by_name: Callable[[BatchFigures], Mapping[str, Any]]) -> dict[str, Any]:
         default = self.batches[0].batch_size
-        values = {
+        return {
             batch_key(name, batch.batch_size, default): value
             for batch in self.batches
-            for name, value in batch.figures().items()
+            for name, value in by_name(batch).items()
         }
+
+    def figures(self) -> dict[str, float]:
         window = {
             "peak_memory_bytes": self.memory.peak_bytes,
             "peak_device_memory_bytes": self.memory.peak_device_memory_bytes,
@@ -128,16 +128,11 @@ class MeasuredCost:
             "measured_bandwidth_bytes_per_s": self.bandwidth.bytes_per_s,
             "loaded_weight_bytes": self.loaded_weight_bytes,
         }
-        return {**values, **{name: float(value) for name, value in window.items() if value is not None}}
+        measured = {name: float(value) for name, value in window.items() if value is not None}
+        return {**self._per_batch(BatchFigures.figures), **measured}
 
     def unavailable(self) -> dict[str, str]:
-        default = self.batches[0].batch_size
-        reasons = {
-            batch_key(name, batch.batch_size, default): reason
-            for batch in self.batches
-            for name, reason in batch.unavailable.items()
-        }
-        return {**reasons, **self.memory.unavailable}
+        return {**self._per_batch(lambda batch: batch.unavailable), **self.memory.unavailable}
 
 
 @dataclass(frozen=True)
@@ -176,12 +171,7 @@ class CostReport:
             "definitions": DEFINITIONS,
         }
         if self.provenance is not None:
-            tags.update(
-                engine=self.provenance.engine,
-                kernel_path=self.provenance.kernel_path,
-                hardware=self.provenance.hardware,
-                clock=self.provenance.clock,
-            )
+            tags.update(asdict(self.provenance))
         if self.measured is not None:
             tags.update(
                 workload=self.measured.workload,

@@ -1,10 +1,7 @@
 """What a window of work cost in memory and energy: context managers returning frozen readings.
 
-    with MemoryTracker(devices) as memory, EnergyTracker(devices) as energy:
-        run_the_model()
-    memory.reading.peak_bytes, energy.reading.joules
-
-Figures a device cannot give are None, with the reason in `unavailable` (never zero).
+Figures a device cannot give are None with the reason in `unavailable` (never zero); NVML
+(nvidia-ml-py) is optional and, when it cannot help, answers with that reason.
 """
 
 from __future__ import annotations
@@ -15,13 +12,52 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
+from typing import Any, Generic, TypeVar
 
 import torch
 
-from quantlab.measure.nvml import NvmlDevice, open_nvml_device
-
+Reading = TypeVar("Reading")
 NO_CUDA_REASON = "no CUDA device: {what} comes from NVML on NVIDIA GPUs"
+
+
+@dataclass(frozen=True)
+class NvmlDevice:
+    """One CUDA device as NVML sees it."""
+
+    handle: Any
+    nvml: Any  # the pynvml module, imported lazily
+
+    def process_memory_bytes(self) -> int | None:
+        """Device memory NVML attributes to this process; None when NVML does not list it
+        (e.g. a container's PID namespace hides the host PID)."""
+        for process in self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle):
+            if process.pid == os.getpid() and process.usedGpuMemory is not None:
+                return int(process.usedGpuMemory)
+        return None
+
+    def used_memory_bytes(self) -> int:
+        """Device memory in use by every process on the device."""
+        return int(self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used)
+
+    def energy_millijoules(self) -> int:
+        """The device's energy counter since the driver loaded (Volta and newer)."""
+        return int(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle))
+
+
+def open_nvml_devices(cuda_indices: Sequence[int]) -> list[NvmlDevice] | str:
+    """The NVML handles of torch's CUDA devices, or why there are none. torch numbers devices
+    after CUDA_VISIBLE_DEVICES, NVML does not: they are matched by UUID."""
+    try:
+        import pynvml
+    except ImportError:
+        return "nvidia-ml-py (pynvml) is not installed"
+    try:
+        pynvml.nvmlInit()
+        uuids = [str(torch.cuda.get_device_properties(index).uuid) for index in cuda_indices]
+        uuids = [uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}" for uuid in uuids]
+        return [NvmlDevice(pynvml.nvmlDeviceGetHandleByUUID(uuid), pynvml) for uuid in uuids]
+    except Exception as error:  # NVML raises its own error types; any of them means "no NVML"
+        return f"NVML unavailable: {error}"
 
 
 def current_rss_bytes() -> int:
@@ -67,13 +103,8 @@ def reset_high_water_mark() -> bool:
 
 
 def _cuda_indices(devices: Sequence[torch.device]) -> list[int]:
-    return sorted(
-        {
-            device.index if device.index is not None else torch.cuda.current_device()
-            for device in devices
-            if device.type == "cuda"
-        }
-    )
+    cuda = [device for device in devices if device.type == "cuda"]
+    return sorted({torch.cuda.current_device() if device.index is None else device.index for device in cuda})
 
 
 def _synchronize(cuda_indices: Sequence[int]) -> None:
@@ -81,10 +112,16 @@ def _synchronize(cuda_indices: Sequence[int]) -> None:
         torch.cuda.synchronize(index)
 
 
-def _open_all(cuda_indices: Sequence[int]) -> list[NvmlDevice] | str:
-    opened = [open_nvml_device(index) for index in cuda_indices]
-    reasons = [device for device in opened if isinstance(device, str)]
-    return reasons[0] if reasons else opened  # type: ignore[return-value]
+class _Window(Generic[Reading]):
+    """A `with` block whose `reading` is set when it ends."""
+
+    _reading: Reading | None = None
+
+    @property
+    def reading(self) -> Reading:
+        if self._reading is None:
+            raise RuntimeError(f"{type(self).__name__}.reading is available after its `with` block ends")
+        return self._reading
 
 
 @dataclass(frozen=True)
@@ -99,7 +136,7 @@ class MemoryReading:
     unavailable: Mapping[str, str] = field(default_factory=dict)
 
 
-class MemoryTracker:
+class MemoryTracker(_Window[MemoryReading]):
     """Peak memory over a window.
 
     Host: the kernel's exact peak-RSS counter, reset when the window opens, where Linux allows
@@ -114,15 +151,9 @@ class MemoryTracker:
         self._interval = sample_interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
         self._nvml: list[NvmlDevice] | str = NO_CUDA_REASON.format(what="device memory")
-        self._kernel_peak = False
-        self._peak_before = 0
-        self._peak_rss = 0
         self._peak_nvml: int | None = None
         self._nvml_scope: str | None = None
-        self._baseline = 0
-        self._reading: MemoryReading | None = None
 
     def __enter__(self) -> MemoryTracker:
         if self._cuda:
@@ -130,21 +161,20 @@ class MemoryTracker:
             for index in self._cuda:
                 torch.cuda.reset_peak_memory_stats(index)
             self._baseline = sum(torch.cuda.memory_allocated(index) for index in self._cuda)
-            self._nvml = _open_all(self._cuda)
+            self._nvml = open_nvml_devices(self._cuda)
         self._peak_before = _read_high_water_mark() or process_peak_rss_bytes()
         self._kernel_peak = reset_high_water_mark()
         self._peak_rss = current_rss_bytes()
         if not self._cuda:
             self._baseline = self._peak_rss
         self._sample()
+        # Only this thread samples between here and `__exit__`'s join: no lock needed.
         if not self._kernel_peak or not isinstance(self._nvml, str):
             self._thread = threading.Thread(target=self._sample_until_stopped, name="memory-tracker", daemon=True)
             self._thread.start()
         return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exception: object) -> None:
         if self._cuda:
             _synchronize(self._cuda)
         self._stop.set()
@@ -155,37 +185,20 @@ class MemoryTracker:
             self._peak_rss = max(self._peak_rss, _read_high_water_mark() or 0)
         self._reading = self._read()
 
-    @property
-    def reading(self) -> MemoryReading:
-        if self._reading is None:
-            raise RuntimeError("MemoryTracker.reading is available after its `with` block ends")
-        return self._reading
-
     def _sample_until_stopped(self) -> None:
         while not self._stop.wait(self._interval):
             self._sample()
 
     def _sample(self) -> None:
-        rss = current_rss_bytes()
-        device_bytes, scope = self._nvml_sample()
-        with self._lock:
-            self._peak_rss = max(self._peak_rss, rss)
-            if device_bytes is not None:
-                self._peak_nvml = max(self._peak_nvml or 0, device_bytes)
-                self._nvml_scope = scope
-
-    def _nvml_sample(self) -> tuple[int | None, str | None]:
+        self._peak_rss = max(self._peak_rss, current_rss_bytes())
         if isinstance(self._nvml, str):
-            return None, None
+            return
         per_process = [device.process_memory_bytes() for device in self._nvml]
         if all(value is not None for value in per_process):
-            return sum(per_process), "this process"  # type: ignore[arg-type]
-        return sum(device.used_memory_bytes() for device in self._nvml), "whole device"
-
-    def _host_method(self) -> str:
-        if self._kernel_peak:
-            return "kernel high-water mark VmHWM, reset when the window opened"
-        return f"sampled every {self._interval * 1000:g} ms"
+            device_bytes, self._nvml_scope = sum(per_process), "this process"  # type: ignore[arg-type]
+        else:
+            device_bytes, self._nvml_scope = sum(device.used_memory_bytes() for device in self._nvml), "whole device"
+        self._peak_nvml = max(self._peak_nvml or 0, device_bytes)
 
     def _read(self) -> MemoryReading:
         unavailable: dict[str, str] = {}
@@ -198,7 +211,12 @@ class MemoryTracker:
             kind = f"torch.cuda.max_memory_allocated, summed over cuda:{','.join(map(str, self._cuda))}"
         else:
             peak = self._peak_rss
-            kind = f"peak resident set size of the whole process ({self._host_method()})"
+            method = (
+                "kernel high-water mark VmHWM, reset when the window opened"
+                if self._kernel_peak
+                else f"sampled every {self._interval * 1000:g} ms"
+            )
+            kind = f"peak resident set size of the whole process ({method})"
         return MemoryReading(
             peak_bytes=peak,
             peak_kind=kind,
@@ -217,46 +235,32 @@ class EnergyReading:
     unavailable_reason: str | None
 
 
-class EnergyTracker:
+class EnergyTracker(_Window[EnergyReading]):
     """Energy the model's GPUs drew over a window, from NVML's cumulative counters."""
 
     def __init__(self, devices: Sequence[torch.device]):
         self._cuda = _cuda_indices(devices)
-        self._nvml: list[NvmlDevice] | str = (
-            _open_all(self._cuda) if self._cuda else NO_CUDA_REASON.format(what="energy")
-        )
-        self._start_mj: list[int] = []
-        self._reading: EnergyReading | None = None
+        self._nvml = open_nvml_devices(self._cuda) if self._cuda else NO_CUDA_REASON.format(what="energy")
 
     def __enter__(self) -> EnergyTracker:
-        if not isinstance(self._nvml, str):
-            _synchronize(self._cuda)
-            self._start_mj = self._counters()
+        self._start_mj = self._counters()
         return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
-    ) -> None:
-        if not isinstance(self._nvml, str):
-            _synchronize(self._cuda)
-            end_mj = self._counters()
+    def __exit__(self, *exception: object) -> None:
+        end_mj = self._counters()
         if isinstance(self._nvml, str):  # also when a counter read failed
             self._reading = EnergyReading(None, self._nvml)
-            return
-        spent_mj = sum(end - start for start, end in zip(self._start_mj, end_mj))
-        self._reading = EnergyReading(spent_mj / 1000, None)
-
-    @property
-    def reading(self) -> EnergyReading:
-        if self._reading is None:
-            raise RuntimeError("EnergyTracker.reading is available after its `with` block ends")
-        return self._reading
+        else:
+            self._reading = EnergyReading(sum(end - start for start, end in zip(self._start_mj, end_mj)) / 1000, None)
 
     def _counters(self) -> list[int]:
-        """Every device's counter in millijoules; on failure (pre-Volta GPUs have no energy
-        counter) the tracker records why and reports no figure."""
+        """Every device's counter in millijoules once its work is done; on failure (pre-Volta
+        GPUs have no energy counter) the tracker records why and reports no figure."""
+        if isinstance(self._nvml, str):
+            return []
+        _synchronize(self._cuda)
         try:
-            return [device.energy_millijoules() for device in self._nvml]  # type: ignore[union-attr]
+            return [device.energy_millijoules() for device in self._nvml]
         except Exception as error:  # NVML raises its own error types
             self._nvml = f"NVML energy counter unavailable: {error}"
             return []
