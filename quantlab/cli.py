@@ -209,8 +209,7 @@ def _sweep_view(experiment: str | None, tracking_uri: str | None):
 
 
 def _print_table(table) -> None:
-    """One column per variant when there are more figures than fit side by side (a sweep over
-    many lm-eval tasks has dozens): a row per figure stays readable in any terminal."""
+    """A row per figure, a column per variant, when the figures (dozens over many lm-eval tasks) would not fit."""
     from rich.table import Table as RichTable
 
     headers, rows = list(table.headers), [list(row) for row in table.rows]

@@ -218,9 +218,7 @@ class SweepRuns:
         self.display.variant_finished(name, None, failed.reason)
 
     def _copy(self, name: str, previous: tracking.RunRecord) -> None:
-        """A finished run with the same run key: its numbers hold for this sweep too."""
-        # Who the run is (variant name, baseline or not) is this sweep's, set by _run_for: a
-        # renamed variant is copied under its new name; the numbers are the content's.
+        """A finished run with the same run key: its numbers hold for this sweep, under this sweep's name for it."""
         run_id = self._run_for(name)
         if name == self.loaded.recipe.baseline:  # read before the copy: a baseline without samples ends the sweep
             samples = self.store.read_artifact(previous.run_id, SAMPLES_ARTIFACT)
