@@ -36,9 +36,7 @@ def _looks_like_prose(text: str) -> bool:
     return alphabetic / len(words) >= 0.8
 
 
-# --- text sources named in a recipe -------------------------------------------------------
-
-BUILTIN_SOURCES: dict[str, Split] = {
+BUILTIN_SOURCES: dict[str, Split] = {  # the recipe's names for the splits a recipe may use
     "builtin:pydoc-calibration": "calibration",
     "builtin:pydoc-perplexity": "perplexity",
 }
