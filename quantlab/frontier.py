@@ -1,8 +1,5 @@
-"""Quality-versus-cost Pareto frontiers of a finished sweep, judged against paired noise (pure).
-
-Unpaired standard errors are never used: baseline and variants answer the same documents, and treating
-them as independent overstates the noise several times.
-"""
+"""Quality-versus-cost Pareto frontiers of a finished sweep, judged against paired noise (pure). Never unpaired
+standard errors: variants answer the baseline's documents, and independence overstates the noise several times."""
 
 from __future__ import annotations
 
@@ -255,13 +252,13 @@ def paired_noise(
 
     def from_documents(metric: str, first: str, second: str) -> PairedComparison | None:
         a, b = documents.get(first, {}), documents.get(second, {})
-        leaves = groups[metric].leaves if metric in groups else (metric,)
+        group = groups.get(metric)
+        leaves = group.leaves if group else (metric,)
         if not all(leaf in a and leaf in b for leaf in leaves):
             return None
         try:
-            if metric not in groups:
-                return compare(metric, a[metric], b[metric])
-            return combine([compare(leaf, a[leaf], b[leaf]) for leaf in leaves], groups[metric].weights)
+            found = [compare(leaf, a[leaf], b[leaf]) for leaf in leaves]
+            return combine(found, group.weights) if group else found[0]
         except NotPaired:
             return None  # other documents (another limit): not comparable pairwise
 
@@ -355,6 +352,12 @@ class FrontierResult:
         }
 
 
+def paired_reference(variants: Sequence[VariantSummary]) -> str | None:
+    """The baseline's name if it succeeded: every other succeeded variant is compared with it."""
+    baseline = find_baseline(variants)
+    return baseline.name if baseline is not None and baseline.succeeded else None
+
+
 def exclusion_reason(variant: VariantSummary, required_metrics: Iterable[str]) -> str | None:
     """Why a variant cannot be judged on these metrics ("failed", "missing X"), or None."""
     if not variant.succeeded:
@@ -392,6 +395,7 @@ def pareto_front(variants: Sequence[VariantSummary], pair: AxisPair, noise: Nois
     """Place every variant on one quality/cost pair; find the dominated ones and the ties within noise."""
     ensure_unique_names(variants)
     baseline = find_baseline(variants)
+    reference = paired_reference(variants)
     excluded: list[Exclusion] = []
     placed: list[FrontierPoint] = []
     for variant in variants:
@@ -399,9 +403,7 @@ def pareto_front(variants: Sequence[VariantSummary], pair: AxisPair, noise: Nois
         if reason is not None:
             excluded.append(Exclusion(variant.name, reason))
             continue
-        versus = None
-        if baseline is not None and baseline.succeeded and variant.name != baseline.name:
-            versus = noise(pair.quality.metric, baseline.name, variant.name)
+        versus = noise(pair.quality.metric, reference, variant.name) if reference not in (None, variant.name) else None
         quality, cost = variant.value(pair.quality.metric), variant.value(pair.cost.metric)
         placed.append(
             FrontierPoint(
@@ -476,8 +478,7 @@ class FrontierSettings(BaseModel):
     def axis_pairs(
         self, variants: Sequence[VariantSummary], declared: Mapping[str, Declared] | None = None
     ) -> tuple[AxisPair, ...]:
-        """The pairs to draw; an explicit axis whose direction is still unknown is left out (and its
-        metric named by `compute_frontiers`)."""
+        """The pairs to draw, less explicit axes of a still unknown direction (`compute_frontiers` names them)."""
         declared = merged_declared(variants) if declared is None else declared
         if self.axes is None:
             return default_axis_pairs(variants, declared)
@@ -509,14 +510,12 @@ def compute_frontiers(
     direction is unknown, and every variant's paired comparison with the baseline."""
     declared = merged_declared(variants)
     pairs = (settings or FrontierSettings()).axis_pairs(variants, declared)
-    baseline = find_baseline(variants)
-    versus: dict[str, dict[str, PairedComparison]] = {}
-    if baseline is not None and baseline.succeeded:
-        qualities = quality_metrics(variants, declared)
-        for variant in variants:
-            if variant.succeeded and variant.name != baseline.name:
-                found = {metric: noise(metric, baseline.name, variant.name) for metric in qualities}
-                versus[variant.name] = {metric: c for metric, c in found.items() if c is not None}
+    reference, qualities = paired_reference(variants), quality_metrics(variants, declared)
+    versus = {
+        variant.name: {metric: c for metric in qualities if (c := noise(metric, reference, variant.name)) is not None}
+        for variant in variants
+        if reference is not None and variant.succeeded and variant.name != reference
+    }
     return Frontiers(
         results=tuple(pareto_front(variants, pair, noise) for pair in pairs),
         declared=declared,

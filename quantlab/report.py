@@ -120,7 +120,6 @@ def _legend(axes) -> None:
 
 @dataclass(frozen=True)
 class Plot:
-    title: str
     png: Path
     svg: Path
 
@@ -218,9 +217,7 @@ def render_plots(frontiers: Frontiers, out_dir: Path, model: str) -> list[Plot]:
     for index, result in enumerate(frontiers.results):
         fig = figure(result, model, f"pt{index}")
         stem = out_dir / "plots" / _slug(result.pair.name)
-        plots.append(
-            Plot(result.pair.title, _save(fig, stem.with_suffix(".png")), _save(fig, stem.with_suffix(".svg")))
-        )
+        plots.append(Plot(_save(fig, stem.with_suffix(".png")), _save(fig, stem.with_suffix(".svg"))))
     render_overview(frontiers, out_dir / "frontier.png", model)
     return plots
 
