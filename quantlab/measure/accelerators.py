@@ -1,12 +1,8 @@
-"""The accelerators a variant can be modeled on: memory capacity and bandwidth, with sources.
+"""The accelerators a variant can be modeled on: datasheet memory and bandwidth, with sources.
 
-Figures are the vendors' datasheet numbers. Datasheet "GB" and "TB/s" are decimal, and taken
-here as 10^9 bytes and 10^12 bytes/s. That is conservative for capacity: drivers report a little
-more than the nominal figure (an "80 GB" H100 shows 81,559 MiB in nvidia-smi), and the capacity
-model reserves headroom anyway (see `modeled.max_concurrent_sequences`).
-
-A recipe extends or overrides the table under `measure.accelerators`; names are matched
-without regard to case, spaces, dashes or underscores ("h100 sxm" finds "H100-SXM").
+Datasheet "GB" and "TB/s" are taken as 10^9 B and 10^12 B/s: conservative (an "80 GB" H100 shows 81,559 MiB).
+A recipe's `measure.accelerators` extends or overrides the table; names match regardless of case, spaces,
+dashes or underscores ("h100 sxm" finds "H100-SXM").
 """
 
 from __future__ import annotations
@@ -69,22 +65,12 @@ def accelerator_table(overrides: Mapping[str, AcceleratorSpec] | None = None) ->
     return table
 
 
-class UnknownAccelerator(KeyError):
-    def __init__(self, name: str, known: list[str]):
-        self.name = name
-        self.known = known
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        super().__init__(f"unknown accelerator {name!r}; {hint}known: {', '.join(sorted(known))}")
-
-    def __str__(self) -> str:  # KeyError would quote the whole message
-        return self.args[0]
-
-
 def find_accelerator(name: str, overrides: Mapping[str, AcceleratorSpec] | None = None) -> tuple[str, AcceleratorSpec]:
-    """The table's own spelling of `name` and its spec; `UnknownAccelerator` when absent."""
+    """The table's own spelling of `name` and its spec; ValueError, with a suggestion, when absent."""
     table = accelerator_table(overrides)
     for known, spec in table.items():
         if _normalized(known) == _normalized(name):
             return known, spec
-    raise UnknownAccelerator(name, list(table))
+    close = difflib.get_close_matches(name, list(table), n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ValueError(f"unknown accelerator {name!r}; {hint}known: {', '.join(sorted(table))}")

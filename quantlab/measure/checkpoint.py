@@ -1,8 +1,5 @@
-"""Facts about a saved checkpoint read from its safetensors headers, without loading a tensor.
-
-A safetensors file starts with an 8-byte little-endian header length and a JSON header that
-gives every tensor's dtype, shape and byte range: enough to know what each tensor costs.
-"""
+"""Facts about a saved checkpoint from its safetensors headers (an 8-byte little-endian length, then JSON
+with every tensor's dtype, shape and byte range), without loading a tensor."""
 
 from __future__ import annotations
 
@@ -12,7 +9,6 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-_METADATA_KEY = "__metadata__"
 # Decoder blocks of HF causal LMs live under `...layers.<index>.` (Llama, Mistral, Qwen, Gemma, Phi-3).
 _DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+\.")
 
@@ -71,11 +67,8 @@ class CheckpointFacts:
             and tensor.attribute in ("weight", "weight_packed")
             and len(tensor.shape) == 2
         }
-        return sum(
-            tensor.nbytes
-            for tensor in self.tensors
-            if tensor.module in linear_modules and tensor.attribute.startswith("weight")
-        )
+        weights = [tensor for tensor in self.tensors if tensor.attribute.startswith("weight")]
+        return sum(tensor.nbytes for tensor in weights if tensor.module in linear_modules)
 
     def input_embedding_bytes(self) -> int:
         """Bytes of the input embedding table (0 when none is recognised)."""
@@ -89,5 +82,5 @@ def read_safetensors_header(path: Path) -> list[TensorFact]:
     return [
         TensorFact(name, entry["dtype"], tuple(entry["shape"]), entry["data_offsets"][1] - entry["data_offsets"][0])
         for name, entry in header.items()
-        if name != _METADATA_KEY
+        if name != "__metadata__"
     ]

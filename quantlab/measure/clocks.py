@@ -9,20 +9,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
 
 import torch
-
-
-class Clock(Protocol):
-    description: str
-
-    def mark(self) -> Any: ...
-
-    def settle(self) -> None:
-        """Wait until all queued work is done; read `seconds` only after this."""
-
-    def seconds(self, start: Any, end: Any) -> float: ...
 
 
 class CpuClock:
@@ -51,6 +39,7 @@ class CudaClock:
         return event
 
     def settle(self) -> None:
+        """Wait until all queued work is done; read `seconds` only after this."""
         for device in self.devices:
             torch.cuda.synchronize(device)
 
@@ -58,9 +47,11 @@ class CudaClock:
         return start.elapsed_time(end) / 1000
 
 
+Clock = CpuClock | CudaClock
+
+
 def clock_for(record_on: torch.device, devices: Sequence[torch.device]) -> Clock:
     """The clock for work on `devices`, whose results end up on `record_on`."""
-    cuda_devices = [device for device in devices if device.type == "cuda"]
     if record_on.type == "cuda":
-        return CudaClock(record_on, cuda_devices)
+        return CudaClock(record_on, [device for device in devices if device.type == "cuda"])
     return CpuClock()

@@ -40,17 +40,11 @@ class GenerationTiming:
 
 
 def random_prompt_ids(
-    batch_size: int,
-    prompt_tokens: int,
-    vocab_size: int,
-    seed: int,
-    device: torch.device,
-    excluded_ids: Iterable[int] = (),
+    batch_size: int, prompt_tokens: int, vocab_size: int, seed: int, device: torch.device, excluded_ids: Iterable[int]
 ) -> torch.Tensor:
     """Seeded random token ids, avoiding `excluded_ids` (special tokens)."""
     allowed = torch.ones(vocab_size, dtype=torch.bool)
-    excluded = [token for token in excluded_ids if 0 <= token < vocab_size]
-    allowed[excluded] = False
+    allowed[[token for token in excluded_ids if 0 <= token < vocab_size]] = False
     pool = allowed.nonzero().squeeze(1)
     generator = torch.Generator().manual_seed(seed)
     picks = torch.randint(len(pool), (batch_size, prompt_tokens), generator=generator)
@@ -65,18 +59,13 @@ def time_generation(
         forward_options["logits_to_keep"] = 1
     with torch.inference_mode():
         clock.settle()
-        start = clock.mark()
-        output = model(input_ids=prompt_ids, **forward_options)
-        next_ids = output.logits[:, -1:].argmax(-1).to(prompt_ids.device)
-        marks = [clock.mark()]
-        for _ in range(output_tokens - 1):
-            output = model(input_ids=next_ids, past_key_values=output.past_key_values, **forward_options)
-            next_ids = output.logits[:, -1:].argmax(-1).to(prompt_ids.device)
+        # The first step is the prefill of every prompt; each later one decodes one token.
+        marks, input_ids, cache = [clock.mark()], prompt_ids, None
+        for _ in range(output_tokens):
+            output = model(input_ids=input_ids, past_key_values=cache, **forward_options)
+            input_ids = output.logits[:, -1:].argmax(-1).to(prompt_ids.device)
+            cache = output.past_key_values
             marks.append(clock.mark())
         clock.settle()
-    return GenerationTiming(
-        batch_size=prompt_ids.shape[0],
-        prompt_tokens=prompt_ids.shape[1],
-        first_token_s=clock.seconds(start, marks[0]),
-        inter_token_s=tuple(clock.seconds(before, after) for before, after in zip(marks, marks[1:])),
-    )
+    steps = [clock.seconds(before, after) for before, after in zip(marks, marks[1:])]
+    return GenerationTiming(prompt_ids.shape[0], prompt_ids.shape[1], steps[0], tuple(steps[1:]))

@@ -1,10 +1,6 @@
-"""Which kernel path a loaded model's linear layers actually run through.
-
-A measured tokens/s means little without it: the same FP8 checkpoint runs FP8 matmuls on an
-H100 with `use_optimized_inference=True`, but on a CPU transformers decompresses it and the
-matmuls run in BF16 (with FP8 fake-quantization of the activations when the scheme quantizes
-them). This looks at the modules as they are *now*: call it after the model has run, since
-compressed-tensors decompresses on the first forward.
+"""Which kernel path a loaded model's linear layers actually run through: a measured tokens/s means little
+without it (one FP8 checkpoint runs FP8 matmuls on an H100, BF16 ones on a CPU). Read it after the model has
+run: compressed-tensors decompresses on the first forward.
 """
 
 from __future__ import annotations
@@ -25,10 +21,6 @@ _DTYPE_NAMES = {
     torch.int32: "INT32",
 }
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def describe_quantization_args(args: Any) -> str:
@@ -63,7 +55,9 @@ def linear_kernel_path(module: torch.nn.Module) -> str:
     if type(module).__name__ == "CompressedTensorsFP8Linear":
         return "FP8 matmul (torch scaled_mm, row-wise scales; transformers CompressedTensorsFP8Linear)"
     weight = getattr(module, "weight", None)
-    compute = dtype_name(weight.dtype) if isinstance(weight, torch.Tensor) else "unknown dtype"
+    compute = "unknown dtype"
+    if isinstance(weight, torch.Tensor):
+        compute = _DTYPE_NAMES.get(weight.dtype, str(weight.dtype).removeprefix("torch."))
     scheme = getattr(module, "quantization_scheme", None)
     if scheme is None or scheme.weights is None or not getattr(module, "quantization_enabled", True):
         return f"{compute} matmul"
@@ -80,16 +74,12 @@ def linear_kernel_path(module: torch.nn.Module) -> str:
     return path
 
 
-def _placement(model: torch.nn.Module) -> str:
-    devices = sorted({str(parameter.device) for parameter in model.parameters()})
-    return "CPU" if devices == ["cpu"] else ", ".join(devices)
-
-
 def kernel_path(model: torch.nn.Module) -> str:
     """Every distinct linear-layer path with how many layers take it, most common first,
     then where the weights live, e.g. "BF16 matmul (211 Linear) on CPU"."""
     paths = Counter(linear_kernel_path(module) for module in model.modules() if isinstance(module, torch.nn.Linear))
+    devices = sorted({str(parameter.device) for parameter in model.parameters()})
+    placement = "CPU" if devices == ["cpu"] else ", ".join(devices)
     if not paths:
-        return f"no torch.nn.Linear layers found, on {_placement(model)}"
-    layers = "; ".join(f"{path} ({count} Linear)" for path, count in paths.most_common())
-    return f"{layers} on {_placement(model)}"
+        return f"no torch.nn.Linear layers found, on {placement}"
+    return "; ".join(f"{path} ({count} Linear)" for path, count in paths.most_common()) + f" on {placement}"

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from quantlab.measure.accelerators import AcceleratorSpec, UnknownAccelerator, find_accelerator
+from quantlab.measure.accelerators import AcceleratorSpec, find_accelerator
 
 _GIB = 1024**3
 _MIB = 1024**2
@@ -88,21 +88,14 @@ class MeasureSettings(_Strict):
     def _known_accelerator(cls, target: TargetSettings, info: ValidationInfo) -> TargetSettings:
         try:
             find_accelerator(target.accelerator, info.data.get("accelerators"))
-        except UnknownAccelerator as error:
+        except ValueError as error:
             raise ValueError(f"accelerator: {error}") from None
         return target
 
     def target_accelerator(self) -> tuple[str, AcceleratorSpec]:
         """The target's table entry with the target's own memory/bandwidth overrides applied."""
         name, spec = find_accelerator(self.target.accelerator, self.accelerators)
-        changes = {
-            key: value
-            for key, value in (
-                ("memory_bytes", self.target.memory_bytes),
-                ("bandwidth_bytes_per_s", self.target.bandwidth_bytes_per_s),
-            )
-            if value is not None
-        }
+        changes = self.target.model_dump(include={"memory_bytes", "bandwidth_bytes_per_s"}, exclude_none=True)
         if changes:
             spec = spec.model_copy(
                 update={**changes, "source": f"{spec.source}; overridden in the recipe: {sorted(changes)}"}
