@@ -1,10 +1,6 @@
-"""Content-addressed checkpoint cache.
-
-A checkpoint's key hashes everything that decides its bytes: the model's content identity,
-the method and its resolved parameters, the calibration settings (for methods that calibrate)
-and the library versions. A checkpoint is written beside its final place and renamed into it
-only once complete, so a crash leaves a `.partial-*` directory that is never taken for a result;
-the next writer of the same key on that host removes it once its process is gone.
+"""Content-addressed cache: a checkpoint's key hashes everything that decides its bytes. Each is
+written beside its final place and renamed into it once complete, so a crash leaves only a
+`.partial-*` directory, never taken for a result and removed by the next writer on that host.
 """
 
 from __future__ import annotations
@@ -84,22 +80,14 @@ def is_complete(checkpoint: Path) -> bool:
     return (checkpoint / COMPLETE_MARKER).is_file()
 
 
-def discard(checkpoint: Path) -> None:
-    shutil.rmtree(checkpoint, ignore_errors=True)
-
-
 def _scratch_prefix(checkpoint: Path) -> str:
     """Scratch directories are named by writer: `<checkpoint>.partial-<host>-<pid>`."""
     return f"{checkpoint.name}.partial-{socket.gethostname()}-"
 
 
 def _remove_abandoned_scratch(checkpoint: Path) -> None:
-    """Remove scratch directories of `checkpoint` left by dead processes on this host.
-
-    A SIGKILLed quantization (or baseline reference pass) leaves one behind, as large as the
-    result. Scratch directories of other hosts (a cache shared by a Ray cluster) are left alone:
-    only their host can tell whether their writer still lives.
-    """
+    """Remove scratch directories of `checkpoint` that dead processes of this host left (as large as
+    the result); another host's (a cache shared by a Ray cluster) only that host can judge."""
     import psutil
 
     prefix = _scratch_prefix(checkpoint)
@@ -109,27 +97,28 @@ def _remove_abandoned_scratch(checkpoint: Path) -> None:
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-def fresh_scratch(target: Path) -> Path:
-    """An empty directory beside `target` for this process to write it in, then rename into place."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned_scratch(target)
-    scratch = target.with_name(f"{_scratch_prefix(target)}{os.getpid()}")
-    shutil.rmtree(scratch, ignore_errors=True)
-    scratch.mkdir()
-    return scratch
-
-
 @contextmanager
 def atomic_directory(target: Path, *, replace_existing: bool = False) -> Iterator[Path]:
     """Yield an empty scratch directory beside `target` (same file system, so the final rename is
     atomic); on success it becomes `target`, on failure it is removed. An existing `target` is
     replaced with `replace_existing`; otherwise a complete one another process wrote first wins."""
-    scratch = fresh_scratch(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_scratch(target)
+    scratch = target.with_name(f"{_scratch_prefix(target)}{os.getpid()}")
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
     try:
         yield scratch
         if replace_existing and target.exists():
             shutil.rmtree(target)
-        _move_into_place(scratch, target)
+        try:
+            os.replace(scratch, target)
+        except OSError:
+            # Renaming onto a non-empty directory fails: another process finished the same key
+            # first, with the same content, so ours is dropped.
+            if not is_complete(target):
+                raise
+            shutil.rmtree(scratch)
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
@@ -141,14 +130,3 @@ def writing(checkpoint: Path, identity: dict[str, Any]) -> Iterator[Path]:
     with atomic_directory(checkpoint) as scratch:
         yield scratch
         (scratch / COMPLETE_MARKER).write_text(json.dumps(identity, indent=2, sort_keys=True, default=str))
-
-
-def _move_into_place(scratch: Path, checkpoint: Path) -> None:
-    try:
-        os.replace(scratch, checkpoint)
-    except OSError:
-        # Another process finished the same key first (renaming onto a non-empty directory
-        # fails); theirs has the same content, so ours is dropped.
-        if not is_complete(checkpoint):
-            raise
-        shutil.rmtree(scratch)

@@ -1,10 +1,5 @@
-"""Checks of a recipe against the world outside its file, before a sweep spends compute.
-
-- `missing_files`: the model, texts and task directory that the recipe names exist (no network).
-- `check_recipe`: the model's config (layer widths against each method's parameters) and lm-eval's
-  task index; both slow to find out, so what they looked up is kept (`remember_lookups`).
-- `validate`: the recipe file (`quantlab.recipe`) and all of the above, every problem at once.
-"""
+"""Checks of a recipe against the world outside its file (files on disk, the model's config,
+lm-eval's task index), before a sweep spends compute. `validate` runs them all."""
 
 from __future__ import annotations
 
@@ -48,15 +43,12 @@ def missing_files(data: dict, base_dir: Path, shown: str) -> list[Problem]:
 
 
 def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None, hub_optional: bool = False) -> LoadedRecipe:
-    """Checks that look outside the file: model config and lm-eval's task index. Raises BadInput.
+    """The model's config (layer widths against each method's params) and lm-eval's task index. Raises BadInput.
 
-    Both are slow to find out (the model's config through transformers, ~10k lm-eval task files)
-    and fixed by content. With `cache_root`, what `remember_lookups` stored there after an earlier
-    check is read instead; the recipe comes back with what this check looked up.
-
-    A hub model on a machine that cannot reach the hub (and has no cached copy) is bad input for
-    a sweep; with `hub_optional` (`quantlab validate`) the checks that need it are skipped and
-    listed in `needs_hub` instead, with the lm-eval tasks whose data comes from the hub.
+    Both are slow to find out and fixed by content: with `cache_root`, what `remember_lookups` kept
+    there is read instead, and the recipe comes back with what this check looked up. A hub model
+    that this machine cannot reach (nor has cached) is bad input; with `hub_optional` (`quantlab
+    validate`) what needs the hub is listed in `needs_hub` instead.
     """
     from quantlab.evaluate.lm_eval_runner import known_tasks, task_index_identity, unknown_tasks
 
@@ -72,6 +64,7 @@ def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None, hub_optio
 
     problems: list[Problem] = []
     needs_hub: list[str] = []
+    widths = None
     try:
         source = resolve_source(recipe.model, loaded.path.parent)
         offline_hub_model = (
@@ -80,25 +73,15 @@ def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None, hub_optio
             and not in_local_cache(source)
             and not hub_reachable()
         )
-        if offline_hub_model and hub_optional:
-            needs_hub.append(f"model.source: the config of {source.display} (layer widths against group sizes)")
-            widths = None
-        elif offline_hub_model:
-            raise BadInput(
-                [
-                    Problem(
-                        "",
-                        "",
-                        f"{source.display} is a hub model, this machine cannot reach the "
-                        "hub, and the local Hugging Face cache has no copy",
-                    )
-                ]
-            )
-        else:
+        if not offline_hub_model:
             widths = look_up(widths_identity(source), lambda: linear_input_widths(source))
+        elif hub_optional:
+            needs_hub.append(f"model.source: the config of {source.display} (layer widths against group sizes)")
+        else:
+            no_copy = "this machine cannot reach the hub, and the local Hugging Face cache has no copy"
+            problems.append(Problem(shown, "model.source", f"{source.display} is a hub model, {no_copy}"))
     except BadInput as error:
         problems += [Problem(shown, "model.source", problem.message) for problem in error.problems]
-        widths = None
     if widths is not None:
         for index, variant in enumerate(recipe.variants):
             for field, message in METHODS[variant.method].check_model(variant.params, widths):
@@ -146,11 +129,8 @@ def remember_lookups(loaded: LoadedRecipe, cache_root: Path) -> None:
 
 
 def validate(path: str | Path, cache_root: Path | None = None, hub_optional: bool = False) -> LoadedRecipe:
-    """Everything a sweep needs to know before spending compute. Raises BadInput.
-
-    Two passes, each collecting every problem before reporting: the file (its schema, and the
-    files it names, reported together), then `check_recipe`.
-    """
+    """Everything a sweep needs to know before spending compute, in two passes that each report every
+    problem: the file (its schema and the files it names), then `check_recipe`. Raises BadInput."""
     text, data = read_recipe(path)
     loaded = parse_recipe(path, text, data, missing_files(data, Path(path).resolve().parent, str(Path(path))))
     return check_recipe(loaded, cache_root, hub_optional)

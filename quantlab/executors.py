@@ -1,10 +1,8 @@
 """Where a variant runs: its own spawned process (local), a Ray task, or the sweep's own process
 (inprocess). All yield the same outcomes: a VariantResult, or VariantFailed with the traceback.
 
-One process per variant keeps memory figures clean (nothing left over from the previous
-variant) and contains crashes: a segfault or the OOM killer takes one variant, not the sweep.
-The child's stdout and stderr go to a log file that is kept as the run's artifact. The
-in-process executor gives both up for one process and one CUDA context (see InProcessExecutor).
+A process per variant keeps memory figures clean and contains crashes (a segfault or the OOM
+killer takes one variant, not the sweep); its stdout and stderr go to a log file kept as an artifact.
 """
 
 from __future__ import annotations
@@ -35,11 +33,17 @@ class VariantFailed(Exception):
         self.details = details  # traceback or log tail, kept as an artifact
 
 
-def _child_main(variant: str, job_path: str, messages: multiprocessing.Queue, log_path: str) -> None:
-    _bind_to_sweep(f"quantlab-{variant}")
+def _output_to(log_path: str) -> None:
+    """This process's stdout and stderr (file descriptors, so native libraries' too) into the log."""
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
+
+
+def _child_main(variant: str, job_path: str, messages: multiprocessing.Queue, log_path: str) -> None:
+    _bind_to_sweep(f"quantlab-{variant}")
+    _output_to(log_path)
     try:
         job = pickle.loads(Path(job_path).read_bytes())
         Path(job_path).unlink()
@@ -51,13 +55,8 @@ def _child_main(variant: str, job_path: str, messages: multiprocessing.Queue, lo
 
 
 def _bind_to_sweep(name: str) -> None:
-    """Name the variant's process and make it die with its sweep (Linux; elsewhere a no-op).
-
-    The name lets ps, top and psutil show which variant a process runs (Linux keeps 15 bytes);
-    multiprocessing's `Process(name=...)` is only a Python attribute. A sweep killed outright
-    (SIGKILL, the OOM killer) cannot kill its variant: the kernel does (PR_SET_PDEATHSIG), rather
-    than leave it computing for nobody, holding memory the next sweep needs.
-    """
+    """Name the variant's process for ps/top/psutil (15 bytes) and have the kernel kill it when the
+    sweep dies outright (SIGKILL, OOM killer), rather than leave it holding memory. Linux only."""
     if sys.platform != "linux":
         return
     try:
@@ -74,12 +73,10 @@ def _bind_to_sweep(name: str) -> None:
 
 
 def failure_reason(error: BaseException) -> str:
-    if isinstance(error, BadInput):  # found only at run time, e.g. too little calibration text
-        return (
-            f"{error.problems[0].field or 'input'}: {error.problems[0].message}"
-            if len(error.problems) == 1
-            else str(error)
-        )
+    if isinstance(error, BadInput) and len(error.problems) == 1:  # found at run time, e.g. too little calibration text
+        return f"{error.problems[0].field or 'input'}: {error.problems[0].message}"
+    if isinstance(error, BadInput):
+        return str(error)
     return f"{type(error).__name__}: {error}"
 
 
@@ -88,10 +85,8 @@ def run_local(job: VariantJob, log_path: Path, on_stage: StageCallback) -> Varia
     context = multiprocessing.get_context("spawn")
     messages = context.Queue()
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    # The job (with the baseline's per-document scores, often megabytes) goes through a file, not
-    # the spawn pipe: Process.start() writes its arguments into a pipe whose read end it keeps
-    # open until the write ends, so a child that dies while reading a payload larger than the
-    # pipe's buffer (e.g. it cannot unpickle it) blocks the sweep forever.
+    # The job (often megabytes of baseline scores) goes through a file, not the spawn pipe: a child
+    # that dies while reading a payload larger than the pipe's buffer would block start() forever.
     job_path = log_path.with_name(f"{log_path.stem}.job.pickle")
     job_path.write_bytes(pickle.dumps(job))
     process = context.Process(
@@ -155,22 +150,14 @@ class LocalExecutor:
 
 
 class InProcessExecutor:
-    """Every variant in the sweep's own process, one after another: no isolation at all.
-
-    For notebooks, debuggers (a breakpoint in a stage just works) and scripts such as
-    scripts/gpu_check.py that want one process and one CUDA context. The price:
-    - a crash is the sweep's crash: a segfault, the OOM killer or os._exit ends the whole sweep
-      (its runs stay RUNNING until the next sweep marks them KILLED); an exception still fails
-      only its variant, with the traceback;
-    - nothing leaks between variants as far as Python can tell (see `_release_memory`), but
-      allocator caches and imported libraries stay, so memory figures are less clean than with
-      a fresh process;
-    - no log file: the variant writes to the sweep's own stdout and stderr, and its run has no
-      `logs/variant.log` artifact (capturing file descriptors 1 and 2 would also swallow the
-      sweep's own progress display).
-    """
+    """Every variant in the sweep's own process, one after another: for notebooks, debuggers and
+    scripts/gpu_check.py (one process, one CUDA context). No isolation: a crash ends the sweep (an
+    exception fails only its variant); allocator caches and imports stay between variants; no log
+    file (capturing fds 1 and 2 would swallow the sweep's progress display)."""
 
     def run(self, jobs: list[VariantJob], log_dir: Path, on_stage: StageCallback) -> Iterator[Outcome]:
+        from quantlab.stages.quantize import release_quantizer_memory
+
         for job in jobs:
             log_path = log_dir / f"{job.variant}.log"  # never written: the sweep logs no file that is absent
             try:
@@ -180,25 +167,13 @@ class InProcessExecutor:
             except Exception as error:  # noqa: BLE001 - one variant's error must not end the sweep; Ctrl-C still does
                 outcome = VariantFailed(failure_reason(error), traceback.format_exc())
             finally:
-                _release_memory()
+                release_quantizer_memory()  # so that the next variant's peak memory is its own
             yield job, outcome, log_path
 
 
-def _release_memory() -> None:
-    """Give back what a finished variant held, so the next one's peak memory is its own (a spawned
-    process drops everything on exit; in-process, the quantizer's session and caches would stay)."""
-    from quantlab.stages.quantize import release_quantizer_memory
-
-    release_quantizer_memory()
-
-
 class RayExecutor:
-    """One Ray task per variant, all at once, each with the resources its recipe asks for.
-
-    Workers write checkpoints and the baseline's reference pass into the cache directory and
-    their logs into `log_dir`: on a multi-node cluster both must be on a shared file system.
-    Only the driver talks to MLflow, so every result reaches the one tracking store.
-    """
+    """One Ray task per variant, all at once, each with the resources its recipe asks for. Workers
+    write the cache and `log_dir`: on a multi-node cluster both must be on a shared file system."""
 
     def __init__(self, address: str | None):
         self.address = address
@@ -211,10 +186,8 @@ class RayExecutor:
                 ray.init(address=self.address, log_to_driver=False)
             else:
                 ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
-        # max_calls=1: a fresh worker process per variant, as with the local executor.
-        # max_retries=0: a variant whose worker died (OOM killer, Ray's memory monitor, a lost
-        # node) fails like a local one instead of being run again, up to 3 times or, for Ray's
-        # memory monitor, without end; the next sweep recomputes only what did not finish.
+        # max_calls=1: a fresh worker process per variant. max_retries=0: a variant whose worker died
+        # fails like a local one instead of being rerun (endlessly, for Ray's memory monitor).
         remote = ray.remote(max_calls=1, max_retries=0)(_ray_task)
         pending = {}
         for job in jobs:
@@ -234,18 +207,12 @@ class RayExecutor:
                 cause = error.cause if isinstance(getattr(error, "cause", None), BaseException) else error
                 yield job, VariantFailed(failure_reason(cause), str(error) + _log_tail(log_path)), log_path
             except ray.exceptions.RayError as error:  # worker died: killed, out of memory, node lost
-                yield (
-                    job,
-                    VariantFailed(f"Ray worker failed: {type(error).__name__}", str(error) + _log_tail(log_path)),
-                    log_path,
-                )
+                reason = f"Ray worker failed: {type(error).__name__}"
+                yield job, VariantFailed(reason, str(error) + _log_tail(log_path)), log_path
 
 
 def _ray_task(job: VariantJob, log_path: str) -> VariantResult:
-    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
+    _output_to(log_path)
     return run_variant(job)
 
 

@@ -1,11 +1,10 @@
-"""What passes between the sweep, the executors, the runner and its stages: a variant's job and
-its result, and the baseline's outputs that later variants compare against. Plain data, no work.
-"""
+"""What passes between the sweep, the executors, the runner and its stages (plain data): a variant's
+job and result, and the baseline's outputs that later variants compare against."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,8 +15,6 @@ if TYPE_CHECKING:
     from quantlab.evaluate.lm_eval_runner import TaskDataset
 
 StageReporter = Callable[[str], None]
-
-
 SAMPLES_FORMAT = 2  # version of the per-document record a variant run keeps (samples.json)
 
 
@@ -31,20 +28,14 @@ class GroupParts:
 
 @dataclass(frozen=True)
 class BaselineOutputs:
-    """What later variants compare themselves against; every variant run keeps its own as
-    `samples.json`, and a reused baseline run is read back from it.
-
-    samples.json (version 2)::
+    """What later variants compare themselves against. Every variant run keeps its own as samples.json
+    (a reused baseline run is read back from it); score keys are `eval/<task>/<metric>[:<filter>]`::
 
         {"version": 2,
-         "documents": paired.documents_to_json({score key: DocumentScores}),  # every analysable lm-eval score,
-                                                                              # and quality/{ppl,kld_mean,top1_agreement} per token
-         "groups": {group score key: {"leaves": [leaf score key, ...], "weights": [w, ...]}},
+         "documents": paired.documents_to_json({score key: DocumentScores}),  # lm-eval; quality/* per token
+         "groups": {group score key: {"leaves": [leaf score key, ...], "weights": [w, ...]}},  # paired.combine
          "scores": {score key: value},          # every lm-eval score logged (recovery's input)
          "primary": {task: score key}}          # each task's primary score (flips' input)
-
-    Score keys are `eval/<task>/<metric>[:<filter>]` (quantlab.metrics); a group's paired
-    comparison is `paired.combine` of its leaves' with these weights.
     """
 
     reference_dir: str | None
@@ -57,9 +48,9 @@ class BaselineOutputs:
         return {
             "version": SAMPLES_FORMAT,
             "documents": documents_to_json(self.documents),
-            "groups": {key: {"leaves": list(g.leaves), "weights": list(g.weights)} for key, g in self.groups.items()},
-            "scores": dict(self.scores),
-            "primary": dict(self.primary),
+            "groups": {key: asdict(group) for key, group in self.groups.items()},
+            "scores": self.scores,
+            "primary": self.primary,
         }
 
     @classmethod
@@ -71,10 +62,7 @@ class BaselineOutputs:
         return cls(
             reference_dir,
             documents_from_json(data["documents"]),
-            {
-                key: GroupParts(tuple(g["leaves"]), tuple(float(w) for w in g["weights"]))
-                for key, g in data["groups"].items()
-            },
+            {key: GroupParts(tuple(g["leaves"]), tuple(map(float, g["weights"]))) for key, g in data["groups"].items()},
             {key: float(value) for key, value in data["scores"].items()},
             dict(data["primary"]),
         )

@@ -1,9 +1,7 @@
 """Where a model comes from (hub id, local directory, GGUF file, packaged file) and how it loads.
 
-A GGUF file is dequantized by transformers on load; such a model refuses `save_pretrained`,
-so it is copied into a fresh model built from the same config, which saves normally and gives
-identical logits. For the embedded SmolLM2 default that dequantized Q4_1 model *is* the
-"BF16 baseline".
+A GGUF model is dequantized once into a checkpoint directory (`materialize`): for the embedded
+SmolLM2 default that dequantized Q4_1 model *is* the "BF16 baseline".
 """
 
 from __future__ import annotations
@@ -16,13 +14,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from quantlab.errors import BadInput, Problem
+from quantlab.errors import bad_input
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from quantlab.recipe import ModelSpec, RuntimeSettings
+
+    LoadedModel = tuple[PreTrainedModel, PreTrainedTokenizerBase]
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 PACKAGE_PREFIX = "pkg://"
@@ -76,32 +76,15 @@ def source_problem(source: str, base_dir: Path) -> str | None:
 
 def resolve_source(spec: ModelSpec, base_dir: Path) -> ModelSource:
     if (message := source_problem(spec.source, base_dir)) is not None:
-        raise BadInput([Problem("", "model.source", message)])
+        raise bad_input("", "model.source", message)
     path = _local_path(spec.source, base_dir)
     common = dict(revision=spec.revision, trust_remote_code=spec.trust_remote_code)
     if path.suffix == ".gguf":
-        return ModelSource(
-            kind="gguf",
-            location=str(path.parent),
-            gguf_file=path.name,
-            identity=f"gguf:{path.name}:sha256={_file_sha256(path)}",
-            **common,
-        )
+        identity = f"gguf:{path.name}:sha256={_file_sha256(path)}"
+        return ModelSource("gguf", str(path.parent), path.name, identity=identity, **common)
     if path.is_dir():
-        return ModelSource(
-            kind="local_dir",
-            location=str(path),
-            gguf_file=None,
-            identity=f"dir:{_directory_fingerprint(path)}",
-            **common,
-        )
-    return ModelSource(
-        kind="hub",
-        location=spec.source,
-        gguf_file=None,
-        identity=f"hub:{spec.source}@{spec.revision or 'main'}",
-        **common,
-    )
+        return ModelSource("local_dir", str(path), None, identity=f"dir:{_directory_fingerprint(path)}", **common)
+    return ModelSource("hub", spec.source, None, identity=f"hub:{spec.source}@{spec.revision or 'main'}", **common)
 
 
 @functools.lru_cache(maxsize=16)
@@ -136,8 +119,7 @@ def _from_pretrained_args(source: ModelSource) -> tuple[str, dict]:
 def hub_reachable(timeout_s: float = 3.0) -> bool:
     """Whether this machine can reach the model hub now (HF_HUB_OFFLINE says no without asking).
 
-    Asked once before reading a hub model's config: without it, an offline machine spends about
-    40 s in huggingface_hub's retries before saying what one TCP connection says in a moment.
+    One TCP connection answers at once what huggingface_hub's retries take about 40 s to say.
     """
     import socket
     import urllib.parse
@@ -166,18 +148,6 @@ def in_local_cache(source: ModelSource) -> bool:
     return True
 
 
-def load_config(source: ModelSource) -> PretrainedConfig:
-    from transformers import AutoConfig
-
-    location, kwargs = _from_pretrained_args(source)
-    try:
-        return AutoConfig.from_pretrained(location, **kwargs)
-    except Exception as error:  # noqa: BLE001 - any failure here is the user's source being unusable
-        raise BadInput(
-            [Problem("", "model.source", f"cannot read the model config of {source.display}: {error}")]
-        ) from None
-
-
 def widths_identity(source: ModelSource) -> dict[str, str]:
     """What decides `linear_input_widths`: the model's content and the transformers that builds it."""
     from importlib.metadata import version
@@ -192,9 +162,13 @@ def widths_identity(source: ModelSource) -> dict[str, str]:
 def linear_input_widths(source: ModelSource) -> dict[str, int]:
     """Input width of every nn.Linear except lm_head, from the config alone (meta device, no weights)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = load_config(source)
+    location, kwargs = _from_pretrained_args(source)
+    try:
+        config = AutoConfig.from_pretrained(location, **kwargs)
+    except Exception as error:  # noqa: BLE001 - any failure here is the user's source being unusable
+        raise bad_input("", "model.source", f"cannot read the model config of {source.display}: {error}") from None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=source.trust_remote_code)
     return {
@@ -210,7 +184,7 @@ def pick_device(runtime: RuntimeSettings) -> str:
     if runtime.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if runtime.device == "cuda" and not torch.cuda.is_available():
-        raise BadInput([Problem("", "runtime.device", "cuda was asked for but no CUDA device is available")])
+        raise bad_input("", "runtime.device", "cuda was asked for but no CUDA device is available")
     return runtime.device
 
 
@@ -224,11 +198,8 @@ def pick_dtype(runtime: RuntimeSettings, device: str) -> torch.dtype:
 
 
 def materialize(source: ModelSource, cache_root: Path) -> ModelSource:
-    """A GGUF source as a normal checkpoint directory (float32, exact dequantization), made once.
-
-    llm-compressor and every later stage want a directory with config.json; other sources
-    already are one (or a hub id) and pass through.
-    """
+    """A GGUF source as a checkpoint directory (float32, exact dequantization), made once: llm-compressor
+    and every later stage want config.json. Other sources pass through."""
     if source.kind != "gguf":
         return source
     import torch
@@ -254,39 +225,32 @@ def materialize(source: ModelSource, cache_root: Path) -> ModelSource:
     return replace(source, kind="local_dir", location=str(target), gguf_file=None)
 
 
-def load_source_model(
-    source: ModelSource, dtype: torch.dtype, device: str
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_source_model(source: ModelSource, dtype: torch.dtype, device: str) -> LoadedModel:
     """The recipe's model from a checkpoint directory or the hub (GGUF: `materialize` first)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if source.kind == "gguf":
         raise ValueError("materialize() a GGUF source before loading it")
     location, kwargs = _from_pretrained_args(source)
-    tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **_placement(device), **kwargs)
-    return model.eval(), tokenizer
+    return _load(location, dtype, device, kwargs, kwargs)
 
 
-def load_checkpoint(
-    checkpoint: Path, dtype: torch.dtype, device: str
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_checkpoint(checkpoint: Path, dtype: torch.dtype, device: str) -> LoadedModel:
     """A saved variant (plain or compressed-tensors), spread over the GPUs on CUDA."""
+    return _load(checkpoint, dtype, device, {}, _fast_kernels(checkpoint, device))
+
+
+def _load(location: str | Path, dtype: torch.dtype, device: str, tokenizer_args: dict, model_args: dict) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(
-        checkpoint, dtype=dtype, **_placement(device), **_fast_kernels(checkpoint, device)
-    )
+    tokenizer = AutoTokenizer.from_pretrained(location, **tokenizer_args)
+    # device_map="auto" lets Accelerate spread a model larger than one GPU over several.
+    placement = {"device_map": "auto"} if device == "cuda" else {}
+    model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **placement, **model_args)
     return model.eval(), tokenizer
 
 
 def _fast_kernels(checkpoint: Path, device: str) -> dict:
-    """On CUDA, keep FP8 compressed-tensors weights in FP8 and run FP8 matmuls (SM 8.9+).
-
-    transformers otherwise dequantizes them; where the GPU lacks FP8 matmuls it falls back to
-    that with a warning, and the measured kernel path (quantlab.measure.kernels) says which ran.
-    """
+    """On CUDA, keep FP8 compressed-tensors weights in FP8 and run FP8 matmuls (SM 8.9+) instead of
+    dequantizing; quantlab.measure.kernels reports which path ran (no FP8 matmuls: a warned fallback)."""
     import json
 
     if device != "cuda":
@@ -297,8 +261,3 @@ def _fast_kernels(checkpoint: Path, device: str) -> dict:
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
     return {"quantization_config": CompressedTensorsConfig(use_optimized_inference=True)}
-
-
-def _placement(device: str) -> dict:
-    # device_map="auto" lets Accelerate spread a model larger than one GPU over several.
-    return {"device_map": "auto"} if device == "cuda" else {}

@@ -1,7 +1,6 @@
 """Run one variant top to bottom: quantize -> load -> evaluate -> damage -> measure -> result.
 
-This runs inside the variant's own process (see executors.py). It never talks to MLflow: it
-returns a `VariantResult` that the sweep logs, so any executor can run it anywhere.
+It never talks to MLflow: the sweep logs the `VariantResult`, so any executor can run it anywhere.
 """
 
 from __future__ import annotations
@@ -11,21 +10,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from quantlab.jobs import BaselineOutputs, StageReporter, VariantJob, VariantResult
-
-
-class _StageClock:
-    def __init__(self, report: StageReporter):
-        self.report = report
-        self.seconds: dict[str, float] = {}
-
-    @contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        self.report(name)
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = round(time.perf_counter() - started, 3)
 
 
 def run_variant(job: VariantJob, report: StageReporter = lambda stage: None) -> VariantResult:
@@ -40,26 +24,35 @@ def run_variant(job: VariantJob, report: StageReporter = lambda stage: None) -> 
     recipe = job.loaded.recipe
     variant = recipe.variant(job.variant)
     recipe_dir = job.loaded.path.parent
-    clock = _StageClock(report)
+    seconds: dict[str, float] = {}
+
+    @contextmanager
+    def stage(name: str) -> Iterator[None]:
+        report(name)
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds[name] = round(time.perf_counter() - started, 3)
+
     device = pick_device(recipe.runtime)
     dtype = pick_dtype(recipe.runtime, device)
 
-    with clock.stage("prepare model"):
+    with stage("prepare model"):
         source = materialize(resolve_source(recipe.model, recipe_dir), job.cache_root)
-    with clock.stage("quantize"):
+    with stage("quantize"):
         checkpoint = quantize_variant(
             source, variant, recipe.calibration, recipe_dir, job.cache_root, device, job.force
         )
-    with clock.stage("load"):
+    with stage("load"):
         model, tokenizer = load_checkpoint(checkpoint.path, dtype, device)
-    load_seconds = clock.seconds["load"]
-    with clock.stage("evaluate"):
+    with stage("evaluate"):
         scores = evaluate_tasks(model, tokenizer, recipe.evals, job.loaded.include_path, report)
-    with clock.stage("damage"):
+    with stage("damage"):
         tokens = token_damage(model, tokenizer, recipe.quality, recipe_dir, job, checkpoint.key)
         answers = answer_damage(scores, job.baseline)
-    with clock.stage("measure"):
-        cost = measure(model, tokenizer, recipe.measure, checkpoint.path, load_seconds)
+    with stage("measure"):
+        cost = measure(model, tokenizer, recipe.measure, checkpoint.path, seconds["load"])
 
     return VariantResult(
         name=variant.name,
@@ -67,7 +60,7 @@ def run_variant(job: VariantJob, report: StageReporter = lambda stage: None) -> 
         checkpoint=str(checkpoint.path),
         content_key=checkpoint.key,
         reused_checkpoint=checkpoint.reused,
-        stage_seconds=clock.seconds,
+        stage_seconds=seconds,
         metrics={**scores.metrics, **tokens.metrics, **answers.metrics, **cost.metrics},
         params={**variant_params(job.loaded, variant, source, device, dtype), **scores.params},
         tags={**cost.tags, **tokens.tags, **scores.tags, **answers.tags},

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from quantlab.quantize.base import MethodParams
-from quantlab.quantize.cpu_shims import pinned_memory_optional
+from quantlab.quantize.base import Method, MethodParams
 
 
-class AwqInt4:
+class AwqInt4(Method):
     class Params(MethodParams):
         group_size: int = Field(
             128, gt=0, description="Input channels sharing one scale; must divide every layer's input width."
@@ -28,14 +30,10 @@ class AwqInt4:
         if not misfits:
             return []
         example = next(name for name, width in linear_widths.items() if width == misfits[0])
-        return [
-            (
-                "group_size",
-                f"{params.group_size} does not divide the input width of every linear layer "
-                f"(widths {misfits}, e.g. {example}); pick a divisor such as "
-                f"{_largest_common_power_of_two(linear_widths.values())}",
-            )
-        ]
+        common = math.gcd(*linear_widths.values())
+        divisor = min(common & -common, 1024)  # the largest power of two dividing every width, at most 1024
+        message = f"(widths {misfits}, e.g. {example}); pick a divisor such as {divisor}"
+        return [("group_size", f"{params.group_size} does not divide the input width of every linear layer {message}")]
 
     @staticmethod
     def apply(model, params: Params, calibration) -> None:
@@ -54,7 +52,7 @@ class AwqInt4:
                 ignore=list(params.ignore),
             ),
         ]
-        with pinned_memory_optional():
+        with _pinned_memory_optional():
             oneshot(
                 model=model,
                 recipe=recipe,
@@ -64,8 +62,19 @@ class AwqInt4:
             )
 
 
-def _largest_common_power_of_two(widths) -> int:
-    common = 1 << 10
-    while any(width % common for width in widths):
-        common >>= 1
-    return common
+@contextmanager
+def _pinned_memory_optional() -> Iterator[None]:
+    """llm-compressor 0.14's AWQ pins cached activations to speed copies to an accelerator; with none,
+    `Tensor.pin_memory()` raises ("Cannot access accelerator device..."), so pinning is skipped."""
+    import torch
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    if torch.accelerator.is_available():
+        yield
+        return
+    original = IntermediatesCache.pin_memory
+    IntermediatesCache.pin_memory = lambda self, batch_index, input_names=None: None
+    try:
+        yield
+    finally:
+        IntermediatesCache.pin_memory = original

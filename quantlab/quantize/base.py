@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -15,17 +15,19 @@ class MethodParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class Method(Protocol):
+class Method:
+    """The base of every method; its defaults suit a data-free method that fits any model."""
+
     Params: ClassVar[type[MethodParams]]
-    needs_calibration: ClassVar[bool]
+    needs_calibration: ClassVar[bool] = False
     summary: ClassVar[str]
 
     @staticmethod
     def check_model(params: MethodParams, linear_widths: dict[str, int]) -> list[tuple[str, str]]:
         """(param field, message) for each way these params cannot apply to this model's layers."""
-        ...
+        return []
 
     @staticmethod
     def apply(model: PreTrainedModel, params: MethodParams, calibration: Dataset | None) -> None:
         """Quantize `model` in place, ready for `save_pretrained(..., save_compressed=True)`."""
-        ...
+        raise NotImplementedError

@@ -4,22 +4,15 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from quantlab.quantize.base import MethodParams
+from quantlab.quantize.base import Method, MethodParams
 
 
-class Bf16:
+class Bf16(Method):
     class Params(MethodParams):
         pass
 
-    needs_calibration: ClassVar[bool] = False
     summary: ClassVar[str] = "BF16 weights, no quantization (the baseline)"
 
     @staticmethod
-    def check_model(params: Params, linear_widths: dict[str, int]) -> list[tuple[str, str]]:
-        return []
-
-    @staticmethod
     def apply(model, params: Params, calibration) -> None:
-        import torch
-
-        model.to(torch.bfloat16)
+        """Nothing to do: the quantize stage stores what a method leaves unquantized in BF16."""

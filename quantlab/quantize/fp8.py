@@ -6,19 +6,14 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from quantlab.quantize.base import MethodParams
+from quantlab.quantize.base import Method, MethodParams
 
 
-class Fp8:
+class Fp8(Method):
     class Params(MethodParams):
         ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="Modules kept in BF16.")
 
-    needs_calibration: ClassVar[bool] = False
     summary: ClassVar[str] = "FP8 E4M3 weights per channel, dynamic per-token FP8 activations (llm-compressor)"
-
-    @staticmethod
-    def check_model(params: Params, linear_widths: dict[str, int]) -> list[tuple[str, str]]:
-        return []
 
     @staticmethod
     def apply(model, params: Params, calibration) -> None:

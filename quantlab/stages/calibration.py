@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from quantlab.corpora import load_texts
-from quantlab.errors import BadInput, Problem
+from quantlab.errors import bad_input
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -28,15 +28,7 @@ def calibration_dataset(settings: CalibrationSettings, tokenizer, base_dir: Path
         for start in range(0, len(stream) - settings.seq_len + 1, settings.seq_len)
     ]
     if len(blocks) < settings.num_samples:
-        raise BadInput(
-            [
-                Problem(
-                    "",
-                    "calibration.num_samples",
-                    f"{settings.source} holds {len(stream)} tokens: {len(blocks)} blocks of {settings.seq_len}, "
-                    f"fewer than the {settings.num_samples} asked for",
-                )
-            ]
-        )
+        found = f"{settings.source} holds {len(stream)} tokens: {len(blocks)} blocks of {settings.seq_len}"
+        raise bad_input("", "calibration.num_samples", f"{found}, fewer than the {settings.num_samples} asked for")
     chosen = random.Random(settings.seed).sample(blocks, settings.num_samples)
     return Dataset.from_dict({"input_ids": chosen, "attention_mask": [[1] * settings.seq_len for _ in chosen]})

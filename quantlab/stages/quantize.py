@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,7 +21,6 @@ class QuantizedCheckpoint:
     path: Path
     key: str
     reused: bool
-    seconds: float
 
 
 def checkpoint_identity(source: ModelSource, variant: VariantSpec, calibration: CalibrationSettings) -> dict:
@@ -47,14 +46,13 @@ def quantize_variant(
 ) -> QuantizedCheckpoint:
     import torch
 
-    started = time.perf_counter()
     identity = checkpoint_identity(source, variant, calibration)
     key = cache.cache_key(identity)
     target = cache.checkpoint_dir(cache_root, variant.name, key)
     if force:
-        cache.discard(target)
+        shutil.rmtree(target, ignore_errors=True)
     if cache.is_complete(target):
-        return QuantizedCheckpoint(target, key, reused=True, seconds=time.perf_counter() - started)
+        return QuantizedCheckpoint(target, key, reused=True)
 
     method = METHODS[variant.method]
     # CPUs without native BF16 matmuls emulate them ~10x slower (AWQ's grid search takes most
@@ -70,16 +68,12 @@ def quantize_variant(
         tokenizer.save_pretrained(scratch)
     del model
     release_quantizer_memory()
-    return QuantizedCheckpoint(target, key, reused=False, seconds=time.perf_counter() - started)
+    return QuantizedCheckpoint(target, key, reused=False)
 
 
 def release_quantizer_memory() -> None:
-    """Give back what quantizing held before the variant is loaded, evaluated and measured.
-
-    llm-compressor's global session keeps the last model it compressed until it is reset, so the
-    quantized-in-memory model would otherwise stay resident (on the GPU, too) through the
-    measure stage and count in the variant's peak memory.
-    """
+    """Give back what quantizing held: llm-compressor's global session keeps the last model it
+    compressed, which would otherwise stay resident (on the GPU, too) and count in the variant's peak."""
     import gc
     import sys
 
