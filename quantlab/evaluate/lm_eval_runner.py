@@ -1,28 +1,10 @@
-"""Score an already loaded model on lm-eval tasks: every reported score, and per-document scores.
-
-The model is wrapped, not reloaded (`HFLM(pretrained=<model>)`), so a variant is scored exactly
-as it was quantized and loaded. Task names resolve through lm-eval's `TaskManager`: its own
-tasks (which fetch their data from a hub when run) plus any directory of task YAMLs such as the
-repository's offline `evals/`.
-
-What comes out of one `simple_evaluate(..., log_samples=True)` call (see `read_results`):
-
-- Every numeric score lm-eval reports, for every filter, as `Score` (key
-  `eval/<task>/<metric>[:<filter>]`, see `quantlab.metrics`), with its stderr, its direction
-  from lm-eval's own `higher_is_better` (groups included) and its scale.
-- Per leaf score, the per-document values (`paired.DocumentScores`) when their shape allows:
-  a scalar per document under a mean (acc, exact_match per filter, truthfulqa_mc2's
-  probability), or `(loglikelihood, words|bytes)` pairs under lm-eval's weighted perplexity or
-  bits-per-byte (wikitext). They are accepted only when re-aggregating them reproduces the
-  value lm-eval reported; otherwise the score is still logged and `Score.note` says why no
-  per-document analysis exists. An unexpected shape never fails the task.
-- Per group score (lm-eval's own aggregate; nested groups aggregate over all their leaves, as
-  lm-eval does), the leaf scores and weights that reproduce it: size-weighted or plain mean,
-  whichever lm-eval used.
-"""
+"""Score an already loaded model on lm-eval tasks: every reported score, per document where that
+reproduces lm-eval's figure, and each group's leaf weights. The model is wrapped, not reloaded
+(`HFLM(pretrained=<model>)`), so a variant is scored exactly as it was quantized and loaded."""
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import hashlib
@@ -31,8 +13,8 @@ import logging
 import math
 import numbers
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,22 +27,18 @@ if TYPE_CHECKING:
 # The repository's offline tasks (mmlu_dev, pydoc_cloze); recipes point `evals.include_path` here.
 BUNDLED_EVALS_DIR = Path(__file__).resolve().parents[2] / "evals"
 
-# Seeds for python, numpy, torch and the few-shot sampler: lm-eval's defaults today, spelled out
-# so that a change of default upstream cannot silently move our numbers.
-RANDOM_SEED = 0
-NUMPY_SEED = 1234
-TORCH_SEED = 1234
-FEWSHOT_SEED = 1234
+# lm-eval's default seeds today, spelled out so that a change of default upstream cannot silently move our numbers.
+SEEDS = {"random_seed": 0, "numpy_random_seed": 1234, "torch_random_seed": 1234, "fewshot_random_seed": 1234}
 
 # How much of a document's prompt to keep as its label in flip reports.
 DOCUMENT_LABEL_CHARS = 200
 
-# Re-aggregated per-document values must reproduce lm-eval's figure this closely (float sums in
-# another order differ in the last bits; a different aggregation differs in the first).
-REAGGREGATION_REL_TOL = 1e-9
-
-PERPLEXITY_METRICS = frozenset({"word_perplexity", "byte_perplexity", "perplexity"})
-BITS_METRICS = frozenset({"bits_per_byte"})
+# lm-eval aggregations (paired.Aggregation values among them) whose unit is not the score's own.
+AGGREGATION_SCALES = {
+    "perplexity": Scale.PERPLEXITY,
+    "weighted_perplexity": Scale.PERPLEXITY,
+    "bits_per_byte": Scale.BITS,
+}
 
 
 @dataclass(frozen=True)
@@ -119,18 +97,11 @@ class TaskSettings:
     version: str
 
     def params(self, task: str) -> dict[str, str]:
-        values: dict[str, Any] = {
-            "num_fewshot": self.num_fewshot,
-            "limit": self.limit,
-            "documents": self.documents,
-            "gen_kwargs": json.dumps(self.gen_kwargs, sort_keys=True, default=str)
-            if self.gen_kwargs is not None
-            else "not used",
-            "apply_chat_template": self.apply_chat_template,
-            "fewshot_as_multiturn": self.fewshot_as_multiturn,
-            "system_instruction": self.system_instruction,
-            "version": self.version,
-        }
+        values = asdict(self)
+        if self.gen_kwargs is None:
+            values["gen_kwargs"] = "not used"
+        else:
+            values["gen_kwargs"] = json.dumps(self.gen_kwargs, sort_keys=True, default=str)
         return {f"eval.{task}.{name}": str(value) for name, value in values.items()}
 
 
@@ -159,9 +130,6 @@ class TaskScores:
     def primary(self) -> Score:
         return self.scores[0]
 
-    def score(self, metric: str, filter_name: str = NO_FILTER) -> Score:
-        return next(s for s in self.scores if s.metric == metric and s.filter == filter_name)
-
 
 def known_tasks(include_path: Path | None) -> set[str]:
     """Every name lm-eval can resolve: its tasks, groups and tags, plus those under include_path."""
@@ -170,12 +138,10 @@ def known_tasks(include_path: Path | None) -> set[str]:
 
 def task_index_identity(include_path: Path | None) -> dict[str, Any]:
     """What decides `known_tasks`: lm-eval's installed version and the task files under include_path."""
-    from importlib.metadata import version
-
     from quantlab import cache
 
     return {
-        "lm_eval": version("lm-eval"),
+        "lm_eval": _lm_eval_version(),
         "include_path": str(include_path.resolve()) if include_path else None,
         "include_files": cache.tasks_digest(include_path),
     }
@@ -190,16 +156,12 @@ def unknown_tasks(names: list[str], known: set[str]) -> list[tuple[str, str | No
     ]
 
 
+@functools.cache
 def task_manager(include_path: Path | None) -> TaskManager:
     """lm-eval's task index, built once per include path per process (it walks ~10k YAMLs)."""
-    return _cached_task_manager(include_path.resolve() if include_path is not None else None)
-
-
-@functools.cache
-def _cached_task_manager(include_path: Path | None) -> TaskManager:
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(include_path) if include_path is not None else None)
+    return TaskManager(include_path=str(include_path.resolve()) if include_path is not None else None)
 
 
 def run_tasks(
@@ -236,10 +198,7 @@ def run_tasks(
                 system_instruction=request.system_instruction,
                 log_samples=True,
                 task_manager=manager,
-                random_seed=RANDOM_SEED,
-                numpy_random_seed=NUMPY_SEED,
-                torch_random_seed=TORCH_SEED,
-                fewshot_random_seed=FEWSHOT_SEED,
+                **SEEDS,
             )
             if results is None:  # only non-zero ranks of a distributed run get None
                 raise RuntimeError(f"lm-eval returned no results for {request.name}")
@@ -260,21 +219,20 @@ def _describe(request: TaskRequest) -> str:
 
 def read_results(request: TaskRequest, results: Mapping[str, Any]) -> list[TaskScores]:
     """Groups first (outermost first), then leaves, as lm-eval reported them."""
-    samples: Mapping[str, list[dict[str, Any]]] = results.get("samples") or {}
-    reported: Mapping[str, Mapping[str, Any]] = results.get("results") or {}
     structure: Mapping[str, list[str]] = results.get("group_subtasks") or {}
-    directions: Mapping[str, Mapping[str, Any]] = results.get("higher_is_better") or {}
-    leaves = {
-        task: _leaf_scores(task, reported[task], samples.get(task, []), directions.get(task, {}), request, results)
-        for task in reported
-        if task not in structure
-    }
+    reported = results.get("results") or {}
+    leaves = {task: _leaf_scores(task, request, results) for task in reported if task not in structure}
     groups = [
-        _group_scores(group, reported[group], _leaves_under(group, structure), leaves, directions.get(group, {}))
+        _group_scores(group, results, _leaves_under(group, structure), leaves)
         for group in structure
         if group in reported
     ]
     return [group for group in groups if group.scores] + [leaf for leaf in leaves.values() if leaf.scores]
+
+
+def _of(results: Mapping[str, Any], section: str, task: str, default: Any = None) -> Any:
+    """One task's entry in a per-task section of lm-eval's results ("results", "samples", "configs", ...)."""
+    return (results.get(section) or {}).get(task, default)
 
 
 def _leaves_under(group: str, structure: Mapping[str, list[str]]) -> list[str]:
@@ -287,30 +245,14 @@ def _leaves_under(group: str, structure: Mapping[str, list[str]]) -> list[str]:
     return found
 
 
-def _leaf_scores(
-    task: str,
-    raw: Mapping[str, Any],
-    samples: list[dict[str, Any]],
-    directions: Mapping[str, Any],
-    request: TaskRequest,
-    results: Mapping[str, Any],
-) -> TaskScores:
+def _leaf_scores(task: str, request: TaskRequest, results: Mapping[str, Any]) -> TaskScores:
+    samples: list[dict[str, Any]] = _of(results, "samples", task, [])
+    directions = _of(results, "higher_is_better", task, {})
     scores = []
-    for metric, filter_name, value, stderr in reported_metrics(raw):
+    for metric, filter_name, value, stderr in reported_metrics(_of(results, "results", task)):
         documents, note = document_scores(metric, filter_name, samples, value)
-        scores.append(
-            Score(
-                task,
-                metric,
-                filter_name,
-                value,
-                stderr,
-                _direction(directions, metric),
-                scale_of(metric, documents),
-                documents,
-                note=note,
-            )
-        )
+        higher, scale = _direction(directions, metric), scale_of(metric, documents)
+        scores.append(Score(task, metric, filter_name, value, stderr, higher, scale, documents, note=note))
     primary_filter = scores[0].filter if scores else NO_FILTER
     labels = {
         int(s["doc_id"]): _document_label(s)
@@ -318,51 +260,37 @@ def _leaf_scores(
         if s.get("filter", NO_FILTER) == primary_filter and "doc_id" in s
     }
     settings = _settings(task, request, results)
-    return TaskScores(task, scores, False, settings, _dataset(task, request, results, settings), labels)
+    return TaskScores(task, scores, False, settings, _dataset(task, results, settings), labels)
 
 
 def _group_scores(
-    group: str,
-    raw: Mapping[str, Any],
-    leaf_names: list[str],
-    leaves: Mapping[str, TaskScores],
-    directions: Mapping[str, Any],
+    group: str, results: Mapping[str, Any], leaf_names: list[str], leaves: Mapping[str, TaskScores]
 ) -> TaskScores:
+    """lm-eval's aggregate scores of a group, each with the leaf scores and weights that reproduce it."""
+    directions = _of(results, "higher_is_better", group, {})
     scores = []
-    for metric, filter_name, value, stderr in reported_metrics(raw):
+    for metric, filter_name, value, stderr in reported_metrics(_of(results, "results", group)):
         parts = [
-            leaf.score(metric, filter_name)
+            score
             for name in leaf_names
-            if (leaf := leaves.get(name)) is not None
-            and any(s.metric == metric and s.filter == filter_name for s in leaf.scores)
+            for score in (leaves[name].scores if name in leaves else [])
+            if (score.metric, score.filter) == (metric, filter_name)
         ]
-        sizes = [leaves[p.task].settings.documents if leaves[p.task].settings else 0 for p in parts]
+        sizes = [leaves[p.task].settings.documents for p in parts]
         weights, note = group_weights([p.value for p in parts], sizes, value)
-        scales = {p.scale for p in parts}
-        scale = scales.pop() if len(scales) == 1 else Scale.SCORE
-        if weights is not None and not all(
-            p.documents is not None and p.documents.aggregation is Aggregation.MEAN for p in parts
-        ):
+        not_means = [p for p in parts if p.documents is None or p.documents.aggregation is not Aggregation.MEAN]
+        if weights is not None and not_means:
             # combine() adds weighted differences: right for means, not for perplexities.
             note = "a leaf has no per-document mean scores: " + "; ".join(
-                f"{p.task}: {p.note or 'not a mean'}"
-                for p in parts
-                if p.documents is None or p.documents.aggregation is not Aggregation.MEAN
+                f"{p.task}: {p.note or 'not a mean'}" for p in not_means
             )
             weights = None
+        scales = {p.scale for p in parts}
+        scale = scales.pop() if len(scales) == 1 else Scale.SCORE
+        leaf_keys = tuple(p.key for p in parts) if weights else ()
+        higher = _direction(directions, metric)
         scores.append(
-            Score(
-                group,
-                metric,
-                filter_name,
-                value,
-                stderr,
-                _direction(directions, metric),
-                scale,
-                leaves=tuple(p.key for p in parts) if weights else (),
-                weights=tuple(weights or ()),
-                note=note,
-            )
+            Score(group, metric, filter_name, value, stderr, higher, scale, None, leaf_keys, tuple(weights or ()), note)
         )
     return TaskScores(group, scores, is_group=True)
 
@@ -417,13 +345,11 @@ def document_scores(
             again = candidate.aggregate()
         except (ArithmeticError, ValueError, KeyError):
             continue
-        if math.isclose(again, reported, rel_tol=REAGGREGATION_REL_TOL, abs_tol=1e-12):
+        if _reproduces(again, reported):
             return candidate, None
         found.append(f"{candidate.aggregation.value} {again:.6g}")
-    return (
-        None,
-        f"re-aggregating the per-document values gives {' or '.join(found) or 'nothing'}, lm-eval reported {reported:.6g}",
-    )
+    gives = " or ".join(found) or "nothing"
+    return None, f"re-aggregating the per-document values gives {gives}, lm-eval reported {reported:.6g}"
 
 
 def group_weights(values: list[float], sizes: list[int], reported: float) -> tuple[list[float] | None, str | None]:
@@ -433,34 +359,33 @@ def group_weights(values: list[float], sizes: list[int], reported: float) -> tup
         return None, "no leaf reports this metric"
     if not math.isfinite(reported):
         return None, f"lm-eval reported {reported}"
-    candidates = []
-    if sum(sizes) > 0:
-        candidates.append([size / sum(sizes) for size in sizes])
-    candidates.append([1 / len(values)] * len(values))
-    for weights in candidates:
-        if math.isclose(
-            sum(w * v for w, v in zip(weights, values)), reported, rel_tol=REAGGREGATION_REL_TOL, abs_tol=1e-12
-        ):
+    candidates = [[size / sum(sizes) for size in sizes]] if sum(sizes) > 0 else []
+    for weights in [*candidates, [1 / len(values)] * len(values)]:
+        if _reproduces(sum(w * v for w, v in zip(weights, values)), reported):
             return weights, None
     return None, "neither the size-weighted nor the plain mean of its leaves reproduces lm-eval's group value"
 
 
+def _reproduces(again: float, reported: float) -> bool:
+    # Float sums in another order differ in the last bits; a different aggregation differs in the first.
+    return math.isclose(again, reported, rel_tol=1e-9, abs_tol=1e-12)
+
+
 def scale_of(metric: str, documents: DocumentScores | None) -> Scale:
-    """FRACTION when the per-document values are 0-1 under a mean; the aggregation's unit for
-    rolling loglikelihood; else by lm-eval's metric name, and SCORE when nothing says more."""
-    if documents is not None:
-        if documents.aggregation is Aggregation.WEIGHTED_PERPLEXITY:
-            return Scale.PERPLEXITY
-        if documents.aggregation is Aggregation.BITS_PER_BYTE:
-            return Scale.BITS
-        if all(0.0 <= v <= 1.0 for v in documents.values.values()):
-            return Scale.FRACTION
-        return Scale.SCORE
-    if metric in PERPLEXITY_METRICS:
-        return Scale.PERPLEXITY
-    if metric in BITS_METRICS:
-        return Scale.BITS
-    return Scale.SCORE
+    """FRACTION when the per-document values are 0-1 under a mean; else the unit of the aggregation that
+    reproduced lm-eval's value (without one: of lm-eval's registered aggregation of the metric), or SCORE."""
+    if documents is not None and documents.aggregation is Aggregation.MEAN:
+        return Scale.FRACTION if all(0.0 <= v <= 1.0 for v in documents.values.values()) else Scale.SCORE
+    return AGGREGATION_SCALES.get(
+        documents.aggregation.value if documents else _registered_aggregation(metric), Scale.SCORE
+    )
+
+
+def _registered_aggregation(metric: str) -> str | None:
+    import lm_eval.api.metrics  # noqa: F401  (registers lm-eval's own metrics)
+    from lm_eval.api.registry import METRIC_AGGREGATION_REGISTRY
+
+    return getattr(METRIC_AGGREGATION_REGISTRY.get(metric, None), "__name__", None)
 
 
 def _direction(directions: Mapping[str, Any], metric: str) -> bool | None:
@@ -469,31 +394,29 @@ def _direction(directions: Mapping[str, Any], metric: str) -> bool | None:
 
 
 def _settings(task: str, request: TaskRequest, results: Mapping[str, Any]) -> TaskSettings:
-    config = (results.get("configs") or {}).get(task, {})
-    counts = (results.get("n-samples") or {}).get(task, {})
-    shots = (results.get("n-shot") or {}).get(task, config.get("num_fewshot", 0))
+    config = _of(results, "configs", task, {})
     generation = config.get("generation_kwargs") if config.get("output_type") == "generate_until" else None
     return TaskSettings(
-        num_fewshot=int(shots or 0),
+        num_fewshot=int(_of(results, "n-shot", task, config.get("num_fewshot", 0)) or 0),
         limit=request.limit,
-        documents=int(counts.get("effective", 0)),
+        documents=int(_of(results, "n-samples", task, {}).get("effective", 0)),
         gen_kwargs=dict(generation) if isinstance(generation, Mapping) else None,
         apply_chat_template=request.apply_chat_template,
         fewshot_as_multiturn=request.multiturn,
         system_instruction=request.system_instruction,
-        version=str((results.get("versions") or {}).get(task, "")),
+        version=str(_of(results, "versions", task, "")),
     )
 
 
-def _dataset(task: str, request: TaskRequest, results: Mapping[str, Any], settings: TaskSettings) -> TaskDataset:
-    config = (results.get("configs") or {}).get(task, {})
+def _dataset(task: str, results: Mapping[str, Any], settings: TaskSettings) -> TaskDataset:
+    config = _of(results, "configs", task, {})
     digest = hashlib.sha256()
     # The dumped config is the task as lm-eval ran it, includes resolved. Some functions dump
     # as their repr, whose memory address changes every process: drop the address. The code
     # of lm-eval's own task helpers comes with its version.
     dumped = json.dumps(config, sort_keys=True, default=str)
     digest.update(re.sub(r" at 0x[0-9a-fA-F]+", "", dumped).encode())
-    digest.update(f"lm_eval={_lm_eval_version()} limit={request.limit}".encode())
+    digest.update(f"lm_eval={_lm_eval_version()} limit={settings.limit}".encode())
     files = _data_files(config)
     for path in files:
         if Path(path).is_file():  # local data: its content, not just its name
@@ -503,12 +426,7 @@ def _dataset(task: str, request: TaskRequest, results: Mapping[str, Any], settin
         source += f":{config['dataset_name']}"
     if files:
         source += " " + ",".join(files)
-    profile = {
-        "limit": request.limit,
-        "documents": settings.documents,
-        "num_fewshot": settings.num_fewshot,
-        "version": settings.version,
-    }
+    profile = {name: getattr(settings, name) for name in ("limit", "documents", "num_fewshot", "version")}
     return TaskDataset(task, digest.hexdigest()[:16], source, json.dumps(profile, sort_keys=True))
 
 
@@ -520,14 +438,10 @@ def _lm_eval_version() -> str:
 
 
 def _data_files(config: Mapping[str, Any]) -> list[str]:
-    files = (config.get("dataset_kwargs") or {}).get("data_files")
-    if isinstance(files, str):
-        return [files]
-    if isinstance(files, Mapping):
-        return [str(f) for value in files.values() for f in ([value] if isinstance(value, str) else value)]
-    if isinstance(files, list):
-        return [str(f) for f in files]
-    return []
+    """dataset_kwargs.data_files as a list: one file, a list, or split -> file(s)."""
+    files = (config.get("dataset_kwargs") or {}).get("data_files") or []
+    splits = files.values() if isinstance(files, Mapping) else [files]
+    return [str(f) for split in splits for f in ([split] if isinstance(split, str) else split)]
 
 
 def _is_number(value: Any) -> bool:
@@ -551,16 +465,15 @@ def _document_label(sample: Mapping[str, Any]) -> str:
     return " ".join(str(prompt).split())[-DOCUMENT_LABEL_CHARS:]
 
 
-class _lm_eval_warnings_only:
+@contextlib.contextmanager
+def _lm_eval_warnings_only() -> Iterator[None]:
     """lm-eval logs every request batch at INFO; keep its warnings (overridden settings among them)."""
-
-    _LOGGER_NAMES = ("lm_eval", "lm-eval")
-
-    def __enter__(self) -> None:
-        self._levels = {name: logging.getLogger(name).level for name in self._LOGGER_NAMES}
-        for name in self._LOGGER_NAMES:
-            logging.getLogger(name).setLevel(logging.WARNING)
-
-    def __exit__(self, *exc_info: object) -> None:
-        for name, level in self._levels.items():
-            logging.getLogger(name).setLevel(level)
+    loggers = [logging.getLogger(name) for name in ("lm_eval", "lm-eval")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)

@@ -40,7 +40,6 @@ class EvalOutcome:
     documents: dict[str, DocumentScores] = field(default_factory=dict)  # score key -> per document (paired input)
     groups: dict[str, GroupParts] = field(default_factory=dict)  # group score key -> its leaves and weights
     primary: dict[str, str] = field(default_factory=dict)  # task -> its primary score key (flips' input)
-    declared: dict[str, Declared] = field(default_factory=dict)  # score key -> lm-eval's direction, scale
     params: dict[str, str] = field(default_factory=dict)  # eval.<task>.<setting>: what each task ran with
     tags: dict[str, str] = field(default_factory=dict)  # declarations, notes, unknown directions
     labels: dict[str, dict[int, str]] = field(default_factory=dict)  # task -> doc id -> short text
@@ -73,18 +72,8 @@ def evaluate_tasks(
 
     if not settings.tasks:
         return EvalOutcome()
-    requests = [
-        TaskRequest(
-            task.name,
-            task.num_fewshot,
-            task.limit,
-            task.gen_kwargs.model_dump(exclude_none=True) if task.gen_kwargs else None,
-            task.apply_chat_template,
-            task.fewshot_as_multiturn,
-            task.system_instruction,
-        )
-        for task in settings.tasks
-    ]
+    # The recipe's task fields are TaskRequest's; an unset one (None) keeps TaskRequest's default.
+    requests = [TaskRequest(**task.model_dump(exclude_none=True)) for task in settings.tasks]
     scores = run_tasks(
         model, tokenizer, requests, include_path, settings.batch_size, progress=lambda step: report(f"evaluate: {step}")
     )
@@ -93,48 +82,33 @@ def evaluate_tasks(
 
 def eval_outcome(tasks: list[TaskScores]) -> EvalOutcome:
     """What the runner logs and keeps from the scored tasks (pure)."""
-    metrics: dict[str, float] = {}
-    values: dict[str, float] = {}
-    documents: dict[str, DocumentScores] = {}
-    groups: dict[str, GroupParts] = {}
-    declared: dict[str, Declared] = {}
-    notes: dict[str, str] = {}
+    scores = [score for task in tasks for score in task.scores]
+    values = {score.key: score.value for score in scores}
+    declared = {score.key: Declared(score.higher_is_better, score.scale) for score in scores}
+    notes = {score.key: score.note for score in scores if score.note}
     params: dict[str, str] = {}
     datasets: dict[str, TaskDataset] = {}
     for task in tasks:
-        for score in task.scores:
-            metrics[score.key] = values[score.key] = score.value
-            if score.stderr is not None:
-                metrics[score.stderr_key] = score.stderr
-            declared[score.key] = Declared(score.higher_is_better, score.scale)
-            if score.documents is not None:
-                documents[score.key] = score.documents
-            if score.leaves:
-                groups[score.key] = GroupParts(score.leaves, score.weights)
-            if score.note:
-                notes[score.key] = score.note
-        if task.settings is not None:
-            for name, value in task.settings.params(task.task).items():
-                # A leaf asked for twice (alone and in a group) keeps its first settings: MLflow params are write-once.
-                if params.setdefault(name, value) != value:
-                    notes[f"eval/{task.task}"] = f"scored twice with different settings; params show the first ({name})"
-        if task.dataset is not None:
-            datasets.setdefault(task.dataset.name, task.dataset)
-    unknown = unknown_directions(values, declared)
+        if task.settings is None or task.dataset is None:
+            continue  # a group: its leaves ran
+        datasets.setdefault(task.dataset.name, task.dataset)
+        for name, value in task.settings.params(task.task).items():
+            # A leaf asked for twice (alone and in a group) keeps its first settings: MLflow params are write-once.
+            if params.setdefault(name, value) != value:
+                notes[f"eval/{task.task}"] = f"scored twice with different settings; params show the first ({name})"
     tags = declared_tags(declared) | {NOTE_TAG + key: note for key, note in notes.items()}
-    if unknown:
+    lines = [f"{key}: logged without per-document analysis: {note}" for key, note in notes.items()]
+    if unknown := unknown_directions(values, declared):
         tags[UNKNOWN_DIRECTION_TAG] = ", ".join(unknown)
-    for line in [f"direction unknown (lm-eval declared no higher_is_better): {', '.join(unknown)}"] * bool(unknown) + [
-        f"{key}: logged without per-document analysis: {note}" for key, note in notes.items()
-    ]:
+        lines.insert(0, f"direction unknown (lm-eval declared no higher_is_better): {tags[UNKNOWN_DIRECTION_TAG]}")
+    for line in lines:
         print(f"quantlab: {line}", file=sys.stderr, flush=True)  # the variant's log, beside lm-eval's warnings
     return EvalOutcome(
-        metrics=metrics,
+        metrics=values | {score.stderr_key: score.stderr for score in scores if score.stderr is not None},
         scores=values,
-        documents=documents,
-        groups=groups,
+        documents={score.key: score.documents for score in scores if score.documents is not None},
+        groups={score.key: GroupParts(score.leaves, score.weights) for score in scores if score.leaves},
         primary={task.task: task.primary.key for task in tasks},
-        declared=declared,
         params=params,
         tags=tags,
         labels={task.task: dict(task.labels) for task in tasks if not task.is_group},
@@ -146,13 +120,7 @@ def token_damage(
     model, tokenizer, settings: QualitySettings, recipe_dir: Path, job: VariantJob, checkpoint_key: str
 ) -> TokenOutcome:
     """Perplexity and KL against the baseline's stored pass (written here when this is the baseline)."""
-    from quantlab.evaluate.reference import (
-        baseline_damage,
-        baseline_documents,
-        compare_tokens,
-        corpus_token_ids,
-        write_reference,
-    )
+    from quantlab.evaluate import reference
 
     if not settings.enabled:
         return TokenOutcome({}, {"quantlab.quality.skipped": "quality.enabled is false in the recipe"}, None)
@@ -169,23 +137,23 @@ def token_damage(
         reference_dir = job.cache_root / "references" / cache.cache_key(identity)
         if job.force or not (reference_dir / "reference.json").is_file():
             text = "\n\n".join(load_texts(settings.corpus, recipe_dir))
-            token_ids = corpus_token_ids(tokenizer, text, settings.max_tokens)
-            write_reference(model, token_ids, reference_dir, window=settings.window, stride=settings.stride)
-        damage, documents = baseline_damage(reference_dir), baseline_documents(reference_dir)
+            token_ids = reference.corpus_token_ids(tokenizer, text, settings.max_tokens)
+            reference.write_reference(model, token_ids, reference_dir, window=settings.window, stride=settings.stride)
+        damage, documents = reference.baseline_damage(reference_dir), reference.baseline_documents(reference_dir)
     elif job.baseline is None or job.baseline.reference_dir is None:
         return TokenOutcome(
             {}, {"quantlab.quality.skipped": "the baseline variant did not produce a reference pass"}, None
         )
     else:
         reference_dir = Path(job.baseline.reference_dir)
-        tokens = compare_tokens(model, reference_dir)
+        tokens = reference.compare_tokens(model, reference_dir)
         damage, documents = tokens.damage(), tokens.documents()
     # Paired per token against the baseline's own pass (the baseline against itself: zeros).
-    reference = baseline_documents(reference_dir)
+    baseline_docs = reference.baseline_documents(reference_dir)
     paired = {
         paired_key(key, name): value
         for key, docs in documents.items()
-        for name, value in compare(key, reference[key], docs).statistics().items()
+        for name, value in compare(key, baseline_docs[key], docs).statistics().items()
     }
     return TokenOutcome(damage.to_metrics() | paired, {}, str(reference_dir), documents)
 
@@ -225,39 +193,27 @@ def answer_damage(scores: EvalOutcome, baseline: BaselineOutputs | None) -> Answ
             continue  # not a 0/1 score: its paired figures above say what changed
         metrics.update(flip_metrics(task, comparison.correct_to_wrong, comparison.wrong_to_correct))
         if baseline is not None and key in scores.documents:
-            flips = paired_flips(task, reference[key].values, scores.documents[key].values)
+            base, variant = reference[key].values, scores.documents[key].values
             artifacts[f"flips/{task}.jsonl"] = _flips_jsonl(
-                flips, reference[key].values, scores.documents[key].values, scores.labels.get(task, {})
+                paired_flips(task, base, variant), base, variant, scores.labels.get(task, {})
             )
-    for task, (base, variant) in _by_task(reference_values, scores.scores).items():
+    # Recovery per task: {metric[:filter]: value} of the baseline and the variant, over the scores both have.
+    by_task: dict[str, tuple[dict[str, float], dict[str, float]]] = {}
+    for key in reference_values.keys() & scores.scores.keys():
+        if (parsed := EvalKey.parse(key)) is not None and not parsed.stderr:
+            base, variant = by_task.setdefault(parsed.task, ({}, {}))
+            name = key.rpartition("/")[2]
+            base[name], variant[name] = reference_values[key], scores.scores[key]
+    for task, (base, variant) in by_task.items():
         metrics.update(recovery(task, base, variant).to_metrics())
     return AnswerOutcome(metrics, artifacts, {NOTE_TAG + key: f"not paired: {note}" for key, note in notes.items()})
 
 
-def _by_task(
-    baseline: dict[str, float], variant: dict[str, float]
-) -> dict[str, tuple[dict[str, float], dict[str, float]]]:
-    """task -> ({metric[:filter]: baseline value}, {metric[:filter]: variant value}) over the scores both have."""
-    found: dict[str, tuple[dict[str, float], dict[str, float]]] = {}
-    for key in baseline.keys() & variant.keys():
-        parsed = EvalKey.parse(key)
-        if parsed is None or parsed.stderr:
-            continue
-        name = key.rpartition("/")[2]
-        base, var = found.setdefault(parsed.task, ({}, {}))
-        base[name], var[name] = baseline[key], variant[key]
-    return found
-
-
 def _flips_jsonl(flips, baseline: Mapping[int, float], variant: Mapping[int, float], documents: dict[int, str]) -> str:
-    lines = []
-    for direction, doc_ids in (
-        ("correct_to_wrong", flips.correct_to_wrong_ids),
-        ("wrong_to_correct", flips.wrong_to_correct_ids),
-    ):
-        for doc_id in doc_ids:
-            row = {"doc_id": doc_id, "direction": direction, "baseline": baseline[doc_id], "variant": variant[doc_id]}
-            if doc_id in documents:
-                row["document"] = documents[doc_id]
-            lines.append(json.dumps(row))
-    return "\n".join(lines) + ("\n" if lines else "")
+    rows = [
+        {"doc_id": doc_id, "direction": direction, "baseline": baseline[doc_id], "variant": variant[doc_id]}
+        | ({"document": documents[doc_id]} if doc_id in documents else {})
+        for direction in ("correct_to_wrong", "wrong_to_correct")
+        for doc_id in getattr(flips, f"{direction}_ids")
+    ]
+    return "".join(json.dumps(row) + "\n" for row in rows)
