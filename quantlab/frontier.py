@@ -148,9 +148,6 @@ class AxisPair:
     def title(self) -> str:
         return f"{metric_spec(self.quality.metric).label} vs {metric_spec(self.cost.metric).label}"
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"quality": self.quality.to_dict(), "cost": self.cost.to_dict()}
-
 
 DEFAULT_COST_METRICS: tuple[str, ...] = ("cost/weight_bytes", "cost/decode_tokens_per_s")
 DEFAULT_DAMAGE_METRICS: tuple[str, ...] = ("quality/kld_mean",)
@@ -301,9 +298,7 @@ class FrontierPoint:
     def interval(self) -> tuple[float, float] | None:
         """The paired 95% interval of the difference to the baseline, placed around this value."""
         c = self.vs_baseline
-        if c is None:
-            return None
-        return self.quality + (c.ci95_low - c.diff), self.quality + (c.ci95_high - c.diff)
+        return None if c is None else (self.quality + (c.ci95_low - c.diff), self.quality + (c.ci95_high - c.diff))
 
 
 @dataclass(frozen=True)
@@ -341,7 +336,8 @@ class FrontierResult:
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.pair.name,
-            **self.pair.to_dict(),
+            "quality": self.pair.quality.to_dict(),
+            "cost": self.pair.cost.to_dict(),
             "baseline": self.baseline,
             "on_front": list(self.on_front),
             "points": [
@@ -358,17 +354,8 @@ def paired_reference(variants: Sequence[VariantSummary]) -> str | None:
     return baseline.name if baseline is not None and baseline.succeeded else None
 
 
-def exclusion_reason(variant: VariantSummary, required_metrics: Iterable[str]) -> str | None:
-    """Why a variant cannot be judged on these metrics ("failed", "missing X"), or None."""
-    if not variant.succeeded:
-        return "failed"
-    missing = [metric for metric in required_metrics if variant.value(metric) is None]
-    return "missing metric " + ", ".join(missing) if missing else None
-
-
 class Margin(NamedTuple):
-    """How much better the first point is than the second on quality, in the better direction: the ends
-    of the paired 95% interval (both the point difference without paired noise)."""
+    """How much better the first point is on quality: its paired 95% interval (the point difference if unpaired)."""
 
     low: float
     high: float
@@ -398,13 +385,15 @@ def pareto_front(variants: Sequence[VariantSummary], pair: AxisPair, noise: Nois
     reference = paired_reference(variants)
     excluded: list[Exclusion] = []
     placed: list[FrontierPoint] = []
+    metrics = (pair.quality.metric, pair.cost.metric)
     for variant in variants:
-        reason = exclusion_reason(variant, (pair.quality.metric, pair.cost.metric))
-        if reason is not None:
+        missing = [metric for metric in metrics if variant.value(metric) is None]
+        if not variant.succeeded or missing:
+            reason = "missing metric " + ", ".join(missing) if variant.succeeded else "failed"
             excluded.append(Exclusion(variant.name, reason))
             continue
+        quality, cost = (variant.value(metric) for metric in metrics)
         versus = noise(pair.quality.metric, reference, variant.name) if reference not in (None, variant.name) else None
-        quality, cost = variant.value(pair.quality.metric), variant.value(pair.cost.metric)
         placed.append(
             FrontierPoint(
                 variant.name, variant.method, quality, cost, is_baseline=variant.is_baseline, vs_baseline=versus
@@ -506,8 +495,7 @@ class Frontiers:
 def compute_frontiers(
     variants: Sequence[VariantSummary], settings: FrontierSettings | None = None, noise: Noise = no_noise
 ) -> Frontiers:
-    """One `FrontierResult` per axis pair of the settings (defaults when None), the metrics whose
-    direction is unknown, and every variant's paired comparison with the baseline."""
+    """A `FrontierResult` per axis pair, the metrics of unknown direction, each variant's comparison to baseline."""
     declared = merged_declared(variants)
     pairs = (settings or FrontierSettings()).axis_pairs(variants, declared)
     reference, qualities = paired_reference(variants), quality_metrics(variants, declared)

@@ -125,8 +125,7 @@ class Plot:
 
 
 def y_limits(result: FrontierResult) -> tuple[float, float]:
-    """At least as tall as the widest paired interval, and never narrower than a floor (4 points
-    of a 0-1 score, 5% of the largest value otherwise): differences smaller than the noise stay small."""
+    """As tall as the widest paired interval or a floor (`MIN_*_SPAN`) at least: sub-noise differences stay small."""
     points = result.points
     values = [p.quality for p in points] + [end for p in points if p.interval for end in p.interval]
     if not values:
@@ -151,8 +150,7 @@ def _formatter(scale: Scale):
 
 
 def draw(axes, result: FrontierResult, title: str, gid_prefix: str = "pt") -> None:
-    """Points with their paired 95% interval to the baseline as error bars, the front joined by a
-    line, ties within noise joined by dotted lines, the baseline starred."""
+    """Points with their paired 95% interval to the baseline, the front joined, ties dotted, the baseline starred."""
     pair = result.pair
     front = [p for p in result.points if p.on_front]
     if len(front) > 1:
@@ -205,18 +203,13 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
-
-
 def render_plots(frontiers: Frontiers, out_dir: Path, model: str) -> list[Plot]:
-    """plots/<pair>.png and .svg for each pair, and frontier.png: every pair in one image, for the
-    MLflow artifact view that shows one picture."""
+    """plots/<pair>.png and .svg; frontier.png has every pair in one image for MLflow's one-picture view."""
     (out_dir / "plots").mkdir(parents=True, exist_ok=True)
     plots = []
     for index, result in enumerate(frontiers.results):
         fig = figure(result, model, f"pt{index}")
-        stem = out_dir / "plots" / _slug(result.pair.name)
+        stem = out_dir / "plots" / re.sub(r"[^a-z0-9]+", "-", result.pair.name.lower()).strip("-")
         plots.append(Plot(_save(fig, stem.with_suffix(".png")), _save(fig, stem.with_suffix(".svg"))))
     render_overview(frontiers, out_dir / "frontier.png", model)
     return plots
@@ -248,8 +241,7 @@ def inline_svg(text: str) -> str:
 def render_html(
     frontiers: Frontiers, plots: Sequence[Plot], path: Path, *, variants: Sequence[VariantSummary], model: str
 ) -> Path:
-    """A page that opens offline (MLflow's artifact viewer): each frontier's SVG and the table;
-    hovering a point lists the variant's figures and lights it up in every plot."""
+    """An offline page (MLflow's artifact viewer): SVGs and table; a hovered point's variant lights up everywhere."""
     table = variants_table(variants, frontiers)
     rows = {row[0].removesuffix(" (baseline)"): list(zip(table.headers[1:], row[1:])) for row in table.rows}
     points = {
