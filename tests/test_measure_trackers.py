@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from quantlab.measure import trackers
-from quantlab.measure.bandwidth import measure_copy_bandwidth
-from quantlab.measure.clocks import CpuClock, clock_for
+from quantlab.measure.timing import CpuClock, clock_for, measure_copy_bandwidth
 from quantlab.measure.trackers import EnergyTracker, MemoryTracker
 
 CPU = [torch.device("cpu")]

@@ -15,9 +15,6 @@ from typing import Any
 
 import torch
 
-from quantlab.measure.bandwidth import measure_copy_bandwidth
-from quantlab.measure.clocks import clock_for
-from quantlab.measure.generation import GenerationTiming, random_prompt_ids, time_generation
 from quantlab.measure.modeled import (
     ModelShape,
     config_dict,
@@ -29,6 +26,13 @@ from quantlab.measure.modeled import (
 from quantlab.measure.provenance import Provenance, provenance, visible_cores
 from quantlab.measure.report import BATCH_FIGURES, WINDOW_FIGURES, BatchFigures, CostReport, MeasuredCost
 from quantlab.measure.settings import MeasureSettings
+from quantlab.measure.timing import (
+    GenerationTiming,
+    clock_for,
+    measure_copy_bandwidth,
+    random_prompt_ids,
+    time_generation,
+)
 from quantlab.measure.trackers import EnergyReading, EnergyTracker, MemoryTracker
 
 

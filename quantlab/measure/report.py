@@ -7,31 +7,20 @@ be produced is never logged as zero: it is left out, and the tag `quantlab.cost.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
 
-from quantlab.measure.bandwidth import BandwidthReading
-from quantlab.measure.generation import GenerationTiming
 from quantlab.measure.modeled import ModeledCost
 from quantlab.measure.provenance import Provenance
+from quantlab.measure.timing import BandwidthReading, GenerationTiming
 from quantlab.measure.trackers import EnergyReading, MemoryReading
 
 TAG_PREFIX = "quantlab.cost."
 PERCENTILES = (50, 90, 99)
 
-# Figures of one batch size, in key order; each gets a `_bs<N>` suffix off the default batch.
-BATCH_FIGURES = (
-    "prefill_tokens_per_s",
-    "decode_tokens_per_s",
-    *(f"ttft_ms_p{q}" for q in PERCENTILES),
-    *(f"itl_ms_p{q}" for q in PERCENTILES),
-    "energy_joules_per_token",
-    "local_roofline_decode_tokens_per_s",
-    "roofline_efficiency",
-)
-# Figures of the whole measurement window.
+# Figures of the whole measurement window (those of one batch size are BatchFigures' fields).
 WINDOW_FIGURES = (
     "peak_memory_bytes",
     "peak_device_memory_bytes",
@@ -101,6 +90,9 @@ class BatchFigures:
 
     def figures(self) -> dict[str, float]:
         return {name: float(value) for name in BATCH_FIGURES if (value := getattr(self, name)) is not None}
+
+
+BATCH_FIGURES = tuple(field.name for field in fields(BatchFigures) if field.name not in ("batch_size", "unavailable"))
 
 
 @dataclass(frozen=True)
