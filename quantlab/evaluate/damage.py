@@ -39,8 +39,7 @@ def kld_stats(per_token_kld: np.ndarray) -> KldStats:
     Percentiles interpolate linearly between order statistics, as llama.cpp and numpy do."""
     kld = _as_1d_float64(per_token_kld, "per_token_kld")
     percentiles = np.percentile(kld, [50.0, 90.0, 95.0, 99.0, 99.9])
-    # One token has no spread to estimate; 0 keeps the column numeric (and is exact for the
-    # baseline, whose KL is identically 0).
+    # One token has no spread to estimate: 0 keeps the column numeric (exact for the baseline's KL of 0).
     stderr = float(kld.std(ddof=1) / math.sqrt(kld.size)) if kld.size > 1 else 0.0
     return KldStats(float(kld.mean()), stderr, *map(float, percentiles), float(kld.max()))
 
