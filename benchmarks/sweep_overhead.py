@@ -224,10 +224,10 @@ def run_sweep(
     seconds, _ = timed_process(command, cwd)
     tracking_store = tracking.open_store(f"sqlite:///{store}")
     sweep = tracking.latest_sweep(tracking_store, yaml.safe_load(recipe.read_text())["name"])
-    (run,) = tracking.child_runs(tracking_store, sweep.info.run_id)
+    (run,) = tracking.child_runs(tracking_store, sweep.run_id)
     stages = {
         key.removeprefix("time/").removesuffix("_seconds"): value
-        for key, value in run.data.metrics.items()
+        for key, value in run.metrics.items()
         if key.startswith("time/") and key.endswith("_seconds")
     }
     return seconds, stages, run
@@ -320,7 +320,7 @@ def benchmark(args: argparse.Namespace, work: Path) -> str:
     first_store = work / "store.db"
     print("first sweep: quantizes the checkpoint into the shared cache (untimed)", file=sys.stderr)
     first_seconds, _, first_run = run_sweep(recipe_named("sweep-overhead"), args.variant, first_store, cache_dir, work)
-    checkpoint = Path(first_run.data.tags["quantlab.checkpoint"])
+    checkpoint = Path(first_run.tags["quantlab.checkpoint"])
 
     repetitions = []
     load_before = os.getloadavg()[0]
@@ -341,7 +341,7 @@ def benchmark(args: argparse.Namespace, work: Path) -> str:
             measured["direct"],
             measured["sweep"],
         )
-        if sweep_run.data.tags.get("quantlab.checkpoint_reused") != "true":
+        if sweep_run.tags.get("quantlab.checkpoint_reused") != "true":
             raise SystemExit("the timed sweep re-quantized instead of reusing the cached checkpoint")
         repetitions.append(Repetition(direct_seconds, sweep_seconds, direct_phases, sweep_stages))
 
@@ -360,10 +360,10 @@ def benchmark(args: argparse.Namespace, work: Path) -> str:
         "first sweep (untimed)": f"{first_seconds:.1f} s, checkpoint "
         + (
             "reused from the cache"
-            if first_run.data.tags.get("quantlab.checkpoint_reused") == "true"
+            if first_run.tags.get("quantlab.checkpoint_reused") == "true"
             else "quantized into the cache"
         ),
-        "same scores both sides": same_scores(direct_scores, sweep_run.data.metrics),
+        "same scores both sides": same_scores(direct_scores, sweep_run.metrics),
     }
     return report(args, repetitions, context)
 

@@ -75,7 +75,7 @@ def sweep(recipe: Path, work: Path) -> tuple[float, float]:
         work,
     )
     parent = tracking.latest_sweep(tracking.open_store(store), yaml.safe_load(recipe.read_text())["name"])
-    return seconds, (parent.info.end_time - parent.info.start_time) / 1000
+    return seconds, (parent.end_time - parent.start_time) / 1000
 
 
 def benchmark(args: argparse.Namespace, work: Path) -> str:

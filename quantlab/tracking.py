@@ -73,6 +73,7 @@ class RunRecord:
     params: dict[str, str]
     tags: dict[str, str]
     datasets: tuple[DatasetRecord, ...] = ()
+    end_time: int = 0  # milliseconds since the epoch; 0 while running
 
     @property
     def variant(self) -> str:
@@ -262,6 +263,7 @@ def _record(run) -> RunRecord:
         params=dict(run.data.params),
         tags=dict(run.data.tags),
         datasets=tuple(DatasetRecord.of(item.dataset) for item in inputs),
+        end_time=run.info.end_time or 0,
     )
 
 
