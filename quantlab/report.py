@@ -125,16 +125,14 @@ class Plot:
 
 
 def y_limits(result: FrontierResult) -> tuple[float, float]:
-    """As tall as the widest paired interval or a floor (`MIN_*_SPAN`) at least: sub-noise differences stay small."""
-    points = result.points
-    values = [p.quality for p in points] + [end for p in points if p.interval for end in p.interval]
+    """Spans every point and paired interval, and a floor (`MIN_*_SPAN`): sub-noise differences stay small."""
+    values = [end for p in result.points for end in (p.quality, *(p.interval or ()))]
     if not values:
         return 0.0, 1.0
     low, high = min(values), max(values)
-    widest = max((p.interval[1] - p.interval[0] for p in points if p.interval), default=0.0)
     scale = result.pair.quality.unit
     floor = MIN_FRACTION_SPAN if scale is Scale.FRACTION else MIN_RELATIVE_SPAN * max(abs(v) for v in values) or 1.0
-    half = max(high - low, widest, floor) * 0.6  # 10% margin on each side
+    half = max(high - low, floor) * 0.6  # 10% margin on each side
     return (low + high) / 2 - half, (low + high) / 2 + half
 
 
