@@ -1,11 +1,8 @@
 """Modeled cost: exact, engine-independent arithmetic on a model config and checkpoint facts.
 
-*Linear weights* (what `bits_per_weight` is over) are the decoder blocks' linear weight matrices, what
-quantization recipes quantize: not embeddings, lm_head, norms or biases. *Parameters* (`bits_per_parameter`)
-are all of them, a tied embedding once. *Weight bytes in memory* are the checkpoint's tensor payload: what a
-server that keeps the stored format (vLLM on compressed-tensors) holds; transformers on CPU decompresses
-(the measured `loaded_weight_bytes` shows that). The decode roofline is a memory-bound ceiling: real
-servers reach a fraction of it, and large batches may turn compute-bound first.
+`bits_per_weight` is over the decoder blocks' linear weights (what recipes quantize), `bits_per_parameter` over
+all parameters. Weight bytes in memory are the stored payload, as a server keeping the stored format holds it.
+The decode roofline is a memory-bound ceiling: real servers reach a fraction of it.
 """
 
 from __future__ import annotations
@@ -120,8 +117,8 @@ def max_concurrent_sequences(
     weight_bytes: int,
     kv_bytes_per_token: float,
     context_length: int,
-    memory_utilization: float = 0.9,
-    runtime_overhead_bytes: int = 1024**3,
+    memory_utilization: float,
+    runtime_overhead_bytes: int,
 ) -> int:
     """Sequences of `context_length` tokens whose KV cache fits beside the weights: of
     memory x utilization, the runtime overhead and the weights are set aside first. 0 when the
@@ -141,7 +138,7 @@ def decode_roofline_tokens_per_s(
     streamed_bytes: float,
     kv_bytes_per_token: float,
     context_length: float,
-    batch_size: int = 1,
+    batch_size: int,
 ) -> float:
     """Memory-bound decode throughput: each step streams the weights once and every
     sequence's KV cache at `context_length`, and yields `batch_size` tokens."""

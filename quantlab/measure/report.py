@@ -38,10 +38,6 @@ DEFINITIONS = (
 )
 
 
-def batch_key(figure: str, batch_size: int, default_batch_size: int) -> str:
-    return figure if batch_size == default_batch_size else f"{figure}_bs{batch_size}"
-
-
 @dataclass(frozen=True)
 class BatchFigures:
     """Medians and percentiles of one batch size's timed generations."""
@@ -105,9 +101,10 @@ class MeasuredCost:
     host_load: str  # load average around the measurement: other work on the machine skews timings
 
     def _per_batch(self, by_name: Callable[[BatchFigures], Mapping[str, Any]]) -> dict[str, Any]:
+        """Figures of the default (first) batch size under their plain names, the others' with `_bs<N>`."""
         default = self.batches[0].batch_size
         return {
-            batch_key(name, batch.batch_size, default): value
+            name if batch.batch_size == default else f"{name}_bs{batch.batch_size}": value
             for batch in self.batches
             for name, value in by_name(batch).items()
         }
