@@ -15,18 +15,9 @@ from functools import partial
 from typing import Any
 
 from quantlab.frontier import Axis, VariantSummary, ensure_unique_names
-from quantlab.metrics import MetricSpec, Scale, paired_key, spec
+from quantlab.metrics import paired_key, spec
 from quantlab.paired import NonInferiority, Outcome, agresti_min_se, float_slack, non_inferiority
-from quantlab.policy import (
-    KLD_MEAN,
-    Bound,
-    DropRule,
-    LimitKind,
-    Policy,
-    format_change,
-    format_value,
-    unchecked_by_any_task,
-)
+from quantlab.policy import KLD_MEAN, Bound, DropRule, Policy, format_change, format_value, unchecked_by_any_task
 
 
 class DecisionError(ValueError):
@@ -42,11 +33,7 @@ class CheckStatus(str, Enum):
     UNDECIDED = "undecided"  # not enough evidence either way: not a pass
 
 
-_BY_OUTCOME = {
-    Outcome.WITHIN: CheckStatus.PASSED,
-    Outcome.OVER: CheckStatus.FAILED,
-    Outcome.UNSURE: CheckStatus.UNDECIDED,
-}
+_BY_OUTCOME = dict(zip(Outcome, CheckStatus))  # WITHIN -> PASSED, OVER -> FAILED, UNSURE -> UNDECIDED
 
 
 @dataclass(frozen=True)
@@ -65,9 +52,6 @@ class CheckResult:
     documents_needed: int | None = None  # undecided: about how many would settle it
 
 
-_FLIPS = ("correct_to_wrong", "wrong_to_correct")
-
-
 @dataclass(frozen=True)
 class DropCheck:
     """Lose at most `rule.allowed` of `rule.metric` against the baseline, shown by non-inferiority."""
@@ -75,7 +59,7 @@ class DropCheck:
     rule: DropRule
 
     def describe(self) -> str:
-        return f"{self.rule.metric} at most {_limit_words(self.rule)} worse than the baseline"
+        return f"{self.rule.metric} at most {self.rule.words} worse than the baseline"
 
     def evaluate(self, variant: VariantSummary, baseline: VariantSummary) -> CheckResult:
         rule, metric = self.rule, self.rule.metric
@@ -84,9 +68,8 @@ class DropCheck:
             return result(CheckStatus.FAILED, f"baseline lacks metric {metric}")
         if variant.name == baseline.name:  # the difference with itself is zero on every document
             itself = NonInferiority(0.0, 0.0, rule.allowed, 0.0, 0.0, Outcome.WITHIN, None)
-            return result(
-                CheckStatus.PASSED, f"{metric}: the baseline itself, no drop by definition", **_figures(itself)
-            )
+            detail = f"{metric}: the baseline itself, no drop by definition"
+            return result(CheckStatus.PASSED, detail, **_figures(itself))
         value = variant.value(metric)
         if value is None:
             return result(CheckStatus.FAILED, f"missing metric {metric}")
@@ -96,7 +79,7 @@ class DropCheck:
             detail = f"{metric}: {Outcome.UNSURE.value}: no paired statistics logged ({shown})"
             return result(CheckStatus.UNDECIDED, detail, outcome=Outcome.UNSURE, limit=rule.allowed)
         n = int(variant.value(paired_key(metric, "n")) or 0)
-        flips = [variant.value(paired_key(metric, name)) for name in _FLIPS]
+        flips = [variant.value(paired_key(metric, name)) for name in ("correct_to_wrong", "wrong_to_correct")]
         if None not in flips:
             # 0/1 scores: with no flip the plain paired se is 0, and five identical answers would
             # "show" any limit; Agresti and Min's adjusted se says how little they show.
@@ -114,31 +97,18 @@ def _figures(found: NonInferiority) -> dict[str, Any]:
 def _verdict_words(rule: DropRule, found: NonInferiority, n: int) -> str:
     """'eval/x/acc: shown over the limit: drop 2.00 pts, one-sided 95% bounds [1.09 pts, 2.91 pts], limit 1 pt
     (paired, n=1,000)', and for an undecided one how many documents would settle it."""
-    metric = rule.spec
+
+    def amount(value: float) -> str:  # a drop is shown unsigned; a negative one (a gain) keeps its sign
+        return format_change(rule.spec, value, signed=value < 0)
+
     text = (
-        f"{rule.metric}: {found.outcome.value}: drop {_amount(metric, found.drop)}, one-sided 95% bounds "
-        f"[{_amount(metric, found.lower)}, {_amount(metric, found.upper)}], limit {_limit_words(rule)} (paired, n={n:,})"
+        f"{rule.metric}: {found.outcome.value}: drop {amount(found.drop)}, one-sided 95% bounds "
+        f"[{amount(found.lower)}, {amount(found.upper)}], limit {rule.words} (paired, n={n:,})"
     )
     if found.outcome is Outcome.UNSURE:
         needed = found.documents_needed
         text += f"; about {needed:,} documents would settle it" if needed else "; more documents would settle it"
     return text
-
-
-def _amount(metric: MetricSpec, amount: float) -> str:
-    # A drop is shown unsigned; a negative one (a gain) keeps its sign.
-    return format_change(metric, amount, signed=amount < 0)
-
-
-def _limit_words(rule: DropRule) -> str:
-    """'1 pt', '0.5', '+2% of the baseline (0.2)'."""
-    limit, metric = rule.limit, rule.spec
-    if metric.scale is Scale.FRACTION:
-        return f"{limit.amount:g} pt" if limit.amount == 1 else f"{limit.amount:g} pts"
-    if limit.kind is LimitKind.RELATIVE:
-        allowed = "" if rule.allowed is None else f" ({format_value(metric, rule.allowed)})"
-        return f"+{limit.amount:g}% of the baseline{allowed}"
-    return format_value(metric, limit.amount)
 
 
 @dataclass(frozen=True)
@@ -250,12 +220,8 @@ class Decision:
         objective = f"{self.objective.metric} ({direction} is better)"
         undecided = self._undecided_better_than_chosen()
         if self.chosen is None:
-            head = (
-                "No variant shown within the limits; nothing chosen"
-                if undecided
-                else "No variant satisfies every constraint; nothing chosen"
-            )
-            return f"{head} (objective: {objective}).{_would_need(undecided)}"
+            head = "No variant shown within the limits" if undecided else "No variant satisfies every constraint"
+            return f"{head}; nothing chosen (objective: {objective}).{_would_need(undecided)}"
         passing = sum(v.status in (Status.CHOSEN, Status.COSTS_MORE) for v in self.verdicts)
         value = _shown(self.objective, self.verdict(self.chosen).objective_value)
         text = (
@@ -333,24 +299,18 @@ def pick(variants: Sequence[VariantSummary], baseline_name: str, policy: Policy,
         for runner_up in satisfying[1:]:
             judged[runner_up.name] = replace(runner_up, reasons=(_costs_more_reason(runner_up, chosen, objective),))
 
-    ordered = sorted(
-        judged.values(),
-        key=lambda v: (
-            _RANK[v.status],
-            math.inf if v.objective_value is None else objective.sort_key(v.objective_value),
-            v.name,
-        ),
-    )
+    def listed(v: Verdict) -> tuple[int, float, str]:
+        return _RANK[v.status], math.inf if v.objective_value is None else objective.sort_key(v.objective_value), v.name
+
+    any_task = policy.max_drop_any_task is not None and baseline.succeeded
     return Decision(
         chosen=chosen.name if chosen else None,
         baseline=baseline.name,
         objective=objective,
         policy=policy,
         checks=tuple(check.describe() for check in checks),
-        verdicts=tuple(ordered),
-        unchecked=tuple(unchecked_by_any_task(baseline.metrics, baseline.declared))
-        if policy.max_drop_any_task is not None and baseline.succeeded
-        else (),
+        verdicts=tuple(sorted(judged.values(), key=listed)),
+        unchecked=tuple(unchecked_by_any_task(baseline.metrics, baseline.declared) if any_task else ()),
     )
 
 

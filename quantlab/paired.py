@@ -47,10 +47,6 @@ class DocumentScores:
             return math.exp(-float(values.sum()) / total_weight)
         return -float(values.sum()) / (total_weight * math.log(2))
 
-    @property
-    def is_binary(self) -> bool:
-        return self.aggregation is Aggregation.MEAN and all(v in (0.0, 1.0) for v in self.values.values())
-
 
 _STATISTICS = ("diff", "se", "ci95_low", "ci95_high", "p_value", "n", "correct_to_wrong", "wrong_to_correct")
 
@@ -99,17 +95,17 @@ def compare(task: str, baseline: DocumentScores, variant: DocumentScores) -> Pai
     b = np.array([baseline.values[d] for d in docs], dtype=np.float64)
     v = np.array([variant.values[d] for d in docs], dtype=np.float64)
     if baseline.aggregation is Aggregation.MEAN:
-        return _compare_means(b, v, baseline.is_binary and variant.is_binary)
+        return _compare_means(b, v)
     w = np.array([baseline.weights[d] for d in docs], dtype=np.float64)
     return _compare_ratio(b, v, w, baseline.aggregation, baseline.aggregate(), variant.aggregate())
 
 
-def _compare_means(b: np.ndarray, v: np.ndarray, binary: bool) -> PairedComparison:
+def _compare_means(b: np.ndarray, v: np.ndarray) -> PairedComparison:
     d = v - b
     diff = float(d.mean())
     se = float(stats.sem(d)) if d.size > 1 else math.nan
     low, high = _interval(diff, se)
-    if binary:
+    if np.isin(b, (0.0, 1.0)).all() and np.isin(v, (0.0, 1.0)).all():
         flips = (int(np.sum((b == 1) & (v == 0))), int(np.sum((b == 0) & (v == 1))))
         p_value, test = mcnemar_exact_p(*flips), "mcnemar_exact"
     else:

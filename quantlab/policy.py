@@ -84,11 +84,6 @@ def parse_limit(value: Any) -> Limit:
     return Limit(amount, kind, text)
 
 
-def _limit_text(limit: Limit) -> str | float:
-    # Plain numbers stay numbers in a dumped recipe; "1 pts" and "+2%" stay as written.
-    return limit.amount if limit.kind is LimitKind.OWN else limit.text
-
-
 def _validate_limit(value: Any) -> Limit:
     try:
         return parse_limit(value)
@@ -97,7 +92,10 @@ def _validate_limit(value: Any) -> Limit:
 
 
 DropLimit = Annotated[
-    Limit, PlainValidator(_validate_limit, json_schema_input_type=float | str), PlainSerializer(_limit_text)
+    Limit,
+    PlainValidator(_validate_limit, json_schema_input_type=float | str),
+    # Plain numbers stay numbers in a dumped recipe; "1 pts" and "+2%" stay as written.
+    PlainSerializer(lambda limit: limit.amount if limit.kind is LimitKind.OWN else limit.text),
 ]
 
 
@@ -144,7 +142,7 @@ class Policy(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # METRIC -> largest allowed drop against the baseline (see the module's doc for units),
+    # METRIC -> largest allowed drop against the baseline (units: see LimitKind),
     # e.g. {"eval/mmlu_dev/acc": 1, "quality/ppl": "+2%"}.
     max_drop: dict[str, DropLimit] = Field(default_factory=dict)
     # Percentage points; applies to every 0-1 lm-eval score of known direction the baseline
@@ -220,9 +218,15 @@ class Policy(BaseModel):
 
     def check_logged(self, logged: Collection[str]) -> None:
         """PolicyError for a `max_drop` metric that no run logged (a typo, most likely)."""
+        candidates = sorted(
+            key for key in logged if not key.endswith(STDERR_SUFFIX) and not key.startswith(PAIRED_PREFIX)
+        )
         for key, limit in self.max_drop.items():
             if key not in logged:
-                raise PolicyError("max_drop", f"{key}={limit.text}", _unlogged_message(key, logged))
+                close = difflib.get_close_matches(key, candidates, n=1)
+                scores = [name for name in candidates if is_eval_score(name)]
+                hint = f"did you mean {close[0]}?" if close else f"logged: {', '.join(scores or candidates) or 'none'}"
+                raise PolicyError("max_drop", f"{key}={limit.text}", f"no variant logged this metric; {hint}")
 
 
 @dataclass(frozen=True)
@@ -235,6 +239,17 @@ class DropRule:
     allowed: float | None  # the largest allowed drop in the metric's own units; None: no baseline value
     baseline_value: float | None
     source: str  # the policy field it came from: "max_drop" or "max_drop_any_task"
+
+    @property
+    def words(self) -> str:
+        """'1 pt', '0.5', '+2% of the baseline (0.2)'."""
+        amount = self.limit.amount
+        if self.spec.scale is Scale.FRACTION:
+            return f"{amount:g} pt" if amount == 1 else f"{amount:g} pts"
+        if self.limit.kind is LimitKind.RELATIVE:
+            allowed = "" if self.allowed is None else f" ({format_value(self.spec, self.allowed)})"
+            return f"+{amount:g}% of the baseline{allowed}"
+        return format_value(self.spec, amount)
 
 
 @dataclass(frozen=True)
@@ -265,26 +280,22 @@ def any_task_metrics(baseline: Mapping[str, float], declared: Mapping[str, Decla
     return [
         key
         for key, value in baseline.items()
-        if is_eval_score(key) and _finite(value) is not None and _any_task_fits(spec(key, declared))
+        if is_eval_score(key) and _finite(value) is not None and not _any_task_problem(spec(key, declared))
     ]
-
-
-def _any_task_fits(metric: MetricSpec) -> bool:
-    return metric.scale is Scale.FRACTION and metric.higher_is_better is not None
 
 
 def unchecked_by_any_task(baseline: Mapping[str, float], declared: Mapping[str, Declared]) -> list[str]:
     """The baseline's lm-eval scores that `max_drop_any_task` cannot check, with why: to be named."""
-    reasons = []
-    for key in sorted(baseline):
-        if not is_eval_score(key):
-            continue
-        metric = spec(key, declared)
-        if metric.higher_is_better is None:
-            reasons.append(f"{key} (better direction unknown)")
-        elif metric.scale is not Scale.FRACTION:
-            reasons.append(f"{key} (not a 0-1 score: {metric.scale.value}; give it its own max_drop)")
-    return reasons
+    problems = {key: _any_task_problem(spec(key, declared)) for key in sorted(baseline) if is_eval_score(key)}
+    return [f"{key} ({problem})" for key, problem in problems.items() if problem]
+
+
+def _any_task_problem(metric: MetricSpec) -> str | None:
+    if metric.higher_is_better is None:
+        return "better direction unknown"
+    if metric.scale is not Scale.FRACTION:
+        return f"not a 0-1 score: {metric.scale.value}; give it its own max_drop"
+    return None
 
 
 # --- Command-line text: METRIC=LIMIT ---
@@ -314,15 +325,6 @@ def parse_max_drops(texts: Iterable[str]) -> dict[str, Limit]:
             raise ValueError(f"{metric} given twice ({drops[metric].text} and {limit.text})")
         drops[metric] = limit
     return drops
-
-
-def _unlogged_message(metric: str, logged: Collection[str]) -> str:
-    candidates = sorted(key for key in logged if not key.endswith(STDERR_SUFFIX) and not key.startswith(PAIRED_PREFIX))
-    close = difflib.get_close_matches(metric, candidates, n=1)
-    if close:
-        return f"no variant logged this metric; did you mean {close[0]}?"
-    scores = [key for key in candidates if is_eval_score(key)]
-    return f"no variant logged this metric; logged: {', '.join(scores or candidates) or 'none'}"
 
 
 # --- Values in the metric's own terms ---
