@@ -15,6 +15,7 @@ import signal
 import sys
 import traceback
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -73,11 +74,11 @@ def _bind_to_sweep(name: str) -> None:
 
 
 def failure_reason(error: BaseException) -> str:
-    if isinstance(error, BadInput) and len(error.problems) == 1:  # found at run time, e.g. too little calibration text
-        return f"{error.problems[0].field or 'input'}: {error.problems[0].message}"
-    if isinstance(error, BadInput):
+    if not isinstance(error, BadInput):
+        return f"{type(error).__name__}: {error}"
+    if len(error.problems) != 1:  # bad input found only at run time, e.g. too little calibration text
         return str(error)
-    return f"{type(error).__name__}: {error}"
+    return f"{error.problems[0].field or 'input'}: {error.problems[0].message}"
 
 
 def run_local(job: VariantJob, log_path: Path, on_stage: StageCallback) -> VariantResult:
@@ -151,9 +152,10 @@ class LocalExecutor:
 
 class InProcessExecutor:
     """Every variant in the sweep's own process, one after another: for notebooks, debuggers and
-    scripts/gpu_check.py (one process, one CUDA context). No isolation: a crash ends the sweep (an
-    exception fails only its variant); allocator caches and imports stay between variants; no log
-    file (capturing fds 1 and 2 would swallow the sweep's progress display)."""
+    scripts/gpu_check.py (one process, one CUDA context). No isolation: a crash ends the sweep (its
+    runs stay RUNNING until the next sweep marks them KILLED; an exception fails only its variant);
+    allocator caches and imports stay between variants; no log file (capturing fds 1 and 2 would
+    swallow the sweep's progress display)."""
 
     def run(self, jobs: list[VariantJob], log_dir: Path, on_stage: StageCallback) -> Iterator[Outcome]:
         from quantlab.stages.quantize import release_quantizer_memory
@@ -171,12 +173,12 @@ class InProcessExecutor:
             yield job, outcome, log_path
 
 
+@dataclass(frozen=True)
 class RayExecutor:
     """One Ray task per variant, all at once, each with the resources its recipe asks for. Workers
     write the cache and `log_dir`: on a multi-node cluster both must be on a shared file system."""
 
-    def __init__(self, address: str | None):
-        self.address = address
+    address: str | None
 
     def run(self, jobs: list[VariantJob], log_dir: Path, on_stage: StageCallback) -> Iterator[Outcome]:
         import ray

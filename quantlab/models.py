@@ -108,12 +108,8 @@ def _directory_fingerprint(path: Path) -> str:
 
 
 def _from_pretrained_args(source: ModelSource) -> tuple[str, dict]:
-    kwargs: dict = {"trust_remote_code": source.trust_remote_code}
-    if source.gguf_file:
-        kwargs["gguf_file"] = source.gguf_file
-    if source.revision:
-        kwargs["revision"] = source.revision
-    return source.location, kwargs
+    optional = {"gguf_file": source.gguf_file, "revision": source.revision}
+    return source.location, {"trust_remote_code": source.trust_remote_code} | {k: v for k, v in optional.items() if v}
 
 
 def hub_reachable(timeout_s: float = 3.0) -> bool:
