@@ -63,17 +63,11 @@ def scoring_windows(n_tokens: int, window: int, stride: int) -> tuple[Window, ..
         raise ValueError(f"stride must be between 1 and window ({window}), got {stride}")
     if n_tokens < 2:
         raise ValueError(f"need at least 2 tokens to score one, got {n_tokens}")
-    windows: list[Window] = []
-    scored_until = 1  # token 0 has no context and is never a target
-    start = 0
-    while scored_until < n_tokens:
-        end = min(start + window, n_tokens)
-        score_from = max(start + 1, scored_until)
-        if score_from < end:
-            windows.append(Window(start=start, end=end, score_from=score_from))
-        scored_until = end
-        start += stride
-    return tuple(windows)
+    windows = [Window(start=0, end=min(window, n_tokens), score_from=1)]  # token 0 is never a target
+    while windows[-1].end < n_tokens:
+        start = windows[-1].start + stride
+        windows.append(Window(start, min(start + window, n_tokens), score_from=max(start + 1, windows[-1].end)))
+    return tuple(w for w in windows if w.n_scored > 0)  # a last window of one token scores nothing
 
 
 def reference_bytes_bound(n_tokens: int, n_scored: int, vocab_size: int) -> int:
