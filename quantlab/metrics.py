@@ -141,6 +141,7 @@ def parse_paired_key(key: str) -> tuple[str, str] | None:
     return metric_key, statistic
 
 
+# Fixed keys, then templates (each <name> one path segment, filled into the label).
 # key: (higher_is_better, scale, label, meaning)
 _FIXED: dict[str, tuple[bool | None, Scale, str, str]] = {
     "quality/ppl": (False, Scale.PERPLEXITY, "perplexity", "token perplexity on the quality corpus"),
@@ -161,21 +162,11 @@ _FIXED: dict[str, tuple[bool | None, Scale, str, str]] = {
         "mean change in p(correct)",
         "mean of p_variant - p_baseline of the correct token",
     ),
-    "quality/delta_p_rms": (
-        False,
-        Scale.FRACTION,
-        "RMS change in p(correct)",
-        "root mean square of p_variant - p_baseline of the correct token",
-    ),
+    "quality/delta_p_rms": (False, Scale.FRACTION, "RMS change in p(correct)", "RMS of p_variant - p_baseline"),
     "quality/ln_ppl_ratio": (False, Scale.NATS, "ln(PPL ratio)", "difference of mean token NLLs"),
     "cost/weight_bytes": (False, Scale.BYTES, "weight size", "*.safetensors files of the checkpoint on disk"),
     "cost/weight_bytes_in_memory": (False, Scale.BYTES, "weights in memory", "tensor payload in its stored format"),
-    "cost/loaded_weight_bytes": (
-        False,
-        Scale.BYTES,
-        "weights as loaded here",
-        "parameters as loaded by the measuring engine",
-    ),
+    "cost/loaded_weight_bytes": (False, Scale.BYTES, "weights as loaded here", "parameters as loaded for measuring"),
     "cost/peak_memory_bytes": (False, Scale.BYTES, "peak memory", "while measuring: device memory on GPU, RSS on CPU"),
     "cost/peak_device_memory_bytes": (False, Scale.BYTES, "peak device memory", "accelerator memory, while measuring"),
     "cost/process_peak_rss_bytes": (False, Scale.BYTES, "process peak RSS", "of the variant's process"),
@@ -204,10 +195,6 @@ _FIXED: dict[str, tuple[bool | None, Scale, str, str]] = {
     ),
     "cost/usd_per_million_output_tokens": (False, Scale.USD, "USD per million output tokens", "modeled, on the target"),
     "cost/load_seconds": (False, Scale.SECONDS, "load time", "seconds to load the checkpoint"),
-}
-
-# Templated keys: each <name> is one path segment, filled into the label.
-_TEMPLATES: dict[str, tuple[bool | None, Scale, str, str]] = {
     "quality/flips/<task>": (
         False,
         Scale.COUNT,
@@ -226,15 +213,10 @@ _TEMPLATES: dict[str, tuple[bool | None, Scale, str, str]] = {
         "{task} wrong-to-right flips",
         "documents wrong for the baseline, right for the variant",
     ),
-    "quality/mcnemar_p/<task>": (
-        None,
-        Scale.P_VALUE,
-        "{task} McNemar p",
-        "exact McNemar p of the task's primary 0/1 score against the baseline",
-    ),
+    "quality/mcnemar_p/<task>": (None, Scale.P_VALUE, "{task} McNemar p", "exact McNemar p of the primary 0/1 score"),
     "time/<stage>_seconds": (False, Scale.SECONDS, "{stage} time", "wall seconds of one stage of the variant's run"),
 }
-_TEMPLATE_PATTERNS = {re.compile(re.sub(r"<(\w+)>", r"(?P<\1>[^/]+)", entry) + "$"): entry for entry in _TEMPLATES}
+_PATTERNS = {re.compile(re.sub(r"<(\w+)>", r"(?P<\1>[^/]+)", re.escape(entry))): entry for entry in _FIXED}
 
 # Figures measured once per batch size: `cost/<figure>` and `cost/<figure>_bs<N>`.
 _BATCH_FIGURES: dict[str, tuple[bool, Scale, str]] = {
@@ -257,8 +239,10 @@ _RECOVERY = re.compile(r"^quality/recovery/(?P<score>[^/]+/[^/]+)$")  # <task>/<
 def spec(key: str, declared: Mapping[str, Declared] | None = None) -> MetricSpec:
     """The contract entry of a logged key. `declared`: what the sweep recorded for lm-eval scores."""
     declared = declared or {}
-    if key in _FIXED:
-        return MetricSpec(key, key, *_FIXED[key])
+    for pattern, entry in _PATTERNS.items():
+        if (match := pattern.fullmatch(key)) is not None:
+            higher, scale, label, meaning = _FIXED[entry]
+            return MetricSpec(key, entry, higher, scale, label.format(**match.groupdict()), meaning)
     if (parsed := EvalKey.parse(key)) is not None:
         found = declared.get(parsed.score_key)
         scale = found.scale if found else Scale.SCORE
@@ -281,10 +265,6 @@ def spec(key: str, declared: Mapping[str, Declared] | None = None) -> MetricSpec
         meaning = "variant score / baseline score (above 1 is worse for lower-is-better scores)"
         entry = "quality/recovery/<task>/<metric>[:<filter>]"
         return MetricSpec(key, entry, base.higher_is_better, Scale.RATIO, f"{base.label} recovery", meaning)
-    for pattern, entry in _TEMPLATE_PATTERNS.items():
-        if (match := pattern.match(key)) is not None:
-            higher, scale, label, meaning = _TEMPLATES[entry]
-            return MetricSpec(key, entry, higher, scale, label.format(**match.groupdict()), meaning)
     if (match := _BATCH_KEY.match(key)) is not None and match["figure"] in _BATCH_FIGURES:
         higher, scale, label = _BATCH_FIGURES[match["figure"]]
         label += f" at batch {match['batch']}" if match["batch"] else ""

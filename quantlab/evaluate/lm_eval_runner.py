@@ -13,11 +13,15 @@ import logging
 import math
 import numbers
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from quantlab import cache
 from quantlab.metrics import NO_FILTER, Scale, eval_key
 from quantlab.paired import Aggregation, DocumentScores
 
@@ -97,18 +101,14 @@ class TaskSettings:
     version: str
 
     def params(self, task: str) -> dict[str, str]:
-        values = asdict(self)
-        if self.gen_kwargs is None:
-            values["gen_kwargs"] = "not used"
-        else:
-            values["gen_kwargs"] = json.dumps(self.gen_kwargs, sort_keys=True, default=str)
+        generation = "not used" if self.gen_kwargs is None else json.dumps(self.gen_kwargs, sort_keys=True, default=str)
+        values = asdict(self) | {"gen_kwargs": generation}
         return {f"eval.{task}.{name}": str(value) for name, value in values.items()}
 
 
 @dataclass(frozen=True)
 class TaskDataset:
-    """What a leaf task scored, as an MLflow dataset input: the digest changes with its config,
-    its local data files and its limit."""
+    """What a leaf task scored, as an MLflow dataset input (its digest follows config, local data files, limit)."""
 
     name: str
     digest: str
@@ -138,10 +138,8 @@ def known_tasks(include_path: Path | None) -> set[str]:
 
 def task_index_identity(include_path: Path | None) -> dict[str, Any]:
     """What decides `known_tasks`: lm-eval's installed version and the task files under include_path."""
-    from quantlab import cache
-
     return {
-        "lm_eval": _lm_eval_version(),
+        "lm_eval": version("lm-eval"),
         "include_path": str(include_path.resolve()) if include_path else None,
         "include_files": cache.tasks_digest(include_path),
     }
@@ -165,12 +163,7 @@ def task_manager(include_path: Path | None) -> TaskManager:
 
 
 def run_tasks(
-    model: Any,
-    tokenizer: Any,
-    tasks: list[TaskRequest],
-    include_path: Path | None,
-    batch_size: int,
-    progress: Callable[[str], None] | None = None,
+    model, tokenizer, tasks: list[TaskRequest], include_path: Path | None, batch_size: int, progress=lambda step: None
 ) -> list[TaskScores]:
     """Score `model` on each requested task, in order, each with its own settings.
 
@@ -185,8 +178,7 @@ def run_tasks(
     with _lm_eval_warnings_only():
         language_model = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
         for request in tasks:
-            if progress is not None:
-                progress(_describe(request))
+            progress(_describe(request))
             results = simple_evaluate(
                 model=language_model,
                 tasks=[request.name],
@@ -212,9 +204,7 @@ def _describe(request: TaskRequest) -> str:
     return f"lm-eval {request.name}{shots}{limit}"
 
 
-# --------------------------------------------------------------------------------------
 # From lm-eval's results dict to scores (pure: dicts in, dataclasses out)
-# --------------------------------------------------------------------------------------
 
 
 def read_results(request: TaskRequest, results: Mapping[str, Any]) -> list[TaskScores]:
@@ -237,12 +227,8 @@ def _of(results: Mapping[str, Any], section: str, task: str, default: Any = None
 
 def _leaves_under(group: str, structure: Mapping[str, list[str]]) -> list[str]:
     """Every leaf task below a group, nested groups expanded (lm-eval aggregates over these)."""
-    found: list[str] = []
-    for child in structure.get(group, []):
-        for leaf in _leaves_under(child, structure) if child in structure else [child]:
-            if leaf not in found:
-                found.append(leaf)
-    return found
+    below = [_leaves_under(child, structure) if child in structure else [child] for child in structure.get(group, [])]
+    return list(dict.fromkeys(leaf for leaves in below for leaf in leaves))
 
 
 def _leaf_scores(task: str, request: TaskRequest, results: Mapping[str, Any]) -> TaskScores:
@@ -416,7 +402,7 @@ def _dataset(task: str, results: Mapping[str, Any], settings: TaskSettings) -> T
     # of lm-eval's own task helpers comes with its version.
     dumped = json.dumps(config, sort_keys=True, default=str)
     digest.update(re.sub(r" at 0x[0-9a-fA-F]+", "", dumped).encode())
-    digest.update(f"lm_eval={_lm_eval_version()} limit={settings.limit}".encode())
+    digest.update(f"lm_eval={version('lm-eval')} limit={settings.limit}".encode())
     files = _data_files(config)
     for path in files:
         if Path(path).is_file():  # local data: its content, not just its name
@@ -428,13 +414,6 @@ def _dataset(task: str, results: Mapping[str, Any], settings: TaskSettings) -> T
         source += " " + ",".join(files)
     profile = {name: getattr(settings, name) for name in ("limit", "documents", "num_fewshot", "version")}
     return TaskDataset(task, digest.hexdigest()[:16], source, json.dumps(profile, sort_keys=True))
-
-
-@functools.cache
-def _lm_eval_version() -> str:
-    from importlib.metadata import version
-
-    return version("lm-eval")
 
 
 def _data_files(config: Mapping[str, Any]) -> list[str]:
@@ -450,16 +429,13 @@ def _is_number(value: Any) -> bool:
 
 
 def _is_bool(value: Any) -> bool:
-    import numpy as np
-
     return isinstance(value, (bool, np.bool_))
 
 
 def _document_label(sample: Mapping[str, Any]) -> str:
     """The end of the document's prompt (its own question, after any few-shot examples)."""
-    arguments = sample.get("arguments") or [[""]]
     try:
-        prompt = arguments[0][0]  # (context, continuation) or (context, generation kwargs)
+        prompt = sample["arguments"][0][0]  # (context, continuation) or (context, generation kwargs)
     except (IndexError, KeyError, TypeError):
         prompt = ""
     return " ".join(str(prompt).split())[-DOCUMENT_LABEL_CHARS:]

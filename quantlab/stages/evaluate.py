@@ -12,20 +12,8 @@ from typing import TYPE_CHECKING
 from quantlab import cache
 from quantlab.corpora import load_texts
 from quantlab.jobs import GroupParts
-from quantlab.metrics import (
-    Declared,
-    EvalKey,
-    declared_tags,
-    paired_key,
-    unknown_directions,
-)
-from quantlab.paired import (
-    DocumentScores,
-    NotPaired,
-    PairedComparison,
-    combine,
-    compare,
-)
+from quantlab.metrics import Declared, EvalKey, declared_tags, paired_key, unknown_directions
+from quantlab.paired import DocumentScores, NotPaired, PairedComparison, combine, compare
 
 if TYPE_CHECKING:
     from quantlab.evaluate.lm_eval_runner import TaskDataset, TaskScores
@@ -197,15 +185,10 @@ def answer_damage(scores: EvalOutcome, baseline: BaselineOutputs | None) -> Answ
             artifacts[f"flips/{task}.jsonl"] = _flips_jsonl(
                 paired_flips(task, base, variant), base, variant, scores.labels.get(task, {})
             )
-    # Recovery per task: {metric[:filter]: value} of the baseline and the variant, over the scores both have.
-    by_task: dict[str, tuple[dict[str, float], dict[str, float]]] = {}
-    for key in reference_values.keys() & scores.scores.keys():
+    for key in reference_values.keys() & scores.scores.keys():  # recovery of every score both have
         if (parsed := EvalKey.parse(key)) is not None and not parsed.stderr:
-            base, variant = by_task.setdefault(parsed.task, ({}, {}))
-            name = key.rpartition("/")[2]
-            base[name], variant[name] = reference_values[key], scores.scores[key]
-    for task, (base, variant) in by_task.items():
-        metrics.update(recovery(task, base, variant).to_metrics())
+            name = key.rpartition("/")[2]  # metric[:filter]
+            metrics |= recovery(parsed.task, {name: reference_values[key]}, {name: scores.scores[key]}).to_metrics()
     return AnswerOutcome(metrics, artifacts, {NOTE_TAG + key: f"not paired: {note}" for key, note in notes.items()})
 
 
