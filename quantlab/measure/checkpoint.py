@@ -43,10 +43,6 @@ class CheckpointFacts:
         )
 
     @property
-    def has_weights(self) -> bool:
-        return bool(self.file_sizes)
-
-    @property
     def file_bytes(self) -> int:
         """Bytes on disk: what a download or a copy moves (headers included)."""
         return sum(size for _, size in self.file_sizes)

@@ -212,7 +212,7 @@ def modeled_cost_from_facts(
     if facts is None:
         facts, no_weights = CheckpointFacts((), ()), "no checkpoint directory given"
     else:
-        no_weights = "" if facts.has_weights else f"no *.safetensors files in {where}"
+        no_weights = "" if facts.file_sizes else f"no *.safetensors files in {where}"
     try:
         shape, no_shape = ModelShape.from_config(values), ""
     except ValueError as error:

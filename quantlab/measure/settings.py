@@ -1,8 +1,5 @@
-"""The `measure` section of a recipe: what to time, and the accelerator to model serving on.
-
-Defaults are sized for the embedded 135M model on 2 CPU cores (a few seconds per variant);
-GPU users raise `batch_sizes`, `prompt_tokens` and `output_tokens` to what they serve.
-"""
+"""The `measure` section of a recipe: what to time, and the accelerator to model serving on. Defaults suit
+the embedded 135M model on 2 CPU cores; GPU users raise `batch_sizes`, `prompt_tokens` and `output_tokens`."""
 
 from __future__ import annotations
 

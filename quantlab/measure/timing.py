@@ -1,10 +1,8 @@
 """Timing model work: clocks, timed greedy generation, and the memory bandwidth this machine really has.
 
-CUDA kernels run asynchronously, so a host clock read while they are queued measures the queueing, not the
-work: on GPU, CUDA events are recorded on the stream of the device that produces the logits (the last one
-when a model is spread over several) and read after `settle()`. Generation is a hand-written loop rather than
-`generate()`: every token gets its own timestamp without a streamer in the way, nothing stops early at an
-end-of-sequence token, and prefill computes logits for the last position only (as `generate()` does).
+CUDA kernels run asynchronously: on GPU, CUDA events are recorded on the stream of the device that produces
+the logits and read after `settle()`. Generation is a hand-written loop, not `generate()`: every token gets its
+own timestamp, nothing stops early at end-of-sequence, and prefill computes the last position's logits only.
 Prompts are seeded random token ids: the content does not change the work of a dense model.
 """
 

@@ -12,8 +12,10 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any, Generic, TypeVar
 
+import psutil
 import torch
 
 Reading = TypeVar("Reading")
@@ -60,18 +62,14 @@ def open_nvml_devices(cuda_indices: Sequence[int]) -> list[NvmlDevice] | str:
         return f"NVML unavailable: {error}"
 
 
+@cache  # by pid: a forked child is another process; a new Process() per sample costs 3x as much
+def _process(pid: int) -> psutil.Process:
+    return psutil.Process(pid)
+
+
 def current_rss_bytes() -> int:
     """This process's resident set size now."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        pass
-    try:
-        import psutil
-    except ImportError:
-        return process_peak_rss_bytes()
-    return int(psutil.Process().memory_info().rss)
+    return int(_process(os.getpid()).memory_info().rss)
 
 
 def process_peak_rss_bytes() -> int:

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 from quantlab.measure.cost import measure_cost
-from quantlab.measure.report import CostReport
 from quantlab.measure.settings import MeasureSettings
 
 
@@ -15,11 +14,10 @@ from quantlab.measure.settings import MeasureSettings
 class MeasureOutput:
     metrics: dict[str, float]
     tags: dict[str, str]
-    report: CostReport
 
 
 def measure(
     model: Any, tokenizer: Any, settings: MeasureSettings, checkpoint_dir: Path | None, load_seconds: float | None
 ) -> MeasureOutput:
     report = measure_cost(model, tokenizer, settings, checkpoint_dir, load_seconds)
-    return MeasureOutput(report.to_metrics(), report.to_tags(), report)
+    return MeasureOutput(report.to_metrics(), report.to_tags())
