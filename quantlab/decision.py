@@ -152,18 +152,6 @@ class BaselineUsable:
 Check = DropCheck | BoundCheck | BaselineUsable
 
 
-def checks_for(policy: Policy, baseline: VariantSummary) -> tuple[Check, ...]:
-    """The concrete checks of a policy against a baseline (raises PolicyError for a limit that
-    does not fit its metric as the sweep declared it)."""
-    checks: list[Check] = []
-    if policy.measures_drops and not baseline.succeeded:
-        checks.append(BaselineUsable(baseline.name))
-    else:
-        checks += [DropCheck(rule) for rule in policy.drop_rules(baseline.metrics, baseline.declared)]
-    checks += [BoundCheck(bound) for bound in policy.bounds()]
-    return tuple(checks)
-
-
 # --- The decision ---
 
 
@@ -285,7 +273,11 @@ def pick(variants: Sequence[VariantSummary], baseline_name: str, policy: Policy,
     if baseline is None:
         names = ", ".join(v.name for v in variants) or "none"
         raise DecisionError(f"baseline {baseline_name!r} is not among the variants ({names})")
-    checks = checks_for(policy, baseline)
+    if policy.measures_drops and not baseline.succeeded:
+        checks: list[Check] = [BaselineUsable(baseline.name)]
+    else:  # raises PolicyError for a limit that does not fit its metric as the sweep declared it
+        checks = [DropCheck(rule) for rule in policy.drop_rules(baseline.metrics, baseline.declared)]
+    checks += [BoundCheck(bound) for bound in policy.bounds()]
     judged = {variant.name: _judge(variant, baseline, checks, objective) for variant in variants}
 
     by_name = {variant.name: variant for variant in variants}

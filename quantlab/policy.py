@@ -20,11 +20,6 @@ from pydantic_core import PydanticCustomError
 from quantlab.metrics import PAIRED_PREFIX, STDERR_SUFFIX, Declared, EvalKey, MetricSpec, Scale, is_eval_score, spec
 
 KLD_MEAN = "quality/kld_mean"
-TOP1_AGREEMENT = "quality/top1_agreement"
-PEAK_MEMORY = "cost/peak_memory_bytes"
-
-# Prefixes of keys that measure cost or time: they have an objective and bounds, never a "drop".
-_NOT_QUALITY = ("cost/", "time/")
 
 
 # --- A drop limit as written: "1", "1 pts", "+2%" ---
@@ -109,7 +104,7 @@ def limit_problem(key: str, limit: Limit, metric: MetricSpec | None = None) -> s
     parsed = EvalKey.parse(key)
     if (parsed is not None and parsed.stderr) or key.endswith(STDERR_SUFFIX):
         return "is a standard error, not a quality metric"
-    if key.startswith(_NOT_QUALITY):
+    if key.startswith(("cost/", "time/")):
         return "is a cost, not a quality metric: bound it with at_most/at_least or choose it as the objective"
     if metric is None:
         if is_eval_score(key):
@@ -204,8 +199,8 @@ class Policy(BaseModel):
     def bounds(self) -> tuple[Bound, ...]:
         """Upper bounds, then lower; `at_most`/`at_least` override a named field on the same metric."""
         sides = (
-            (True, {KLD_MEAN: "max_kld", PEAK_MEMORY: "max_peak_memory_bytes"}, "at_most"),
-            (False, {TOP1_AGREEMENT: "min_top1_agreement"}, "at_least"),
+            (True, {KLD_MEAN: "max_kld", "cost/peak_memory_bytes": "max_peak_memory_bytes"}, "at_most"),
+            (False, {"quality/top1_agreement": "min_top1_agreement"}, "at_least"),
         )
         found = []
         for upper, named, extra in sides:
