@@ -30,10 +30,8 @@ def text(split: Split) -> str:
 
 def _looks_like_prose(text: str) -> bool:
     words = text.split()
-    if len(words) < 12:
-        return False
     alphabetic = sum(word.strip(".,;:()'\"").isalpha() for word in words)
-    return alphabetic / len(words) >= 0.8
+    return len(words) >= 12 and alphabetic / len(words) >= 0.8
 
 
 BUILTIN_SOURCES: dict[str, Split] = {  # the recipe's names for the splits a recipe may use
