@@ -1,21 +1,27 @@
 """Content-addressed cache: a checkpoint's key hashes everything that decides its bytes. Each is
 written beside its final place and renamed into it once complete, so a crash leaves only a
 `.partial-*` directory, never taken for a result and removed by the next writer on that host.
+The completion marker records each file's size and SHA-256: reuse checks sizes and safetensors
+headers, `quantlab cache verify` the hashes; a checkpoint that fails is set aside, never loaded.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import socket
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 COMPLETE_MARKER = "quantlab-checkpoint.json"
+logger = logging.getLogger(__name__)
 LIBRARIES = ("torch", "transformers", "llmcompressor", "compressed-tensors", "quantlab")
 
 
@@ -76,8 +82,108 @@ def checkpoint_dir(cache_root: Path, variant_name: str, key: str) -> Path:
     return cache_root / "checkpoints" / f"{variant_name}-{key}"
 
 
+@dataclass(frozen=True)
+class FileRecord:
+    """One file of a checkpoint as its writer left it (path relative to the checkpoint)."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+def _sha256(path: Path, advance: Callable[[int], object] = lambda n: None) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        while chunk := stream.read(1 << 23):
+            digest.update(chunk)
+            advance(len(chunk))
+    return digest.hexdigest()
+
+
+def file_records(directory: Path) -> list[FileRecord]:
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != COMPLETE_MARKER)
+    return [FileRecord(p.relative_to(directory).as_posix(), p.stat().st_size, _sha256(p)) for p in files]
+
+
+def recorded_files(checkpoint: Path) -> list[FileRecord] | None:
+    """The files its marker records; None for a marker without records (an older quantlab's) or unreadable."""
+    try:
+        return [FileRecord(**record) for record in json.loads((checkpoint / COMPLETE_MARKER).read_text())["files"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _safetensors_problem(path: Path, size: int) -> str | None:
+    """Whether the header parses and its tensors end exactly where the file does."""
+    try:
+        with path.open("rb") as stream:
+            length = int.from_bytes(stream.read(8), "little")
+            if size < 8 or 8 + length > size:
+                return f"{path.name}: safetensors header length {length} does not fit in {size} bytes"
+            header = json.loads(stream.read(length))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return f"{path.name}: safetensors header does not parse"
+    if end != size - 8 - length:
+        return f"{path.name}: tensors end at byte {end} of data, the file holds {size - 8 - length}"
+    return None
+
+
+def check_checkpoint(
+    checkpoint: Path, deep: bool = False, advance: Callable[[int], object] = lambda n: None
+) -> list[str]:
+    """Problems of a checkpoint that carries its marker: files missing or of another size, safetensors
+    headers that do not match their file; with `deep`, contents whose SHA-256 differs from the record
+    (`advance` is told the bytes read)."""
+    records = recorded_files(checkpoint)
+    if records is None:
+        return ["its marker records no files (an older quantlab wrote it), so it cannot be verified"]
+    problems = []
+    for record in records:
+        path = checkpoint / record.path
+        size = path.stat().st_size if path.is_file() else None
+        if size is None:
+            problems.append(f"{record.path}: missing")
+        elif size != record.size:
+            problems.append(f"{record.path}: {size} bytes, {record.size} recorded")
+        elif path.suffix == ".safetensors" and (problem := _safetensors_problem(path, size)):
+            problems.append(problem)
+    if deep and not problems:
+        problems = [
+            f"{r.path}: SHA-256 differs from the record"
+            for r in records
+            if _sha256(checkpoint / r.path, advance) != r.sha256
+        ]
+    return problems
+
+
+def set_aside(checkpoint: Path) -> Path:
+    """Rename a bad checkpoint to `<name>.corrupt-<UTC time>`: never loaded, never silently deleted."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    aside = checkpoint.with_name(f"{checkpoint.name}.corrupt-{stamp}")
+    with suppress(FileNotFoundError):  # another process set it aside first
+        os.replace(checkpoint, aside)
+    return aside
+
+
+def complete_checkpoints(cache_root: Path) -> list[Path]:
+    """The cache's checkpoints that carry a marker (checked or not), not those set aside or being written."""
+    markers = (cache_root / "checkpoints").glob(f"*/{COMPLETE_MARKER}")
+    return sorted(m.parent for m in markers if ".corrupt-" not in m.parent.name and ".partial-" not in m.parent.name)
+
+
 def is_complete(checkpoint: Path) -> bool:
-    return (checkpoint / COMPLETE_MARKER).is_file()
+    """Whether `checkpoint` carries its marker and passes the cheap check; one that fails is
+    reported (a logged warning) and set aside, so the caller rebuilds it."""
+    if not (checkpoint / COMPLETE_MARKER).is_file():
+        return False
+    if problems := check_checkpoint(checkpoint):
+        aside = set_aside(checkpoint)
+        logger.warning(
+            "cached checkpoint %s: %s; set aside as %s, rebuilding it", checkpoint, "; ".join(problems), aside.name
+        )
+        return False
+    return True
 
 
 def _scratch_prefix(checkpoint: Path) -> str:
@@ -115,10 +221,11 @@ def atomic_directory(target: Path, *, replace_existing: bool = False) -> Iterato
             os.replace(scratch, target)
         except OSError:
             # Renaming onto a non-empty directory fails: another process finished the same key
-            # first, with the same content, so ours is dropped.
-            if not is_complete(target):
-                raise
-            shutil.rmtree(scratch)
+            # first, with the same content, so ours is dropped (a bad one is set aside for ours).
+            if is_complete(target):
+                shutil.rmtree(scratch)
+            else:
+                os.replace(scratch, target)
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
@@ -126,7 +233,9 @@ def atomic_directory(target: Path, *, replace_existing: bool = False) -> Iterato
 
 @contextmanager
 def writing(checkpoint: Path, identity: dict[str, Any]) -> Iterator[Path]:
-    """A checkpoint written atomically, with the completion marker that `is_complete` reads."""
+    """A checkpoint written atomically, with the completion marker that `is_complete` reads: its
+    identity and each file's size and SHA-256."""
     with atomic_directory(checkpoint) as scratch:
         yield scratch
-        (scratch / COMPLETE_MARKER).write_text(json.dumps(identity, indent=2, sort_keys=True, default=str))
+        marker = {"identity": identity, "files": [asdict(record) for record in file_records(scratch)]}
+        (scratch / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True, default=str))

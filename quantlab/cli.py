@@ -164,6 +164,45 @@ def validate_command(recipe: Annotated[Path, typer.Argument(help="Recipe YAML to
         _say(f"  not checked, needs the hub (unreachable from here): {what}")
 
 
+cache_app = typer.Typer(help="The checkpoint cache.", no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
+
+
+@cache_app.command("verify")
+def cache_verify(
+    cache_dir: Annotated[
+        Path | None, typer.Option(help="Checkpoint cache. Default: $QUANTLAB_CACHE_DIR or ~/.cache/quantlab.")
+    ] = None,
+) -> None:
+    """Hash every complete checkpoint of the cache against its marker; set aside the bad ones.
+
+    A bad checkpoint is renamed to <dir>.corrupt-<UTC time> (never deleted, never loaded) and the
+    next sweep that needs it rebuilds it. Exit 0 when every checkpoint is good, 1 when any was bad.
+    """
+    from rich.progress import BarColumn, DownloadColumn, TransferSpeedColumn
+
+    from quantlab import cache
+
+    checkpoints = cache.complete_checkpoints((cache_dir or cache.default_root()).resolve())
+    total = sum(record.size for path in checkpoints for record in cache.recorded_files(path) or [])
+    bad = 0
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+    with Progress(*columns, console=out) as progress:
+        task = progress.add_task("hashing", total=total)
+        for path in checkpoints:
+            progress.update(task, description=path.name)
+            problems = cache.check_checkpoint(path, deep=True, advance=lambda n: progress.advance(task, n))
+            if problems:
+                bad += 1
+                aside = cache.set_aside(path)
+                line = f"[red]✗[/] {path.name}: {'; '.join(problems)}; set aside as {aside.name}"
+            else:
+                line = f"[green]✓[/] {path.name}: ok"
+            progress.console.print(line, highlight=False)
+    _say(f"{len(checkpoints)} checkpoints checked, {bad} bad")
+    raise typer.Exit(1 if bad else 0)
+
+
 @app.command()
 def ui(
     port: Annotated[int, typer.Option(help="Port for the MLflow UI.")] = 5000,

@@ -129,7 +129,7 @@ def test_next_writer_removes_scratch_of_dead_writers_on_this_host_only(tmp_path)
         (scratch / "model.safetensors").parent.mkdir()
         (scratch / "model.safetensors").write_bytes(b"half")
     with cache.writing(target, {"k": 1}) as scratch:
-        (scratch / "model.safetensors").write_bytes(b"whole")
+        (scratch / "weights.bin").write_bytes(b"whole")
     assert cache.is_complete(target)
     assert not dead.exists() and alive.exists() and elsewhere.exists()
 
@@ -139,12 +139,12 @@ def test_losing_the_race_to_an_equal_checkpoint_keeps_the_winner(tmp_path):
     other_writer = (
         "import sys; from pathlib import Path; from quantlab import cache\n"
         "with cache.writing(Path(sys.argv[1]), {'k': 1}) as scratch:\n"
-        "    (scratch / 'model.safetensors').write_bytes(b'theirs')\n"
+        "    (scratch / 'weights.bin').write_bytes(b'theirs')\n"
     )
     with cache.writing(target, {"k": 1}) as ours:
-        (ours / "model.safetensors").write_bytes(b"ours")
+        (ours / "weights.bin").write_bytes(b"ours")
         subprocess.run([sys.executable, "-c", other_writer, str(target)], check=True)  # finishes the same key first
-    assert (target / "model.safetensors").read_bytes() == b"theirs" and cache.is_complete(target)
+    assert (target / "weights.bin").read_bytes() == b"theirs" and cache.is_complete(target)
     assert [path.name for path in target.parent.iterdir()] == ["x-123"]
 
 
