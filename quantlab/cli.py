@@ -183,7 +183,10 @@ def cache_verify(
 
     from quantlab import cache
 
-    checkpoints = cache.complete_checkpoints((cache_dir or cache.default_root()).resolve())
+    root = (cache_dir or cache.default_root()).resolve()
+    if not root.is_dir():
+        raise bad_input("--cache-dir", "", f"no cache directory at {root}")
+    checkpoints = cache.complete_checkpoints(root)
     total = sum(record.size for path in checkpoints for record in cache.recorded_files(path) or [])
     bad = 0
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())

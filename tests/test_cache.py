@@ -135,3 +135,9 @@ def test_cache_verify_finds_a_flipped_bit_that_reuse_cannot_see(tmp_path):
     assert len(list(tmp_path.glob("checkpoints/flipped-0123.corrupt-*"))) == 1
     again = _verify(tmp_path)
     assert again.returncode == 0 and "1 checkpoints checked, 0 bad" in again.stdout
+
+
+def test_cache_verify_of_a_missing_directory_is_bad_input(tmp_path):
+    missing = _verify(tmp_path / "nowhere")
+    assert missing.returncode == 2
+    assert missing.stderr.strip().splitlines() == [f"error: --cache-dir: no cache directory at {tmp_path / 'nowhere'}"]
