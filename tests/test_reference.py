@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny import tiny_llama_config
+from transformers import LlamaForCausalLM
 
 from quantlab.evaluate.reference import (
     Window,
@@ -30,15 +31,7 @@ N_TOKENS = 150
 
 
 def tiny_llama(vocab_size: int = VOCAB, seed: int = 0) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
+    config = tiny_llama_config(vocab_size=vocab_size, max_position_embeddings=256)
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).eval()
 
