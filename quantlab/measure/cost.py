@@ -7,14 +7,15 @@ last, once compressed-tensors has decompressed what it decompresses on the first
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
+from quantlab.measure.kernels import kernel_path
 from quantlab.measure.modeled import (
     ModelShape,
     config_dict,
@@ -23,7 +24,7 @@ from quantlab.measure.modeled import (
     modeled_cost,
     streamed_weight_bytes,
 )
-from quantlab.measure.provenance import Provenance, provenance, visible_cores
+from quantlab.measure.provenance import describe_engine, describe_hardware, visible_cores
 from quantlab.measure.report import BATCH_FIGURES, WINDOW_FIGURES, BatchFigures, CostReport, MeasuredCost
 from quantlab.measure.settings import MeasureSettings
 from quantlab.measure.timing import (
@@ -46,28 +47,27 @@ def measure_cost(
     """Measured figures of `model` (loaded by the caller, in this process) and modeled figures
     of the checkpoint it was loaded from. `tokenizer` only names the special tokens that random
     prompts avoid; `load_seconds` is the caller's timing of the load."""
-    checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-    saved_config = checkpoint_dir / "config.json" if checkpoint_dir is not None else None
-    # The checkpoint's own config: its dtype and KV scheme are what a server would run.
-    config = saved_config if saved_config is not None and saved_config.exists() else model.config
-    modeled = modeled_cost(config, checkpoint_dir, settings)
+    # The checkpoint's own config (None: its config.json): its dtype and KV scheme are what a server would run.
+    saved_config = checkpoint_dir is not None and (Path(checkpoint_dir) / "config.json").exists()
+    modeled = modeled_cost(None if saved_config else model.config, checkpoint_dir, settings)
     notes = {} if load_seconds is not None else {"load_seconds": "the caller did not time the model load"}
     if not settings.enabled:
         disabled = dict.fromkeys((*BATCH_FIGURES, *WINDOW_FIGURES), "measure.enabled is false")
-        return CostReport(modeled, None, None, load_seconds, {**notes, **disabled})
+        return CostReport(modeled, None, load_seconds, {**notes, **disabled})
 
     with _torch_threads(settings.cpu_threads):
-        measured, described = measure_loaded_model(model, tokenizer, settings)
-    return CostReport(modeled, measured, described, load_seconds, notes)
+        measured = measure_loaded_model(model, tokenizer, settings)
+    return CostReport(modeled, measured, load_seconds, notes)
 
 
-def measure_loaded_model(model: Any, tokenizer: Any, settings: MeasureSettings) -> tuple[MeasuredCost, Provenance]:
+def measure_loaded_model(model: Any, tokenizer: Any, settings: MeasureSettings) -> MeasuredCost:
     """The measured figures alone, and what produced them."""
     devices = sorted({parameter.device for parameter in model.parameters()}, key=str)
     input_weight = model.get_input_embeddings().weight
-    output_weight = _output_embedding_weight(model)
     _check_positions(model.config, settings)
-    clock = clock_for(input_weight.device if output_weight is None else output_weight.device, devices)
+    # The clock records where the logits come out: on the output embedding's device.
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    clock = clock_for(input_weight.device if output is None else output.weight.device, devices)
     special_ids = getattr(tokenizer, "all_special_ids", None) or []
     vocab_size = config_dict(model.config)["vocab_size"]
 
@@ -81,42 +81,44 @@ def measure_loaded_model(model: Any, tokenizer: Any, settings: MeasureSettings) 
             timings = [time_generation(model, prompt, settings.output_tokens, clock) for _ in range(settings.repeats)]
         return batch_size, timings, energy.reading
 
-    load_before = _load_average()
+    load_before = psutil.getloadavg()[0]
     with MemoryTracker(devices) as memory:
         timed = [time_batch(batch_size) for batch_size in settings.batch_sizes]
-    host_load = f"1-minute load average {load_before} before, {_load_average()} after, on {visible_cores()} cores"
+    load_after = psutil.getloadavg()[0]
     bandwidth = measure_copy_bandwidth(
         input_weight.device, settings.bandwidth_probe_bytes, settings.bandwidth_probe_repeats
     )
 
     loaded_bytes = loaded_weight_bytes(model)
-    tied = output_weight is not None and output_weight.data_ptr() == input_weight.data_ptr()
     batches = tuple(
         BatchFigures.summarize(
-            timings, energy, _local_roofline(model, loaded_bytes, tied, bandwidth.bytes_per_s, settings, batch_size)
+            timings, energy, _local_roofline(model, loaded_bytes, bandwidth.bytes_per_s, settings, batch_size)
         )
         for batch_size, timings, energy in timed
     )
-    measured = MeasuredCost(batches, memory.reading, bandwidth, loaded_bytes, _workload(settings), host_load)
-    return measured, provenance(model, devices, clock.description)
+    described = {
+        "engine": describe_engine(model),
+        "kernel_path": kernel_path(model),  # read last: compressed-tensors decompresses on the first forward
+        "hardware": describe_hardware(devices),
+        "clock": clock.description,
+        "workload": _workload(settings),
+        "peak_memory": memory.reading.peak_kind,
+        "bandwidth_probe": bandwidth.method,
+        "host_load": f"1-minute load average {load_before:.2f} before, {load_after:.2f} after, on {visible_cores()} cores",
+    }
+    if memory.reading.device_memory_scope:
+        described["device_memory_scope"] = memory.reading.device_memory_scope
+    return MeasuredCost(batches, memory.reading, bandwidth, loaded_bytes, described)
 
 
 @contextmanager
 def _torch_threads(threads: int | None) -> Iterator[None]:
-    if threads is None:
-        yield
-        return
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads or before)
     try:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def _output_embedding_weight(model: Any) -> torch.Tensor | None:
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return None if output is None else output.weight
 
 
 def _check_positions(config: Any, settings: MeasureSettings) -> None:
@@ -136,7 +138,7 @@ def loaded_weight_bytes(model: Any) -> int:
 
 
 def _local_roofline(
-    model: Any, loaded_bytes: int, tied: bool, bandwidth: float, settings: MeasureSettings, batch_size: int
+    model: Any, loaded_bytes: int, bandwidth: float, settings: MeasureSettings, batch_size: int
 ) -> float | str:
     """The memory-bound decode ceiling on this machine for the workload just timed: weights as
     loaded, the KV cache in the model's dtype at the mean decode context (prompt + output/2)."""
@@ -144,17 +146,11 @@ def _local_roofline(
         shape = ModelShape.from_config(model.config)
     except ValueError as error:
         return str(error)
-    streamed = streamed_weight_bytes(loaded_bytes, model.get_input_embeddings().weight.nbytes, tied)
+    input_embedding_bytes = model.get_input_embeddings().weight.nbytes
+    streamed = streamed_weight_bytes(loaded_bytes, input_embedding_bytes, shape.tie_word_embeddings)
     kv_per_token = kv_cache_bytes_per_token(shape, torch.empty((), dtype=model.dtype).element_size())
     context = settings.prompt_tokens + settings.output_tokens / 2
     return decode_roofline_tokens_per_s(bandwidth, streamed, kv_per_token, context, batch_size)
-
-
-def _load_average() -> str:
-    try:
-        return f"{os.getloadavg()[0]:.2f}"
-    except OSError:  # not available on this platform
-        return "unknown"
 
 
 def _workload(settings: MeasureSettings) -> str:

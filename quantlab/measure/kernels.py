@@ -41,15 +41,6 @@ def describe_quantization_args(args: Any) -> str:
     return " ".join(word for word in words if word)
 
 
-def _is_fake_quantized(status: Any) -> bool:
-    """Before compression, compressed-tensors quantize-dequantizes the weights every forward."""
-    try:
-        from compressed_tensors.quantization import QuantizationStatus
-    except ImportError:
-        return False
-    return status is not None and status < QuantizationStatus.COMPRESSED
-
-
 def linear_kernel_path(module: torch.nn.Module) -> str:
     """The path one linear layer's matmul takes."""
     if type(module).__name__ == "CompressedTensorsFP8Linear":
@@ -64,8 +55,11 @@ def linear_kernel_path(module: torch.nn.Module) -> str:
     stored = describe_quantization_args(scheme.weights)
     if hasattr(module, "weight_packed") or (isinstance(weight, torch.Tensor) and weight.dtype in _FP8_DTYPES):
         return f"{stored} weights still compressed (compressed-tensors decompresses them on the first forward)"
+    from compressed_tensors.quantization import QuantizationStatus  # installed: it attached the scheme
+
     status = getattr(module, "quantization_status", None)
-    if _is_fake_quantized(status):
+    # Before compression, compressed-tensors quantize-dequantizes the weights every forward.
+    if status is not None and status < QuantizationStatus.COMPRESSED:
         path = f"{stored} weights fake-quantized each forward, {compute} matmul"
     else:
         path = f"{stored} weights dequantized to {compute} once, {compute} matmul"

@@ -16,7 +16,7 @@ from typing import Any
 
 from quantlab.measure.accelerators import AcceleratorSpec
 from quantlab.measure.checkpoint import CheckpointFacts
-from quantlab.measure.settings import KvCacheDtype, MeasureSettings, TargetSettings
+from quantlab.measure.settings import KvCacheDtype, MeasureSettings
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "fp8": 1, "float8_e4m3fn": 1}
 _DEFAULT_KV_BYTES = 2  # servers keep the KV cache in BF16/FP16 unless told otherwise
@@ -150,15 +150,6 @@ def usd_per_million_tokens(price_per_hour: float, tokens_per_s: float) -> float:
     return price_per_hour / (tokens_per_s * 3600) * 1_000_000
 
 
-def _assumptions(target: TargetSettings) -> str:
-    return (
-        f"capacity: {target.memory_utilization:.0%} of memory minus {target.runtime_overhead_bytes} B overhead "
-        f"minus weights holds KV caches of {target.context_length} tokens; roofline: memory-bound, weights streamed "
-        f"once per step plus KV at {target.context_length} tokens; roofline_decode_tokens_per_s at batch 1, "
-        "serving_decode_tokens_per_s and the dollar figure at max_concurrent_sequences"
-    )
-
-
 @dataclass(frozen=True)
 class ModeledCost:
     """Modeled figures for one checkpoint on the target accelerator; None = unavailable (see why)."""
@@ -180,16 +171,13 @@ class ModeledCost:
 
     _NOT_FIGURES = ("target", "target_spec", "assumptions", "unavailable")
 
-    def figures(self) -> dict[str, float]:
-        """The available figures by name (the metric key without `cost/`)."""
+    def to_metrics(self) -> dict[str, float]:
+        """The available figures as `cost/<figure>`."""
         return {
-            field.name: float(value)
+            f"cost/{field.name}": float(value)
             for field in fields(self)
             if field.name not in self._NOT_FIGURES and (value := getattr(self, field.name)) is not None
         }
-
-    def to_metrics(self) -> dict[str, float]:
-        return {f"cost/{name}": value for name, value in self.figures().items()}
 
 
 def modeled_cost(config: Any, checkpoint_dir: Path | None, settings: MeasureSettings | None = None) -> ModeledCost:
@@ -275,6 +263,11 @@ def modeled_cost_from_facts(
         **{name: figures.get(name) for name in reasons},
         target=target_name,
         target_spec=spec,
-        assumptions=_assumptions(target),
+        assumptions=(
+            f"capacity: {target.memory_utilization:.0%} of memory minus {target.runtime_overhead_bytes} B overhead "
+            f"minus weights holds KV caches of {target.context_length} tokens; roofline: memory-bound, weights "
+            f"streamed once per step plus KV at {target.context_length} tokens; roofline_decode_tokens_per_s at "
+            "batch 1, serving_decode_tokens_per_s and the dollar figure at max_concurrent_sequences"
+        ),
         unavailable={name: reason for name, reason in reasons.items() if name not in figures},
     )

@@ -5,20 +5,9 @@ from __future__ import annotations
 import os
 import platform
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import cache
 
 import torch
-
-from quantlab.measure.kernels import kernel_path
-
-
-@dataclass(frozen=True)
-class Provenance:
-    engine: str
-    kernel_path: str
-    hardware: str
-    clock: str
 
 
 def describe_engine(model: torch.nn.Module) -> str:
@@ -72,7 +61,3 @@ def describe_hardware(devices: Sequence[torch.device]) -> str:
     if not indices:
         return f"CPU: {host}"
     return f"GPU: {'; '.join(map(_describe_gpu, indices))}; host: {host}"
-
-
-def provenance(model: torch.nn.Module, devices: Sequence[torch.device], clock: str) -> Provenance:
-    return Provenance(describe_engine(model), kernel_path(model), describe_hardware(devices), clock)

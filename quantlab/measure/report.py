@@ -7,27 +7,27 @@ be produced is never logged as zero: it is left out, and the tag `quantlab.cost.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
 
 from quantlab.measure.modeled import ModeledCost
-from quantlab.measure.provenance import Provenance
 from quantlab.measure.timing import BandwidthReading, GenerationTiming
 from quantlab.measure.trackers import EnergyReading, MemoryReading
 
 TAG_PREFIX = "quantlab.cost."
 PERCENTILES = (50, 90, 99)
 
-# Figures of the whole measurement window (those of one batch size are BatchFigures' fields).
-WINDOW_FIGURES = (
-    "peak_memory_bytes",
-    "peak_device_memory_bytes",
-    "process_peak_rss_bytes",
-    "measured_bandwidth_bytes_per_s",
-    "loaded_weight_bytes",
-)
+# Figures of the whole measurement window, read off a MeasuredCost (those of one batch size are BatchFigures' fields).
+WINDOW_FIGURES = {
+    "peak_memory_bytes": attrgetter("memory.peak_bytes"),
+    "peak_device_memory_bytes": attrgetter("memory.peak_device_memory_bytes"),
+    "process_peak_rss_bytes": attrgetter("memory.process_peak_rss_bytes"),
+    "measured_bandwidth_bytes_per_s": attrgetter("bandwidth.bytes_per_s"),
+    "loaded_weight_bytes": attrgetter("loaded_weight_bytes"),
+}
 DEFINITIONS = (
     "weight_bytes: *.safetensors files on disk; weight_bytes_in_memory: their tensor payload (the stored format); "
     "loaded_weight_bytes: parameters as loaded here; bits_per_weight: over decoder-block linear weights; "
@@ -97,8 +97,8 @@ class MeasuredCost:
     memory: MemoryReading
     bandwidth: BandwidthReading
     loaded_weight_bytes: int
-    workload: str  # batch sizes, lengths, warm-up and repeats, in words
-    host_load: str  # load average around the measurement: other work on the machine skews timings
+    # Tags of how the figures were produced: engine, kernel path, hardware, clock, workload, host load, ...
+    described: Mapping[str, str]
 
     def _per_batch(self, by_name: Callable[[BatchFigures], Mapping[str, Any]]) -> dict[str, Any]:
         """Figures of the default (first) batch size under their plain names, the others' with `_bs<N>`."""
@@ -110,15 +110,8 @@ class MeasuredCost:
         }
 
     def figures(self) -> dict[str, float]:
-        window = {
-            "peak_memory_bytes": self.memory.peak_bytes,
-            "peak_device_memory_bytes": self.memory.peak_device_memory_bytes,
-            "process_peak_rss_bytes": self.memory.process_peak_rss_bytes,
-            "measured_bandwidth_bytes_per_s": self.bandwidth.bytes_per_s,
-            "loaded_weight_bytes": self.loaded_weight_bytes,
-        }
-        measured = {name: float(value) for name, value in window.items() if value is not None}
-        return {**self._per_batch(BatchFigures.figures), **measured}
+        window = {name: float(value) for name, read in WINDOW_FIGURES.items() if (value := read(self)) is not None}
+        return {**self._per_batch(BatchFigures.figures), **window}
 
     def unavailable(self) -> dict[str, str]:
         return {**self._per_batch(lambda batch: batch.unavailable), **self.memory.unavailable}
@@ -128,17 +121,8 @@ class MeasuredCost:
 class CostReport:
     modeled: ModeledCost
     measured: MeasuredCost | None  # None when measurement is disabled
-    provenance: Provenance | None  # of the measured figures
     load_seconds: float | None
     notes: Mapping[str, str] = field(default_factory=dict)  # other figures absent, and why
-
-    def figures(self) -> dict[str, float]:
-        values = dict(self.modeled.figures())
-        if self.load_seconds is not None:
-            values["load_seconds"] = float(self.load_seconds)
-        if self.measured is not None:
-            values.update(self.measured.figures())
-        return values
 
     def unavailable(self) -> dict[str, str]:
         """Why each absent figure is absent, by figure name."""
@@ -148,7 +132,12 @@ class CostReport:
         return reasons
 
     def to_metrics(self) -> dict[str, float]:
-        return {f"cost/{name}": value for name, value in self.figures().items()}
+        metrics = self.modeled.to_metrics()
+        if self.load_seconds is not None:
+            metrics["cost/load_seconds"] = float(self.load_seconds)
+        if self.measured is not None:
+            metrics.update({f"cost/{name}": value for name, value in self.measured.figures().items()})
+        return metrics
 
     def to_tags(self) -> dict[str, str]:
         spec = self.modeled.target_spec
@@ -158,17 +147,7 @@ class CostReport:
             ),
             "assumptions": self.modeled.assumptions,
             "definitions": DEFINITIONS,
+            **(self.measured.described if self.measured is not None else {}),
+            **{f"unavailable.{name}": reason for name, reason in self.unavailable().items()},
         }
-        if self.provenance is not None:
-            tags.update(asdict(self.provenance))
-        if self.measured is not None:
-            tags.update(
-                workload=self.measured.workload,
-                peak_memory=self.measured.memory.peak_kind,
-                bandwidth_probe=self.measured.bandwidth.method,
-                host_load=self.measured.host_load,
-            )
-            if self.measured.memory.device_memory_scope:
-                tags["device_memory_scope"] = self.measured.memory.device_memory_scope
-        tags.update({f"unavailable.{name}": reason for name, reason in self.unavailable().items()})
         return {f"{TAG_PREFIX}{name}": value for name, value in tags.items()}

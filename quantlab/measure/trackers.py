@@ -19,15 +19,14 @@ import psutil
 import torch
 
 Reading = TypeVar("Reading")
-NO_CUDA_REASON = "no CUDA device: {what} comes from NVML on NVIDIA GPUs"
 
 
 @dataclass(frozen=True)
 class NvmlDevice:
-    """One CUDA device as NVML sees it."""
+    """One CUDA device as NVML sees it: its handle and the pynvml module, imported lazily."""
 
     handle: Any
-    nvml: Any  # the pynvml module, imported lazily
+    nvml: Any
 
     def process_memory_bytes(self) -> int | None:
         """Device memory NVML attributes to this process; None when NVML does not list it
@@ -36,14 +35,6 @@ class NvmlDevice:
             if process.pid == os.getpid() and process.usedGpuMemory is not None:
                 return int(process.usedGpuMemory)
         return None
-
-    def used_memory_bytes(self) -> int:
-        """Device memory in use by every process on the device."""
-        return int(self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used)
-
-    def energy_millijoules(self) -> int:
-        """The device's energy counter since the driver loaded (Volta and newer)."""
-        return int(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle))
 
 
 def open_nvml_devices(cuda_indices: Sequence[int]) -> list[NvmlDevice] | str:
@@ -100,20 +91,23 @@ def reset_high_water_mark() -> bool:
     return _read_high_water_mark() is not None
 
 
-def _cuda_indices(devices: Sequence[torch.device]) -> list[int]:
-    cuda = [device for device in devices if device.type == "cuda"]
-    return sorted({torch.cuda.current_device() if device.index is None else device.index for device in cuda})
-
-
-def _synchronize(cuda_indices: Sequence[int]) -> None:
-    for index in cuda_indices:
-        torch.cuda.synchronize(index)
-
-
 class _Window(Generic[Reading]):
-    """A `with` block whose `reading` is set when it ends."""
+    """A `with` block over the model's devices whose `reading` is set when it ends. NVML serves the
+    `_nvml_figure` of CUDA devices; elsewhere `_nvml` says why it does not."""
 
+    _nvml_figure: str
     _reading: Reading | None = None
+
+    def __init__(self, devices: Sequence[torch.device]):
+        cuda = [device for device in devices if device.type == "cuda"]
+        self._cuda = sorted({torch.cuda.current_device() if device.index is None else device.index for device in cuda})
+        self._nvml: list[NvmlDevice] | str = f"no CUDA device: {self._nvml_figure} comes from NVML on NVIDIA GPUs"
+        if self._cuda:
+            self._nvml = open_nvml_devices(self._cuda)
+
+    def _synchronize(self) -> None:
+        for index in self._cuda:
+            torch.cuda.synchronize(index)
 
     @property
     def reading(self) -> Reading:
@@ -144,27 +138,25 @@ class MemoryTracker(_Window[MemoryReading]):
     CUDA: torch's peak allocated bytes summed over the model's devices (the headline), and
     NVML's device memory of this process, sampled by a thread."""
 
+    _nvml_figure = "device memory"
+
     def __init__(self, devices: Sequence[torch.device], sample_interval_s: float = 0.02):
-        self._cuda = _cuda_indices(devices)
+        super().__init__(devices)
         self._interval = sample_interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._nvml: list[NvmlDevice] | str = NO_CUDA_REASON.format(what="device memory")
         self._peak_nvml: int | None = None
         self._nvml_scope: str | None = None
 
     def __enter__(self) -> MemoryTracker:
-        if self._cuda:
-            _synchronize(self._cuda)
-            for index in self._cuda:
-                torch.cuda.reset_peak_memory_stats(index)
-            self._baseline = sum(torch.cuda.memory_allocated(index) for index in self._cuda)
-            self._nvml = open_nvml_devices(self._cuda)
+        self._synchronize()
+        for index in self._cuda:
+            torch.cuda.reset_peak_memory_stats(index)
         self._peak_before = _read_high_water_mark() or process_peak_rss_bytes()
         self._kernel_peak = reset_high_water_mark()
         self._peak_rss = current_rss_bytes()
-        if not self._cuda:
-            self._baseline = self._peak_rss
+        # The headline quantity (see `_read`) when the window opens.
+        self._baseline = sum(map(torch.cuda.memory_allocated, self._cuda)) if self._cuda else self._peak_rss
         self._sample()
         # Only this thread samples between here and `__exit__`'s join: no lock needed.
         if not self._kernel_peak or not isinstance(self._nvml, str):
@@ -173,8 +165,7 @@ class MemoryTracker(_Window[MemoryReading]):
         return self
 
     def __exit__(self, *exception: object) -> None:
-        if self._cuda:
-            _synchronize(self._cuda)
+        self._synchronize()
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -195,7 +186,8 @@ class MemoryTracker(_Window[MemoryReading]):
         if all(value is not None for value in per_process):
             device_bytes, self._nvml_scope = sum(per_process), "this process"  # type: ignore[arg-type]
         else:
-            device_bytes, self._nvml_scope = sum(device.used_memory_bytes() for device in self._nvml), "whole device"
+            used = (device.nvml.nvmlDeviceGetMemoryInfo(device.handle).used for device in self._nvml)
+            device_bytes, self._nvml_scope = sum(map(int, used)), "whole device"
         self._peak_nvml = max(self._peak_nvml or 0, device_bytes)
 
     def _read(self) -> MemoryReading:
@@ -234,11 +226,9 @@ class EnergyReading:
 
 
 class EnergyTracker(_Window[EnergyReading]):
-    """Energy the model's GPUs drew over a window, from NVML's cumulative counters."""
+    """Energy the model's GPUs drew over a window, from NVML's cumulative counters (Volta and newer)."""
 
-    def __init__(self, devices: Sequence[torch.device]):
-        self._cuda = _cuda_indices(devices)
-        self._nvml = open_nvml_devices(self._cuda) if self._cuda else NO_CUDA_REASON.format(what="energy")
+    _nvml_figure = "energy"
 
     def __enter__(self) -> EnergyTracker:
         self._start_mj = self._counters()
@@ -256,9 +246,9 @@ class EnergyTracker(_Window[EnergyReading]):
         GPUs have no energy counter) the tracker records why and reports no figure."""
         if isinstance(self._nvml, str):
             return []
-        _synchronize(self._cuda)
+        self._synchronize()
         try:
-            return [device.energy_millijoules() for device in self._nvml]
+            return [int(device.nvml.nvmlDeviceGetTotalEnergyConsumption(device.handle)) for device in self._nvml]
         except Exception as error:  # NVML raises its own error types
             self._nvml = f"NVML energy counter unavailable: {error}"
             return []
