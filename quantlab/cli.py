@@ -38,35 +38,34 @@ TrackingUri = Annotated[
         help="MLflow tracking URI. Default: $MLFLOW_TRACKING_URI, else sqlite:///mlruns/mlflow.db (artifacts under mlruns/)."
     ),
 ]
+CacheDir = Annotated[
+    Path | None, typer.Option(help="Checkpoint cache. Default: $QUANTLAB_CACHE_DIR or ~/.cache/quantlab.")
+]
 
 
 def _say(text: str) -> None:
     out.print(text, highlight=False)
 
 
-class _RichSweepDisplay:
-    """Live progress: which variant, which stage, how long."""
+class _SweepProgress(Progress):
+    """The sweep's display: which variant, which stage, how long; a line per finished variant."""
 
-    def __init__(self, progress: Progress):
-        self.progress = progress
-        self.task = None
-        self.order: list[str] = []
-        self.done = 0
+    order: list[str]
 
     def sweep_started(self, experiment: str, run_id: str, variants: list[str]) -> None:
         self.order = variants
         out.print(
             f"Sweep of [bold]{experiment}[/]: {len(variants)} variants ({', '.join(variants)}); MLflow run {run_id}"
         )
-        self.task = self.progress.add_task("starting", total=len(variants))
+        self.add_task("starting", total=len(variants))
 
     def stage(self, variant: str, stage: str) -> None:
         index = self.order.index(variant) + 1
-        self.progress.update(self.task, description=f"[{index}/{len(self.order)}] [bold]{variant}[/]: {stage}")
+        self.update(self.task_ids[0], description=f"[{index}/{len(self.order)}] [bold]{variant}[/]: {stage}")
 
     def variant_finished(self, variant: str, result, failure: str | None, reused: bool = False) -> None:
-        self.done += 1
-        self.progress.update(self.task, advance=1, description=f"{self.done}/{len(self.order)} variants done")
+        done = self.tasks[0].completed + 1
+        self.update(self.task_ids[0], completed=done, description=f"{done:.0f}/{len(self.order)} variants done")
         if reused:
             line = f"[green]✓[/] {variant}: unchanged since a finished run, copied from it"
         elif failure:
@@ -74,7 +73,7 @@ class _RichSweepDisplay:
         else:
             seconds = ", ".join(f"{stage} {value:.0f}s" for stage, value in result.stage_seconds.items())
             line = f"[green]✓[/] {variant}{' (checkpoint reused)' if result.reused_checkpoint else ''}: {seconds}"
-        self.progress.console.print(line, highlight=False)
+        self.console.print(line, highlight=False)
 
 
 def _open_store(flag: str | None):
@@ -108,9 +107,7 @@ def sweep(
         list[str] | None,
         typer.Option(help="Run only this variant (repeatable); the baseline always runs as the reference."),
     ] = None,
-    cache_dir: Annotated[
-        Path | None, typer.Option(help="Checkpoint cache. Default: $QUANTLAB_CACHE_DIR or ~/.cache/quantlab.")
-    ] = None,
+    cache_dir: CacheDir = None,
 ) -> None:
     """Quantize, evaluate, measure and log every variant of RECIPE; then publish the frontier."""
     from quantlab.cache import default_root
@@ -125,9 +122,11 @@ def sweep(
         loaded = validate(recipe, cache_root)
         uri = _open_store(tracking_uri).uri
         options = SweepOptions(uri, cache_root, executor, force, tuple(only or ()), ray_address)  # type: ignore[arg-type]
-        _stop_on_sigterm()
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=out) as progress:
-            outcome = run_sweep(loaded, options, _RichSweepDisplay(progress))
+        # SIGTERM (a scheduler stopping the job) ends the sweep like Ctrl-C: its runs are marked KILLED.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+        with _SweepProgress(*columns, console=out) as display:
+            outcome = run_sweep(loaded, options, display)
     except KeyboardInterrupt:
         err.print(
             "Interrupted: this sweep's unfinished runs are marked KILLED. Run the same command again to resume; "
@@ -169,11 +168,7 @@ app.add_typer(cache_app, name="cache")
 
 
 @cache_app.command("verify")
-def cache_verify(
-    cache_dir: Annotated[
-        Path | None, typer.Option(help="Checkpoint cache. Default: $QUANTLAB_CACHE_DIR or ~/.cache/quantlab.")
-    ] = None,
-) -> None:
+def cache_verify(cache_dir: CacheDir = None) -> None:
     """Hash every complete checkpoint of the cache against its marker; set aside the bad ones.
 
     A bad checkpoint is renamed to <dir>.corrupt-<UTC time> (never deleted, never loaded) and the
@@ -221,7 +216,7 @@ def ui(
 
     store = _open_store(tracking_uri)
     options = ["--backend-store-uri", store.uri, "--host", host, "--port", str(port)]
-    _stop_on_sigterm()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped like Ctrl-C, its helpers with it
     # Its job runners (seven huey consumers) serve GenAI features, not the runs we browse.
     env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ}
     # mlflow ui starts helper processes: a session of its own lets us stop them all together.
@@ -388,26 +383,23 @@ def _pick_policy(view, max_drop: list[str], **bounds: float | None):
 
     if not max_drop and all(value is None for value in bounds.values()):
         return None
-    try:
-        drops = parse_max_drops(max_drop)
-    except ValueError as error:
-        raise bad_input("--max-drop", "", str(error)) from None
+    baseline = next((v for v in view.variants if v.name == view.baseline), None)
     try:
         # Flags replace the recipe's policy whole: no implicit any-task limit beside them.
-        policy = Policy(max_drop=drops, max_drop_any_task=None, **bounds)
+        policy = Policy(max_drop=parse_max_drops(max_drop), max_drop_any_task=None, **bounds)
+        policy.check_logged({key for variant in view.variants for key in variant.metrics})
+        if baseline is not None:  # an lm-eval score's direction and scale come with the sweep's runs
+            policy.drop_rules(baseline.metrics, baseline.declared)
     except ValidationError as error:
         problems = [
             Problem(_PICK_FLAGS.get(str(item["loc"][0]) if item["loc"] else "", "--max-drop"), "", item["msg"])
             for item in error.errors()
         ]
         raise BadInput(problems) from None
-    baseline = next((v for v in view.variants if v.name == view.baseline), None)
-    try:
-        policy.check_logged({key for variant in view.variants for key in variant.metrics})
-        if baseline is not None:  # an lm-eval score's direction and scale come with the sweep's runs
-            policy.drop_rules(baseline.metrics, baseline.declared)
     except PolicyError as error:
         raise bad_input(_PICK_FLAGS[error.field], "", str(error)) from None
+    except ValueError as error:  # a --max-drop that does not parse
+        raise bad_input("--max-drop", "", str(error)) from None
     return policy
 
 
@@ -419,15 +411,6 @@ def _print_decision(decision) -> None:
         _say(f"  {verdict.name} ({verdict.status.words}): {'; '.join(lines) or 'no limits to check'}")
     if decision.unchecked:
         _say(f"  not checked by the any-task limit: {', '.join(decision.unchecked)}")
-
-
-def _stop_on_sigterm() -> None:
-    """SIGTERM (a scheduler stopping the job) ends the sweep like Ctrl-C: its runs are marked KILLED."""
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupt)
 
 
 def main() -> None:

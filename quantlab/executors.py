@@ -1,5 +1,5 @@
 """Where a variant runs: its own spawned process (local), a Ray task, or the sweep's own process
-(inprocess). All yield the same outcomes: a VariantResult, or VariantFailed with the traceback.
+(inprocess). Each yields every outcome as soon as it is known: a VariantResult, or VariantFailed with the traceback.
 
 A process per variant keeps memory figures clean and contains crashes (a segfault or the OOM
 killer takes one variant, not the sweep); its stdout and stderr go to a log file kept as an artifact.
@@ -17,7 +17,6 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from quantlab.errors import BadInput
 from quantlab.jobs import VariantJob, VariantResult
@@ -125,17 +124,11 @@ def _death_reason(exitcode: int | None) -> str:
     return f"variant process exited with code {exitcode} without a result"
 
 
-def _log_tail(log_path: Path, lines: int = 60) -> str:
+def _log_tail(log_path: Path) -> str:
     if not log_path.is_file():
         return ""
-    tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:]
+    tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-60:]
     return "\n\n--- last lines of the variant's log ---\n" + "\n".join(tail)
-
-
-class Executor(Protocol):
-    def run(self, jobs: list[VariantJob], log_dir: Path, on_stage: StageCallback) -> Iterator[Outcome]:
-        """Run the jobs, yielding each outcome as soon as it is known."""
-        ...
 
 
 class LocalExecutor:
@@ -145,32 +138,30 @@ class LocalExecutor:
         for job in jobs:
             log_path = log_dir / f"{job.variant}.log"
             try:
-                yield job, run_local(job, log_path, on_stage), log_path
+                yield job, self.run_one(job, log_path, on_stage), log_path
             except VariantFailed as failed:
                 yield job, failed, log_path
 
+    run_one = staticmethod(run_local)
 
-class InProcessExecutor:
+
+class InProcessExecutor(LocalExecutor):
     """Every variant in the sweep's own process, one after another: for notebooks, debuggers and
     scripts/gpu_check.py (one process, one CUDA context). No isolation: a crash ends the sweep (its
     runs stay RUNNING until the next sweep marks them KILLED; an exception fails only its variant);
     allocator caches and imports stay between variants; no log file (capturing fds 1 and 2 would
-    swallow the sweep's progress display)."""
+    swallow the sweep's progress display), so the sweep logs none."""
 
-    def run(self, jobs: list[VariantJob], log_dir: Path, on_stage: StageCallback) -> Iterator[Outcome]:
+    @staticmethod
+    def run_one(job: VariantJob, log_path: Path, on_stage: StageCallback) -> VariantResult:
         from quantlab.stages.quantize import release_quantizer_memory
 
-        for job in jobs:
-            log_path = log_dir / f"{job.variant}.log"  # never written: the sweep logs no file that is absent
-            try:
-                outcome: VariantResult | VariantFailed = run_variant(
-                    job, lambda stage, name=job.variant: on_stage(name, stage)
-                )
-            except Exception as error:  # noqa: BLE001 - one variant's error must not end the sweep; Ctrl-C still does
-                outcome = VariantFailed(failure_reason(error), traceback.format_exc())
-            finally:
-                release_quantizer_memory()  # so that the next variant's peak memory is its own
-            yield job, outcome, log_path
+        try:
+            return run_variant(job, lambda stage: on_stage(job.variant, stage))
+        except Exception as error:  # noqa: BLE001 - one variant's error must not end the sweep; Ctrl-C still does
+            raise VariantFailed(failure_reason(error), traceback.format_exc()) from None
+        finally:
+            release_quantizer_memory()  # so that the next variant's peak memory is its own
 
 
 @dataclass(frozen=True)
@@ -183,11 +174,9 @@ class RayExecutor:
     def run(self, jobs: list[VariantJob], log_dir: Path, on_stage: StageCallback) -> Iterator[Outcome]:
         import ray
 
-        if not ray.is_initialized():
-            if self.address:
-                ray.init(address=self.address, log_to_driver=False)
-            else:
-                ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+        if not ray.is_initialized():  # a cluster at `address` has its own CPUs (and no dashboard to start)
+            cpus = None if self.address else os.cpu_count()
+            ray.init(self.address, num_cpus=cpus, include_dashboard=False, log_to_driver=False)
         # max_calls=1: a fresh worker process per variant. max_retries=0: a variant whose worker died
         # fails like a local one instead of being rerun (endlessly, for Ray's memory monitor).
         remote = ray.remote(max_calls=1, max_retries=0)(_ray_task)
@@ -205,11 +194,12 @@ class RayExecutor:
             job, log_path = pending.pop(done[0])
             try:
                 yield job, ray.get(done[0]), log_path
-            except ray.exceptions.RayTaskError as error:
-                cause = error.cause if isinstance(getattr(error, "cause", None), BaseException) else error
-                yield job, VariantFailed(failure_reason(cause), str(error) + _log_tail(log_path)), log_path
-            except ray.exceptions.RayError as error:  # worker died: killed, out of memory, node lost
-                reason = f"Ray worker failed: {type(error).__name__}"
+            except ray.exceptions.RayError as error:
+                if isinstance(error, ray.exceptions.RayTaskError):  # the variant raised
+                    cause = getattr(error, "cause", None)
+                    reason = failure_reason(cause if isinstance(cause, BaseException) else error)
+                else:  # its worker died: killed, out of memory, node lost
+                    reason = f"Ray worker failed: {type(error).__name__}"
                 yield job, VariantFailed(reason, str(error) + _log_tail(log_path)), log_path
 
 
@@ -218,8 +208,8 @@ def _ray_task(job: VariantJob, log_path: str) -> VariantResult:
     return run_variant(job)
 
 
-def make_executor(kind: str, ray_address: str | None) -> Executor:
-    executors: dict[str, Callable[[], Executor]] = {
+def make_executor(kind: str, ray_address: str | None) -> LocalExecutor | RayExecutor:
+    executors: dict[str, Callable[[], LocalExecutor | RayExecutor]] = {
         "local": LocalExecutor,
         "inprocess": InProcessExecutor,
         "ray": lambda: RayExecutor(ray_address),

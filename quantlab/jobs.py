@@ -83,8 +83,6 @@ class VariantJob:
 
 @dataclass(frozen=True)
 class VariantResult:
-    name: str
-    method: str
     checkpoint: str
     content_key: str
     reused_checkpoint: bool

@@ -10,9 +10,12 @@ import json
 import os
 import socket
 import tempfile
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
+
+import psutil
 
 from quantlab import cache, tracking
 from quantlab.checks import remember_lookups
@@ -65,8 +68,7 @@ def plan(loaded: LoadedRecipe, only: tuple[str, ...]) -> list[str]:
     if unknown := [name for name in only if name not in names]:
         known = f"is not a variant of {loaded.path.name}; variants: {', '.join(names)}"
         raise BadInput([Problem("--only", "", f"'{name}' {known}") for name in unknown])
-    chosen = [name for name in names if not only or name in only or name == recipe.baseline]
-    return [recipe.baseline] + [name for name in chosen if name != recipe.baseline]
+    return [recipe.baseline] + [name for name in names if name != recipe.baseline and (not only or name in only)]
 
 
 def run_keys(loaded: LoadedRecipe, names: list[str], cache_root: Path) -> dict[str, str]:
@@ -104,7 +106,7 @@ def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay
     mark_dead_sweeps(store, experiment)
     keys = run_keys(loaded, order, options.cache_root)
     reusable = {} if options.force else tracking.finished_runs(store, experiment, set(keys.values()))
-    who = {HOST: socket.gethostname(), PID: str(os.getpid()), PID_STARTED: str(_started_at(os.getpid()))}
+    who = {HOST: socket.gethostname(), PID: str(os.getpid()), PID_STARTED: str(psutil.Process().create_time())}
     parent = tracking.start_sweep(store, experiment, f"sweep {loaded.recipe.name}", who)
     sweep = SweepRuns(store, experiment, parent, loaded, options, display, keys)
     try:
@@ -149,9 +151,8 @@ class SweepRuns:
     def run_batch(self, names: list[str], reusable: dict[str, tracking.RunRecord], logs: Path) -> None:
         to_run = []
         for name in names:
-            previous = reusable.get(self.keys[name])
-            if previous is not None:
-                self._copy(name, previous)
+            if self.keys[name] in reusable:
+                self._copy(name, reusable[self.keys[name]])
             else:
                 to_run.append(VariantJob(self.loaded, name, self.options.cache_root, self.baseline, self.options.force))
         if not to_run:  # every variant copied: no executor (a Ray cluster) to start
@@ -163,8 +164,6 @@ class SweepRuns:
                     self._log_result(job, outcome, log_path)
                     continue
                 except Exception as error:  # noqa: BLE001 - one variant's bad record must not end the sweep
-                    import traceback
-
                     outcome = VariantFailed(f"logging its result failed: {error}", traceback.format_exc())
             self._log_failure(job.variant, outcome, log_path)
 
@@ -240,43 +239,30 @@ class SweepRuns:
 
 def mark_dead_sweeps(store: tracking.TrackingStore, experiment: str) -> list[str]:
     """Runs left RUNNING by a sweep process on this host that no longer exists become KILLED."""
-    host = socket.gethostname()
-    killed = []
-    for sweep in tracking.running_sweeps(store, experiment):
-        tags = sweep.tags
-        if tags.get(HOST) != host or _process_alive(int(tags.get(PID, "0")), tags.get(PID_STARTED)):
-            continue
-        tracking.mark_killed(store, sweep.run_id, "its sweep process died")
-        killed.append(sweep.run_id)
-    return killed
+    dead = [sweep.run_id for sweep in tracking.running_sweeps(store, experiment) if _died_here(sweep.tags)]
+    for run_id in dead:
+        tracking.mark_killed(store, run_id, "its sweep process died")
+    return dead
 
 
-def _process_alive(pid: int, started: str | None = None) -> bool:
-    """Whether the sweep process that recorded (pid, start time) still runs. A pid alone is not enough:
-    a restarted container gives the next sweep the same small pid (this very process), a busy host reuses pids."""
+def _died_here(tags: dict[str, str]) -> bool:
+    """Whether the sweep that recorded these tags ran on this host and its process is gone: its pid and start time
+    (a restarted container gives the next sweep the same small pid, this very one; a busy host reuses pids)."""
+    if tags.get(HOST) != socket.gethostname():
+        return False  # another host's processes cannot be seen from here
+    pid = int(tags.get(PID, "0"))
     if pid <= 0 or pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    try:
-        recorded = float(started)  # type: ignore[arg-type]
-    except (TypeError, ValueError):  # not recorded (a sweep from before start times were)
         return True
-    now = _started_at(pid)
-    return now is None or abs(now - recorded) < 1.0
-
-
-def _started_at(pid: int) -> float | None:
-    import psutil
-
     try:
-        return psutil.Process(pid).create_time()
-    except (psutil.Error, OSError):
-        return None
+        started = psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:  # not ours to inspect, but there
+        return False
+    try:
+        return abs(started - float(tags[PID_STARTED])) >= 1.0
+    except (KeyError, ValueError):  # not recorded (a sweep from before start times were)
+        return False
 
 
 def _log_artifact(log_path: Path) -> dict[str, str]:
