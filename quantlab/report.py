@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
 
-from quantlab.decision import Decision, Status
+from quantlab.decision import Decision
 from quantlab.frontier import (
     DAMAGE_METRICS,
     FrontierResult,
@@ -46,6 +46,7 @@ _templates = jinja2.Environment(
     undefined=jinja2.StrictUndefined,
 )
 _templates.filters["md"] = lambda text: str(text).replace("|", "\\|")
+_templates.filters["label"] = lambda key: metric_spec(key).label
 
 
 @dataclass(frozen=True)
@@ -266,44 +267,9 @@ def render_html(
     return path
 
 
-def _recommendation(decision: Decision | None) -> dict | None:
-    """What the template shows of decision.py's result (its API in one place)."""
-    if decision is None:
-        return None
-    chosen = decision.verdict(decision.chosen) if decision.chosen else None
-    return {
-        "checks": list(decision.checks),
-        "chosen": decision.chosen,
-        "summary": decision.summary,
-        "direction": "highest" if decision.objective.higher_is_better else "lowest",
-        "objective": decision.objective.metric,
-        "objective_label": metric_spec(decision.objective.metric).label,
-        "baseline_chosen": decision.chosen == decision.baseline,
-        "unchecked": list(decision.unchecked),
-        "evidence": [check.detail for check in chosen.checks] if chosen else [],
-        "others": [
-            (v.name, v.status.words, "; ".join(v.reasons)) for v in decision.verdicts if v.status is not Status.CHOSEN
-        ],
-    }
-
-
-def _setup_caveats(variants: Sequence[VariantSummary]) -> list[str]:
-    """Speed and memory depend on engine, kernel path and hardware: say which produced which."""
-    setups: dict[str, list[str]] = {}
-    for variant in (v for v in variants if v.succeeded):
-        setup = ", ".join(f"{word} {variant.tags.get(tag, 'unrecorded')}" for tag, word in SETUP_TAGS)
-        setups.setdefault(setup, []).append(variant.name)
-    if list(setups) == [", ".join(f"{word} unrecorded" for _, word in SETUP_TAGS)]:
-        return [
-            "No variant recorded which engine, kernel path or hardware measured its speed and memory; "
-            "treat those figures as indicative only."
-        ]
-    if len(setups) <= 1:  # no variant succeeded, or all were measured alike
-        return [f"All speed and memory figures were measured the same way: {setup}." for setup in setups]
-    return [
-        "Speed and memory figures were not all measured the same way; compare them with care:\n"
-        + "\n".join(f"  - {', '.join(names)}: {setup}" for setup, names in setups.items())
-    ]
+def _setup(tags: Mapping[str, str]) -> str:
+    """What speed and memory depend on: "engine vllm, kernel path fp8-matmul, hardware ..."."""
+    return ", ".join(f"{word} {tags.get(tag, 'unrecorded')}" for tag, word in SETUP_TAGS)
 
 
 def render_markdown(
@@ -322,6 +288,9 @@ def render_markdown(
         for name, found in frontiers.vs_baseline.items()
         for metric, comparison in found.items()
     ]
+    setups: dict[str, list[str]] = {}  # which succeeded variants were measured alike
+    for variant in (v for v in variants if v.succeeded):
+        setups.setdefault(_setup(variant.tags), []).append(variant.name)
     unpaired = [
         f"{name} {metric}"
         for name, found in frontiers.vs_baseline.items()
@@ -341,7 +310,9 @@ def render_markdown(
         results=frontiers.results,
         show=lambda metric, value: format_value(metric_spec(metric, declared), value),
         direction_unknown=frontiers.direction_unknown,
-        recommendation=_recommendation(decision),
-        caveats=[*_setup_caveats(variants), *notes],
+        decision=decision,
+        setups=setups,
+        unrecorded=_setup({}),
+        notes=notes,
         failed=[v.name for v in variants if not v.succeeded],
     )
