@@ -100,11 +100,6 @@ def _sha256(path: Path, advance: Callable[[int], object] = lambda n: None) -> st
     return digest.hexdigest()
 
 
-def file_records(directory: Path) -> list[FileRecord]:
-    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != COMPLETE_MARKER)
-    return [FileRecord(p.relative_to(directory).as_posix(), p.stat().st_size, _sha256(p)) for p in files]
-
-
 def recorded_files(checkpoint: Path) -> list[FileRecord] | None:
     """The files its marker records; None for a marker without records (an older quantlab's) or unreadable."""
     try:
@@ -237,5 +232,7 @@ def writing(checkpoint: Path, identity: dict[str, Any]) -> Iterator[Path]:
     identity and each file's size and SHA-256."""
     with atomic_directory(checkpoint) as scratch:
         yield scratch
-        marker = {"identity": identity, "files": [asdict(record) for record in file_records(scratch)]}
+        files = sorted(path for path in scratch.rglob("*") if path.is_file())
+        records = [FileRecord(p.relative_to(scratch).as_posix(), p.stat().st_size, _sha256(p)) for p in files]
+        marker = {"identity": identity, "files": [asdict(record) for record in records]}
         (scratch / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True, default=str))

@@ -14,8 +14,7 @@ class Problem:
     message: str
 
     def __str__(self) -> str:
-        where = ": ".join(part for part in (self.file, self.field) if part)
-        return f"{where}: {self.message}" if where else self.message
+        return ": ".join(part for part in (self.file, self.field, self.message) if part)
 
 
 class BadInput(Exception):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 EVAL_PREFIX = "eval/"
@@ -41,7 +41,6 @@ class MetricSpec:
     higher_is_better: bool | None  # None: not known (named, never dropped)
     scale: Scale
     label: str
-    meaning: str
 
     @property
     def direction_known(self) -> bool:
@@ -74,11 +73,6 @@ class EvalKey:
         return f"{EVAL_PREFIX}{self.task}/{metric}{suffix}"
 
     @property
-    def score_key(self) -> str:
-        """The score this key belongs to (itself, or the score of a stderr key)."""
-        return str(EvalKey(self.task, self.metric, self.filter))
-
-    @property
     def label(self) -> str:
         shown = self.metric if self.filter == NO_FILTER else f"{self.metric} ({self.filter})"
         return f"{self.task} {shown}" + (" stderr" if self.stderr else "")
@@ -108,20 +102,18 @@ def is_eval_score(key: str) -> bool:
 
 
 # Paired comparisons with the baseline: quality/paired/<quality metric key>/<statistic>.
-# statistic -> (scale relative to the metric: None = the metric's own, meaning)
-PAIRED_STATISTICS: dict[str, tuple[Scale | None, str]] = {
-    "diff": (None, "variant minus baseline, over the documents (or tokens) both scored"),
-    "se": (None, "paired standard error of diff"),
-    "ci95_low": (None, "lower end of the two-sided 95% interval of diff (normal approximation)"),
-    "ci95_high": (None, "upper end of the two-sided 95% interval of diff (normal approximation)"),
-    "p_value": (
-        Scale.P_VALUE,
-        "two-sided p of no difference: exact McNemar for 0/1 scores, paired t "
-        "for continuous scores, z on the per-document log ratio for perplexities",
-    ),
-    "n": (Scale.COUNT, "documents (or tokens) paired"),
-    "correct_to_wrong": (Scale.COUNT, "0/1 scores only: documents right for the baseline, wrong for the variant"),
-    "wrong_to_correct": (Scale.COUNT, "0/1 scores only: documents wrong for the baseline, right for the variant"),
+# statistic -> its scale (None: the metric's own),  # meaning
+PAIRED_STATISTICS: dict[str, Scale | None] = {
+    "diff": None,  # variant minus baseline, over the documents (or tokens) both scored
+    "se": None,  # paired standard error of diff
+    "ci95_low": None,  # lower end of the two-sided 95% interval of diff (normal approximation)
+    "ci95_high": None,  # upper end of the two-sided 95% interval of diff (normal approximation)
+    # Two-sided p of no difference: exact McNemar for 0/1 scores, paired t for continuous scores,
+    # z on the per-document log ratio for perplexities.
+    "p_value": Scale.P_VALUE,
+    "n": Scale.COUNT,  # documents (or tokens) paired
+    "correct_to_wrong": Scale.COUNT,  # 0/1 scores only: documents right for the baseline, wrong for the variant
+    "wrong_to_correct": Scale.COUNT,  # 0/1 scores only: documents wrong for the baseline, right for the variant
 }
 
 
@@ -142,83 +134,54 @@ def parse_paired_key(key: str) -> tuple[str, str] | None:
 
 
 # Fixed keys, then templates (each <name> one path segment, filled into the label).
-# key: (higher_is_better, scale, label, meaning)
-_FIXED: dict[str, tuple[bool | None, Scale, str, str]] = {
-    "quality/ppl": (False, Scale.PERPLEXITY, "perplexity", "token perplexity on the quality corpus"),
-    "quality/ppl_tokens": (None, Scale.COUNT, "scored tokens", "tokens scored for quality/ppl: a count, not a quality"),
-    "quality/kld_mean": (False, Scale.NATS, "mean KL divergence", "mean per-token KL(baseline || variant)"),
-    "quality/kld_mean_stderr": (None, Scale.NATS, "mean KL stderr", "standard error of quality/kld_mean over tokens"),
-    "quality/kld_median": (False, Scale.NATS, "median KL divergence", "median per-token KL"),
-    "quality/kld_p90": (False, Scale.NATS, "p90 KL divergence", "90th percentile of per-token KL"),
-    "quality/kld_p95": (False, Scale.NATS, "p95 KL divergence", "95th percentile of per-token KL"),
-    "quality/kld_p99": (False, Scale.NATS, "p99 KL divergence", "99th percentile of per-token KL"),
-    "quality/kld_p999": (False, Scale.NATS, "p99.9 KL divergence", "99.9th percentile of per-token KL"),
-    "quality/kld_max": (False, Scale.NATS, "max KL divergence", "largest per-token KL"),
-    "quality/top1_agreement": (True, Scale.FRACTION, "top-1 agreement", "tokens whose top-1 matches the baseline's"),
-    # Signed: its sign says which way p(correct) moved, not how much, so it has no better direction.
-    "quality/delta_p_mean": (
-        None,
-        Scale.FRACTION,
-        "mean change in p(correct)",
-        "mean of p_variant - p_baseline of the correct token",
-    ),
-    "quality/delta_p_rms": (False, Scale.FRACTION, "RMS change in p(correct)", "RMS of p_variant - p_baseline"),
-    "quality/ln_ppl_ratio": (False, Scale.NATS, "ln(PPL ratio)", "difference of mean token NLLs"),
-    "cost/weight_bytes": (False, Scale.BYTES, "weight size", "*.safetensors files of the checkpoint on disk"),
-    "cost/weight_bytes_in_memory": (False, Scale.BYTES, "weights in memory", "tensor payload in its stored format"),
-    "cost/loaded_weight_bytes": (False, Scale.BYTES, "weights as loaded here", "parameters as loaded for measuring"),
-    "cost/peak_memory_bytes": (False, Scale.BYTES, "peak memory", "while measuring: device memory on GPU, RSS on CPU"),
-    "cost/peak_device_memory_bytes": (False, Scale.BYTES, "peak device memory", "accelerator memory, while measuring"),
-    "cost/process_peak_rss_bytes": (False, Scale.BYTES, "process peak RSS", "of the variant's process"),
-    "cost/measured_bandwidth_bytes_per_s": (None, Scale.SCORE, "measured copy bandwidth", "a property of the machine"),
-    "cost/bits_per_weight": (False, Scale.BITS, "bits per weight", "stored bits per decoder-block linear weight"),
-    "cost/bits_per_parameter": (False, Scale.BITS, "bits per parameter", "stored bits per parameter"),
-    "cost/parameter_count": (None, Scale.COUNT, "parameters", "parameters of the model (a size, not a cost)"),
-    "cost/kv_bytes_per_token": (False, Scale.BYTES, "KV cache per token", "modeled KV-cache bytes per token"),
-    "cost/max_concurrent_sequences": (
-        True,
-        Scale.COUNT,
-        "concurrent sequences on target",
-        "modeled sequences that fit beside the weights on the target",
-    ),
-    "cost/roofline_decode_tokens_per_s": (
-        True,
-        Scale.TOKENS_PER_S,
-        "decode roofline on target",
-        "modeled memory-bound decode rate on the target",
-    ),
-    "cost/serving_decode_tokens_per_s": (
-        True,
-        Scale.TOKENS_PER_S,
-        "serving decode on target (modeled)",
-        "modeled batched decode rate on the target",
-    ),
-    "cost/usd_per_million_output_tokens": (False, Scale.USD, "USD per million output tokens", "modeled, on the target"),
-    "cost/load_seconds": (False, Scale.SECONDS, "load time", "seconds to load the checkpoint"),
-    "quality/flips/<task>": (
-        False,
-        Scale.COUNT,
-        "{task} answer flips",
-        "documents whose 0/1 score differs from the baseline's (a group: sum of its leaves)",
-    ),
-    "quality/flips/<task>/correct_to_wrong": (
-        False,
-        Scale.COUNT,
-        "{task} right-to-wrong flips",
-        "documents right for the baseline, wrong for the variant",
-    ),
-    "quality/flips/<task>/wrong_to_correct": (
-        True,
-        Scale.COUNT,
-        "{task} wrong-to-right flips",
-        "documents wrong for the baseline, right for the variant",
-    ),
-    "quality/mcnemar_p/<task>": (None, Scale.P_VALUE, "{task} McNemar p", "exact McNemar p of the primary 0/1 score"),
-    "time/<stage>_seconds": (False, Scale.SECONDS, "{stage} time", "wall seconds of one stage of the variant's run"),
+# key: (higher_is_better, scale, label),  # meaning
+_FIXED: dict[str, tuple[bool | None, Scale, str]] = {
+    "quality/ppl": (False, Scale.PERPLEXITY, "perplexity"),  # token perplexity on the quality corpus
+    "quality/ppl_tokens": (None, Scale.COUNT, "scored tokens"),  # tokens scored for quality/ppl: a count, not a quality
+    "quality/kld_mean": (False, Scale.NATS, "mean KL divergence"),  # mean per-token KL(baseline || variant)
+    "quality/kld_mean_stderr": (None, Scale.NATS, "mean KL stderr"),  # standard error of quality/kld_mean over tokens
+    "quality/kld_median": (False, Scale.NATS, "median KL divergence"),  # median per-token KL
+    "quality/kld_p90": (False, Scale.NATS, "p90 KL divergence"),  # 90th percentile of per-token KL
+    "quality/kld_p95": (False, Scale.NATS, "p95 KL divergence"),  # 95th percentile of per-token KL
+    "quality/kld_p99": (False, Scale.NATS, "p99 KL divergence"),  # 99th percentile of per-token KL
+    "quality/kld_p999": (False, Scale.NATS, "p99.9 KL divergence"),  # 99.9th percentile of per-token KL
+    "quality/kld_max": (False, Scale.NATS, "max KL divergence"),  # largest per-token KL
+    "quality/top1_agreement": (True, Scale.FRACTION, "top-1 agreement"),  # tokens whose top-1 matches the baseline's
+    # Mean of p_variant - p_baseline of the correct token. Signed: its sign says which way p(correct) moved,
+    # not how much, so it has no better direction.
+    "quality/delta_p_mean": (None, Scale.FRACTION, "mean change in p(correct)"),
+    "quality/delta_p_rms": (False, Scale.FRACTION, "RMS change in p(correct)"),  # RMS of p_variant - p_baseline
+    "quality/ln_ppl_ratio": (False, Scale.NATS, "ln(PPL ratio)"),  # difference of mean token NLLs
+    "cost/weight_bytes": (False, Scale.BYTES, "weight size"),  # *.safetensors files of the checkpoint on disk
+    "cost/weight_bytes_in_memory": (False, Scale.BYTES, "weights in memory"),  # tensor payload in its stored format
+    "cost/loaded_weight_bytes": (False, Scale.BYTES, "weights as loaded here"),  # parameters as loaded for measuring
+    "cost/peak_memory_bytes": (False, Scale.BYTES, "peak memory"),  # while measuring: device memory on GPU, RSS on CPU
+    "cost/peak_device_memory_bytes": (False, Scale.BYTES, "peak device memory"),  # accelerator memory, while measuring
+    "cost/process_peak_rss_bytes": (False, Scale.BYTES, "process peak RSS"),  # of the variant's process
+    "cost/measured_bandwidth_bytes_per_s": (None, Scale.SCORE, "measured copy bandwidth"),  # a property of the machine
+    "cost/bits_per_weight": (False, Scale.BITS, "bits per weight"),  # stored bits per decoder-block linear weight
+    "cost/bits_per_parameter": (False, Scale.BITS, "bits per parameter"),  # stored bits per parameter
+    "cost/parameter_count": (None, Scale.COUNT, "parameters"),  # parameters of the model (a size, not a cost)
+    "cost/kv_bytes_per_token": (False, Scale.BYTES, "KV cache per token"),  # modeled KV-cache bytes per token
+    # modeled sequences that fit beside the weights on the target
+    "cost/max_concurrent_sequences": (True, Scale.COUNT, "concurrent sequences on target"),
+    # modeled memory-bound decode rate on the target
+    "cost/roofline_decode_tokens_per_s": (True, Scale.TOKENS_PER_S, "decode roofline on target"),
+    # modeled batched decode rate on the target
+    "cost/serving_decode_tokens_per_s": (True, Scale.TOKENS_PER_S, "serving decode on target (modeled)"),
+    "cost/usd_per_million_output_tokens": (False, Scale.USD, "USD per million output tokens"),  # modeled, on the target
+    "cost/load_seconds": (False, Scale.SECONDS, "load time"),  # seconds to load the checkpoint
+    # Documents whose 0/1 score differs from the baseline's (a group: the sum of its leaves), then by direction.
+    "quality/flips/<task>": (False, Scale.COUNT, "{task} answer flips"),
+    "quality/flips/<task>/correct_to_wrong": (False, Scale.COUNT, "{task} right-to-wrong flips"),
+    "quality/flips/<task>/wrong_to_correct": (True, Scale.COUNT, "{task} wrong-to-right flips"),
+    "quality/mcnemar_p/<task>": (None, Scale.P_VALUE, "{task} McNemar p"),  # exact McNemar p of the primary 0/1 score
+    "time/<stage>_seconds": (False, Scale.SECONDS, "{stage} time"),  # wall seconds of one stage of the variant's run
 }
 _PATTERNS = {re.compile(re.sub(r"<(\w+)>", r"(?P<\1>[^/]+)", re.escape(entry))): entry for entry in _FIXED}
 
-# Figures measured once per batch size: `cost/<figure>` and `cost/<figure>_bs<N>`.
+# Figures the measure stage measured on this machine (see the run's quantlab.cost.* tags), once per batch
+# size: `cost/<figure>` and `cost/<figure>_bs<N>`.
 _BATCH_FIGURES: dict[str, tuple[bool, Scale, str]] = {
     "prefill_tokens_per_s": (True, Scale.TOKENS_PER_S, "prefill throughput"),
     "decode_tokens_per_s": (True, Scale.TOKENS_PER_S, "decode throughput"),
@@ -233,7 +196,8 @@ _BATCH_FIGURES: dict[str, tuple[bool, Scale, str]] = {
     "roofline_efficiency": (True, Scale.FRACTION, "roofline efficiency"),
 }
 _BATCH_KEY = re.compile(r"^cost/(?P<figure>[a-z0-9_]+?)(?:_bs(?P<batch>\d+))?$")
-_RECOVERY = re.compile(r"^quality/recovery/(?P<score>[^/]+/[^/]+)$")  # <task>/<metric>[:<filter>]
+# quality/recovery/<task>/<metric>[:<filter>]: variant score / baseline score (above 1 is worse for lower-is-better scores)
+_RECOVERY = re.compile(r"^quality/recovery/(?P<score>[^/]+/[^/]+)$")
 
 
 def spec(key: str, declared: Mapping[str, Declared] | None = None) -> MetricSpec:
@@ -241,36 +205,32 @@ def spec(key: str, declared: Mapping[str, Declared] | None = None) -> MetricSpec
     declared = declared or {}
     for pattern, entry in _PATTERNS.items():
         if (match := pattern.fullmatch(key)) is not None:
-            higher, scale, label, meaning = _FIXED[entry]
-            return MetricSpec(key, entry, higher, scale, label.format(**match.groupdict()), meaning)
+            higher, scale, label = _FIXED[entry]
+            return MetricSpec(key, entry, higher, scale, label.format(**match.groupdict()))
     if (parsed := EvalKey.parse(key)) is not None:
-        found = declared.get(parsed.score_key)
+        found = declared.get(str(replace(parsed, stderr=False)))  # a stderr key: its score's
         scale = found.scale if found else Scale.SCORE
-        if parsed.stderr:
-            meaning = "lm-eval's standard error of the score (unpaired; quantlab's verdicts use the paired ones)"
-            return MetricSpec(key, "eval/<task>/<metric>_stderr[:<filter>]", None, scale, parsed.label, meaning)
-        higher = found.higher_is_better if found else None
-        meaning = "lm-eval's score, direction from lm-eval's higher_is_better"
-        return MetricSpec(key, "eval/<task>/<metric>[:<filter>]", higher, scale, parsed.label, meaning)
+        if parsed.stderr:  # lm-eval's standard error of the score (unpaired; quantlab's verdicts use the paired ones)
+            return MetricSpec(key, "eval/<task>/<metric>_stderr[:<filter>]", None, scale, parsed.label)
+        higher = found.higher_is_better if found else None  # lm-eval's higher_is_better
+        return MetricSpec(key, "eval/<task>/<metric>[:<filter>]", higher, scale, parsed.label)
     if (paired := parse_paired_key(key)) is not None:
         metric_key, statistic = paired
         base = spec(metric_key, declared)
-        own_scale, meaning = PAIRED_STATISTICS[statistic]
         # A difference is better the more it favours the variant in the metric's direction.
         higher = base.higher_is_better if statistic in ("diff", "ci95_low", "ci95_high") else None
         label = f"{base.label}: paired {statistic}"
-        return MetricSpec(key, f"quality/paired/<metric>/{statistic}", higher, own_scale or base.scale, label, meaning)
+        scale = PAIRED_STATISTICS[statistic] or base.scale
+        return MetricSpec(key, f"quality/paired/<metric>/{statistic}", higher, scale, label)
     if (match := _RECOVERY.match(key)) is not None:
         base = spec(EVAL_PREFIX + match["score"], declared)
-        meaning = "variant score / baseline score (above 1 is worse for lower-is-better scores)"
         entry = "quality/recovery/<task>/<metric>[:<filter>]"
-        return MetricSpec(key, entry, base.higher_is_better, Scale.RATIO, f"{base.label} recovery", meaning)
+        return MetricSpec(key, entry, base.higher_is_better, Scale.RATIO, f"{base.label} recovery")
     if (match := _BATCH_KEY.match(key)) is not None and match["figure"] in _BATCH_FIGURES:
         higher, scale, label = _BATCH_FIGURES[match["figure"]]
         label += f" at batch {match['batch']}" if match["batch"] else ""
-        meaning = "measured on this machine by the measure stage (see the run's quantlab.cost.* tags)"
-        return MetricSpec(key, "cost/<figure>[_bs<N>]", higher, scale, label, meaning)
-    return MetricSpec(key, "", None, Scale.SCORE, key, "not in quantlab's metric contract")
+        return MetricSpec(key, "cost/<figure>[_bs<N>]", higher, scale, label)
+    return MetricSpec(key, "", None, Scale.SCORE, key)  # not in quantlab's metric contract
 
 
 def has_entry(key: str, declared: Mapping[str, Declared] | None = None) -> bool:

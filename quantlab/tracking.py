@@ -1,7 +1,7 @@
 """MLflow behind one door: the only quantlab module that imports MLflow (`quantlab ui` aside).
 
-`TrackingStore` is the few primitives a store offers (MlflowStore; the tests' MemoryStore fakes it); the
-operations below write DESIGN.md's run layout once over any store. Runs come back as `RunRecord`s.
+`TrackingStore` is the few primitives a store offers (the tests' MemoryStore fakes them); the operations
+below write DESIGN.md's run layout once over either. Runs come back as `RunRecord`s.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Protocol
 
 from quantlab.errors import bad_input
 
@@ -35,10 +34,7 @@ REUSED_FROM = "quantlab.reused_from"  # the run that computed a copied run's num
 FAILURE = "quantlab.failure"
 PARENT = "mlflow.parentRunId"
 NOTE = "mlflow.note.content"
-EVALUATION_CONTEXT = "evaluation"
 SAMPLES_ARTIFACT = "samples.json"  # a variant run's per-document scores (format: jobs.BaselineOutputs)
-# MLflow's batch endpoint limits.
-_BATCH = {"metrics": 1000, "params": 100, "tags": 100}
 _CREATED: set[str] = set()  # SQLite stores this process has opened (and so created, if new)
 
 
@@ -80,45 +76,13 @@ class RunRecord:
         return self.tags.get(VARIANT, self.name)
 
 
-@dataclass(frozen=True)
-class ModelVersion:
-    version: str
-    tags: dict[str, str]
-
-
-class TrackingStore(Protocol):
-    """The primitives quantlab needs of a tracking store; everything else is built on them below."""
-
-    uri: str
-
-    def experiment_id(self, name: str, create: bool = True) -> str | None: ...
-    def experiments(self) -> dict[str, str]: ...  # id -> name
-    def start_run(self, experiment_id: str, name: str, tags: dict[str, str], parent: str | None = None) -> str: ...
-    def log_values(
-        self,
-        run_id: str,
-        metrics: dict[str, float] | None = None,
-        params: dict[str, str] | None = None,
-        tags: dict[str, str] | None = None,
-    ) -> None: ...
-    def log_files(self, run_id: str, files: dict[str, str | bytes]) -> None: ...
-    def log_datasets(self, run_id: str, datasets: Iterable, context: str = EVALUATION_CONTEXT) -> None: ...
-    def finish(self, run_id: str, status: str) -> None: ...
-    def run(self, run_id: str) -> RunRecord: ...
-    def search(self, experiment_ids: list[str], tags: dict[str, str], status: str | None = None) -> list[RunRecord]: ...
-    def read_artifact(self, run_id: str, path: str) -> bytes | None: ...
-    def copy_artifacts(self, source_run_id: str, target_run_id: str) -> None: ...
-    def model_versions(self, model_name: str) -> list[ModelVersion]: ...
-    def create_model_version(self, model_name: str, source: str, run_id: str, tags: dict[str, str]) -> str: ...
-    def set_alias(self, model_name: str, alias: str, version: str) -> None: ...
-
-
 def tracking_uri(flag: str | None) -> str:
     return flag or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
 
 
-class MlflowStore:
-    """A TrackingStore on MLflow (SQLite, a tracking server, any URI MLflow accepts); search() is newest first."""
+class TrackingStore:
+    """The primitives quantlab needs of a tracking store, on MLflow (SQLite, a tracking server, any URI MLflow
+    accepts); everything else is built on them below. search() is newest first."""
 
     def __init__(self, uri: str):
         self.uri = uri
@@ -176,14 +140,12 @@ class MlflowStore:
         from mlflow.entities import Metric, Param, RunTag
 
         now = int(time.time() * 1000)
-        entries = {
-            "metrics": [Metric(safe_key(key), float(value), now, 0) for key, value in (metrics or {}).items()],
-            "params": [Param(safe_key(key), str(value)[:6000]) for key, value in (params or {}).items()],
-            "tags": [RunTag(key, str(value)) for key, value in (tags or {}).items()],
-        }
-        for kind, items in entries.items():
-            for start in range(0, len(items), _BATCH[kind]):
-                self._client.log_batch(run_id, **{kind: items[start : start + _BATCH[kind]]})
+        self._client.log_batch(  # MLflow splits it into batches within the server's limits
+            run_id,
+            metrics=[Metric(safe_key(key), float(value), now, 0) for key, value in (metrics or {}).items()],
+            params=[Param(safe_key(key), str(value)[:6000]) for key, value in (params or {}).items()],
+            tags=[RunTag(key, str(value)) for key, value in (tags or {}).items()],
+        )
 
     def log_files(self, run_id: str, files: dict[str, str | bytes]) -> None:
         """Write each (relative name -> content) to a scratch dir and upload it as one batch (folders kept)."""
@@ -196,12 +158,12 @@ class MlflowStore:
                 path.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
             self._client.log_artifacts(run_id, scratch)
 
-    def log_datasets(self, run_id: str, datasets: Iterable, context: str = EVALUATION_CONTEXT) -> None:
+    def log_datasets(self, run_id: str, datasets: Iterable) -> None:
         """Record what a run was scored on as MLflow dataset inputs (the runs table's Dataset column)."""
         from mlflow.entities import Dataset, DatasetInput, InputTag
         from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
-        tags = [InputTag(key=MLFLOW_DATASET_CONTEXT, value=context)]
+        tags = [InputTag(key=MLFLOW_DATASET_CONTEXT, value="evaluation")]
         inputs = [DatasetInput(Dataset(**asdict(DatasetRecord.of(item))), tags=tags) for item in datasets]
         if inputs:
             self._client.log_inputs(run_id, datasets=inputs)
@@ -234,9 +196,10 @@ class MlflowStore:
         with tempfile.TemporaryDirectory() as scratch:
             self._client.log_artifacts(target_run_id, self._client.download_artifacts(source_run_id, "", scratch))
 
-    def model_versions(self, model_name: str) -> list[ModelVersion]:
+    def model_versions(self, model_name: str) -> dict[str, dict[str, str]]:
+        """Version -> its tags."""
         found = self._client.search_model_versions(f"name = '{model_name}'")
-        return [ModelVersion(str(version.version), dict(version.tags)) for version in found]
+        return {str(version.version): dict(version.tags) for version in found}
 
     def create_model_version(self, model_name: str, source: str, run_id: str, tags: dict[str, str]) -> str:
         from mlflow.exceptions import MlflowException
@@ -300,9 +263,9 @@ def _health_request(uri: str) -> urllib.request.Request:
     return request
 
 
-def open_store(uri: str) -> MlflowStore:
+def open_store(uri: str) -> TrackingStore:
     """Check the store is usable before any work: an unreachable server is bad input (exit 2)."""
-    store = MlflowStore(uri)
+    store = TrackingStore(uri)
     if uri.startswith(("http://", "https://")):
         # MLflow's own client retries for minutes; one direct probe answers in seconds.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
@@ -364,12 +327,8 @@ def child_runs(store: TrackingStore, parent_run_id: str) -> list[RunRecord]:
 
 def finished_runs(store: TrackingStore, experiment_id: str, keys: set[str]) -> dict[str, RunRecord]:
     """The newest FINISHED variant run for each run key."""
-    found: dict[str, RunRecord] = {}
-    for run in store.search([experiment_id], {ROLE: "variant"}, status="FINISHED"):
-        key = run.tags.get(RUN_KEY)
-        if key in keys and key not in found:
-            found[key] = run
-    return found
+    runs = store.search([experiment_id], {ROLE: "variant"}, status="FINISHED")
+    return {run.tags[RUN_KEY]: run for run in reversed(runs) if run.tags.get(RUN_KEY) in keys}  # newest last: it wins
 
 
 # Who a copied run is belongs to the sweep that copies it, not to the run it copies.
@@ -382,16 +341,17 @@ def copy_run(store: TrackingStore, source: RunRecord, target_run_id: str) -> Non
     name = store.run(target_run_id).tags.get(VARIANT)
     tags = {k: v for k, v in source.tags.items() if not k.startswith("mlflow.") and k not in _IDENTITY_TAGS}
     params = source.params | ({"variant.name": name} if "variant.name" in source.params and name else {})
-    store.log_values(
+    store.copy_artifacts(source.run_id, target_run_id)
+    # The copy was scored on what the original was: the runs table lists the same datasets.
+    log_variant(
+        store,
         target_run_id,
         metrics=source.metrics,
         params=params,
         tags=tags | {REUSED_FROM: source.tags.get(REUSED_FROM, source.run_id)},
+        datasets=source.datasets,
+        files={},
     )
-    # The copy was scored on what the original was: the runs table lists the same datasets.
-    store.log_datasets(target_run_id, source.datasets)
-    store.copy_artifacts(source.run_id, target_run_id)
-    store.finish(target_run_id, "FINISHED")
 
 
 def running_sweeps(store: TrackingStore, experiment_id: str) -> list[RunRecord]:
@@ -439,14 +399,13 @@ def register_checkpoint(
     """Register the run's checkpoint where it lies (no weights copied) under `alias`; (version, created).
     The same checkpoint (content key) registered again reuses its version."""
     checkpoint, content_key = run.tags[CHECKPOINT], run.tags.get(CONTENT_KEY, run.run_id)
-    existing = [version for version in store.model_versions(model_name) if version.tags.get(CONTENT_KEY) == content_key]
-    if existing:
-        version, created = existing[0].version, False
-    else:
+    versions = store.model_versions(model_name).items()
+    version = next((known for known, on_it in versions if on_it.get(CONTENT_KEY) == content_key), None)
+    created = version is None
+    if created:
         source = Path(checkpoint).resolve().as_uri() if "://" not in checkpoint else checkpoint
         version = store.create_model_version(
             model_name, source, run.run_id, {**tags, CONTENT_KEY: content_key, CHECKPOINT: checkpoint}
         )
-        created = True
     store.set_alias(model_name, alias, version)
     return version, created

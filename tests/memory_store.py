@@ -1,8 +1,8 @@
-"""A FAKE tracking store: quantlab.tracking.TrackingStore in plain dicts, for fast tests.
+"""A FAKE tracking store: quantlab.tracking.TrackingStore's primitives in plain dicts, for fast tests.
 
 Not MLflow. It keeps what quantlab logs (runs, tags, metrics, params, artifacts, dataset
 inputs, registered versions) in memory so that sweep bookkeeping, publish and pick can be tested
-without a database or a server. It follows MlflowStore where quantlab relies on it: search
+without a database or a server. It follows TrackingStore where quantlab relies on it: search
 returns runs newest first, a run's tags include mlflow.parentRunId and mlflow.runName, logging
 twice overwrites. test_tracking_door.py runs the same checks on both stores to keep them alike.
 """
@@ -13,7 +13,7 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from quantlab.tracking import EVALUATION_CONTEXT, PARENT, DatasetRecord, ModelVersion, RunRecord, safe_key
+from quantlab.tracking import PARENT, DatasetRecord, RunRecord, safe_key
 
 
 @dataclass
@@ -36,7 +36,7 @@ class MemoryStore:
         self.uri = uri
         self._experiments: dict[str, str] = {}  # id -> name
         self._runs: dict[str, _Run] = {}
-        self._versions: dict[str, list[ModelVersion]] = {}
+        self._versions: dict[str, dict[str, dict[str, str]]] = {}  # model -> version -> tags
         self.aliases: dict[tuple[str, str], str] = {}  # (model, alias) -> version
         self.sources: dict[tuple[str, str], tuple[str, str]] = {}  # (model, version) -> (source, run id)
         self._ids = itertools.count(1)
@@ -80,7 +80,7 @@ class MemoryStore:
             }
         )
 
-    def log_datasets(self, run_id: str, datasets: Iterable, context: str = EVALUATION_CONTEXT) -> None:
+    def log_datasets(self, run_id: str, datasets: Iterable) -> None:
         self._runs[run_id].datasets.extend(map(DatasetRecord.of, datasets))
 
     def finish(self, run_id: str, status: str) -> None:
@@ -116,14 +116,15 @@ class MemoryStore:
     def copy_artifacts(self, source_run_id: str, target_run_id: str) -> None:
         self._runs[target_run_id].artifacts.update(self._runs[source_run_id].artifacts)
 
-    def model_versions(self, model_name: str) -> list[ModelVersion]:
-        return list(self._versions.get(model_name, []))
+    def model_versions(self, model_name: str) -> dict[str, dict[str, str]]:
+        return dict(self._versions.get(model_name, {}))
 
     def create_model_version(self, model_name: str, source: str, run_id: str, tags: dict[str, str]) -> str:
-        versions = self._versions.setdefault(model_name, [])
-        versions.append(ModelVersion(str(len(versions) + 1), dict(tags)))
-        self.sources[(model_name, versions[-1].version)] = (source, run_id)
-        return versions[-1].version
+        versions = self._versions.setdefault(model_name, {})
+        version = str(len(versions) + 1)
+        versions[version] = dict(tags)
+        self.sources[(model_name, version)] = (source, run_id)
+        return version
 
     def set_alias(self, model_name: str, alias: str, version: str) -> None:
         self.aliases[(model_name, alias)] = version

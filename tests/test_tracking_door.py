@@ -267,11 +267,11 @@ def test_pick_registers_the_chosen_checkpoint_once_and_logs_each_decision(store,
 
     assert first["registered"] == {"model": "tiny", "version": "1", "alias": "prod", "new_version": True}
     assert second["registered"] == {"model": "tiny", "version": "1", "alias": "prod", "new_version": False}
-    (version,) = store.model_versions("tiny")
-    assert version.tags[tracking.CONTENT_KEY] == "content-fp8" and version.tags[tracking.CHECKPOINT] == str(
+    (version_tags,) = store.model_versions("tiny").values()
+    assert version_tags[tracking.CONTENT_KEY] == "content-fp8" and version_tags[tracking.CHECKPOINT] == str(
         tmp_path / "fp8"
     )
-    assert version.tags[MMLU] == "0.5995"  # the chosen run's scores travel with the version
+    assert version_tags[MMLU] == "0.5995"  # the chosen run's scores travel with the version
     assert json.loads(store.read_artifact(parent, "decisions/pick-1000.json")) == first
     assert json.loads(store.read_artifact(parent, "decisions/pick-2000.json"))["chosen"] == "fp8"
 
