@@ -46,9 +46,7 @@ def kld_stats(per_token_kld: np.ndarray) -> KldStats:
 
 @dataclass(frozen=True)
 class TokenDamage:
-    """Token-level damage of one variant over the perplexity corpus. ``kld_error_bound_mean``, a
-    diagnostic and no contract key, bounds how far ``kld.mean`` may lie from the KL of exact float32
-    baseline log-probabilities (the stored ones are rounded; see :mod:`quantlab.evaluate.reference`)."""
+    """Token-level damage of one variant over the perplexity corpus."""
 
     ppl: float
     ppl_tokens: int
@@ -58,34 +56,24 @@ class TokenDamage:
     delta_p_mean: float  # Δp = p_variant - p_baseline of the correct token, as a fraction
     delta_p_rms: float
     ln_ppl_ratio: float
-    kld_error_bound_mean: float = 0.0
 
     def to_metrics(self) -> dict[str, float]:
-        return {
-            "quality/ppl": self.ppl,
-            "quality/ppl_tokens": float(self.ppl_tokens),
-            **{f"quality/kld_{name}": value for name, value in asdict(self.kld).items()},
-            "quality/top1_agreement": self.top1_agreement,
-            "quality/delta_p_mean": self.delta_p_mean,
-            "quality/delta_p_rms": self.delta_p_rms,
-            "quality/ln_ppl_ratio": self.ln_ppl_ratio,
-        }
+        """quality/<field> (the KL statistics as quality/kld_<statistic>); baseline_ppl is the baseline's own row."""
+        figures = asdict(self)
+        del figures["baseline_ppl"]
+        figures |= {f"kld_{name}": value for name, value in figures.pop("kld").items()}
+        return {f"quality/{name}": float(value) for name, value in figures.items()}
 
 
 def token_damage(
-    kld: np.ndarray,
-    baseline_nll: np.ndarray,
-    variant_nll: np.ndarray,
-    top1_match: np.ndarray,
-    kld_error_bound: np.ndarray | None = None,
+    kld: np.ndarray, baseline_nll: np.ndarray, variant_nll: np.ndarray, top1_match: np.ndarray
 ) -> TokenDamage:
     """Token-level damage from per-token arrays, all aligned on the same scored tokens."""
     kld = _as_1d_float64(kld, "kld")
     baseline_nll = _as_1d_float64(baseline_nll, "baseline_nll")
     variant_nll = _as_1d_float64(variant_nll, "variant_nll")
     top1_match = np.asarray(top1_match, dtype=bool).reshape(-1)
-    bound = np.zeros_like(kld) if kld_error_bound is None else _as_1d_float64(kld_error_bound, "kld_error_bound")
-    sizes = {a.size for a in (kld, baseline_nll, variant_nll, top1_match, bound)}
+    sizes = {a.size for a in (kld, baseline_nll, variant_nll, top1_match)}
     if len(sizes) != 1:
         raise ValueError(f"per-token arrays differ in length: {sorted(sizes)}")
     delta_p = np.exp(-variant_nll) - np.exp(-baseline_nll)
@@ -99,7 +87,6 @@ def token_damage(
         delta_p_rms=float(np.sqrt(np.mean(delta_p**2))),
         # Difference of mean NLLs rather than log of a ratio of rounded perplexities.
         ln_ppl_ratio=float(variant_nll.mean() - baseline_nll.mean()),
-        kld_error_bound_mean=float(bound.mean()),
     )
 
 

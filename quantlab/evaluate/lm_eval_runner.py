@@ -14,7 +14,7 @@ import math
 import numbers
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -72,7 +72,7 @@ class Score:
     value: float
     stderr: float | None
     higher_is_better: bool | None  # lm-eval's; None when it declared none (named, never dropped)
-    scale: Scale
+    scale: Scale = Scale.SCORE
     documents: DocumentScores | None = None  # leaves: per-document values that reproduce `value`
     leaves: tuple[str, ...] = ()  # groups: the leaf score keys whose weighted sum is `value`
     weights: tuple[float, ...] = ()
@@ -175,7 +175,11 @@ def run_tasks(
 
     manager = task_manager(include_path)
     scores: list[TaskScores] = []
-    with _lm_eval_warnings_only():
+    with contextlib.ExitStack() as restore:
+        # lm-eval logs every request batch at INFO; keep its warnings (overridden settings among them).
+        for logger in map(logging.getLogger, ("lm_eval", "lm-eval")):
+            restore.callback(logger.setLevel, logger.level)
+            logger.setLevel(logging.WARNING)
         language_model = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
         for request in tasks:
             progress(_describe(request))
@@ -233,12 +237,10 @@ def _leaves_under(group: str, structure: Mapping[str, list[str]]) -> list[str]:
 
 def _leaf_scores(task: str, request: TaskRequest, results: Mapping[str, Any]) -> TaskScores:
     samples: list[dict[str, Any]] = _of(results, "samples", task, [])
-    directions = _of(results, "higher_is_better", task, {})
     scores = []
-    for metric, filter_name, value, stderr in reported_metrics(_of(results, "results", task)):
-        documents, note = document_scores(metric, filter_name, samples, value)
-        higher, scale = _direction(directions, metric), scale_of(metric, documents)
-        scores.append(Score(task, metric, filter_name, value, stderr, higher, scale, documents, note=note))
+    for score in reported_scores(task, results):
+        documents, note = document_scores(score.metric, score.filter, samples, score.value)
+        scores.append(replace(score, scale=scale_of(score.metric, documents), documents=documents, note=note))
     primary_filter = scores[0].filter if scores else NO_FILTER
     labels = {
         int(s["doc_id"]): _document_label(s)
@@ -253,17 +255,16 @@ def _group_scores(
     group: str, results: Mapping[str, Any], leaf_names: list[str], leaves: Mapping[str, TaskScores]
 ) -> TaskScores:
     """lm-eval's aggregate scores of a group, each with the leaf scores and weights that reproduce it."""
-    directions = _of(results, "higher_is_better", group, {})
     scores = []
-    for metric, filter_name, value, stderr in reported_metrics(_of(results, "results", group)):
+    for score in reported_scores(group, results):
         parts = [
-            score
+            leaf
             for name in leaf_names
-            for score in (leaves[name].scores if name in leaves else [])
-            if (score.metric, score.filter) == (metric, filter_name)
+            for leaf in (leaves[name].scores if name in leaves else [])
+            if (leaf.metric, leaf.filter) == (score.metric, score.filter)
         ]
         sizes = [leaves[p.task].settings.documents for p in parts]
-        weights, note = group_weights([p.value for p in parts], sizes, value)
+        weights, note = group_weights([p.value for p in parts], sizes, score.value)
         not_means = [p for p in parts if p.documents is None or p.documents.aggregation is not Aggregation.MEAN]
         if weights is not None and not_means:
             # combine() adds weighted differences: right for means, not for perplexities.
@@ -274,16 +275,14 @@ def _group_scores(
         scales = {p.scale for p in parts}
         scale = scales.pop() if len(scales) == 1 else Scale.SCORE
         leaf_keys = tuple(p.key for p in parts) if weights else ()
-        higher = _direction(directions, metric)
-        scores.append(
-            Score(group, metric, filter_name, value, stderr, higher, scale, None, leaf_keys, tuple(weights or ()), note)
-        )
+        scores.append(replace(score, scale=scale, leaves=leaf_keys, weights=tuple(weights or ()), note=note))
     return TaskScores(group, scores, is_group=True)
 
 
-def reported_metrics(raw: Mapping[str, Any]) -> list[tuple[str, str, float, float | None]]:
-    """(metric, filter, value, stderr) of every numeric "metric,filter" entry, in lm-eval's order."""
-    found = []
+def reported_scores(task: str, results: Mapping[str, Any]) -> Iterator[Score]:
+    """Every numeric "metric,filter" entry of a task or group, in lm-eval's order, with its stderr and direction."""
+    raw = _of(results, "results", task)
+    directions = _of(results, "higher_is_better", task, {})
     for key, value in raw.items():
         if "," not in key or not _is_number(value):
             continue
@@ -291,10 +290,11 @@ def reported_metrics(raw: Mapping[str, Any]) -> list[tuple[str, str, float, floa
         if metric.endswith("_stderr") and f"{metric.removesuffix('_stderr')},{filter_name}" in raw:
             continue
         stderr = raw.get(f"{metric}_stderr,{filter_name}")
-        # lm-eval reports "N/A" where it has no stderr, and nan for a single document.
+        # lm-eval reports "N/A" where it has no stderr, nan for a single document, and no direction
+        # (None) for a group whose leaves disagree.
         finite = float(stderr) if _is_number(stderr) and math.isfinite(float(stderr)) else None
-        found.append((metric, filter_name, float(value), finite))
-    return found
+        higher = directions.get(metric)
+        yield Score(task, metric, filter_name, float(value), finite, bool(higher) if _is_bool(higher) else None)
 
 
 def document_scores(
@@ -362,21 +362,13 @@ def scale_of(metric: str, documents: DocumentScores | None) -> Scale:
     reproduced lm-eval's value (without one: of lm-eval's registered aggregation of the metric), or SCORE."""
     if documents is not None and documents.aggregation is Aggregation.MEAN:
         return Scale.FRACTION if all(0.0 <= v <= 1.0 for v in documents.values.values()) else Scale.SCORE
-    return AGGREGATION_SCALES.get(
-        documents.aggregation.value if documents else _registered_aggregation(metric), Scale.SCORE
-    )
-
-
-def _registered_aggregation(metric: str) -> str | None:
+    if documents is not None:
+        return AGGREGATION_SCALES.get(documents.aggregation.value, Scale.SCORE)
     import lm_eval.api.metrics  # noqa: F401  (registers lm-eval's own metrics)
     from lm_eval.api.registry import METRIC_AGGREGATION_REGISTRY
 
-    return getattr(METRIC_AGGREGATION_REGISTRY.get(metric, None), "__name__", None)
-
-
-def _direction(directions: Mapping[str, Any], metric: str) -> bool | None:
-    value = directions.get(metric)
-    return bool(value) if _is_bool(value) else None  # lm-eval gives None for a group whose leaves disagree
+    registered = getattr(METRIC_AGGREGATION_REGISTRY.get(metric, None), "__name__", None)
+    return AGGREGATION_SCALES.get(registered, Scale.SCORE)
 
 
 def _settings(task: str, request: TaskRequest, results: Mapping[str, Any]) -> TaskSettings:
@@ -439,17 +431,3 @@ def _document_label(sample: Mapping[str, Any]) -> str:
     except (IndexError, KeyError, TypeError):
         prompt = ""
     return " ".join(str(prompt).split())[-DOCUMENT_LABEL_CHARS:]
-
-
-@contextlib.contextmanager
-def _lm_eval_warnings_only() -> Iterator[None]:
-    """lm-eval logs every request batch at INFO; keep its warnings (overridden settings among them)."""
-    loggers = [logging.getLogger(name) for name in ("lm_eval", "lm-eval")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)

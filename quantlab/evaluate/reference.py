@@ -191,8 +191,13 @@ class TokenComparison:
     variant_nll: np.ndarray
     top1_match: np.ndarray
 
+    @classmethod
+    def of_baseline(cls, nll: np.ndarray) -> TokenComparison:
+        """The baseline against itself: its own NLL, no KL from itself, always its own top-1."""
+        return cls(np.zeros_like(nll), np.zeros_like(nll), nll, nll, np.ones(nll.shape, dtype=bool))
+
     def damage(self) -> TokenDamage:
-        return token_damage(self.kld, self.baseline_nll, self.variant_nll, self.top1_match, self.kld_error_bound)
+        return token_damage(self.kld, self.baseline_nll, self.variant_nll, self.top1_match)
 
     def documents(self) -> dict[str, DocumentScores]:
         """Per token, as `quantlab.paired` compares: perplexity as a weighted perplexity of one token
@@ -206,17 +211,16 @@ class TokenComparison:
         }
 
 
-def baseline_documents(ref_dir: Path) -> dict[str, DocumentScores]:
-    """The baseline's per-token scores: its own NLL, no KL from itself, always its own top-1."""
-    return _self_comparison(ref_dir).documents()
+def baseline_comparison(ref_dir: Path) -> TokenComparison:
+    """The baseline's own row: its stored values compared with themselves (no forward pass)."""
+    return TokenComparison.of_baseline(np.load(read_reference(ref_dir).path / NLL_FILE))
 
 
 def baseline_damage(ref_dir: Path) -> TokenDamage:
-    """The baseline's own row: its stored values compared with themselves (no forward pass)."""
-    return _self_comparison(ref_dir).damage()
+    return baseline_comparison(ref_dir).damage()
 
 
-def compare_tokens(model: torch.nn.Module, ref_dir: Path, progress: Progress | None = None) -> TokenComparison:
+def compare_tokens(model: torch.nn.Module, ref_dir: Path) -> TokenComparison:
     """Run ``model`` over the reference's tokens and windows and compare token by token."""
     info = read_reference(ref_dir)
     token_ids = torch.from_numpy(np.load(info.path / TOKENS_FILE).astype(np.int64))
@@ -227,7 +231,7 @@ def compare_tokens(model: torch.nn.Module, ref_dir: Path, progress: Progress | N
     top1_match = np.empty(info.n_scored, dtype=bool)
     # Checked before the first forward pass too: a smaller embedding fails on the corpus' ids.
     _check_vocab(getattr(getattr(model, "config", None), "vocab_size", None), info)
-    for rows, block, block_nll, block_top1 in _logprob_blocks(model, token_ids, windows, progress):
+    for rows, block, block_nll, block_top1 in _logprob_blocks(model, token_ids, windows, None):
         _check_vocab(block.shape[-1], info)
         block_kld, block_bound = stored_kld(torch.from_numpy(np.array(stored[rows])).to(block.device), block)
         kld[rows], bound[rows] = block_kld.cpu().numpy(), block_bound.cpu().numpy()
@@ -236,9 +240,9 @@ def compare_tokens(model: torch.nn.Module, ref_dir: Path, progress: Progress | N
     return TokenComparison(kld, bound, np.load(info.path / NLL_FILE), variant_nll, top1_match)
 
 
-def compare_to_reference(model: torch.nn.Module, ref_dir: Path, progress: Progress | None = None) -> TokenDamage:
+def compare_to_reference(model: torch.nn.Module, ref_dir: Path) -> TokenDamage:
     """Token-level damage of ``model`` against the stored baseline."""
-    return compare_tokens(model, ref_dir, progress).damage()
+    return compare_tokens(model, ref_dir).damage()
 
 
 def encode_logprobs(logprobs: torch.Tensor) -> torch.Tensor:
@@ -321,11 +325,6 @@ def _logprob_blocks(
                     progress(done, total)
     finally:
         model.train(was_training)
-
-
-def _self_comparison(ref_dir: Path) -> TokenComparison:
-    nll = np.load(read_reference(ref_dir).path / NLL_FILE)
-    return TokenComparison(np.zeros_like(nll), np.zeros_like(nll), nll, nll, np.ones(nll.shape, dtype=bool))
 
 
 def _check_vocab(model_vocab: int | None, info: ReferenceInfo) -> None:

@@ -35,22 +35,19 @@ class EvalOutcome:
 
 
 @dataclass(frozen=True)
-class TokenOutcome:
-    metrics: dict[str, float]  # quality/<figure> and quality/paired/quality/<figure>/<statistic>
-    tags: dict[str, str]
-    reference_dir: str | None
-    documents: dict[str, DocumentScores] = field(default_factory=dict)  # quality/<figure> -> per token
+class DamageOutcome:
+    """What token_damage (per token) or answer_damage (per lm-eval document) adds to the variant's result."""
 
-
-@dataclass(frozen=True)
-class AnswerOutcome:
-    metrics: dict[str, float]
-    artifacts: dict[str, str]
+    metrics: dict[str, float]  # quality/...
     tags: dict[str, str] = field(default_factory=dict)
+    reference_dir: str | None = None  # token_damage: the baseline's stored pass
+    documents: dict[str, DocumentScores] = field(default_factory=dict)  # token_damage: quality/<figure> -> per token
+    artifacts: dict[str, str] = field(default_factory=dict)  # answer_damage: flips/<task>.jsonl
 
 
 NOTE_TAG = "quantlab.eval_note/"  # + score key: why a score has no per-document analysis or pairing
 UNKNOWN_DIRECTION_TAG = "quantlab.direction_unknown"  # scores lm-eval declared no direction for
+SKIPPED_TAG = "quantlab.quality.skipped"
 
 
 def evaluate_tasks(
@@ -106,12 +103,12 @@ def eval_outcome(tasks: list[TaskScores]) -> EvalOutcome:
 
 def token_damage(
     model, tokenizer, settings: QualitySettings, recipe_dir: Path, job: VariantJob, checkpoint_key: str
-) -> TokenOutcome:
+) -> DamageOutcome:
     """Perplexity and KL against the baseline's stored pass (written here when this is the baseline)."""
     from quantlab.evaluate import reference
 
     if not settings.enabled:
-        return TokenOutcome({}, {"quantlab.quality.skipped": "quality.enabled is false in the recipe"}, None)
+        return DamageOutcome({}, {SKIPPED_TAG: "quality.enabled is false in the recipe"})
     if job.is_baseline:
         # Everything that moves the stored numbers: the weights, the corpus settings, and how
         # they were computed (dtype, device, and the libraries doing the arithmetic).
@@ -127,41 +124,33 @@ def token_damage(
             text = "\n\n".join(load_texts(settings.corpus, recipe_dir))
             token_ids = reference.corpus_token_ids(tokenizer, text, settings.max_tokens)
             reference.write_reference(model, token_ids, reference_dir, window=settings.window, stride=settings.stride)
-        damage, documents = reference.baseline_damage(reference_dir), reference.baseline_documents(reference_dir)
+        tokens = reference.baseline_comparison(reference_dir)
     elif job.baseline is None or job.baseline.reference_dir is None:
-        return TokenOutcome(
-            {}, {"quantlab.quality.skipped": "the baseline variant did not produce a reference pass"}, None
-        )
+        return DamageOutcome({}, {SKIPPED_TAG: "the baseline variant did not produce a reference pass"})
     else:
         reference_dir = Path(job.baseline.reference_dir)
         tokens = reference.compare_tokens(model, reference_dir)
-        damage, documents = tokens.damage(), tokens.documents()
     # Paired per token against the baseline's own pass (the baseline against itself: zeros).
-    baseline_docs = reference.baseline_documents(reference_dir)
-    paired = {
-        paired_key(key, name): value
-        for key, docs in documents.items()
-        for name, value in compare(key, baseline_docs[key], docs).statistics().items()
-    }
-    return TokenOutcome(damage.to_metrics() | paired, {}, str(reference_dir), documents)
+    documents, baseline = tokens.documents(), reference.TokenComparison.of_baseline(tokens.baseline_nll).documents()
+    paired = {key: compare(key, baseline[key], docs) for key, docs in documents.items()}
+    return DamageOutcome(tokens.damage().to_metrics() | _paired_metrics(paired), {}, str(reference_dir), documents)
 
 
-def answer_damage(scores: EvalOutcome, baseline: BaselineOutputs | None) -> AnswerOutcome:
+def answer_damage(scores: EvalOutcome, baseline: BaselineOutputs | None) -> DamageOutcome:
     """Paired statistics of every analysable lm-eval score against the baseline (groups through
     their leaves), flips and exact McNemar for 0/1 primary scores (a group's flips are its
     leaves'), and recovery of every score. The baseline compares itself with itself: its own zeros."""
     from quantlab.evaluate.damage import flip_metrics, paired_flips, recovery
 
-    reference = baseline.documents if baseline else scores.documents
-    reference_values = baseline.scores if baseline else scores.scores
+    reference = baseline if baseline is not None else scores  # both have .documents and .scores
     comparisons: dict[str, PairedComparison] = {}
     notes: dict[str, str] = {}
     for key, variant_docs in scores.documents.items():
-        if key not in reference:
+        if key not in reference.documents:
             notes[key] = "the baseline has no per-document scores for it"
             continue
         try:
-            comparisons[key] = compare(key, reference[key], variant_docs)
+            comparisons[key] = compare(key, reference.documents[key], variant_docs)
         except NotPaired as error:
             notes[key] = str(error)
     for key, parts in scores.groups.items():
@@ -171,9 +160,7 @@ def answer_damage(scores: EvalOutcome, baseline: BaselineOutputs | None) -> Answ
             continue
         comparisons[key] = combine([comparisons[leaf] for leaf in parts.leaves], parts.weights)
 
-    metrics: dict[str, float] = {}
-    for key, comparison in comparisons.items():
-        metrics.update({paired_key(key, name): value for name, value in comparison.statistics().items()})
+    metrics = _paired_metrics(comparisons)
     artifacts: dict[str, str] = {}
     for task, key in scores.primary.items():
         comparison = comparisons.get(key)
@@ -181,15 +168,20 @@ def answer_damage(scores: EvalOutcome, baseline: BaselineOutputs | None) -> Answ
             continue  # not a 0/1 score: its paired figures above say what changed
         metrics.update(flip_metrics(task, comparison.correct_to_wrong, comparison.wrong_to_correct))
         if baseline is not None and key in scores.documents:
-            base, variant = reference[key].values, scores.documents[key].values
+            base, variant = reference.documents[key].values, scores.documents[key].values
             artifacts[f"flips/{task}.jsonl"] = _flips_jsonl(
                 paired_flips(task, base, variant), base, variant, scores.labels.get(task, {})
             )
-    for key in reference_values.keys() & scores.scores.keys():  # recovery of every score both have
+    for key in reference.scores.keys() & scores.scores.keys():  # recovery of every score both have
         if (parsed := EvalKey.parse(key)) is not None and not parsed.stderr:
             name = key.rpartition("/")[2]  # metric[:filter]
-            metrics |= recovery(parsed.task, {name: reference_values[key]}, {name: scores.scores[key]}).to_metrics()
-    return AnswerOutcome(metrics, artifacts, {NOTE_TAG + key: f"not paired: {note}" for key, note in notes.items()})
+            metrics |= recovery(parsed.task, {name: reference.scores[key]}, {name: scores.scores[key]}).to_metrics()
+    tags = {NOTE_TAG + key: f"not paired: {note}" for key, note in notes.items()}
+    return DamageOutcome(metrics, tags, artifacts=artifacts)
+
+
+def _paired_metrics(comparisons: Mapping[str, PairedComparison]) -> dict[str, float]:
+    return {paired_key(key, name): value for key, c in comparisons.items() for name, value in c.statistics().items()}
 
 
 def _flips_jsonl(flips, baseline: Mapping[int, float], variant: Mapping[int, float], documents: dict[int, str]) -> str:
