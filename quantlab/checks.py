@@ -3,6 +3,8 @@ lm-eval's task index), before a sweep spends compute. `validate` runs them all."
 
 from __future__ import annotations
 
+import contextlib
+import re
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -20,7 +22,7 @@ from quantlab.models import (
     widths_identity,
 )
 from quantlab.quantize import METHODS
-from quantlab.recipe import LoadedRecipe, Lookup, parse_recipe, read_recipe, section
+from quantlab.recipe import LoadedRecipe, parse_recipe, read_recipe, section
 
 RECIPE_CHECKS_DIR = "recipe-checks"  # under the cache root: what `check_recipe` looked up
 
@@ -52,19 +54,17 @@ def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None, hub_optio
     """
     from quantlab.evaluate.lm_eval_runner import known_tasks, task_index_identity, unknown_tasks
 
-    recipe = loaded.recipe
-    shown = str(loaded.path)
+    recipe, shown = loaded.recipe, str(loaded.path)
     remembered = cache_root / RECIPE_CHECKS_DIR if cache_root is not None else None
-    lookups: list[Lookup] = []
+    lookups: list[tuple[dict[str, Any], Any]] = []
 
     def look_up(identity: dict[str, Any], find: Callable[[], Any]) -> Any:
         fact = cache.recall(remembered, identity) or find()
-        lookups.append(Lookup(identity, fact))
+        lookups.append((identity, fact))
         return fact
 
     problems: list[Problem] = []
     needs_hub: list[str] = []
-    widths = None
     try:
         source = resolve_source(recipe.model, loaded.path.parent)
         offline_hub_model = (
@@ -75,6 +75,9 @@ def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None, hub_optio
         )
         if not offline_hub_model:
             widths = look_up(widths_identity(source), lambda: linear_input_widths(source))
+            for index, variant in enumerate(recipe.variants):
+                for field, message in METHODS[variant.method].check_model(variant.params, widths):
+                    problems.append(Problem(shown, f"variants[{index}] ({variant.name}).params.{field}", message))
         elif hub_optional:
             needs_hub.append(f"model.source: the config of {source.display} (layer widths against group sizes)")
         else:
@@ -82,21 +85,16 @@ def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None, hub_optio
             problems.append(Problem(shown, "model.source", f"{source.display} is a hub model, {no_copy}"))
     except BadInput as error:
         problems += [Problem(shown, "model.source", problem.message) for problem in error.problems]
-    if widths is not None:
-        for index, variant in enumerate(recipe.variants):
-            for field, message in METHODS[variant.method].check_model(variant.params, widths):
-                problems.append(Problem(shown, f"variants[{index}] ({variant.name}).params.{field}", message))
     task_names = [task.name for task in recipe.evals.tasks]
     if task_names:
         known = set(look_up(task_index_identity(loaded.include_path), lambda: sorted(known_tasks(loaded.include_path))))
         for name, suggestion in unknown_tasks(task_names, known):
-            index = task_names.index(name)
             hint = f" (did you mean '{suggestion}'?)" if suggestion else ""
-            problems.append(Problem(shown, f"evals.tasks[{index}].name", f"lm-eval cannot resolve task '{name}'{hint}"))
+            field = f"evals.tasks[{task_names.index(name)}].name"
+            problems.append(Problem(shown, field, f"lm-eval cannot resolve task '{name}'{hint}"))
     if hub_optional and task_names:
         local = _tasks_defined_under(loaded.include_path)
-        hub_tasks = [name for name in task_names if name not in local]
-        if hub_tasks:
+        if hub_tasks := [name for name in task_names if name not in local]:
             needs_hub.append(
                 f"evals.tasks: the data of {', '.join(hub_tasks)} (lm-eval downloads it when a sweep runs, "
                 "unless the Hugging Face datasets cache has it)"
@@ -109,23 +107,19 @@ def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None, hub_optio
 def _tasks_defined_under(include_path: Path | None) -> set[str]:
     """Task, group and tag names that the YAMLs under include_path define (their data is local or theirs)."""
     names: set[str] = set()
-    for path in sorted(include_path.rglob("*.yaml")) if include_path else ():
-        try:
-            # lm-eval's YAMLs use custom tags (!function); a plain line scan reads their names.
-            for line in path.read_text(encoding="utf-8").splitlines():
-                key, _, value = line.partition(":")
-                if key in ("task", "group", "tag") and value.strip():
-                    names.add(value.strip().strip("'\""))
-        except (OSError, UnicodeDecodeError):
-            continue
+    for path in include_path.rglob("*.yaml") if include_path else ():
+        # lm-eval's YAMLs use custom tags (!function); a plain line scan reads their names.
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            found = re.findall(r"^(?:task|group|tag):(.*\S)", path.read_text(encoding="utf-8"), re.MULTILINE)
+            names.update(value.strip().strip("'\"") for value in found)
     return names
 
 
 def remember_lookups(loaded: LoadedRecipe, cache_root: Path) -> None:
     """Keep what the check of a recipe looked up, for the next check; call it once work starts
     (so that bad input, or an unreachable tracking server, leaves nothing in the cache)."""
-    for lookup in loaded.lookups:
-        cache.remember(cache_root / RECIPE_CHECKS_DIR, lookup.identity, lookup.fact)
+    for identity, fact in loaded.lookups:
+        cache.remember(cache_root / RECIPE_CHECKS_DIR, identity, fact)
 
 
 def validate(path: str | Path, cache_root: Path | None = None, hub_optional: bool = False) -> LoadedRecipe:

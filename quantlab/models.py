@@ -89,11 +89,8 @@ def resolve_source(spec: ModelSpec, base_dir: Path) -> ModelSource:
 
 @functools.lru_cache(maxsize=16)
 def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as handle:
-        while chunk := handle.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def _directory_fingerprint(path: Path) -> str:

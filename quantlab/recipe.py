@@ -134,21 +134,14 @@ class Recipe(StrictModel):
 
 
 @dataclass(frozen=True)
-class Lookup:
-    """Something `checks.check_recipe` found outside the file, slow to find and fixed by `identity`."""
-
-    identity: dict[str, Any]
-    fact: Any
-
-
-@dataclass(frozen=True)
 class LoadedRecipe:
     """A recipe with where it came from: relative paths in it are relative to `path`."""
 
     path: Path
     recipe: Recipe
     text: str
-    lookups: tuple[Lookup, ...] = ()  # filled by checks.check_recipe; see checks.remember_lookups
+    # (identity, fact): what checks.check_recipe found outside the file, slow to find and fixed by identity
+    lookups: tuple[tuple[dict[str, Any], Any], ...] = ()
     needs_hub: tuple[str, ...] = ()  # what check_recipe(hub_optional=True) could not check offline
 
     @property
@@ -205,19 +198,17 @@ def _problem_from_pydantic(shown: str, data: dict, item: dict) -> Problem:
     loc, kind = item["loc"], item["type"]
     if loc[:1] == ("variants",) and len(loc) > 2 and isinstance(loc[1], int):
         loc = loc[:2] + loc[3:]  # drop the union's tag (the method) that pydantic puts after the index
+    if kind.startswith("union_tag_"):
+        loc += ("method",)  # the variant's tag: unknown or missing
     field = _field_path(data, loc)
     if kind == "union_tag_invalid":
         method, known = item["ctx"]["tag"], ", ".join(sorted(METHODS))
-        return Problem(
-            shown, f"{field}.method", f"unknown method '{method}'{did_you_mean(method, METHODS)}; known: {known}"
-        )
-    if kind == "union_tag_not_found":
-        return Problem(shown, f"{field}.method", "required key is missing")
+        return Problem(shown, field, f"unknown method '{method}'{did_you_mean(method, METHODS)}; known: {known}")
     if kind == "extra_forbidden":
         return Problem(shown, field, "unknown parameter" if loc[2:3] == ("params",) else "unknown key")
     if kind in ("model_type", "model_attributes_type") and loc[:1] == ("variants",) and len(loc) in (2, 3):
         return Problem(shown, field, "Input should be a valid dictionary")  # a variant or its params; not a class name
-    if kind == "missing":
+    if kind in ("missing", "union_tag_not_found"):
         return Problem(shown, field, "required key is missing")
     if kind == "string_pattern_mismatch":
         return Problem(shown, field, "must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import nullcontext
 from typing import ClassVar, Literal
+from unittest.mock import patch
 
 from pydantic import Field
 
@@ -22,7 +22,6 @@ class AwqInt4(Method):
         ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="Modules kept in BF16.")
 
     needs_calibration: ClassVar[bool] = True
-    summary: ClassVar[str] = "AWQ scaling + INT4 weights in groups, BF16 activations (W4A16, llm-compressor)"
 
     @staticmethod
     def check_model(params: Params, linear_widths: dict[str, int]) -> list[tuple[str, str]]:
@@ -37,10 +36,12 @@ class AwqInt4(Method):
 
     @staticmethod
     def apply(model, params: Params, calibration) -> None:
+        import torch
         from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
         from llmcompressor import oneshot
         from llmcompressor.modifiers.quantization import QuantizationModifier
         from llmcompressor.modifiers.transform.awq import AWQModifier
+        from llmcompressor.pipelines.cache import IntermediatesCache
 
         weights = QuantizationArgs(
             num_bits=4, type="int", symmetric=params.symmetric, strategy="group", group_size=params.group_size
@@ -52,7 +53,10 @@ class AwqInt4(Method):
                 ignore=list(params.ignore),
             ),
         ]
-        with _pinned_memory_optional():
+        # llm-compressor 0.14's AWQ pins cached activations to speed copies to an accelerator; with none,
+        # `Tensor.pin_memory()` raises ("Cannot access accelerator device..."), so pinning is skipped.
+        unpinned = patch.object(IntermediatesCache, "pin_memory", lambda self, batch_index, input_names=None: None)
+        with nullcontext() if torch.accelerator.is_available() else unpinned:
             oneshot(
                 model=model,
                 recipe=recipe,
@@ -60,21 +64,3 @@ class AwqInt4(Method):
                 num_calibration_samples=len(calibration),
                 max_seq_length=len(calibration[0]["input_ids"]),
             )
-
-
-@contextmanager
-def _pinned_memory_optional() -> Iterator[None]:
-    """llm-compressor 0.14's AWQ pins cached activations to speed copies to an accelerator; with none,
-    `Tensor.pin_memory()` raises ("Cannot access accelerator device..."), so pinning is skipped."""
-    import torch
-    from llmcompressor.pipelines.cache import IntermediatesCache
-
-    if torch.accelerator.is_available():
-        yield
-        return
-    original = IntermediatesCache.pin_memory
-    IntermediatesCache.pin_memory = lambda self, batch_index, input_names=None: None
-    try:
-        yield
-    finally:
-        IntermediatesCache.pin_memory = original

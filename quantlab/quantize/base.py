@@ -16,11 +16,10 @@ class MethodParams(BaseModel):
 
 
 class Method:
-    """The base of every method; its defaults suit a data-free method that fits any model."""
+    """The base of every method; its defaults suit a data-free method without parameters that fits any model."""
 
-    Params: ClassVar[type[MethodParams]]
+    Params: ClassVar[type[MethodParams]] = MethodParams
     needs_calibration: ClassVar[bool] = False
-    summary: ClassVar[str]
 
     @staticmethod
     def check_model(params: MethodParams, linear_widths: dict[str, int]) -> list[tuple[str, str]]:

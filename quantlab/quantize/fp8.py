@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from pydantic import Field
 
 from quantlab.quantize.base import Method, MethodParams
@@ -12,8 +10,6 @@ from quantlab.quantize.base import Method, MethodParams
 class Fp8(Method):
     class Params(MethodParams):
         ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="Modules kept in BF16.")
-
-    summary: ClassVar[str] = "FP8 E4M3 weights per channel, dynamic per-token FP8 activations (llm-compressor)"
 
     @staticmethod
     def apply(model, params: Params, calibration) -> None:

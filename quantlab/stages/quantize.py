@@ -25,12 +25,11 @@ class QuantizedCheckpoint:
 
 def checkpoint_identity(source: ModelSource, variant: VariantSpec, calibration: CalibrationSettings) -> dict:
     """Everything that decides the checkpoint's bytes, and nothing that does not (e.g. its name)."""
-    method = METHODS[variant.method]
     return {
         "model": source.identity,
         "method": variant.method,
         "params": variant.params.model_dump(),
-        "calibration": calibration.model_dump() if method.needs_calibration else None,
+        "calibration": calibration.model_dump() if METHODS[variant.method].needs_calibration else None,
         "versions": cache.library_versions(),
     }
 
