@@ -235,15 +235,10 @@ def safe_key(key: str) -> str:
     return re.sub(r"[^\w\-. :/]", "_", key)
 
 
-def _with_userinfo(parts: urllib.parse.SplitResult, userinfo: str) -> str:
-    host = parts.netloc.rpartition("@")[2]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{userinfo}@{host}" if userinfo else host))
-
-
 def shown_uri(uri: str) -> str:
     """The URI with any password masked, for messages (`postgresql://user:pw@host/db` is common)."""
-    parts = urllib.parse.urlsplit(uri)
-    return uri if parts.password is None else _with_userinfo(parts, f"{parts.username}:***")
+    password = urllib.parse.urlsplit(uri).password
+    return uri if password is None else uri.replace(f":{password}@", ":***@", 1)  # its first ":...@" is the netloc's
 
 
 def run_address(uri: str, experiment_id: str, run_id: str) -> str | None:
@@ -256,7 +251,8 @@ def run_address(uri: str, experiment_id: str, run_id: str) -> str | None:
 def _health_request(uri: str) -> urllib.request.Request:
     """GET <server>/health, with the URI's user and password (if any) as basic auth, as MLflow sends them."""
     parts = urllib.parse.urlsplit(uri)
-    request = urllib.request.Request(_with_userinfo(parts, "").rstrip("/") + "/health")
+    without_userinfo = parts._replace(netloc=parts.netloc.rpartition("@")[2])
+    request = urllib.request.Request(urllib.parse.urlunsplit(without_userinfo).rstrip("/") + "/health")
     if parts.username is not None:
         user = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
         request.add_header("Authorization", "Basic " + base64.b64encode(user.encode()).decode())
@@ -331,15 +327,12 @@ def finished_runs(store: TrackingStore, experiment_id: str, keys: set[str]) -> d
     return {run.tags[RUN_KEY]: run for run in reversed(runs) if run.tags.get(RUN_KEY) in keys}  # newest last: it wins
 
 
-# Who a copied run is belongs to the sweep that copies it, not to the run it copies.
-_IDENTITY_TAGS = frozenset({ON_FRONTIER, ROLE, VARIANT, BASELINE})
-
-
 def copy_run(store: TrackingStore, source: RunRecord, target_run_id: str) -> None:
     """Copy a finished run's numbers, datasets and artifacts into `target_run_id` (made by start_variant, so it
     says who it is: a renamed variant keeps its new name) and finish it; reused_from names the original run."""
     name = store.run(target_run_id).tags.get(VARIANT)
-    tags = {k: v for k, v in source.tags.items() if not k.startswith("mlflow.") and k not in _IDENTITY_TAGS}
+    identity = {ON_FRONTIER, ROLE, VARIANT, BASELINE}  # the copying sweep's to say, not the original's
+    tags = {k: v for k, v in source.tags.items() if not k.startswith("mlflow.") and k not in identity}
     params = source.params | ({"variant.name": name} if "variant.name" in source.params and name else {})
     store.copy_artifacts(source.run_id, target_run_id)
     # The copy was scored on what the original was: the runs table lists the same datasets.
