@@ -209,11 +209,8 @@ def _ray_task(job: VariantJob, log_path: str) -> VariantResult:
 
 
 def make_executor(kind: str, ray_address: str | None) -> LocalExecutor | RayExecutor:
-    executors: dict[str, Callable[[], LocalExecutor | RayExecutor]] = {
-        "local": LocalExecutor,
-        "inprocess": InProcessExecutor,
-        "ray": lambda: RayExecutor(ray_address),
-    }
-    if kind not in executors:
-        raise ValueError(f"unknown executor '{kind}'; known: {', '.join(executors)}")
-    return executors[kind]()
+    if kind == "ray":
+        return RayExecutor(ray_address)
+    if kind not in ("local", "inprocess"):
+        raise ValueError(f"unknown executor '{kind}'; known: local, inprocess, ray")
+    return InProcessExecutor() if kind == "inprocess" else LocalExecutor()

@@ -71,7 +71,7 @@ def plan(loaded: LoadedRecipe, only: tuple[str, ...]) -> list[str]:
     return [recipe.baseline] + [name for name in names if name != recipe.baseline and (not only or name in only)]
 
 
-def run_keys(loaded: LoadedRecipe, names: list[str], cache_root: Path) -> dict[str, str]:
+def run_keys(loaded: LoadedRecipe, names: list[str]) -> dict[str, str]:
     """Content hash per variant of everything that decides its logged numbers."""
     from quantlab.models import resolve_source
     from quantlab.stages.quantize import checkpoint_identity
@@ -104,7 +104,7 @@ def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay
     remember_lookups(loaded, options.cache_root)
     experiment = store.experiment_id(loaded.recipe.name)
     mark_dead_sweeps(store, experiment)
-    keys = run_keys(loaded, order, options.cache_root)
+    keys = run_keys(loaded, order)
     reusable = {} if options.force else tracking.finished_runs(store, experiment, set(keys.values()))
     who = {HOST: socket.gethostname(), PID: str(os.getpid()), PID_STARTED: str(psutil.Process().create_time())}
     parent = tracking.start_sweep(store, experiment, f"sweep {loaded.recipe.name}", who)
