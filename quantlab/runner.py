@@ -59,16 +59,16 @@ def run_variant(job: VariantJob, report: StageReporter = lambda stage: None) -> 
         tokens = token_damage(model, tokenizer, recipe.quality, recipe_dir, job, checkpoint.key)
         answers = answer_damage(scores, job.baseline)
     with stage("measure"):
-        cost = measure(model, tokenizer, recipe.measure, checkpoint.path, seconds["load"])
+        cost_metrics, cost_tags = measure(model, tokenizer, recipe.measure, checkpoint.path, seconds["load"])
 
     return VariantResult(
         checkpoint=str(checkpoint.path),
         content_key=checkpoint.key,
         reused_checkpoint=checkpoint.reused,
         stage_seconds=seconds,
-        metrics={**scores.metrics, **tokens.metrics, **answers.metrics, **cost.metrics},
+        metrics={**scores.metrics, **tokens.metrics, **answers.metrics, **cost_metrics},
         params={**variant_params(job.loaded, variant, source, device, dtype), **scores.params},
-        tags={**cost.tags, **tokens.tags, **scores.tags, **answers.tags},
+        tags={**cost_tags, **tokens.tags, **scores.tags, **answers.tags},
         baseline_outputs=BaselineOutputs(
             tokens.reference_dir, scores.documents | tokens.documents, scores.groups, scores.scores, scores.primary
         ),

@@ -7,15 +7,11 @@ Submodules import torch: these names load lazily so that importing the settings 
 from importlib import import_module
 from typing import Any
 
-_EXPORTS = {
-    "measure_cost": "quantlab.measure.cost",
-    "modeled_cost": "quantlab.measure.modeled",
-    "MeasureSettings": "quantlab.measure.settings",
-}
+_EXPORTS = {"measure_cost": "cost", "modeled_cost": "modeled", "MeasureSettings": "settings"}
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'quantlab.measure' has no attribute {name!r}")
-    return getattr(import_module(_EXPORTS[name]), name)
+    return getattr(import_module(f"quantlab.measure.{_EXPORTS[name]}"), name)

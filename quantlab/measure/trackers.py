@@ -42,13 +42,13 @@ def open_nvml_devices(cuda_indices: Sequence[int]) -> list[NvmlDevice] | str:
     after CUDA_VISIBLE_DEVICES, NVML does not: they are matched by UUID."""
     try:
         import pynvml
-    except ImportError:
-        return "nvidia-ml-py (pynvml) is not installed"
-    try:
+
         pynvml.nvmlInit()
         uuids = [str(torch.cuda.get_device_properties(index).uuid) for index in cuda_indices]
         uuids = [uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}" for uuid in uuids]
         return [NvmlDevice(pynvml.nvmlDeviceGetHandleByUUID(uuid), pynvml) for uuid in uuids]
+    except ImportError:
+        return "nvidia-ml-py (pynvml) is not installed"
     except Exception as error:  # NVML raises its own error types; any of them means "no NVML"
         return f"NVML unavailable: {error}"
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -10,14 +9,9 @@ from quantlab.measure.cost import measure_cost
 from quantlab.measure.settings import MeasureSettings
 
 
-@dataclass(frozen=True)
-class MeasureOutput:
-    metrics: dict[str, float]
-    tags: dict[str, str]
-
-
 def measure(
     model: Any, tokenizer: Any, settings: MeasureSettings, checkpoint_dir: Path | None, load_seconds: float | None
-) -> MeasureOutput:
+) -> tuple[dict[str, float], dict[str, str]]:
+    """The variant's `cost/*` metrics and `quantlab.cost.*` tags."""
     report = measure_cost(model, tokenizer, settings, checkpoint_dir, load_seconds)
-    return MeasureOutput(report.to_metrics(), report.to_tags())
+    return report.to_metrics(), report.to_tags()
