@@ -8,7 +8,7 @@ check needs that a variant did not log rejects it (a missing measurement never c
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from enum import Enum
 from functools import partial
@@ -42,7 +42,7 @@ class CheckResult:
     metric: str
     status: CheckStatus
     detail: str  # the verdict in words, with the interval; the reason when not passed
-    # Drop checks only, in the metric's own units (0-1 for fractions; positive = worse):
+    # Drop checks only (NonInferiority's fields), in the metric's own units (0-1 for fractions; positive = worse):
     outcome: Outcome | None = None
     drop: float | None = None
     lower: float | None = None  # one-sided 95% bounds of the drop
@@ -52,46 +52,32 @@ class CheckResult:
     documents_needed: int | None = None  # undecided: about how many would settle it
 
 
-@dataclass(frozen=True)
-class DropCheck:
+def _drop_check(rule: DropRule, baseline: VariantSummary, variant: VariantSummary) -> CheckResult:
     """Lose at most `rule.allowed` of `rule.metric` against the baseline, shown by non-inferiority."""
-
-    rule: DropRule
-
-    def describe(self) -> str:
-        return f"{self.rule.metric} at most {self.rule.words} worse than the baseline"
-
-    def evaluate(self, variant: VariantSummary, baseline: VariantSummary) -> CheckResult:
-        rule, metric = self.rule, self.rule.metric
-        result = partial(CheckResult, self.describe(), metric)
-        if rule.baseline_value is None or rule.allowed is None:
-            return result(CheckStatus.FAILED, f"baseline lacks metric {metric}")
-        if variant.name == baseline.name:  # the difference with itself is zero on every document
-            itself = NonInferiority(0.0, 0.0, rule.allowed, 0.0, 0.0, Outcome.WITHIN, None)
-            detail = f"{metric}: the baseline itself, no drop by definition"
-            return result(CheckStatus.PASSED, detail, **_figures(itself))
-        value = variant.value(metric)
-        if value is None:
-            return result(CheckStatus.FAILED, f"missing metric {metric}")
-        diff, se = variant.value(paired_key(metric, "diff")), variant.value(paired_key(metric, "se"))
-        if diff is None or se is None:
-            shown = f"{format_value(rule.spec, rule.baseline_value)} -> {format_value(rule.spec, value)}"
-            detail = f"{metric}: {Outcome.UNSURE.value}: no paired statistics logged ({shown})"
-            return result(CheckStatus.UNDECIDED, detail, outcome=Outcome.UNSURE, limit=rule.allowed)
-        n = int(variant.value(paired_key(metric, "n")) or 0)
-        flips = [variant.value(paired_key(metric, name)) for name in ("correct_to_wrong", "wrong_to_correct")]
-        if None not in flips:
-            # 0/1 scores: with no flip the plain paired se is 0, and five identical answers would
-            # "show" any limit; Agresti and Min's adjusted se says how little they show.
-            se = agresti_min_se(n, int(flips[0]), int(flips[1]))
-        drop = -diff if rule.spec.higher_is_better else diff
-        found = non_inferiority(drop, se, n, rule.allowed)
-        return result(_BY_OUTCOME[found.outcome], _verdict_words(rule, found, n), n=n, **_figures(found))
-
-
-def _figures(found: NonInferiority) -> dict[str, Any]:
-    """A non-inferiority verdict as CheckResult fields."""
-    return {name: getattr(found, name) for name in ("outcome", "drop", "lower", "upper", "limit", "documents_needed")}
+    metric = rule.metric
+    result = partial(CheckResult, rule.constraint, metric)
+    if rule.baseline_value is None or rule.allowed is None:
+        return result(CheckStatus.FAILED, f"baseline lacks metric {metric}")
+    if variant.name == baseline.name:  # the difference with itself is zero on every document
+        itself = asdict(non_inferiority(0.0, 0.0, 0, rule.allowed))
+        return result(CheckStatus.PASSED, f"{metric}: the baseline itself, no drop by definition", **itself)
+    value = variant.value(metric)
+    if value is None:
+        return result(CheckStatus.FAILED, f"missing metric {metric}")
+    diff, se = variant.value(paired_key(metric, "diff")), variant.value(paired_key(metric, "se"))
+    if diff is None or se is None:
+        shown = f"{format_value(rule.spec, rule.baseline_value)} -> {format_value(rule.spec, value)}"
+        detail = f"{metric}: {Outcome.UNSURE.value}: no paired statistics logged ({shown})"
+        return result(CheckStatus.UNDECIDED, detail, outcome=Outcome.UNSURE, limit=rule.allowed)
+    n = int(variant.value(paired_key(metric, "n")) or 0)
+    flips = [variant.value(paired_key(metric, name)) for name in ("correct_to_wrong", "wrong_to_correct")]
+    if None not in flips:
+        # 0/1 scores: with no flip the plain paired se is 0, and five identical answers would
+        # "show" any limit; Agresti and Min's adjusted se says how little they show.
+        se = agresti_min_se(n, int(flips[0]), int(flips[1]))
+    drop = -diff if rule.spec.higher_is_better else diff
+    found = non_inferiority(drop, se, n, rule.allowed)
+    return result(_BY_OUTCOME[found.outcome], _verdict_words(rule, found, n), n=n, **asdict(found))
 
 
 def _verdict_words(rule: DropRule, found: NonInferiority, n: int) -> str:
@@ -111,45 +97,24 @@ def _verdict_words(rule: DropRule, found: NonInferiority, n: int) -> str:
     return text
 
 
-@dataclass(frozen=True)
-class BoundCheck:
+def _bound_check(bound: Bound, variant: VariantSummary) -> CheckResult:
     """A plain limit on a logged figure."""
-
-    bound: Bound
-
-    def describe(self) -> str:
-        shown = format_value(spec(self.bound.metric), self.bound.limit)
-        return f"{self.bound.metric} {'at most' if self.bound.upper else 'at least'} {shown}"
-
-    def evaluate(self, variant: VariantSummary, baseline: VariantSummary) -> CheckResult:
-        metric, limit, upper = self.bound.metric, self.bound.limit, self.bound.upper
-        value = variant.value(metric)
-        if value is None:
-            return CheckResult(self.describe(), metric, CheckStatus.FAILED, f"missing metric {metric}")
-        passed = value <= limit + float_slack(limit) if upper else value >= limit - float_slack(limit)
-        contract = variant.spec(metric)
-        shown = f"{metric} is {format_value(contract, value)}"
-        if not passed:
-            side = "above the maximum" if upper else "below the minimum"
-            shown += f", {side} of {format_value(contract, limit)}"
-        return CheckResult(self.describe(), metric, CheckStatus.PASSED if passed else CheckStatus.FAILED, shown)
+    metric, limit, upper = bound.metric, bound.limit, bound.upper
+    result = partial(CheckResult, bound.constraint, metric)
+    value = variant.value(metric)
+    if value is None:
+        return result(CheckStatus.FAILED, f"missing metric {metric}")
+    passed = value <= limit + float_slack(limit) if upper else value >= limit - float_slack(limit)
+    contract = variant.spec(metric)
+    shown = f"{metric} is {format_value(contract, value)}"
+    if not passed:
+        side = "above the maximum" if upper else "below the minimum"
+        shown += f", {side} of {format_value(contract, limit)}"
+    return result(CheckStatus.PASSED if passed else CheckStatus.FAILED, shown)
 
 
-@dataclass(frozen=True)
-class BaselineUsable:
-    """Drops need a baseline that ran: when it failed, no variant can pass them."""
-
-    baseline: str
-
-    def describe(self) -> str:
-        return f"baseline {self.baseline} succeeded (drops are measured against it)"
-
-    def evaluate(self, variant: VariantSummary, baseline: VariantSummary) -> CheckResult:
-        detail = f"baseline {self.baseline} failed, so drops against it cannot be measured"
-        return CheckResult(self.describe(), "", CheckStatus.FAILED, detail)
-
-
-Check = DropCheck | BoundCheck | BaselineUsable
+# A check: its limit in words (CheckResult.constraint), and its verdict on one variant.
+Check = tuple[str, Callable[[VariantSummary], CheckResult]]
 
 
 # --- The decision ---
@@ -206,28 +171,22 @@ class Decision:
     def summary(self) -> str:
         direction = "higher" if self.objective.higher_is_better else "lower"
         objective = f"{self.objective.metric} ({direction} is better)"
-        undecided = self._undecided_better_than_chosen()
+        best = self.verdict(self.chosen).objective_value if self.chosen else None
+        undecided = [  # those that would have beaten the choice, had they been shown within the limits
+            v
+            for v in self.verdicts
+            if v.status is Status.UNDECIDED
+            and (best is None or v.objective_value is None or self.objective.is_better(v.objective_value, best))
+        ]
         if self.chosen is None:
             head = "No variant shown within the limits" if undecided else "No variant satisfies every constraint"
             return f"{head}; nothing chosen (objective: {objective}).{_would_need(undecided)}"
         passing = sum(v.status in (Status.CHOSEN, Status.COSTS_MORE) for v in self.verdicts)
-        value = _shown(self.objective, self.verdict(self.chosen).objective_value)
-        text = (
-            f"Chosen: {self.chosen}, the best by {objective} at {value} among "
-            f"{passing} of {len(self.verdicts)} variants shown within every limit."
+        better = " Better by the objective but not shown within the limits:" if undecided else ""
+        return (
+            f"Chosen: {self.chosen}, the best by {objective} at {_shown(self.objective, best)} among "
+            f"{passing} of {len(self.verdicts)} variants shown within every limit.{better}{_would_need(undecided)}"
         )
-        if undecided:
-            text += f" Better by the objective but not shown within the limits:{_would_need(undecided)}"
-        return text
-
-    def _undecided_better_than_chosen(self) -> list[Verdict]:
-        chosen = self.verdict(self.chosen).objective_value if self.chosen else None
-        return [
-            v
-            for v in self.verdicts
-            if v.status is Status.UNDECIDED
-            and (chosen is None or v.objective_value is None or self.objective.is_better(v.objective_value, chosen))
-        ]
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON decision record."""
@@ -273,12 +232,19 @@ def pick(variants: Sequence[VariantSummary], baseline_name: str, policy: Policy,
     if baseline is None:
         names = ", ".join(v.name for v in variants) or "none"
         raise DecisionError(f"baseline {baseline_name!r} is not among the variants ({names})")
-    if policy.measures_drops and not baseline.succeeded:
-        checks: list[Check] = [BaselineUsable(baseline.name)]
+    checks: list[Check]
+    if (policy.max_drop or policy.max_drop_any_task is not None) and not baseline.succeeded:
+        # Drops need a baseline that ran: when it failed, no variant can pass them.
+        usable = f"baseline {baseline.name} succeeded (drops are measured against it)"
+        failed = CheckResult(
+            usable, "", CheckStatus.FAILED, f"baseline {baseline.name} failed, so drops against it cannot be measured"
+        )
+        checks = [(usable, lambda variant: failed)]
     else:  # raises PolicyError for a limit that does not fit its metric as the sweep declared it
-        checks = [DropCheck(rule) for rule in policy.drop_rules(baseline.metrics, baseline.declared)]
-    checks += [BoundCheck(bound) for bound in policy.bounds()]
-    judged = {variant.name: _judge(variant, baseline, checks, objective) for variant in variants}
+        rules = policy.drop_rules(baseline.metrics, baseline.declared)
+        checks = [(rule.constraint, partial(_drop_check, rule, baseline)) for rule in rules]
+    checks += [(bound.constraint, partial(_bound_check, bound)) for bound in policy.bounds()]
+    judged = {variant.name: _judge(variant, checks, objective) for variant in variants}
 
     by_name = {variant.name: variant for variant in variants}
     satisfying = sorted(
@@ -300,16 +266,16 @@ def pick(variants: Sequence[VariantSummary], baseline_name: str, policy: Policy,
         baseline=baseline.name,
         objective=objective,
         policy=policy,
-        checks=tuple(check.describe() for check in checks),
+        checks=tuple(constraint for constraint, _ in checks),
         verdicts=tuple(sorted(judged.values(), key=listed)),
         unchecked=tuple(unchecked_by_any_task(baseline.metrics, baseline.declared) if any_task else ()),
     )
 
 
-def _judge(variant: VariantSummary, baseline: VariantSummary, checks: Sequence[Check], objective: Axis) -> Verdict:
+def _judge(variant: VariantSummary, checks: Sequence[Check], objective: Axis) -> Verdict:
     if not variant.succeeded:
         return Verdict(variant.name, Status.FAILED, ("failed",), None, ())
-    results = tuple(check.evaluate(variant, baseline) for check in checks)
+    results = tuple(evaluate(variant) for _, evaluate in checks)
     failed = [result.detail for result in results if result.status is CheckStatus.FAILED]
     undecided = [result for result in results if result.status is CheckStatus.UNDECIDED]
     objective_value = variant.value(objective.metric)

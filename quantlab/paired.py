@@ -42,10 +42,8 @@ class DocumentScores:
         values = np.array(list(self.values.values()), dtype=np.float64)
         if self.aggregation is Aggregation.MEAN:
             return float(values.mean())
-        total_weight = float(sum(self.weights[doc] for doc in self.values))
-        if self.aggregation is Aggregation.WEIGHTED_PERPLEXITY:
-            return math.exp(-float(values.sum()) / total_weight)
-        return -float(values.sum()) / (total_weight * math.log(2))
+        nll = -float(values.sum()) / float(sum(self.weights[doc] for doc in self.values))  # per word or byte
+        return math.exp(nll) if self.aggregation is Aggregation.WEIGHTED_PERPLEXITY else nll / math.log(2)
 
 
 _STATISTICS = ("diff", "se", "ci95_low", "ci95_high", "p_value", "n", "correct_to_wrong", "wrong_to_correct")
@@ -214,12 +212,11 @@ class Outcome(str, Enum):
 class NonInferiority:
     """A drop (loss in the metric's better direction, in the metric's units) against a limit."""
 
+    outcome: Outcome
     drop: float
-    se: float
-    limit: float
     lower: float  # one-sided 95% bounds of the drop
     upper: float
-    outcome: Outcome
+    limit: float
     documents_needed: int | None  # UNSURE only: about how many documents would settle it
 
 
@@ -232,12 +229,12 @@ def non_inferiority(drop: float, se: float, n: int, limit: float) -> NonInferior
     """WITHIN when the one-sided 95% upper bound of the drop is within `limit`, OVER when even
     the lower bound exceeds it, UNSURE otherwise, with the documents that would settle it."""
     if not math.isfinite(se):
-        return NonInferiority(drop, se, limit, math.nan, math.nan, Outcome.UNSURE, None)
+        return NonInferiority(Outcome.UNSURE, drop, math.nan, math.nan, limit, None)
     lower, upper = drop - Z_ONE_SIDED_95 * se, drop + Z_ONE_SIDED_95 * se
     edge = limit + float_slack(limit)
     outcome = Outcome.WITHIN if upper <= edge else Outcome.OVER if lower > edge else Outcome.UNSURE
     needed = documents_to_settle(drop, se, n, limit) if outcome is Outcome.UNSURE else None
-    return NonInferiority(drop, se, limit, lower, upper, outcome, needed)
+    return NonInferiority(outcome, drop, lower, upper, limit, needed)
 
 
 def documents_to_settle(drop: float, se: float, n: int, limit: float) -> int | None:

@@ -44,15 +44,6 @@ class Limit:
     kind: LimitKind
     text: str = field(compare=False)  # as the user wrote it, for messages and the record ("1" == "1.0")
 
-    def allowed(self, metric: MetricSpec, baseline_value: float | None) -> float | None:
-        """The largest allowed drop in the metric's own units (0-1 for fractions); None when a
-        relative limit has no baseline value to be relative to."""
-        if metric.scale is Scale.FRACTION:
-            return self.amount / 100
-        if self.kind is LimitKind.RELATIVE:
-            return None if baseline_value is None else self.amount / 100 * abs(baseline_value)
-        return self.amount
-
 
 _UNIT = re.compile(r"^(?P<number>.*?)\s*(?P<unit>%|pts?|points?)?$", re.IGNORECASE)
 
@@ -155,8 +146,7 @@ class Policy(BaseModel):
     @classmethod
     def _limits_fit_their_metrics(cls, drops: dict[str, Limit]) -> dict[str, Limit]:
         for key, limit in drops.items():
-            problem = limit_problem(key, limit)
-            if problem:
+            if problem := limit_problem(key, limit):
                 raise PydanticCustomError(
                     "drop_limit", "{subject}: {problem}", {"subject": f"{key}={limit.text}", "problem": problem}
                 )
@@ -169,10 +159,6 @@ class Policy(BaseModel):
             raise PydanticCustomError("bound", "a bound with an empty metric name")
         return bounds
 
-    @property
-    def measures_drops(self) -> bool:
-        return bool(self.max_drop) or self.max_drop_any_task is not None
-
     def drop_rules(self, baseline: Mapping[str, float], declared: Mapping[str, Declared]) -> tuple[DropRule, ...]:
         """The drop limits made concrete against the baseline's logged metrics: `max_drop_any_task`
         expands to its 0-1 lm-eval scores of known direction. Raises PolicyError for a named
@@ -181,19 +167,17 @@ class Policy(BaseModel):
         for key, limit in self.max_drop.items():
             metric = spec(key, declared)
             value = _finite(baseline.get(key))
-            if value is not None:  # a metric the baseline lacks is reported per variant, not bad input
-                problem = limit_problem(key, limit, metric)
-                if problem:
-                    raise PolicyError("max_drop", f"{key}={limit.text}", problem)
-            rules.append(DropRule(key, metric, limit, limit.allowed(metric, value), value, "max_drop"))
+            # A metric the baseline lacks is reported per variant, not bad input.
+            if value is not None and (problem := limit_problem(key, limit, metric)):
+                raise PolicyError(f"{key}={limit.text}: {problem}")
+            rules.append(DropRule(key, metric, limit, value, "max_drop"))
         if self.max_drop_any_task is not None:
             limit = Limit(self.max_drop_any_task, LimitKind.POINTS, f"{self.max_drop_any_task:g}")
-            for key in sorted(any_task_metrics(baseline, declared)):
-                if key not in self.max_drop:
-                    metric = spec(key, declared)
-                    rules.append(
-                        DropRule(key, metric, limit, limit.allowed(metric, None), baseline[key], "max_drop_any_task")
-                    )
+            rules += [
+                DropRule(key, spec(key, declared), limit, baseline[key], "max_drop_any_task")
+                for key in sorted(any_task_metrics(baseline, declared))
+                if key not in self.max_drop
+            ]
         return tuple(rules)
 
     def bounds(self) -> tuple[Bound, ...]:
@@ -221,7 +205,7 @@ class Policy(BaseModel):
                 close = difflib.get_close_matches(key, candidates, n=1)
                 scores = [name for name in candidates if is_eval_score(name)]
                 hint = f"did you mean {close[0]}?" if close else f"logged: {', '.join(scores or candidates) or 'none'}"
-                raise PolicyError("max_drop", f"{key}={limit.text}", f"no variant logged this metric; {hint}")
+                raise PolicyError(f"{key}={limit.text}: no variant logged this metric; {hint}")
 
 
 @dataclass(frozen=True)
@@ -231,9 +215,22 @@ class DropRule:
     metric: str
     spec: MetricSpec  # as the sweep declared it
     limit: Limit
-    allowed: float | None  # the largest allowed drop in the metric's own units; None: no baseline value
     baseline_value: float | None
     source: str  # the policy field it came from: "max_drop" or "max_drop_any_task"
+
+    @property
+    def allowed(self) -> float | None:
+        """The largest allowed drop in the metric's own units (0-1 for fractions); None when a
+        relative limit has no baseline value to be relative to."""
+        if self.spec.scale is Scale.FRACTION:
+            return self.limit.amount / 100
+        if self.limit.kind is LimitKind.RELATIVE:
+            return None if self.baseline_value is None else self.limit.amount / 100 * abs(self.baseline_value)
+        return self.limit.amount
+
+    @property
+    def constraint(self) -> str:
+        return f"{self.metric} at most {self.words} worse than the baseline"
 
     @property
     def words(self) -> str:
@@ -256,18 +253,17 @@ class Bound:
     upper: bool
     source: str  # the policy field it came from
 
+    @property
+    def constraint(self) -> str:
+        return f"{self.metric} {'at most' if self.upper else 'at least'} {format_value(spec(self.metric), self.limit)}"
+
 
 class PolicyError(ValueError):
-    """A policy that cannot be applied as written. `field` is the policy field; the CLI names its
-    flag, the recipe `frontier.default_policy.<field>`."""
+    """A `max_drop` limit that cannot be applied to the sweep as written: the CLI names the flag of
+    its policy `field`, the recipe its `recipe_field`."""
 
-    def __init__(self, field: str, subject: str, reason: str):
-        self.field, self.subject, self.reason = field, subject, reason
-        super().__init__(f"{subject}: {reason}")
-
-    @property
-    def recipe_field(self) -> str:
-        return f"frontier.default_policy.{self.field}"
+    field = "max_drop"
+    recipe_field = "frontier.default_policy.max_drop"
 
 
 def any_task_metrics(baseline: Mapping[str, float], declared: Mapping[str, Declared]) -> list[str]:
