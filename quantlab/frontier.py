@@ -333,20 +333,6 @@ class FrontierResult:
     def point(self, name: str) -> FrontierPoint | None:
         return next((point for point in self.points if point.name == name), None)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.pair.name,
-            "quality": self.pair.quality.to_dict(),
-            "cost": self.pair.cost.to_dict(),
-            "baseline": self.baseline,
-            "on_front": list(self.on_front),
-            "points": [
-                asdict(point) | {"on_front": point.on_front, "interval": point.interval} for point in self.points
-            ],
-            "excluded": [asdict(exclusion) for exclusion in self.excluded],
-            "no_paired_noise": [list(names) for names in self.point_compared],
-        }
-
 
 def paired_reference(variants: Sequence[VariantSummary]) -> str | None:
     """The baseline's name if it succeeded: every other succeeded variant is compared with it."""
@@ -439,12 +425,6 @@ class AxisSettings(BaseModel):
         _check_direction(self.cost, self.cost_higher_is_better)
         return self
 
-    def to_pair(self, declared: Mapping[str, Declared] | None = None) -> AxisPair:
-        return AxisPair(
-            Axis.of(self.quality, self.quality_higher_is_better, declared),
-            Axis.of(self.cost, self.cost_higher_is_better, declared),
-        )
-
 
 class FrontierSettings(BaseModel):
     """Which frontiers to draw and how to pick (the recipe's `frontier:`); every field has a working default."""
@@ -474,7 +454,8 @@ class FrontierSettings(BaseModel):
         pairs = []
         for axis in self.axes:
             with contextlib.suppress(UnknownDirectionError):
-                pairs.append(axis.to_pair(declared))
+                quality = Axis.of(axis.quality, axis.quality_higher_is_better, declared)
+                pairs.append(AxisPair(quality, Axis.of(axis.cost, axis.cost_higher_is_better, declared)))
         return tuple(pairs)
 
 
@@ -521,5 +502,17 @@ def frontiers_to_dict(frontiers: Frontiers) -> dict[str, Any]:
     return {
         "on_frontier": sorted(frontiers.on_front),
         "direction_unknown": list(frontiers.direction_unknown),
-        "frontiers": [result.to_dict() for result in frontiers.results],
+        "frontiers": [
+            {
+                "name": result.pair.name,
+                "quality": result.pair.quality.to_dict(),
+                "cost": result.pair.cost.to_dict(),
+                "baseline": result.baseline,
+                "on_front": list(result.on_front),
+                "points": [asdict(p) | {"on_front": p.on_front, "interval": p.interval} for p in result.points],
+                "excluded": [asdict(exclusion) for exclusion in result.excluded],
+                "no_paired_noise": [list(names) for names in result.point_compared],
+            }
+            for result in frontiers.results
+        ],
     }

@@ -6,7 +6,6 @@ Reads the runs back from MLflow, so `quantlab frontier/report/pick` work on any 
 from __future__ import annotations
 
 import json
-import math
 import tempfile
 import time
 from dataclasses import dataclass
@@ -29,9 +28,9 @@ from quantlab.frontier import (
     merged_declared,
     paired_noise,
 )
-from quantlab.jobs import SAMPLES_FORMAT
+from quantlab.jobs import BaselineOutputs
 from quantlab.metrics import declared_from_tags
-from quantlab.paired import DocumentScores, documents_from_json
+from quantlab.paired import DocumentScores
 from quantlab.policy import Policy, PolicyError
 from quantlab.report import render_html, render_markdown, render_plots
 
@@ -58,9 +57,8 @@ def read_sweep(store: tracking.TrackingStore, parent_run_id: str) -> SweepView:
     groups: dict[str, Group] = {}
     for run, variant in zip(runs, variants):
         if variant.succeeded and (samples := _samples(store, run.run_id)) is not None:
-            documents[variant.name] = documents_from_json(samples.get("documents") or {})
-            for key, group in (samples.get("groups") or {}).items():
-                groups[key] = Group(tuple(group["leaves"]), tuple(group["weights"]))
+            documents[variant.name] = samples.documents
+            groups |= {key: Group(group.leaves, group.weights) for key, group in samples.groups.items()}
     variants.sort(key=lambda v: (not v.is_baseline, v.name))
     settings = FrontierSettings.model_validate(recipe.get("frontier") or {})
     baseline = recipe.get("baseline") or next((v.name for v in variants if v.is_baseline), "")
@@ -76,14 +74,13 @@ def model_label(source: str) -> str:
     return source
 
 
-def _samples(store: tracking.TrackingStore, run_id: str) -> dict | None:
+def _samples(store: tracking.TrackingStore, run_id: str) -> BaselineOutputs | None:
     """The run's samples.json in this version's format; None otherwise (its noise comes from the logged paired figures)."""
     raw = store.read_artifact(run_id, tracking.SAMPLES_ARTIFACT)
     try:
-        data = json.loads(raw) if raw is not None else None
-    except ValueError:
+        return None if raw is None else BaselineOutputs.from_samples(json.loads(raw), None)
+    except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, another version, not this format
         return None
-    return data if isinstance(data, dict) and data.get("version") == SAMPLES_FORMAT else None
 
 
 def _summary(run: tracking.RunRecord) -> VariantSummary:
@@ -148,13 +145,7 @@ def frontier_json(found: Frontiers, indent: int | None = None) -> str:
 
 def json_safe(value):
     """JSON has no NaN: an undefined figure (e.g. recovery against a zero baseline) becomes null."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: json_safe(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(item) for item in value]
-    return value
+    return json.loads(json.dumps(value), parse_constant=lambda _: None)
 
 
 def publish_sweep(store: tracking.TrackingStore, parent_run_id: str) -> SweepView:

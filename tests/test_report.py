@@ -324,8 +324,8 @@ def test_variants_table_rows_as_data(sweep):
 
 def test_publish_reads_per_document_scores_from_the_runs_and_writes_every_artifact(tmp_path):
     from quantlab import tracking
+    from quantlab.jobs import BaselineOutputs
     from quantlab.metrics import declared_tags
-    from quantlab.paired import documents_to_json
     from quantlab.publish import read_sweep, render_artifacts
 
     store = tracking.open_store(f"sqlite:///{tmp_path / 'store.db'}")
@@ -349,7 +349,7 @@ def test_publish_reads_per_document_scores_from_the_runs_and_writes_every_artifa
             parent=parent,
         )
         store.log_values(run, metrics={MMLU: docs[name].aggregate(), "cost/weight_bytes": size})
-        samples = {"version": 2, "documents": documents_to_json({MMLU: docs[name]}), "groups": {}}
+        samples = BaselineOutputs(None, {MMLU: docs[name]}).to_samples()
         store.log_files(run, {"samples.json": json.dumps(samples)})
         store.finish(run, "FINISHED")
 
