@@ -34,19 +34,17 @@ class ModelSpec(StrictModel):
     trust_remote_code: bool = Field(False, description="Run the model repository's own Python code (opt-in).")
 
 
-def _variant_model(method_name: str) -> type[StrictModel]:
-    """The variant model of one method: `method` is its tag, `params` the method's own `Params`."""
-    method = METHODS[method_name]
-    return create_model(
+# The variant model of each method: `method` is its tag, `params` the method's own `Params`.
+_VARIANT_MODELS = tuple(
+    create_model(
         f"{method.__name__}Variant",
         __base__=StrictModel,
         name=(SafeName, ...),
-        method=(Literal[method_name], ...),
+        method=(Literal[name], ...),
         params=(method.Params, Field(default_factory=method.Params)),
     )
-
-
-_VARIANT_MODELS = tuple(_variant_model(name) for name in METHODS)
+    for name, method in METHODS.items()
+)
 # pickle finds them by name (jobs cross processes)
 globals().update({model.__name__: model for model in _VARIANT_MODELS})
 
