@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from quantlab import cache
 from quantlab.corpora import load_texts
+from quantlab.evaluate.damage import flip_metrics, paired_flips, recovery
 from quantlab.jobs import GroupParts
 from quantlab.metrics import Declared, EvalKey, declared_tags, paired_key, unknown_directions
 from quantlab.paired import DocumentScores, NotPaired, PairedComparison, combine, compare
@@ -140,8 +141,6 @@ def answer_damage(scores: EvalOutcome, baseline: BaselineOutputs | None) -> Dama
     """Paired statistics of every analysable lm-eval score against the baseline (groups through
     their leaves), flips and exact McNemar for 0/1 primary scores (a group's flips are its
     leaves'), and recovery of every score. The baseline compares itself with itself: its own zeros."""
-    from quantlab.evaluate.damage import flip_metrics, paired_flips, recovery
-
     reference = baseline if baseline is not None else scores  # both have .documents and .scores
     comparisons: dict[str, PairedComparison] = {}
     notes: dict[str, str] = {}
@@ -169,9 +168,7 @@ def answer_damage(scores: EvalOutcome, baseline: BaselineOutputs | None) -> Dama
         metrics.update(flip_metrics(task, comparison.correct_to_wrong, comparison.wrong_to_correct))
         if baseline is not None and key in scores.documents:
             base, variant = reference.documents[key].values, scores.documents[key].values
-            artifacts[f"flips/{task}.jsonl"] = _flips_jsonl(
-                paired_flips(task, base, variant), base, variant, scores.labels.get(task, {})
-            )
+            artifacts[f"flips/{task}.jsonl"] = _flips_jsonl(task, base, variant, scores.labels.get(task, {}))
     for key in reference.scores.keys() & scores.scores.keys():  # recovery of every score both have
         if (parsed := EvalKey.parse(key)) is not None and not parsed.stderr:
             name = key.rpartition("/")[2]  # metric[:filter]
@@ -184,10 +181,11 @@ def _paired_metrics(comparisons: Mapping[str, PairedComparison]) -> dict[str, fl
     return {paired_key(key, name): value for key, c in comparisons.items() for name, value in c.statistics().items()}
 
 
-def _flips_jsonl(flips, baseline: Mapping[int, float], variant: Mapping[int, float], documents: dict[int, str]) -> str:
+def _flips_jsonl(task: str, baseline: Mapping[int, float], variant: Mapping[int, float], labels: dict[int, str]) -> str:
+    flips = paired_flips(task, baseline, variant)
     rows = [
         {"doc_id": doc_id, "direction": direction, "baseline": baseline[doc_id], "variant": variant[doc_id]}
-        | ({"document": documents[doc_id]} if doc_id in documents else {})
+        | ({"document": labels[doc_id]} if doc_id in labels else {})
         for direction in ("correct_to_wrong", "wrong_to_correct")
         for doc_id in getattr(flips, f"{direction}_ids")
     ]
