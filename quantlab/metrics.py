@@ -80,19 +80,13 @@ class EvalKey:
     @classmethod
     def parse(cls, key: str) -> EvalKey | None:
         """The inverse of str(): None for a key that is not an lm-eval score."""
-        if not key.startswith(EVAL_PREFIX):
-            return None
-        task, slash, last = key[len(EVAL_PREFIX) :].rpartition("/")
+        task, _, last = key.removeprefix(EVAL_PREFIX).rpartition("/")
         metric, _, filter_name = last.partition(":")
         stderr = metric.endswith(STDERR_SUFFIX)
         metric = metric.removesuffix(STDERR_SUFFIX)
-        if not slash or not task or not metric:
+        if not key.startswith(EVAL_PREFIX) or not task or not metric:
             return None
         return cls(task, metric, filter_name or NO_FILTER, stderr)
-
-
-def eval_key(task: str, metric: str, filter_name: str = NO_FILTER, stderr: bool = False) -> str:
-    return str(EvalKey(task, metric, filter_name, stderr))
 
 
 def is_eval_score(key: str) -> bool:
@@ -125,10 +119,8 @@ def paired_key(metric_key: str, statistic: str) -> str:
 
 def parse_paired_key(key: str) -> tuple[str, str] | None:
     """(quality metric key, statistic) of a paired key; None for any other key."""
-    if not key.startswith(PAIRED_PREFIX):
-        return None
-    metric_key, slash, statistic = key[len(PAIRED_PREFIX) :].rpartition("/")
-    if not slash or statistic not in PAIRED_STATISTICS or not metric_key:
+    metric_key, _, statistic = key.removeprefix(PAIRED_PREFIX).rpartition("/")
+    if not key.startswith(PAIRED_PREFIX) or not metric_key or statistic not in PAIRED_STATISTICS:
         return None
     return metric_key, statistic
 

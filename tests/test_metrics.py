@@ -10,7 +10,6 @@ from quantlab.metrics import (
     Scale,
     declared_from_tags,
     declared_tags,
-    eval_key,
     has_entry,
     paired_key,
     parse_paired_key,
@@ -35,7 +34,7 @@ GSM8K = {
     ],
 )
 def test_eval_keys_are_reversible(task: str, metric: str, filter_name: str, stderr: bool, key: str) -> None:
-    assert eval_key(task, metric, filter_name, stderr) == key
+    assert str(EvalKey(task, metric, filter_name, stderr)) == key
     assert EvalKey.parse(key) == EvalKey(task, metric, filter_name, stderr)
 
 

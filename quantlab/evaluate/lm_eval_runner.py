@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from quantlab import cache
-from quantlab.metrics import NO_FILTER, Scale, eval_key
+from quantlab.metrics import NO_FILTER, EvalKey, Scale
 from quantlab.paired import Aggregation, DocumentScores
 
 if TYPE_CHECKING:
@@ -80,11 +80,11 @@ class Score:
 
     @property
     def key(self) -> str:
-        return eval_key(self.task, self.metric, self.filter)
+        return str(EvalKey(self.task, self.metric, self.filter))
 
     @property
     def stderr_key(self) -> str:
-        return eval_key(self.task, self.metric, self.filter, stderr=True)
+        return str(EvalKey(self.task, self.metric, self.filter, stderr=True))
 
 
 @dataclass(frozen=True)
