@@ -57,12 +57,9 @@ def _normalized(name: str) -> str:
 
 def accelerator_table(overrides: Mapping[str, AcceleratorSpec] | None = None) -> dict[str, AcceleratorSpec]:
     """The built-in table with a recipe's entries added; an entry with a built-in's name replaces it."""
-    table = dict(BUILTIN_ACCELERATORS)
-    for name, spec in (overrides or {}).items():
-        for existing in [known for known in table if _normalized(known) == _normalized(name)]:
-            del table[existing]
-        table[name] = spec
-    return table
+    replaced = {_normalized(name) for name in overrides or {}}
+    kept = {name: spec for name, spec in BUILTIN_ACCELERATORS.items() if _normalized(name) not in replaced}
+    return {**kept, **(overrides or {})}
 
 
 def find_accelerator(name: str, overrides: Mapping[str, AcceleratorSpec] | None = None) -> tuple[str, AcceleratorSpec]:
