@@ -46,9 +46,6 @@ class DocumentScores:
         return math.exp(nll) if self.aggregation is Aggregation.WEIGHTED_PERPLEXITY else nll / math.log(2)
 
 
-_STATISTICS = ("diff", "se", "ci95_low", "ci95_high", "p_value", "n", "correct_to_wrong", "wrong_to_correct")
-
-
 @dataclass(frozen=True)
 class PairedComparison:
     """variant - baseline on one metric, from its per-document pairs."""
@@ -67,7 +64,8 @@ class PairedComparison:
 
     def statistics(self) -> dict[str, float]:
         """The finite figures, by the statistic names of `quantlab.metrics.PAIRED_STATISTICS`."""
-        figures = {name: getattr(self, name) for name in _STATISTICS}
+        names = ("diff", "se", "ci95_low", "ci95_high", "p_value", "n", "correct_to_wrong", "wrong_to_correct")
+        figures = {name: getattr(self, name) for name in names}
         return {name: float(value) for name, value in figures.items() if value is not None and math.isfinite(value)}
 
 
@@ -129,9 +127,8 @@ def _compare_ratio(
     residual = x - shift * w  # ratio estimator
     se_shift = float(math.sqrt(n / (n - 1) * float(np.sum(residual**2))) / total) if n > 1 else math.nan
     if aggregation is Aggregation.BITS_PER_BYTE:
-        scale = 1 / math.log(2)
-        se = se_shift * scale
-        low, high = _interval(shift * scale, se)
+        se = se_shift / math.log(2)
+        low, high = _interval(shift / math.log(2), se)
     else:  # perplexity: the delta method for se, D's interval mapped through exp
         se = variant * se_shift
         low, high = (baseline * math.expm1(end) for end in _interval(shift, se_shift))
@@ -185,7 +182,7 @@ def mcnemar_exact_p(correct_to_wrong: int, wrong_to_correct: int) -> float:
     return float(stats.binomtest(correct_to_wrong, discordant, 0.5, alternative="two-sided").pvalue)
 
 
-def _interval(center: float, se: float) -> tuple[float, float]:
+def _interval(center: float, se: float) -> tuple[float, float]:  # scipy's norm.interval has no se = 0
     if not math.isfinite(se):
         return math.nan, math.nan
     return center - Z_TWO_SIDED_95 * se, center + Z_TWO_SIDED_95 * se

@@ -26,12 +26,7 @@ KLD_MEAN = "quality/kld_mean"
 
 
 class LimitKind(str, Enum):
-    """How a drop limit is written (`max_drop`, METRIC=LIMIT), read in the metric's own terms.
-
-    "+2%" would be ambiguous on a 0-1 metric (points or a share of the score?), so is refused there;
-    "N pts" applies to 0-1 metrics only. What needs the sweep (an lm-eval score's direction and
-    scale) is checked by `Policy.drop_rules`, the rest when the model is built.
-    """
+    """How a drop limit is written (`max_drop`, METRIC=LIMIT); `limit_problem` says which kind fits which metric."""
 
     OWN = "own"  # the metric's own unit; percentage points for a 0-1 metric
     POINTS = "points"  # explicit percentage points: 0-1 metrics only
@@ -49,37 +44,31 @@ _UNIT = re.compile(r"^(?P<number>.*?)\s*(?P<unit>%|pts?|points?)?$", re.IGNORECA
 
 
 def parse_limit(value: Any) -> Limit:
-    """A number, or a string "N", "N pts" or "+N%" -> Limit; ValueError saying what is wrong."""
+    """A number, or a string "N", "N pts" or "+N%" -> Limit. Raises a ValueError saying what is wrong: pydantic's
+    own (it is the model's validator), which a validation error shows without a "Value error, " prefix."""
     if isinstance(value, Limit):
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        # ValueError, not TypeError: pydantic reports only ValueError as a located validation error.
-        raise ValueError(f"a limit is a number, 'N pts' or '+N%', got {value!r}")  # noqa: TRY004
+        raise PydanticCustomError("drop_limit", f"a limit is a number, 'N pts' or '+N%', got {value!r}")
     text = str(value).strip()
     match = _UNIT.match(text)
     try:
         amount = float(match["number"]) if match else math.nan
     except ValueError:
-        raise ValueError(f"limit {text!r} is not a number, 'N pts' or '+N%' (e.g. 1, 0.5, +2%)") from None
+        message = f"limit {text!r} is not a number, 'N pts' or '+N%' (e.g. 1, 0.5, +2%)"
+        raise PydanticCustomError("drop_limit", message) from None
     if not math.isfinite(amount):
-        raise ValueError(f"limit {text!r} must be a finite number")
+        raise PydanticCustomError("drop_limit", f"limit {text!r} must be a finite number")
     if amount < 0:
-        raise ValueError(f"limit {text!r} must be >= 0 (it is the largest drop allowed)")
+        raise PydanticCustomError("drop_limit", f"limit {text!r} must be >= 0 (it is the largest drop allowed)")
     unit = (match["unit"] or "").lower()
     kind = LimitKind.RELATIVE if unit == "%" else LimitKind.POINTS if unit else LimitKind.OWN
     return Limit(amount, kind, text)
 
 
-def _validate_limit(value: Any) -> Limit:
-    try:
-        return parse_limit(value)
-    except ValueError as error:
-        raise PydanticCustomError("drop_limit", str(error)) from None  # no "Value error, " prefix
-
-
 DropLimit = Annotated[
     Limit,
-    PlainValidator(_validate_limit, json_schema_input_type=float | str),
+    PlainValidator(parse_limit, json_schema_input_type=float | str),
     # Plain numbers stay numbers in a dumped recipe; "1 pts" and "+2%" stay as written.
     PlainSerializer(lambda limit: limit.amount if limit.kind is LimitKind.OWN else limit.text),
 ]
