@@ -235,8 +235,7 @@ def compare_tokens(model: torch.nn.Module, ref_dir: Path) -> TokenComparison:
         _check_vocab(block.shape[-1], info)
         block_kld, block_bound = stored_kld(torch.from_numpy(np.array(stored[rows])).to(block.device), block)
         kld[rows], bound[rows] = block_kld.cpu().numpy(), block_bound.cpu().numpy()
-        variant_nll[rows] = block_nll
-        top1_match[rows] = block_top1 == baseline_top1[rows]
+        variant_nll[rows], top1_match[rows] = block_nll, block_top1 == baseline_top1[rows]
     return TokenComparison(kld, bound, np.load(info.path / NLL_FILE), variant_nll, top1_match)
 
 
