@@ -265,7 +265,7 @@ def _print_table(table) -> None:
 def frontier(experiment: Experiment = None, tracking_uri: TrackingUri = None, as_json: AsJson = False) -> None:
     """Print the quality-versus-cost frontier of the newest sweep of an experiment (ties within paired noise named)."""
     from quantlab.publish import frontier_json, frontiers
-    from quantlab.report import variants_table
+    from quantlab.report import frontier_lines, variants_table
 
     _, view = _sweep_view(experiment, tracking_uri)
     found = frontiers(view)
@@ -273,20 +273,8 @@ def frontier(experiment: Experiment = None, tracking_uri: TrackingUri = None, as
         out.print_json(frontier_json(found))
         return
     _print_table(variants_table(view.variants, found))
-    for result in found.results:
-        _say(f"[bold]{result.pair.title}[/]: frontier {', '.join(result.on_front) or 'empty'}")
-        for point in result.points:
-            if point.dominated_by:
-                _say(f"  {point.name} dominated by {', '.join(point.dominated_by)}")
-            if point.tied_with:
-                _say(f"  {point.name}: tie within noise with {', '.join(point.tied_with)}")
-        for exclusion in result.excluded:
-            _say(f"  left out {exclusion.name}: {exclusion.reason}")
-        if result.point_compared:
-            pairs = ", ".join(f"{a} vs {b}" for a, b in result.point_compared)
-            _say(f"  no paired noise available for {pairs}: compared on the point estimates")
-    if found.direction_unknown:
-        _say(f"direction unknown: {', '.join(found.direction_unknown)} (not placed on a frontier)")
+    for line in frontier_lines(found):
+        _say(line)
 
 
 @app.command()

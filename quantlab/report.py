@@ -267,6 +267,11 @@ def render_html(
     return path
 
 
+def frontier_lines(frontiers: Frontiers) -> list[str]:
+    """`quantlab frontier`'s lines under the table (Rich markup): each front, what it dominates, ties, left out."""
+    return _templates.get_template("frontier.txt.j2").render(frontiers=frontiers).splitlines()
+
+
 def _setup(tags: Mapping[str, str]) -> str:
     """What speed and memory depend on: "engine vllm, kernel path fp8-matmul, hardware ..."."""
     return ", ".join(f"{word} {tags.get(tag, 'unrecorded')}" for tag, word in SETUP_TAGS)
@@ -283,11 +288,6 @@ def render_markdown(
     """A report for someone who has never seen quantlab: compared what, found what, ship what."""
     metrics = key_metrics(variants, frontiers)
     declared = frontiers.declared
-    comparisons = [
-        (name, metric_spec(metric, declared).label, describe_comparison(comparison, metric_spec(metric, declared)))
-        for name, found in frontiers.vs_baseline.items()
-        for metric, comparison in found.items()
-    ]
     setups: dict[str, list[str]] = {}  # which succeeded variants were measured alike
     for variant in (v for v in variants if v.succeeded):
         setups.setdefault(_setup(variant.tags), []).append(variant.name)
@@ -305,11 +305,10 @@ def render_markdown(
         tasks=[metric_spec(m).label for m in metrics if m.startswith("eval/")],
         damage=[metric_spec(m).label for m in metrics if m in DAMAGE_METRICS],
         costs=[metric_spec(m).label for m in metrics if m in KEY_COST_METRICS],
-        comparisons=comparisons,
         unpaired=unpaired,
-        results=frontiers.results,
+        frontiers=frontiers,
         show=lambda metric, value: format_value(metric_spec(metric, declared), value),
-        direction_unknown=frontiers.direction_unknown,
+        describe=lambda comparison, metric: describe_comparison(comparison, metric_spec(metric, declared)),
         decision=decision,
         setups=setups,
         unrecorded=_setup({}),
