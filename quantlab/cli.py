@@ -373,8 +373,12 @@ def _pick_policy(view, max_drop: list[str], **bounds: float | None):
         return None
     baseline = next((v for v in view.variants if v.name == view.baseline), None)
     try:
+        drops = parse_max_drops(max_drop)
+    except ValueError as error:  # a --max-drop that does not parse
+        raise bad_input("--max-drop", "", str(error)) from None
+    try:
         # Flags replace the recipe's policy whole: no implicit any-task limit beside them.
-        policy = Policy(max_drop=parse_max_drops(max_drop), max_drop_any_task=None, **bounds)
+        policy = Policy(max_drop=drops, max_drop_any_task=None, **bounds)
         policy.check_logged({key for variant in view.variants for key in variant.metrics})
         if baseline is not None:  # an lm-eval score's direction and scale come with the sweep's runs
             policy.drop_rules(baseline.metrics, baseline.declared)
@@ -386,8 +390,6 @@ def _pick_policy(view, max_drop: list[str], **bounds: float | None):
         raise BadInput(problems) from None
     except PolicyError as error:
         raise bad_input(_PICK_FLAGS[error.field], "", str(error)) from None
-    except ValueError as error:  # a --max-drop that does not parse
-        raise bad_input("--max-drop", "", str(error)) from None
     return policy
 
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from quantlab.metrics import Declared, MetricSpec, Scale, is_eval_score, paired_key
 from quantlab.metrics import spec as metric_spec
 from quantlab.metrics import unknown_directions as contract_unknown_directions
-from quantlab.paired import DocumentScores, NotPaired, PairedComparison, combine, compare
+from quantlab.paired import DocumentScores, Group, NotPaired, PairedComparison, combine, compare
 from quantlab.policy import Policy, format_change
 
 
@@ -195,14 +195,6 @@ Noise = Callable[[str, str, str], "PairedComparison | None"]
 
 def no_noise(metric: str, first: str, second: str) -> None:
     """Point comparison everywhere (tests, and sweeps that logged no paired figures)."""
-
-
-@dataclass(frozen=True)
-class Group:
-    """A group score as lm-eval aggregates it: sum(weight * leaf score)."""
-
-    leaves: tuple[str, ...]
-    weights: tuple[float, ...]
 
 
 def reversed_comparison(c: PairedComparison) -> PairedComparison:

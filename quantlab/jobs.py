@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from quantlab.paired import DocumentScores, documents_from_json, documents_to_json
+from quantlab.paired import DocumentScores, Group, documents_from_json, documents_to_json
 from quantlab.recipe import LoadedRecipe
 
 if TYPE_CHECKING:
@@ -16,14 +16,6 @@ if TYPE_CHECKING:
 
 StageReporter = Callable[[str], None]
 SAMPLES_FORMAT = 2  # version of the per-document record a variant run keeps (samples.json)
-
-
-@dataclass(frozen=True)
-class GroupParts:
-    """An lm-eval group score as lm-eval computed it: sum(weight * leaf score)."""
-
-    leaves: tuple[str, ...]  # leaf score keys, eval/<leaf>/<metric>[:<filter>]
-    weights: tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -40,7 +32,7 @@ class BaselineOutputs:
 
     reference_dir: str | None
     documents: dict[str, DocumentScores] = field(default_factory=dict)
-    groups: dict[str, GroupParts] = field(default_factory=dict)
+    groups: dict[str, Group] = field(default_factory=dict)
     scores: dict[str, float] = field(default_factory=dict)
     primary: dict[str, str] = field(default_factory=dict)
 
@@ -62,7 +54,7 @@ class BaselineOutputs:
         return cls(
             reference_dir,
             documents_from_json(data["documents"]),
-            {key: GroupParts(tuple(g["leaves"]), tuple(map(float, g["weights"]))) for key, g in data["groups"].items()},
+            {key: Group(tuple(g["leaves"]), tuple(map(float, g["weights"]))) for key, g in data["groups"].items()},
             {key: float(value) for key, value in data["scores"].items()},
             dict(data["primary"]),
         )

@@ -135,6 +135,14 @@ def _compare_ratio(
     return PairedComparison(n, baseline, variant, variant - baseline, se, low, high, _z_p(shift, se_shift), "ratio_z")
 
 
+@dataclass(frozen=True)
+class Group:
+    """An lm-eval group score as lm-eval computed it: sum(weight * leaf score)."""
+
+    leaves: tuple[str, ...]  # leaf score keys, eval/<leaf>/<metric>[:<filter>]
+    weights: tuple[float, ...]
+
+
 def combine(parts: Sequence[PairedComparison], weights: Sequence[float]) -> PairedComparison:
     """A group's comparison from its leaves', for a group score = sum(weight * leaf score).
 

@@ -58,7 +58,7 @@ def read_sweep(store: tracking.TrackingStore, parent_run_id: str) -> SweepView:
     for run, variant in zip(runs, variants):
         if variant.succeeded and (samples := _samples(store, run.run_id)) is not None:
             documents[variant.name] = samples.documents
-            groups |= {key: Group(group.leaves, group.weights) for key, group in samples.groups.items()}
+            groups |= samples.groups
     variants.sort(key=lambda v: (not v.is_baseline, v.name))
     settings = FrontierSettings.model_validate(recipe.get("frontier") or {})
     baseline = recipe.get("baseline") or next((v.name for v in variants if v.is_baseline), "")

@@ -21,7 +21,7 @@ from memory_store import MemoryStore
 from quantlab import publish, tracking
 from quantlab.jobs import BaselineOutputs
 from quantlab.metrics import Declared, Scale, declared_tags, paired_key
-from quantlab.paired import Aggregation, DocumentScores, compare, documents_to_json
+from quantlab.paired import Aggregation, DocumentScores, compare
 from quantlab.recipe import LoadedRecipe, Recipe
 from quantlab.sweep import (
     HOST,
@@ -223,9 +223,7 @@ def _logged_sweep(store, tmp_path) -> str:
                 tracking.CONTENT_KEY: f"content-{name}",
             },
             datasets=[],
-            files={
-                SAMPLES_ARTIFACT: json.dumps({"version": 2, "documents": documents_to_json({MMLU: docs}), "groups": {}})
-            },
+            files={SAMPLES_ARTIFACT: json.dumps(BaselineOutputs(None, {MMLU: docs}).to_samples())},
         )
     store.finish(parent, "FINISHED")
     return parent

@@ -12,9 +12,8 @@ from typing import TYPE_CHECKING
 from quantlab import cache
 from quantlab.corpora import load_texts
 from quantlab.evaluate.damage import flip_metrics, paired_flips, recovery
-from quantlab.jobs import GroupParts
 from quantlab.metrics import Declared, EvalKey, declared_tags, paired_key, unknown_directions
-from quantlab.paired import DocumentScores, NotPaired, PairedComparison, combine, compare
+from quantlab.paired import DocumentScores, Group, NotPaired, PairedComparison, combine, compare
 
 if TYPE_CHECKING:
     from quantlab.evaluate.lm_eval_runner import TaskDataset, TaskScores
@@ -27,7 +26,7 @@ class EvalOutcome:
     metrics: dict[str, float] = field(default_factory=dict)  # eval/<task>/<metric>[:<filter>] and its _stderr
     scores: dict[str, float] = field(default_factory=dict)  # score key -> value (recovery's input)
     documents: dict[str, DocumentScores] = field(default_factory=dict)  # score key -> per document (paired input)
-    groups: dict[str, GroupParts] = field(default_factory=dict)  # group score key -> its leaves and weights
+    groups: dict[str, Group] = field(default_factory=dict)  # group score key -> its leaves and weights
     primary: dict[str, str] = field(default_factory=dict)  # task -> its primary score key (flips' input)
     params: dict[str, str] = field(default_factory=dict)  # eval.<task>.<setting>: what each task ran with
     tags: dict[str, str] = field(default_factory=dict)  # declarations, notes, unknown directions
@@ -93,7 +92,7 @@ def eval_outcome(tasks: list[TaskScores]) -> EvalOutcome:
         metrics=values | {score.stderr_key: score.stderr for score in scores if score.stderr is not None},
         scores=values,
         documents={score.key: score.documents for score in scores if score.documents is not None},
-        groups={score.key: GroupParts(score.leaves, score.weights) for score in scores if score.leaves},
+        groups={score.key: Group(score.leaves, score.weights) for score in scores if score.leaves},
         primary={task.task: task.primary.key for task in tasks},
         params=params,
         tags=tags,
