@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 import numpy as np
+from pydantic import TypeAdapter
 from scipy import stats
 
 Z_TWO_SIDED_95 = float(stats.norm.ppf(0.975))
@@ -153,12 +154,9 @@ def combine(parts: Sequence[PairedComparison], weights: Sequence[float]) -> Pair
     if not parts or len(parts) != len(weights):
         raise ValueError("combine needs one weight per part, and at least one part")
     w = np.array(weights, dtype=np.float64)
-
-    def weighted(figure: str) -> float:
-        return float(sum(wi * getattr(p, figure) for wi, p in zip(w, parts)))
-
-    diff = weighted("diff")
-    se = float(math.sqrt(sum((wi * p.se) ** 2 for wi, p in zip(w, parts))))
+    figures = np.array([(p.baseline, p.variant, p.diff, p.se) for p in parts], dtype=np.float64)
+    baseline, variant, diff = (float(figure) for figure in w @ figures[:, :3])
+    se = float(np.linalg.norm(w * figures[:, 3]))
     n = sum(p.n for p in parts)
     flips = [(p.correct_to_wrong, p.wrong_to_correct) for p in parts]
     summed, p_value, test = (None, None), _z_p(diff, se), "combined_z"
@@ -167,7 +165,7 @@ def combine(parts: Sequence[PairedComparison], weights: Sequence[float]) -> Pair
         if np.allclose(w, [p.n / n for p in parts]):
             p_value, test = mcnemar_exact_p(*summed), "mcnemar_exact"
     low, high = _interval(diff, se)
-    return PairedComparison(n, weighted("baseline"), weighted("variant"), diff, se, low, high, p_value, test, *summed)
+    return PairedComparison(n, baseline, variant, diff, se, low, high, p_value, test, *summed)
 
 
 def agresti_min_se(n: int, correct_to_wrong: int, wrong_to_correct: int) -> float:
@@ -182,8 +180,6 @@ def agresti_min_se(n: int, correct_to_wrong: int, wrong_to_correct: int) -> floa
 def mcnemar_exact_p(correct_to_wrong: int, wrong_to_correct: int) -> float:
     """Exact McNemar test: two-sided binomial test of the discordant pairs against p = 1/2
     (no discordant pair: no evidence of a difference, p = 1)."""
-    if correct_to_wrong < 0 or wrong_to_correct < 0:
-        raise ValueError("discordant counts must be non-negative")
     discordant = correct_to_wrong + wrong_to_correct
     if discordant == 0:
         return 1.0
@@ -238,41 +234,21 @@ def non_inferiority(drop: float, se: float, n: int, limit: float) -> NonInferior
     lower, upper = drop - Z_ONE_SIDED_95 * se, drop + Z_ONE_SIDED_95 * se
     edge = limit + float_slack(limit)
     outcome = Outcome.WITHIN if upper <= edge else Outcome.OVER if lower > edge else Outcome.UNSURE
-    needed = documents_to_settle(drop, se, n, limit) if outcome is Outcome.UNSURE else None
+    needed = None  # UNSURE: n such that z * sd / sqrt(n) = |limit - drop| at the same spread and drop
+    if outcome is Outcome.UNSURE and drop != limit and n >= 1:
+        needed = max(n + 1, math.ceil((Z_ONE_SIDED_95 * se * math.sqrt(n) / abs(limit - drop)) ** 2))
     return NonInferiority(outcome, drop, lower, upper, limit, needed)
-
-
-def documents_to_settle(drop: float, se: float, n: int, limit: float) -> int | None:
-    """n such that z * sd / sqrt(n) = |limit - drop|, at the same per-document spread (se * sqrt(n))
-    and observed drop: None when the drop sits on the limit."""
-    gap = abs(limit - drop)
-    if gap == 0 or n < 1 or not math.isfinite(se):
-        return None
-    spread = se * math.sqrt(n)
-    return max(n + 1, math.ceil((Z_ONE_SIDED_95 * spread / gap) ** 2))
 
 
 # --- Per-document scores as JSON (the variant run's samples.json carries them) ---
 
+# {metric key: {"aggregation", "values": {doc: value}, "weights": {doc: weight}}}, document ids as strings
+_DOCUMENTS_JSON = TypeAdapter(dict[str, DocumentScores])
+
 
 def documents_to_json(scores: Mapping[str, DocumentScores]) -> dict[str, dict]:
-    """{metric key: {"aggregation", "values": {doc: value}, "weights": {doc: weight}}}."""
-    return {
-        key: {
-            "aggregation": doc.aggregation.value,
-            "values": {str(d): v for d, v in doc.values.items()},
-            "weights": {str(d): w for d, w in doc.weights.items()},
-        }
-        for key, doc in scores.items()
-    }
+    return _DOCUMENTS_JSON.dump_python(dict(scores), mode="json")
 
 
 def documents_from_json(data: Mapping[str, Mapping]) -> dict[str, DocumentScores]:
-    return {
-        key: DocumentScores(
-            Aggregation(item["aggregation"]),
-            {int(d): float(v) for d, v in item["values"].items()},
-            {int(d): float(w) for d, w in item.get("weights", {}).items()},
-        )
-        for key, item in data.items()
-    }
+    return _DOCUMENTS_JSON.validate_python(data)

@@ -17,7 +17,6 @@ from quantlab.paired import (
     compare,
     documents_from_json,
     documents_to_json,
-    documents_to_settle,
     mcnemar_exact_p,
     non_inferiority,
 )
@@ -152,7 +151,7 @@ def test_documents_needed_is_the_size_that_settles_the_same_spread() -> None:
     assert verdict.documents_needed == math.ceil((1.644854 * spread / (0.05 - 0.025)) ** 2) == 331
     # At that size and spread the upper bound reaches the limit.
     assert 0.025 + 1.644854 * spread / math.sqrt(verdict.documents_needed) <= 0.05 + 1e-6
-    assert documents_to_settle(0.05, result.se, 40, 0.05) is None  # on the limit: nothing settles it
+    assert non_inferiority(0.05, result.se, 40, 0.05).documents_needed is None  # on the limit: nothing settles it
 
 
 def test_too_few_documents_have_no_interval_and_no_verdict() -> None:
