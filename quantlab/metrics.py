@@ -117,14 +117,6 @@ def paired_key(metric_key: str, statistic: str) -> str:
     return f"{PAIRED_PREFIX}{metric_key}/{statistic}"
 
 
-def parse_paired_key(key: str) -> tuple[str, str] | None:
-    """(quality metric key, statistic) of a paired key; None for any other key."""
-    metric_key, _, statistic = key.removeprefix(PAIRED_PREFIX).rpartition("/")
-    if not key.startswith(PAIRED_PREFIX) or not metric_key or statistic not in PAIRED_STATISTICS:
-        return None
-    return metric_key, statistic
-
-
 # Fixed keys, then templates (each <name> one path segment, filled into the label).
 # key: (higher_is_better, scale, label),  # meaning
 _FIXED: dict[str, tuple[bool | None, Scale, str]] = {
@@ -177,12 +169,11 @@ _PATTERNS = {re.compile(re.sub(r"<(\w+)>", r"(?P<\1>[^/]+)", re.escape(entry))):
 _BATCH_FIGURES: dict[str, tuple[bool, Scale, str]] = {
     "prefill_tokens_per_s": (True, Scale.TOKENS_PER_S, "prefill throughput"),
     "decode_tokens_per_s": (True, Scale.TOKENS_PER_S, "decode throughput"),
-    "ttft_ms_p50": (False, Scale.MILLISECONDS, "time to first token (p50)"),
-    "ttft_ms_p90": (False, Scale.MILLISECONDS, "time to first token (p90)"),
-    "ttft_ms_p99": (False, Scale.MILLISECONDS, "time to first token (p99)"),
-    "itl_ms_p50": (False, Scale.MILLISECONDS, "inter-token latency (p50)"),
-    "itl_ms_p90": (False, Scale.MILLISECONDS, "inter-token latency (p90)"),
-    "itl_ms_p99": (False, Scale.MILLISECONDS, "inter-token latency (p99)"),
+    **{
+        f"{figure}_ms_p{q}": (False, Scale.MILLISECONDS, f"{label} (p{q})")
+        for figure, label in (("ttft", "time to first token"), ("itl", "inter-token latency"))
+        for q in (50, 90, 99)
+    },
     "energy_joules_per_token": (False, Scale.JOULES, "energy per output token"),
     "local_roofline_decode_tokens_per_s": (True, Scale.TOKENS_PER_S, "decode roofline here"),
     "roofline_efficiency": (True, Scale.FRACTION, "roofline efficiency"),
@@ -200,14 +191,13 @@ def spec(key: str, declared: Mapping[str, Declared] | None = None) -> MetricSpec
             higher, scale, label = _FIXED[entry]
             return MetricSpec(key, entry, higher, scale, label.format(**match.groupdict()))
     if (parsed := EvalKey.parse(key)) is not None:
-        found = declared.get(str(replace(parsed, stderr=False)))  # a stderr key: its score's
-        scale = found.scale if found else Scale.SCORE
-        if parsed.stderr:  # lm-eval's standard error of the score (unpaired; quantlab's verdicts use the paired ones)
-            return MetricSpec(key, "eval/<task>/<metric>_stderr[:<filter>]", None, scale, parsed.label)
-        higher = found.higher_is_better if found else None  # lm-eval's higher_is_better
-        return MetricSpec(key, "eval/<task>/<metric>[:<filter>]", higher, scale, parsed.label)
-    if (paired := parse_paired_key(key)) is not None:
-        metric_key, statistic = paired
+        # A stderr key (lm-eval's unpaired standard error; quantlab's verdicts use the paired ones): its score's scale.
+        found = declared.get(str(replace(parsed, stderr=False)), Declared(None, Scale.SCORE))
+        higher = None if parsed.stderr else found.higher_is_better  # lm-eval's higher_is_better
+        entry = "eval/<task>/<metric>" + (STDERR_SUFFIX if parsed.stderr else "") + "[:<filter>]"
+        return MetricSpec(key, entry, higher, found.scale, parsed.label)
+    metric_key, _, statistic = key.removeprefix(PAIRED_PREFIX).rpartition("/")
+    if key.startswith(PAIRED_PREFIX) and metric_key and statistic in PAIRED_STATISTICS:
         base = spec(metric_key, declared)
         # A difference is better the more it favours the variant in the metric's direction.
         higher = base.higher_is_better if statistic in ("diff", "ci95_low", "ci95_high") else None

@@ -12,7 +12,6 @@ from quantlab.metrics import (
     declared_tags,
     has_entry,
     paired_key,
-    parse_paired_key,
     spec,
     unknown_directions,
 )
@@ -84,7 +83,8 @@ def test_unknown_keys_are_named_not_guessed() -> None:
 def test_paired_keys_round_trip() -> None:
     key = paired_key("eval/gsm8k/exact_match:strict-match", "se")
     assert key == "quality/paired/eval/gsm8k/exact_match:strict-match/se"
-    assert parse_paired_key(key) == ("eval/gsm8k/exact_match:strict-match", "se")
+    assert spec(key, GSM8K).entry == "quality/paired/<metric>/se"
+    assert spec(key, GSM8K).label == "gsm8k exact_match (strict-match): paired se"
     with pytest.raises(ValueError, match="unknown paired statistic"):
         paired_key("quality/ppl", "stderr")
 
