@@ -198,12 +198,8 @@ class Decision:
             "policy": self.policy.model_dump(mode="json"),
             "checks": list(self.checks),
             "unchecked": list(self.unchecked),
-            "variants": [asdict(verdict, dict_factory=_plain) for verdict in self.verdicts],
+            "variants": [asdict(verdict) for verdict in self.verdicts],  # str enums: their values in JSON
         }
-
-
-def _plain(items: list[tuple[str, Any]]) -> dict[str, Any]:
-    return {key: value.value if isinstance(value, Enum) else value for key, value in items}
 
 
 def _shown(objective: Axis, value: float | None) -> str:

@@ -16,7 +16,7 @@ from quantlab.metrics import Declared, MetricSpec, Scale, is_eval_score, paired_
 from quantlab.metrics import spec as metric_spec
 from quantlab.metrics import unknown_directions as contract_unknown_directions
 from quantlab.paired import DocumentScores, Group, NotPaired, PairedComparison, combine, compare
-from quantlab.policy import Policy, format_change
+from quantlab.policy import KLD_MEAN, Policy, finite, format_change
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,7 @@ class VariantSummary:
 
     def value(self, metric: str) -> float | None:
         """None when not logged or not finite: a diverged measurement must not win a frontier."""
-        number = math.nan if self.metrics.get(metric) is None else float(self.metrics[metric])
-        return number if math.isfinite(number) else None
+        return finite(self.metrics.get(metric))
 
 
 def merged_declared(variants: Iterable[VariantSummary]) -> dict[str, Declared]:
@@ -150,7 +149,6 @@ class AxisPair:
 
 
 DEFAULT_COST_METRICS: tuple[str, ...] = ("cost/weight_bytes", "cost/decode_tokens_per_s")
-DEFAULT_DAMAGE_METRICS: tuple[str, ...] = ("quality/kld_mean",)
 # Token-level figures shown beside the task scores (paired noise for them comes later, per token).
 DAMAGE_METRICS: tuple[str, ...] = ("quality/kld_mean", "quality/top1_agreement", "quality/ppl")
 
@@ -159,34 +157,12 @@ def logged_keys(variants: Iterable[VariantSummary]) -> set[str]:
     return {key for variant in variants if variant.succeeded for key in variant.metrics}
 
 
-def task_scores(variants: Sequence[VariantSummary], declared: Mapping[str, Declared]) -> list[str]:
-    """Every lm-eval score (filtered ones too) whose direction is declared, sorted."""
-    return sorted(
-        key for key in logged_keys(variants) if is_eval_score(key) and metric_spec(key, declared).direction_known
-    )
-
-
-def quality_metrics(
-    variants: Sequence[VariantSummary], declared: Mapping[str, Declared], damage: Iterable[str] = DAMAGE_METRICS
-) -> list[str]:
-    """The task scores, then the damage figures a succeeded variant logged."""
+def quality_metrics(variants: Sequence[VariantSummary], declared: Mapping[str, Declared]) -> list[str]:
+    """Every lm-eval score (filtered ones too) whose direction is declared, sorted, then the damage figures;
+    what a succeeded variant logged."""
     logged = logged_keys(variants)
-    return [*task_scores(variants, declared), *(key for key in damage if key in logged)]
-
-
-def default_axis_pairs(
-    variants: Sequence[VariantSummary], declared: Mapping[str, Declared] | None = None
-) -> tuple[AxisPair, ...]:
-    """Every lm-eval score of known direction, and mean KL, against weight size and decode speed;
-    only pairs some succeeded variant can be placed on (a CPU sweep has no speed plots)."""
-    declared = merged_declared(variants) if declared is None else declared
-    succeeded = [variant for variant in variants if variant.succeeded]
-    return tuple(
-        AxisPair(Axis.of(quality, declared=declared), Axis.of(cost, declared=declared))
-        for cost in DEFAULT_COST_METRICS
-        for quality in quality_metrics(variants, declared, DEFAULT_DAMAGE_METRICS)
-        if any(v.value(quality) is not None and v.value(cost) is not None for v in succeeded)
-    )
+    scores = sorted(key for key in logged if is_eval_score(key) and metric_spec(key, declared).direction_known)
+    return [*scores, *(key for key in DAMAGE_METRICS if key in logged)]
 
 
 # (metric key, first variant, second variant) -> second minus first, or None without paired figures.
@@ -314,14 +290,6 @@ class FrontierResult:
     def on_front(self) -> tuple[str, ...]:
         return tuple(point.name for point in self.points if point.on_front)
 
-    @property
-    def dominated(self) -> dict[str, tuple[str, ...]]:
-        return {point.name: point.dominated_by for point in self.points if not point.on_front}
-
-    @property
-    def ties(self) -> dict[str, tuple[str, ...]]:
-        return {point.name: point.tied_with for point in self.points if point.tied_with}
-
     def point(self, name: str) -> FrontierPoint | None:
         return next((point for point in self.points if point.name == name), None)
 
@@ -423,7 +391,7 @@ class FrontierSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    axes: list[AxisSettings] | None = None  # None: `default_axis_pairs`
+    axes: list[AxisSettings] | None = None  # None: the defaults of `axis_pairs`
     objective: str = "cost/weight_bytes"
     objective_higher_is_better: bool | None = None
     default_policy: Policy = Field(default_factory=Policy)  # the report's recommendation: `quantlab pick` bare
@@ -439,10 +407,19 @@ class FrontierSettings(BaseModel):
     def axis_pairs(
         self, variants: Sequence[VariantSummary], declared: Mapping[str, Declared] | None = None
     ) -> tuple[AxisPair, ...]:
-        """The pairs to draw, less explicit axes of a still unknown direction (`compute_frontiers` names them)."""
+        """The pairs to draw, less explicit axes of a still unknown direction (`compute_frontiers` names them).
+        By default every lm-eval score of known direction, and mean KL, against weight size and decode speed:
+        only pairs some succeeded variant can be placed on (a CPU sweep has no speed plots)."""
         declared = merged_declared(variants) if declared is None else declared
         if self.axes is None:
-            return default_axis_pairs(variants, declared)
+            succeeded = [variant for variant in variants if variant.succeeded]
+            return tuple(
+                AxisPair(Axis.of(quality, declared=declared), Axis.of(cost, declared=declared))
+                for cost in DEFAULT_COST_METRICS
+                for quality in quality_metrics(variants, declared)
+                if is_eval_score(quality) or quality == KLD_MEAN
+                if any(v.value(quality) is not None and v.value(cost) is not None for v in succeeded)
+            )
         pairs = []
         for axis in self.axes:
             with contextlib.suppress(UnknownDirectionError):
@@ -462,7 +439,7 @@ class Frontiers:
     @property
     def on_front(self) -> frozenset[str]:
         """Variants on the front of at least one pair: the `quantlab.on_frontier=true` ones."""
-        return on_frontier_names(self.results)
+        return frozenset(name for result in self.results for name in result.on_front)
 
 
 def compute_frontiers(
@@ -483,10 +460,6 @@ def compute_frontiers(
         direction_unknown=tuple(contract_unknown_directions(logged_keys(variants), declared)),
         vs_baseline=versus,
     )
-
-
-def on_frontier_names(results: Iterable[FrontierResult]) -> frozenset[str]:
-    return frozenset(name for result in results for name in result.on_front)
 
 
 def frontiers_to_dict(frontiers: Frontiers) -> dict[str, Any]:

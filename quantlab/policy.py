@@ -155,7 +155,7 @@ class Policy(BaseModel):
         rules = []
         for key, limit in self.max_drop.items():
             metric = spec(key, declared)
-            value = _finite(baseline.get(key))
+            value = finite(baseline.get(key))
             # A metric the baseline lacks is reported per variant, not bad input.
             if value is not None and (problem := limit_problem(key, limit, metric)):
                 raise PolicyError(f"{key}={limit.text}: {problem}")
@@ -260,7 +260,7 @@ def any_task_metrics(baseline: Mapping[str, float], declared: Mapping[str, Decla
     return [
         key
         for key, value in baseline.items()
-        if is_eval_score(key) and _finite(value) is not None and not _any_task_problem(spec(key, declared))
+        if is_eval_score(key) and finite(value) is not None and not _any_task_problem(spec(key, declared))
     ]
 
 
@@ -336,5 +336,5 @@ def format_change(metric: MetricSpec, change: float, *, signed: bool = True) -> 
     return sign + format_value(metric, abs(change))
 
 
-def _finite(value: float | None) -> float | None:
+def finite(value: float | None) -> float | None:
     return None if value is None or not math.isfinite(value) else float(value)

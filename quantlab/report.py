@@ -20,7 +20,8 @@ from quantlab.frontier import (
     describe_comparison,
     find_baseline,
     format_diff,
-    task_scores,
+    logged_keys,
+    quality_metrics,
 )
 from quantlab.metrics import Scale
 from quantlab.metrics import spec as metric_spec
@@ -56,10 +57,9 @@ class Table:
 
 
 def key_metrics(variants: Sequence[VariantSummary], frontiers: Frontiers) -> tuple[str, ...]:
-    """The columns worth showing: every task score of known direction, then damage, then cost."""
-    logged = {key for variant in variants for key in variant.metrics}
-    fixed = [key for key in (*DAMAGE_METRICS, *KEY_COST_METRICS) if key in logged]
-    return (*task_scores(variants, frontiers.declared), *fixed)
+    """The columns worth showing: the quality metrics, then cost."""
+    logged = logged_keys(variants)
+    return (*quality_metrics(variants, frontiers.declared), *(key for key in KEY_COST_METRICS if key in logged))
 
 
 def _cell(variant: VariantSummary, metric: str, frontiers: Frontiers, baseline: VariantSummary | None) -> str:
