@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, QuantizationStatus
 
-from quantlab.measure.kernels import describe_quantization_args, kernel_path, linear_kernel_path
+from quantlab.measure.provenance import describe_quantization_args, kernel_path, linear_kernel_path
 
 INT4_G64 = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=64, symmetric=True)
 FP8_CHANNEL = QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from quantlab.measure.accelerators import BUILTIN_ACCELERATORS, accelerator_table, find_accelerator
-from quantlab.measure.settings import MeasureSettings
+from quantlab.measure.settings import BUILTIN_ACCELERATORS, MeasureSettings, accelerator_table, find_accelerator
 
 
 def error_locations(**settings) -> list[tuple]:

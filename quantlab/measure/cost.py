@@ -22,7 +22,6 @@ import numpy as np
 import psutil
 import torch
 
-from quantlab.measure.kernels import kernel_path
 from quantlab.measure.modeled import (
     ModeledCost,
     ModelShape,
@@ -32,7 +31,7 @@ from quantlab.measure.modeled import (
     modeled_cost,
     streamed_weight_bytes,
 )
-from quantlab.measure.provenance import describe_engine, describe_hardware, visible_cores
+from quantlab.measure.provenance import describe_engine, describe_hardware, kernel_path, visible_cores
 from quantlab.measure.settings import MeasureSettings
 from quantlab.measure.timing import (
     BandwidthReading,

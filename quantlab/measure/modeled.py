@@ -14,9 +14,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from quantlab.measure.accelerators import AcceleratorSpec
 from quantlab.measure.checkpoint import CheckpointFacts
-from quantlab.measure.settings import KvCacheDtype, MeasureSettings
+from quantlab.measure.settings import AcceleratorSpec, KvCacheDtype, MeasureSettings
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "fp8": 1, "float8_e4m3fn": 1}
 _DEFAULT_KV_BYTES = 2  # servers keep the KV cache in BF16/FP16 unless told otherwise

@@ -1,11 +1,17 @@
-"""What produced a measured figure (engine, kernel path, hardware, clock), and the machine a variant ran on."""
+"""What produced a measured figure (engine, kernel path, hardware, clock), and the machine a variant ran on.
+
+The kernel path matters: a measured tokens/s means little without it (one FP8 checkpoint runs FP8 matmuls on an
+H100, BF16 ones on a CPU). Read it after the model has run: compressed-tensors decompresses on the first forward.
+"""
 
 from __future__ import annotations
 
 import os
 import platform
+from collections import Counter
 from collections.abc import Sequence
 from functools import cache
+from typing import Any
 
 import torch
 
@@ -61,3 +67,72 @@ def describe_hardware(devices: Sequence[torch.device]) -> str:
     if not indices:
         return f"CPU: {host}"
     return f"GPU: {'; '.join(map(_describe_gpu, indices))}; host: {host}"
+
+
+_DTYPE_NAMES = {
+    torch.float32: "FP32",
+    torch.bfloat16: "BF16",
+    torch.float16: "FP16",
+    torch.float8_e4m3fn: "FP8 E4M3",
+    torch.float8_e5m2: "FP8 E5M2",
+    torch.int8: "INT8",
+    torch.uint8: "UINT8",
+    torch.int32: "INT32",
+}
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def describe_quantization_args(args: Any) -> str:
+    """compressed-tensors QuantizationArgs in words, e.g. "INT4 group-64 symmetric"."""
+    number = "FP" if str(getattr(args.type, "value", args.type)) == "float" else "INT"
+    strategy = str(getattr(args.strategy, "value", args.strategy) or "")
+    granularity = {
+        "group": f"group-{args.group_size}",
+        "channel": "per-channel",
+        "tensor": "per-tensor",
+        "token": "per-token",
+        "block": f"block-{args.block_structure}",
+        "tensor_group": f"tensor-group-{args.group_size}",
+    }.get(strategy, strategy)
+    words = [f"{number}{args.num_bits}", granularity, "dynamic" if args.dynamic is True else ""]
+    if number == "INT":
+        words.append("symmetric" if args.symmetric else "asymmetric")
+    return " ".join(word for word in words if word)
+
+
+def linear_kernel_path(module: torch.nn.Module) -> str:
+    """The path one linear layer's matmul takes."""
+    if type(module).__name__ == "CompressedTensorsFP8Linear":
+        return "FP8 matmul (torch scaled_mm, row-wise scales; transformers CompressedTensorsFP8Linear)"
+    weight = getattr(module, "weight", None)
+    compute = "unknown dtype"
+    if isinstance(weight, torch.Tensor):
+        compute = _DTYPE_NAMES.get(weight.dtype, str(weight.dtype).removeprefix("torch."))
+    scheme = getattr(module, "quantization_scheme", None)
+    if scheme is None or scheme.weights is None or not getattr(module, "quantization_enabled", True):
+        return f"{compute} matmul"
+    stored = describe_quantization_args(scheme.weights)
+    if hasattr(module, "weight_packed") or (isinstance(weight, torch.Tensor) and weight.dtype in _FP8_DTYPES):
+        return f"{stored} weights still compressed (compressed-tensors decompresses them on the first forward)"
+    from compressed_tensors.quantization import QuantizationStatus  # installed: it attached the scheme
+
+    status = getattr(module, "quantization_status", None)
+    # Before compression, compressed-tensors quantize-dequantizes the weights every forward.
+    if status is not None and status < QuantizationStatus.COMPRESSED:
+        path = f"{stored} weights fake-quantized each forward, {compute} matmul"
+    else:
+        path = f"{stored} weights dequantized to {compute} once, {compute} matmul"
+    if scheme.input_activations is not None:
+        path += f", {describe_quantization_args(scheme.input_activations)} activations fake-quantized"
+    return path
+
+
+def kernel_path(model: torch.nn.Module) -> str:
+    """Every distinct linear-layer path with how many layers take it, most common first,
+    then where the weights live, e.g. "BF16 matmul (211 Linear) on CPU"."""
+    paths = Counter(linear_kernel_path(module) for module in model.modules() if isinstance(module, torch.nn.Linear))
+    devices = sorted({str(parameter.device) for parameter in model.parameters()})
+    placement = "CPU" if devices == ["cpu"] else ", ".join(devices)
+    if not paths:
+        return f"no torch.nn.Linear layers found, on {placement}"
+    return "; ".join(f"{path} ({count} Linear)" for path, count in paths.most_common()) + f" on {placement}"
