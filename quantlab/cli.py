@@ -29,8 +29,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console(soft_wrap=True)
-err = Console(stderr=True)
+out = Console(soft_wrap=True, highlight=False)
+err = Console(stderr=True, soft_wrap=True, highlight=False)
 
 TrackingUri = Annotated[
     str | None,
@@ -41,10 +41,6 @@ TrackingUri = Annotated[
 CacheDir = Annotated[
     Path | None, typer.Option(help="Checkpoint cache. Default: $QUANTLAB_CACHE_DIR or ~/.cache/quantlab.")
 ]
-
-
-def _say(text: str) -> None:
-    out.print(text, highlight=False)
 
 
 class _SweepProgress(Progress):
@@ -73,14 +69,7 @@ class _SweepProgress(Progress):
         else:
             seconds = ", ".join(f"{stage} {value:.0f}s" for stage, value in result.stage_seconds.items())
             line = f"[green]✓[/] {variant}{' (checkpoint reused)' if result.reused_checkpoint else ''}: {seconds}"
-        self.console.print(line, highlight=False)
-
-
-def _open_store(flag: str | None):
-    """The store the flag (or the environment, or the default) names, checked usable: bad input otherwise."""
-    from quantlab.tracking import open_store, tracking_uri
-
-    return open_store(tracking_uri(flag))
+        self.console.print(line)
 
 
 @app.command()
@@ -110,18 +99,19 @@ def sweep(
     cache_dir: CacheDir = None,
 ) -> None:
     """Quantize, evaluate, measure and log every variant of RECIPE; then publish the frontier."""
+    from quantlab import tracking
     from quantlab.cache import default_root
     from quantlab.checks import validate
+    from quantlab.executors import EXECUTORS
     from quantlab.sweep import SweepOptions, run_sweep
-    from quantlab.tracking import run_address, shown_uri
 
     try:
-        if executor not in ("local", "ray", "inprocess"):
-            raise bad_input("--executor", "", f"'{executor}' is not one of: local, ray, inprocess")
+        if executor not in EXECUTORS:
+            raise bad_input("--executor", "", f"'{executor}' is not one of: {', '.join(EXECUTORS)}")
         cache_root = (cache_dir or default_root()).resolve()
         loaded = validate(recipe, cache_root)
-        uri = _open_store(tracking_uri).uri
-        options = SweepOptions(uri, cache_root, executor, force, tuple(only or ()), ray_address)  # type: ignore[arg-type]
+        uri = tracking.open_store(tracking.tracking_uri(tracking_uri)).uri
+        options = SweepOptions(uri, cache_root, executor, force, tuple(only or ()), ray_address)
         # SIGTERM (a scheduler stopping the job) ends the sweep like Ctrl-C: its runs are marked KILLED.
         signal.signal(signal.SIGTERM, signal.default_int_handler)
         columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
@@ -130,20 +120,18 @@ def sweep(
     except KeyboardInterrupt:
         err.print(
             "Interrupted: this sweep's unfinished runs are marked KILLED. Run the same command again to resume; "
-            "finished variants are copied, not recomputed.",
-            highlight=False,
-            soft_wrap=True,
+            "finished variants are copied, not recomputed."
         )
         raise typer.Exit(130) from None
     if outcome.reused:
-        _say(f"Reused (unchanged, not recomputed): {', '.join(outcome.reused)}; --force recomputes.")
+        out.print(f"Reused (unchanged, not recomputed): {', '.join(outcome.reused)}; --force recomputes.")
     failed = ", ".join(outcome.failures)
     out.print(
-        f"Logged to {shown_uri(uri)}, experiment '{loaded.recipe.name}', parent run {outcome.parent_run_id}."
+        f"Logged to {tracking.shown_uri(uri)}, experiment '{loaded.recipe.name}', parent run {outcome.parent_run_id}."
         + (f" [red]Failed: {failed}[/]" if failed else "")
     )
-    if (address := run_address(uri, outcome.experiment_id, outcome.parent_run_id)) is not None:
-        _say(f"View it at {address}")
+    if (address := tracking.run_address(uri, outcome.experiment_id, outcome.parent_run_id)) is not None:
+        out.print(f"View it at {address}")
     raise typer.Exit(outcome.exit_code)
 
 
@@ -158,9 +146,9 @@ def validate_command(recipe: Annotated[Path, typer.Argument(help="Recipe YAML to
     remember_lookups(loaded, cache_root)
     names = ", ".join(f"{variant.name} ({variant.method})" for variant in loaded.recipe.variants)
     checked = "OK offline" if loaded.needs_hub else "OK"
-    _say(f"{recipe}: {checked} - {len(loaded.recipe.variants)} variants: {names}")
+    out.print(f"{recipe}: {checked} - {len(loaded.recipe.variants)} variants: {names}")
     for what in loaded.needs_hub:
-        _say(f"  not checked, needs the hub (unreachable from here): {what}")
+        out.print(f"  not checked, needs the hub (unreachable from here): {what}")
 
 
 cache_app = typer.Typer(help="The checkpoint cache.", no_args_is_help=True)
@@ -196,8 +184,8 @@ def cache_verify(cache_dir: CacheDir = None) -> None:
                 line = f"[red]✗[/] {path.name}: {'; '.join(problems)}; set aside as {aside.name}"
             else:
                 line = f"[green]✓[/] {path.name}: ok"
-            progress.console.print(line, highlight=False)
-    _say(f"{len(checkpoints)} checkpoints checked, {bad} bad")
+            progress.console.print(line)
+    out.print(f"{len(checkpoints)} checkpoints checked, {bad} bad")
     raise typer.Exit(1 if bad else 0)
 
 
@@ -212,17 +200,17 @@ def ui(
     """Serve the MLflow UI on the project's store and print the address of the runs table."""
     import subprocess
 
-    from quantlab.tracking import ui_addresses
+    from quantlab import tracking
 
-    store = _open_store(tracking_uri)
+    store = tracking.open_store(tracking.tracking_uri(tracking_uri))
     options = ["--backend-store-uri", store.uri, "--host", host, "--port", str(port)]
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped like Ctrl-C, its helpers with it
     # Its job runners (seven huey consumers) serve GenAI features, not the runs we browse.
     env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ}
     # mlflow ui starts helper processes: a session of its own lets us stop them all together.
     server = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", *options], start_new_session=True, env=env)
-    for name, address in ui_addresses(store, host, port):
-        _say(f"{name}: {address}")
+    for name, address in tracking.ui_addresses(store, host, port):
+        out.print(f"{name}: {address}")
     out.print("Press Ctrl-C to stop.")
     try:
         raise typer.Exit(server.wait())
@@ -238,11 +226,11 @@ AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of a ta
 
 
 def _sweep_view(experiment: str | None, tracking_uri: str | None):
+    from quantlab import tracking
     from quantlab.publish import read_sweep
-    from quantlab.tracking import latest_sweep
 
-    store = _open_store(tracking_uri)
-    return store, read_sweep(store, latest_sweep(store, experiment).run_id)
+    store = tracking.open_store(tracking.tracking_uri(tracking_uri))
+    return store, read_sweep(store, tracking.latest_sweep(store, experiment).run_id)
 
 
 def _print_table(table) -> None:
@@ -274,7 +262,7 @@ def frontier(experiment: Experiment = None, tracking_uri: TrackingUri = None, as
         return
     _print_table(variants_table(view.variants, found))
     for line in frontier_lines(found):
-        _say(line)
+        out.print(line)
 
 
 @app.command()
@@ -293,7 +281,7 @@ def report(
 
     _, view = _sweep_view(experiment, tracking_uri)
     for path in render_artifacts(view, out_dir):
-        _say(f"wrote {path}")
+        out.print(f"wrote {path}")
 
 
 @app.command("pick")
@@ -349,7 +337,7 @@ def pick_command(
         _print_decision(decision)
         if reg := record.get("registered"):
             state = "registered as new" if reg["new_version"] else "already registered as"
-            _say(f"{decision.chosen} {state} version {reg['version']} of '{reg['model']}', alias '{reg['alias']}'")
+            out.print(f"{decision.chosen} {state} version {reg['version']} of '{reg['model']}', alias '{reg['alias']}'")
     raise typer.Exit(0 if decision.chosen else 1)
 
 
@@ -395,12 +383,12 @@ def _pick_policy(view, max_drop: list[str], **bounds: float | None):
 
 def _print_decision(decision) -> None:
     """The summary, then each variant's verdict in words: the chosen one's evidence, the others' reasons."""
-    _say(decision.summary)
+    out.print(decision.summary)
     for verdict in decision.verdicts:
         lines = [check.detail for check in verdict.checks] if verdict.name == decision.chosen else list(verdict.reasons)
-        _say(f"  {verdict.name} ({verdict.status.words}): {'; '.join(lines) or 'no limits to check'}")
+        out.print(f"  {verdict.name} ({verdict.status.words}): {'; '.join(lines) or 'no limits to check'}")
     if decision.unchecked:
-        _say(f"  not checked by the any-task limit: {', '.join(decision.unchecked)}")
+        out.print(f"  not checked by the any-task limit: {', '.join(decision.unchecked)}")
 
 
 def main() -> None:
@@ -409,7 +397,7 @@ def main() -> None:
         app()
     except BadInput as error:
         for problem in error.problems:
-            err.print(f"[bold red]error:[/] {problem}", highlight=False, soft_wrap=True)
+            err.print(f"[bold red]error:[/] {problem}")
         sys.exit(2)
 
 

@@ -208,9 +208,9 @@ def _ray_task(job: VariantJob, log_path: str) -> VariantResult:
     return run_variant(job)
 
 
-def make_executor(kind: str, ray_address: str | None) -> LocalExecutor | RayExecutor:
-    if kind == "ray":
-        return RayExecutor(ray_address)
-    if kind not in ("local", "inprocess"):
-        raise ValueError(f"unknown executor '{kind}'; known: local, inprocess, ray")
-    return InProcessExecutor() if kind == "inprocess" else LocalExecutor()
+# --executor's choices, each made from the sweep's --ray-address.
+EXECUTORS: dict[str, Callable[[str | None], LocalExecutor | RayExecutor]] = {
+    "local": lambda ray_address: LocalExecutor(),
+    "ray": RayExecutor,
+    "inprocess": lambda ray_address: InProcessExecutor(),
+}

@@ -13,14 +13,14 @@ import tempfile
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Protocol
 
 import psutil
 
 from quantlab import cache, tracking
 from quantlab.checks import remember_lookups
 from quantlab.errors import BadInput, Problem
-from quantlab.executors import VariantFailed, make_executor
+from quantlab.executors import EXECUTORS, VariantFailed
 from quantlab.jobs import SAMPLES_FORMAT, BaselineOutputs, VariantJob, VariantResult
 from quantlab.recipe import LoadedRecipe
 from quantlab.tracking import SAMPLES_ARTIFACT
@@ -42,7 +42,7 @@ class SweepDisplay(Protocol):
 class SweepOptions:
     tracking_uri: str
     cache_root: Path
-    executor: Literal["local", "inprocess", "ray"] = "local"
+    executor: str = "local"  # a key of EXECUTORS
     force: bool = False
     only: tuple[str, ...] = ()
     ray_address: str | None = None
@@ -157,7 +157,7 @@ class SweepRuns:
                 to_run.append(VariantJob(self.loaded, name, self.options.cache_root, self.baseline, self.options.force))
         if not to_run:  # every variant copied: no executor (a Ray cluster) to start
             return
-        executor = make_executor(self.options.executor, self.options.ray_address)
+        executor = EXECUTORS[self.options.executor](self.options.ray_address)
         for job, outcome, log_path in executor.run(to_run, logs, self._stage):
             if isinstance(outcome, VariantResult):
                 try:
