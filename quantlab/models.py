@@ -227,8 +227,19 @@ def load_source_model(source: ModelSource, dtype: torch.dtype, device: str) -> L
 
 
 def load_checkpoint(checkpoint: Path, dtype: torch.dtype, device: str) -> LoadedModel:
-    """A saved variant (plain or compressed-tensors), spread over the GPUs on CUDA."""
-    return _load(checkpoint, dtype, device, {}, _fast_kernels(checkpoint, device))
+    """A saved variant (plain or compressed-tensors), spread over the GPUs on CUDA.
+
+    On CUDA, FP8 compressed-tensors weights stay FP8 and run FP8 matmuls (SM 8.9+) instead of being
+    dequantized; quantlab.measure.kernels reports which path ran (no FP8 matmuls: a warned fallback)."""
+    import json
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    fast = {}
+    if device == "cuda" and (config.get("quantization_config") or {}).get("quant_method") == "compressed-tensors":
+        from transformers.utils.quantization_config import CompressedTensorsConfig
+
+        fast = {"quantization_config": CompressedTensorsConfig(use_optimized_inference=True)}
+    return _load(checkpoint, dtype, device, {}, fast)
 
 
 def _load(location: str | Path, dtype: torch.dtype, device: str, tokenizer_args: dict, model_args: dict) -> LoadedModel:
@@ -239,18 +250,3 @@ def _load(location: str | Path, dtype: torch.dtype, device: str, tokenizer_args:
     placement = {"device_map": "auto"} if device == "cuda" else {}
     model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **placement, **model_args)
     return model.eval(), tokenizer
-
-
-def _fast_kernels(checkpoint: Path, device: str) -> dict:
-    """On CUDA, keep FP8 compressed-tensors weights in FP8 and run FP8 matmuls (SM 8.9+) instead of
-    dequantizing; quantlab.measure.kernels reports which path ran (no FP8 matmuls: a warned fallback)."""
-    import json
-
-    if device != "cuda":
-        return {}
-    config = json.loads((checkpoint / "config.json").read_text())
-    if (config.get("quantization_config") or {}).get("quant_method") != "compressed-tensors":
-        return {}
-    from transformers.utils.quantization_config import CompressedTensorsConfig
-
-    return {"quantization_config": CompressedTensorsConfig(use_optimized_inference=True)}

@@ -222,15 +222,11 @@ def _field_path(data: Any, loc: tuple) -> str:
         except (KeyError, IndexError, TypeError):  # pydantic's loc goes where the raw data does not
             node = None
         if isinstance(key, int):
-            path += f"[{key}]" + _name_label(node)
+            name = node.get("name") if isinstance(node, dict) else None
+            path += f"[{key}]" + (f" ({name})" if isinstance(name, str) else "")
         else:
             path += f".{key}" if path else str(key)
     return path
-
-
-def _name_label(item: Any) -> str:
-    name = item.get("name") if isinstance(item, dict) else None
-    return f" ({name})" if isinstance(name, str) else ""
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
@@ -267,7 +263,7 @@ def _listed(items: Any, prefix: str, duplicate: str, shown: str, problems: list[
         if not isinstance(item, dict):
             continue
         name = item.get("name")
-        field = f"{prefix}[{index}]{_name_label(item)}"
+        field = prefix + _field_path(items, (index,))
         if isinstance(name, str):
             if name in seen:
                 problems.append(Problem(shown, f"{field}.name", f"{duplicate} (also {prefix}[{seen[name]}])"))
