@@ -110,6 +110,7 @@ def limit_problem(key: str, limit: Limit, metric: MetricSpec | None = None) -> s
 # --- The policy ---
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+MetricName = Annotated[str, Field(min_length=1)]
 
 
 class Policy(BaseModel):
@@ -128,8 +129,8 @@ class Policy(BaseModel):
     max_peak_memory_bytes: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     # Any other logged figure, e.g. {"cost/ttft_ms_p99": 200}; a key here overrides the named
     # field for the same metric.
-    at_most: dict[str, FiniteFloat] = Field(default_factory=dict)
-    at_least: dict[str, FiniteFloat] = Field(default_factory=dict)
+    at_most: dict[MetricName, FiniteFloat] = Field(default_factory=dict)
+    at_least: dict[MetricName, FiniteFloat] = Field(default_factory=dict)
 
     @field_validator("max_drop")
     @classmethod
@@ -141,17 +142,10 @@ class Policy(BaseModel):
                 )
         return drops
 
-    @field_validator("at_most", "at_least")
-    @classmethod
-    def _named_metrics(cls, bounds: dict[str, float]) -> dict[str, float]:
-        if any(not key for key in bounds):
-            raise PydanticCustomError("bound", "a bound with an empty metric name")
-        return bounds
-
     def drop_rules(self, baseline: Mapping[str, float], declared: Mapping[str, Declared]) -> tuple[DropRule, ...]:
         """The drop limits made concrete against the baseline's logged metrics: `max_drop_any_task`
-        expands to its 0-1 lm-eval scores of known direction. Raises PolicyError for a named
-        limit that does not fit its metric as the sweep declared it."""
+        expands to its 0-1 lm-eval scores of known direction that `max_drop` does not name. Raises
+        PolicyError for a named limit that does not fit its metric as the sweep declared it."""
         rules = []
         for key, limit in self.max_drop.items():
             metric = spec(key, declared)
@@ -163,9 +157,10 @@ class Policy(BaseModel):
         if self.max_drop_any_task is not None:
             limit = Limit(self.max_drop_any_task, LimitKind.POINTS, f"{self.max_drop_any_task:g}")
             rules += [
-                DropRule(key, spec(key, declared), limit, baseline[key], "max_drop_any_task")
-                for key in sorted(any_task_metrics(baseline, declared))
-                if key not in self.max_drop
+                DropRule(key, spec(key, declared), limit, value, "max_drop_any_task")
+                for key, value in sorted(baseline.items())
+                if is_eval_score(key) and key not in self.max_drop and finite(value) is not None
+                if not _any_task_problem(spec(key, declared))
             ]
         return tuple(rules)
 
@@ -255,15 +250,6 @@ class PolicyError(ValueError):
     recipe_field = "frontier.default_policy.max_drop"
 
 
-def any_task_metrics(baseline: Mapping[str, float], declared: Mapping[str, Declared]) -> list[str]:
-    """The baseline's 0-1 lm-eval scores of known direction: what `max_drop_any_task` checks."""
-    return [
-        key
-        for key, value in baseline.items()
-        if is_eval_score(key) and finite(value) is not None and not _any_task_problem(spec(key, declared))
-    ]
-
-
 def unchecked_by_any_task(baseline: Mapping[str, float], declared: Mapping[str, Declared]) -> list[str]:
     """The baseline's lm-eval scores that `max_drop_any_task` cannot check, with why: to be named."""
     problems = {key: _any_task_problem(spec(key, declared)) for key in sorted(baseline) if is_eval_score(key)}
@@ -281,26 +267,21 @@ def _any_task_problem(metric: MetricSpec) -> str | None:
 # --- Command-line text: METRIC=LIMIT ---
 
 
-def parse_max_drop(text: str) -> tuple[str, Limit]:
-    """`METRIC=LIMIT` -> (metric, limit); ValueError saying what is wrong."""
-    metric, separator, limit_text = text.partition("=")
-    metric, limit_text = metric.strip(), limit_text.strip()
-    if not separator:
-        raise ValueError(f"{text!r}: expected METRIC=LIMIT, e.g. eval/mmlu_dev/acc=1 or quality/ppl=+2%")
-    if not metric:
-        raise ValueError(f"{text!r}: the metric name before '=' is missing")
-    if not limit_text:
-        raise ValueError(f"{text!r}: the limit after '=' is missing")
-    try:
-        return metric, parse_limit(limit_text)
-    except ValueError as error:
-        raise ValueError(f"{metric}={limit_text}: {error}") from None
-
-
 def parse_max_drops(texts: Iterable[str]) -> dict[str, Limit]:
+    """`METRIC=LIMIT` texts -> {metric: limit}; ValueError saying what is wrong."""
     drops: dict[str, Limit] = {}
     for text in texts:
-        metric, limit = parse_max_drop(text)
+        metric, separator, limit_text = (part.strip() for part in text.partition("="))
+        if not separator:
+            raise ValueError(f"{text!r}: expected METRIC=LIMIT, e.g. eval/mmlu_dev/acc=1 or quality/ppl=+2%")
+        if not metric:
+            raise ValueError(f"{text!r}: the metric name before '=' is missing")
+        if not limit_text:
+            raise ValueError(f"{text!r}: the limit after '=' is missing")
+        try:
+            limit = parse_limit(limit_text)
+        except ValueError as error:
+            raise ValueError(f"{metric}={limit_text}: {error}") from None
         if metric in drops:
             raise ValueError(f"{metric} given twice ({drops[metric].text} and {limit.text})")
         drops[metric] = limit
