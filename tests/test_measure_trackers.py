@@ -21,20 +21,21 @@ def allocate_and_hold(megabytes: int) -> torch.Tensor:
 def test_peak_rss_grows_when_the_window_allocates(monkeypatch, kernel_counter):
     if not kernel_counter:
         monkeypatch.setattr(trackers, "reset_high_water_mark", lambda: False)
+    before = trackers.current_rss_bytes()
     with MemoryTracker(CPU, sample_interval_s=0.001) as tracker:
         held = allocate_and_hold(200)
         del held
     reading = tracker.reading
-    assert reading.peak_bytes - reading.baseline_bytes >= 190 * MB
-    assert reading.peak_rss_bytes == reading.peak_bytes
+    assert reading.peak_bytes - before >= 190 * MB
     assert reading.process_peak_rss_bytes >= reading.peak_bytes
     assert ("high-water" in reading.peak_kind) == kernel_counter
 
 
-def test_peak_rss_of_a_quiet_window_stays_near_the_baseline():
+def test_peak_rss_of_a_quiet_window_stays_near_the_rss_before_it():
+    before = trackers.current_rss_bytes()
     with MemoryTracker(CPU) as tracker:
         pass
-    assert tracker.reading.peak_bytes - tracker.reading.baseline_bytes < 50 * MB
+    assert tracker.reading.peak_bytes - before < 50 * MB
 
 
 def test_gpu_only_figures_are_absent_with_a_reason_on_cpu():
@@ -42,8 +43,7 @@ def test_gpu_only_figures_are_absent_with_a_reason_on_cpu():
         allocate_and_hold(1)
     assert memory.reading.peak_device_memory_bytes is None
     assert "no CUDA device" in memory.reading.unavailable["peak_device_memory_bytes"]
-    assert energy.reading.joules is None
-    assert "no CUDA device" in energy.reading.unavailable_reason
+    assert "no CUDA device" in energy.reading  # why there are no joules
 
 
 def test_a_reading_before_the_window_closes_is_an_error():

@@ -11,8 +11,7 @@ last, once compressed-tensors has decompressed what it decompresses on the first
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from pathlib import Path
@@ -41,7 +40,7 @@ from quantlab.measure.timing import (
     random_prompt_ids,
     time_generation,
 )
-from quantlab.measure.trackers import EnergyReading, EnergyTracker, MemoryReading, MemoryTracker
+from quantlab.measure.trackers import EnergyTracker, MemoryReading, MemoryTracker
 
 TAG_PREFIX = "quantlab.cost."
 PERCENTILES = (50, 90, 99)
@@ -84,30 +83,26 @@ class BatchFigures:
 
     @classmethod
     def summarize(
-        cls, timings: Sequence[GenerationTiming], energy: EnergyReading, local_roofline: float | str
+        cls, timings: Sequence[GenerationTiming], joules: float | str, local_roofline: float | str
     ) -> BatchFigures:
-        """`local_roofline`: decode tokens/s ceiling on this hardware, or why there is none."""
+        """`joules` drawn by the timed generations, `local_roofline` decode tokens/s here: each, or why none."""
         ttft_ms = [timing.first_token_s * 1000 for timing in timings]
         itl_ms = [step * 1000 for timing in timings for step in timing.inter_token_s]
         decode = float(np.median([timing.decode_tokens_per_s for timing in timings]))
         generated = sum(timing.batch_size * timing.output_tokens for timing in timings)
-        unavailable = {}
-        if energy.joules is None:
-            unavailable["energy_joules_per_token"] = energy.unavailable_reason or "not measured"
-        if isinstance(local_roofline, str):
-            unavailable["local_roofline_decode_tokens_per_s"] = local_roofline
-            unavailable["roofline_efficiency"] = local_roofline
-        roofline = None if isinstance(local_roofline, str) else local_roofline
-        return cls(
-            batch_size=timings[0].batch_size,
-            prefill_tokens_per_s=float(np.median([timing.prefill_tokens_per_s for timing in timings])),
-            decode_tokens_per_s=decode,
+        figures = {  # a str says why the figure is absent
+            "prefill_tokens_per_s": float(np.median([timing.prefill_tokens_per_s for timing in timings])),
+            "decode_tokens_per_s": decode,
             **{f"ttft_ms_p{q}": float(np.percentile(ttft_ms, q)) for q in PERCENTILES},
             **{f"itl_ms_p{q}": float(np.percentile(itl_ms, q)) for q in PERCENTILES},
-            energy_joules_per_token=None if energy.joules is None else energy.joules / generated,
-            local_roofline_decode_tokens_per_s=roofline,
-            roofline_efficiency=None if roofline is None else decode / roofline,
-            unavailable=unavailable,
+            "energy_joules_per_token": joules if isinstance(joules, str) else joules / generated,
+            "local_roofline_decode_tokens_per_s": local_roofline,
+            "roofline_efficiency": local_roofline if isinstance(local_roofline, str) else decode / local_roofline,
+        }
+        return cls(
+            timings[0].batch_size,
+            **{name: None if isinstance(value, str) else value for name, value in figures.items()},
+            unavailable={name: value for name, value in figures.items() if isinstance(value, str)},
         )
 
     def figures(self) -> dict[str, float]:
@@ -197,24 +192,34 @@ def measure_cost(
     modeled = modeled_cost(None if saved_config else model.config, checkpoint_dir, settings)
     if not settings.enabled:
         return CostReport(modeled, None, load_seconds)
-    with _torch_threads(settings.cpu_threads):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(settings.cpu_threads or threads)
+    try:
         return CostReport(modeled, measure_loaded_model(model, tokenizer, settings), load_seconds)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def measure_loaded_model(model: Any, tokenizer: Any, settings: MeasureSettings) -> MeasuredCost:
     """The measured figures alone, and what produced them."""
+    config = config_dict(model.config)
+    needed = settings.prompt_tokens + settings.output_tokens
+    limit = config.get("max_position_embeddings")
+    if limit and needed > limit:
+        raise ValueError(
+            f"measure.prompt_tokens + measure.output_tokens = {needed} exceeds the model's "
+            f"max_position_embeddings ({limit})"
+        )
     devices = sorted({parameter.device for parameter in model.parameters()}, key=str)
     input_weight = model.get_input_embeddings().weight
-    _check_positions(model.config, settings)
     # The clock records where the logits come out: on the output embedding's device.
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     clock = clock_for(input_weight.device if output is None else output.weight.device, devices)
     special_ids = getattr(tokenizer, "all_special_ids", None) or []
-    vocab_size = config_dict(model.config)["vocab_size"]
 
-    def time_batch(batch_size: int) -> tuple[int, list[GenerationTiming], EnergyReading]:
+    def time_batch(batch_size: int) -> tuple[int, list[GenerationTiming], float | str]:
         prompt = random_prompt_ids(
-            batch_size, settings.prompt_tokens, vocab_size, settings.seed, input_weight.device, special_ids
+            batch_size, settings.prompt_tokens, config["vocab_size"], settings.seed, input_weight.device, special_ids
         )
         for _ in range(settings.warmup):
             time_generation(model, prompt, settings.output_tokens, clock)
@@ -230,7 +235,8 @@ def measure_loaded_model(model: Any, tokenizer: Any, settings: MeasureSettings) 
         input_weight.device, settings.bandwidth_probe_bytes, settings.bandwidth_probe_repeats
     )
 
-    loaded_bytes = loaded_weight_bytes(model)
+    # Parameters as loaded (a tied embedding once): on CPU, compressed checkpoints show up here decompressed.
+    loaded_bytes = sum(parameter.nbytes for parameter in model.parameters())
     batches = tuple(
         BatchFigures.summarize(
             timings, energy, _local_roofline(model, loaded_bytes, bandwidth.bytes_per_s, settings, batch_size)
@@ -250,32 +256,6 @@ def measure_loaded_model(model: Any, tokenizer: Any, settings: MeasureSettings) 
     if memory.reading.device_memory_scope:
         described["device_memory_scope"] = memory.reading.device_memory_scope
     return MeasuredCost(batches, memory.reading, bandwidth, loaded_bytes, described)
-
-
-@contextmanager
-def _torch_threads(threads: int | None) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads or before)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def _check_positions(config: Any, settings: MeasureSettings) -> None:
-    limit = config_dict(config).get("max_position_embeddings")
-    needed = settings.prompt_tokens + settings.output_tokens
-    if limit and needed > limit:
-        raise ValueError(
-            f"measure.prompt_tokens + measure.output_tokens = {needed} exceeds the model's "
-            f"max_position_embeddings ({limit})"
-        )
-
-
-def loaded_weight_bytes(model: Any) -> int:
-    """Bytes of the parameters as loaded (a tied embedding once): on CPU, compressed
-    checkpoints show up here decompressed."""
-    return sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
 
 
 def _local_roofline(

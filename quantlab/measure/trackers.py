@@ -120,8 +120,6 @@ class _Window(Generic[Reading]):
 class MemoryReading:
     peak_bytes: int  # the headline figure; `peak_kind` says what it counts
     peak_kind: str
-    baseline_bytes: int  # the same quantity when the window opened
-    peak_rss_bytes: int  # host resident set size over the window
     process_peak_rss_bytes: int  # over the process's life, loading included
     peak_device_memory_bytes: int | None  # NVML's view of device memory (CUDA only)
     device_memory_scope: str | None  # "this process" or "whole device"
@@ -155,8 +153,6 @@ class MemoryTracker(_Window[MemoryReading]):
         self._peak_before = _read_high_water_mark() or process_peak_rss_bytes()
         self._kernel_peak = reset_high_water_mark()
         self._peak_rss = current_rss_bytes()
-        # The headline quantity (see `_read`) when the window opens.
-        self._baseline = sum(map(torch.cuda.memory_allocated, self._cuda)) if self._cuda else self._peak_rss
         self._sample()
         # Only this thread samples between here and `__exit__`'s join: no lock needed.
         if not self._kernel_peak or not isinstance(self._nvml, str):
@@ -210,8 +206,6 @@ class MemoryTracker(_Window[MemoryReading]):
         return MemoryReading(
             peak_bytes=peak,
             peak_kind=kind,
-            baseline_bytes=self._baseline,
-            peak_rss_bytes=self._peak_rss,
             process_peak_rss_bytes=max(self._peak_before, self._peak_rss),
             peak_device_memory_bytes=self._peak_nvml,
             device_memory_scope=self._nvml_scope,
@@ -219,14 +213,9 @@ class MemoryTracker(_Window[MemoryReading]):
         )
 
 
-@dataclass(frozen=True)
-class EnergyReading:
-    joules: float | None  # energy of the whole devices over the window, other processes included
-    unavailable_reason: str | None
-
-
-class EnergyTracker(_Window[EnergyReading]):
-    """Energy the model's GPUs drew over a window, from NVML's cumulative counters (Volta and newer)."""
+class EnergyTracker(_Window[float | str]):
+    """Joules the model's GPUs drew over a window (whole devices, other processes included), from NVML's
+    cumulative counters (Volta and newer); or why there is no figure."""
 
     _nvml_figure = "energy"
 
@@ -237,9 +226,9 @@ class EnergyTracker(_Window[EnergyReading]):
     def __exit__(self, *exception: object) -> None:
         end_mj = self._counters()
         if isinstance(self._nvml, str):  # also when a counter read failed
-            self._reading = EnergyReading(None, self._nvml)
+            self._reading = self._nvml
         else:
-            self._reading = EnergyReading(sum(end - start for start, end in zip(self._start_mj, end_mj)) / 1000, None)
+            self._reading = sum(end - start for start, end in zip(self._start_mj, end_mj)) / 1000
 
     def _counters(self) -> list[int]:
         """Every device's counter in millijoules once its work is done; on failure (pre-Volta
