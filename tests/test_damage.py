@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from quantlab.evaluate.damage import (
+    flip_metrics,
     kld_stats,
     mcnemar_exact_p,
     paired_flips,
@@ -47,48 +48,44 @@ def test_perplexity_of_nothing_is_an_error():
 def test_kld_stats_on_a_known_grid():
     values = np.arange(1001) / 1000  # 0.000, 0.001, ..., 1.000: percentile q sits at q/100
     stats = kld_stats(values)
-    assert stats.mean == pytest.approx(0.5)
-    assert stats.median == pytest.approx(0.5)
-    assert stats.p90 == pytest.approx(0.9)
-    assert stats.p95 == pytest.approx(0.95)
-    assert stats.p99 == pytest.approx(0.99)
-    assert stats.p999 == pytest.approx(0.999)
-    assert stats.max == 1.0
+    assert stats["mean"] == pytest.approx(0.5)
+    assert stats["median"] == pytest.approx(0.5)
+    assert stats["p90"] == pytest.approx(0.9)
+    assert stats["p95"] == pytest.approx(0.95)
+    assert stats["p99"] == pytest.approx(0.99)
+    assert stats["p999"] == pytest.approx(0.999)
+    assert stats["max"] == 1.0
     expected_stderr = statistics.stdev(values.tolist()) / math.sqrt(len(values))
-    assert stats.mean_stderr == pytest.approx(expected_stderr, rel=1e-12)
+    assert stats["mean_stderr"] == pytest.approx(expected_stderr, rel=1e-12)
 
 
 def test_kld_percentiles_interpolate_linearly_like_llama_cpp():
     # llama.cpp: p = q·(n-1), value = (1-frac)·v[floor p] + frac·v[floor p + 1]
     stats = kld_stats(np.array([0.0, 1.0, 10.0]))
-    assert stats.p90 == pytest.approx(0.2 * 1.0 + 0.8 * 10.0)  # p = 1.8: 0.8 of the way from v[1] to v[2]
-    assert stats.median == 1.0
+    assert stats["p90"] == pytest.approx(0.2 * 1.0 + 0.8 * 10.0)  # p = 1.8: 0.8 of the way from v[1] to v[2]
+    assert stats["median"] == 1.0
 
 
 def test_token_damage_by_hand():
     baseline_nll = np.array([math.log(2), math.log(4)])  # p = 0.5, 0.25
     variant_nll = np.array([math.log(4), math.log(4)])  # p = 0.25, 0.25
-    damage = token_damage(
+    metrics = token_damage(
         kld=np.array([0.1, 0.3]), baseline_nll=baseline_nll, variant_nll=variant_nll, top1_match=np.array([True, False])
     )
-    assert damage.ppl == pytest.approx(4.0)
-    assert damage.baseline_ppl == pytest.approx(math.sqrt(8))
-    assert damage.ppl_tokens == 2
-    assert damage.top1_agreement == 0.5
-    assert damage.delta_p_mean == pytest.approx(-0.125)
-    assert damage.delta_p_rms == pytest.approx(math.sqrt(0.25**2 / 2))
-    assert damage.ln_ppl_ratio == pytest.approx(math.log(4.0 / math.sqrt(8)))
-    assert damage.kld.mean == pytest.approx(0.2)
-    metrics = damage.to_metrics()
-    assert set(metrics) == TOKEN_KEYS
-    assert all(isinstance(v, float) for v in metrics.values())
+    assert metrics["quality/ppl"] == pytest.approx(4.0)
     assert metrics["quality/ppl_tokens"] == 2.0
+    assert metrics["quality/top1_agreement"] == 0.5
+    assert metrics["quality/delta_p_mean"] == pytest.approx(-0.125)
+    assert metrics["quality/delta_p_rms"] == pytest.approx(math.sqrt(0.25**2 / 2))
+    assert metrics["quality/ln_ppl_ratio"] == pytest.approx(math.log(4.0 / math.sqrt(8)))
+    assert metrics["quality/kld_mean"] == pytest.approx(0.2)
+    assert set(metrics) == TOKEN_KEYS
+    assert all(type(v) is float for v in metrics.values())
 
 
 def test_baseline_against_itself_gives_zero_damage_with_the_same_keys():
     nll = np.array([0.5, 1.5, 2.5])
-    damage = token_damage(np.zeros(3), nll, nll, np.ones(3, dtype=bool))
-    metrics = damage.to_metrics()
+    metrics = token_damage(np.zeros(3), nll, nll, np.ones(3, dtype=bool))
     assert set(metrics) == TOKEN_KEYS
     for key in TOKEN_KEYS - {"quality/ppl", "quality/ppl_tokens", "quality/top1_agreement"}:
         assert metrics[key] == 0.0, key
@@ -118,45 +115,31 @@ def test_mcnemar_exact_p(correct_to_wrong, wrong_to_correct, expected):
 
 
 @pytest.mark.parametrize(
-    ("baseline", "variant", "both_correct", "both_wrong", "to_wrong", "to_correct", "p"),
+    ("baseline", "variant", "to_wrong", "to_correct", "p"),
     [
         (
             {0: 1.0, 1: 1.0, 2: 0.0, 3: 0.0, 4: 1.0},
             {0: 1.0, 1: 0.0, 2: 1.0, 3: 0.0, 4: 0.0},
-            1,
-            1,
-            (1, 4),
-            (2,),
+            [1, 4],
+            [2],
             1.0,  # 2 · P(X <= 1 | n=3) = 1
         ),
         (
             {i: 1.0 for i in range(8)},
             {i: 1.0 if i < 3 else 0.0 for i in range(8)},
-            3,
-            0,
-            (3, 4, 5, 6, 7),
-            (),
+            [3, 4, 5, 6, 7],
+            [],
             2 / 32,
         ),
-        (
-            {0: 0.0, 1: 1.0},
-            {0: 0.0, 1: 1.0},
-            1,
-            1,
-            (),
-            (),
-            1.0,
-        ),
+        ({0: 0.0, 1: 1.0}, {0: 0.0, 1: 1.0}, [], [], 1.0),
+        # lm-eval's int doc ids first, in order, then other harnesses' string ids
+        ({"b": 1.0, 10: 1.0, 2: 1.0, "a": 1.0}, {"b": 0.0, 10: 0.0, 2: 0.0, "a": 0.0}, [2, 10, "a", "b"], [], 1 / 8),
     ],
 )
-def test_paired_flips_tables(baseline, variant, both_correct, both_wrong, to_wrong, to_correct, p):
+def test_paired_flips_tables(baseline, variant, to_wrong, to_correct, p):
     flips = paired_flips("arc", baseline, variant)
-    assert (flips.both_correct, flips.both_wrong) == (both_correct, both_wrong)
-    assert flips.correct_to_wrong_ids == to_wrong
-    assert flips.wrong_to_correct_ids == to_correct
-    assert flips.flipped_doc_ids == tuple(sorted(to_wrong + to_correct))
-    assert flips.mcnemar_p == pytest.approx(p)
-    assert flips.to_metrics() == {
+    assert flips == {"correct_to_wrong": to_wrong, "wrong_to_correct": to_correct}
+    assert flip_metrics("arc", len(to_wrong), len(to_correct)) == {
         "quality/flips/arc": float(len(to_wrong) + len(to_correct)),
         "quality/flips/arc/correct_to_wrong": float(len(to_wrong)),
         "quality/flips/arc/wrong_to_correct": float(len(to_correct)),
@@ -166,8 +149,8 @@ def test_paired_flips_tables(baseline, variant, both_correct, both_wrong, to_wro
 
 def test_baseline_against_itself_has_no_flips():
     correctness = {0: 1.0, 1: 0.0, 2: 1.0}
-    metrics = paired_flips("mmlu_dev", correctness, correctness).to_metrics()
-    assert metrics == {
+    assert paired_flips("mmlu_dev", correctness, correctness) == {"correct_to_wrong": [], "wrong_to_correct": []}
+    assert flip_metrics("mmlu_dev", 0, 0) == {
         "quality/flips/mmlu_dev": 0.0,
         "quality/flips/mmlu_dev/correct_to_wrong": 0.0,
         "quality/flips/mmlu_dev/wrong_to_correct": 0.0,
@@ -186,15 +169,20 @@ def test_paired_flips_refuses_non_binary_correctness():
 
 
 def test_recovery_table():
-    baseline = {"acc": 0.5, "acc_stderr": 0.1, "acc_norm": 0.0, "f1": 0.0, "only_baseline": 1.0}
-    variant = {"acc": 0.4, "acc_stderr": 0.1, "acc_norm": 0.0, "f1": 0.2, "only_variant": 1.0}
-    metrics = recovery("arc", baseline, variant).to_metrics()
+    baseline = {"eval/arc/acc": 0.5, "eval/arc/acc_stderr": 0.1, "eval/arc/acc_norm": 0.0, "eval/arc/f1": 0.0}
+    variant = {"eval/arc/acc": 0.4, "eval/arc/acc_stderr": 0.1, "eval/arc/acc_norm": 0.0, "eval/arc/f1": 0.2}
+    baseline |= {"eval/arc/only_baseline": 1.0, "quality/ppl": 3.0}
+    variant |= {"eval/arc/only_variant": 1.0, "quality/ppl": 4.0}
+    metrics = recovery(baseline, variant)
     assert set(metrics) == {"quality/recovery/arc/acc", "quality/recovery/arc/acc_norm", "quality/recovery/arc/f1"}
     assert metrics["quality/recovery/arc/acc"] == pytest.approx(0.8)
     assert metrics["quality/recovery/arc/acc_norm"] == 1.0  # 0 of 0: nothing lost
     assert math.isnan(metrics["quality/recovery/arc/f1"])  # undefined, but the column stays
+    assert recovery({"eval/gsm8k/exact_match:strict-match": 0.5}, {"eval/gsm8k/exact_match:strict-match": 0.25}) == {
+        "quality/recovery/gsm8k/exact_match:strict-match": 0.5
+    }
 
 
 def test_baseline_recovers_itself_fully():
-    scores = {"acc": 0.31, "acc_norm": 0.0}
-    assert recovery("arc", scores, scores).ratios == {"acc": 1.0, "acc_norm": 1.0}
+    scores = {"eval/arc/acc": 0.31, "eval/arc/acc_norm": 0.0}
+    assert recovery(scores, scores) == {"quality/recovery/arc/acc": 1.0, "quality/recovery/arc/acc_norm": 1.0}

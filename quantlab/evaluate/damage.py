@@ -6,13 +6,15 @@ compared with itself yields the same keys (KL 0, agreement 1, no flips, recovery
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from quantlab.metrics import EVAL_PREFIX, is_eval_score
 from quantlab.paired import mcnemar_exact_p  # re-exported: the one exact McNemar test
+
+# quality/kld_<name> -> the percentile of the per-token KL it reports
+KLD_PERCENTILES = {"median": 50.0, "p90": 90.0, "p95": 95.0, "p99": 99.0, "p999": 99.9}
 
 
 def perplexity(nll: np.ndarray) -> float:
@@ -20,55 +22,26 @@ def perplexity(nll: np.ndarray) -> float:
     return math.exp(float(_as_1d_float64(nll, "nll").mean()))
 
 
-@dataclass(frozen=True)
-class KldStats:
-    """Distribution of the per-token KL divergence, in nats."""
-
-    mean: float
-    mean_stderr: float
-    median: float
-    p90: float
-    p95: float
-    p99: float
-    p999: float
-    max: float
-
-
-def kld_stats(per_token_kld: np.ndarray) -> KldStats:
-    """Summary of per-token KL values; the standard error uses the sample deviation (ddof=1).
+def kld_stats(per_token_kld: np.ndarray) -> dict[str, float]:
+    """Distribution of per-token KL values, in nats; the standard error uses the sample deviation (ddof=1).
     Percentiles interpolate linearly between order statistics, as llama.cpp and numpy do."""
     kld = _as_1d_float64(per_token_kld, "per_token_kld")
-    percentiles = np.percentile(kld, [50.0, 90.0, 95.0, 99.0, 99.9])
+    percentiles = np.percentile(kld, list(KLD_PERCENTILES.values()))
     # One token has no spread to estimate: 0 keeps the column numeric (exact for the baseline's KL of 0).
     stderr = float(kld.std(ddof=1) / math.sqrt(kld.size)) if kld.size > 1 else 0.0
-    return KldStats(float(kld.mean()), stderr, *map(float, percentiles), float(kld.max()))
-
-
-@dataclass(frozen=True)
-class TokenDamage:
-    """Token-level damage of one variant over the perplexity corpus."""
-
-    ppl: float
-    ppl_tokens: int
-    baseline_ppl: float
-    kld: KldStats
-    top1_agreement: float
-    delta_p_mean: float  # Δp = p_variant - p_baseline of the correct token, as a fraction
-    delta_p_rms: float
-    ln_ppl_ratio: float
-
-    def to_metrics(self) -> dict[str, float]:
-        """quality/<field> (the KL statistics as quality/kld_<statistic>); baseline_ppl is the baseline's own row."""
-        figures = asdict(self)
-        del figures["baseline_ppl"]
-        figures |= {f"kld_{name}": value for name, value in figures.pop("kld").items()}
-        return {f"quality/{name}": float(value) for name, value in figures.items()}
+    return {
+        "mean": float(kld.mean()),
+        "mean_stderr": stderr,
+        **dict(zip(KLD_PERCENTILES, percentiles.tolist())),
+        "max": float(kld.max()),
+    }
 
 
 def token_damage(
     kld: np.ndarray, baseline_nll: np.ndarray, variant_nll: np.ndarray, top1_match: np.ndarray
-) -> TokenDamage:
-    """Token-level damage from per-token arrays, all aligned on the same scored tokens."""
+) -> dict[str, float]:
+    """quality/<figure> of one variant over the perplexity corpus, from per-token arrays all aligned on the
+    same scored tokens (the KL statistics as quality/kld_<statistic>)."""
     kld = _as_1d_float64(kld, "kld")
     baseline_nll = _as_1d_float64(baseline_nll, "baseline_nll")
     variant_nll = _as_1d_float64(variant_nll, "variant_nll")
@@ -76,37 +49,17 @@ def token_damage(
     sizes = {a.size for a in (kld, baseline_nll, variant_nll, top1_match)}
     if len(sizes) != 1:
         raise ValueError(f"per-token arrays differ in length: {sorted(sizes)}")
-    delta_p = np.exp(-variant_nll) - np.exp(-baseline_nll)
-    return TokenDamage(
-        ppl=perplexity(variant_nll),
-        ppl_tokens=int(variant_nll.size),
-        baseline_ppl=perplexity(baseline_nll),
-        kld=kld_stats(kld),
-        top1_agreement=float(top1_match.mean()),
-        delta_p_mean=float(delta_p.mean()),
-        delta_p_rms=float(np.sqrt(np.mean(delta_p**2))),
+    delta_p = np.exp(-variant_nll) - np.exp(-baseline_nll)  # of the correct token, as a fraction
+    figures = {
+        "ppl": perplexity(variant_nll),
+        "ppl_tokens": variant_nll.size,
+        "top1_agreement": top1_match.mean(),
+        "delta_p_mean": delta_p.mean(),
+        "delta_p_rms": np.sqrt(np.mean(delta_p**2)),
         # Difference of mean NLLs rather than log of a ratio of rounded perplexities.
-        ln_ppl_ratio=float(variant_nll.mean() - baseline_nll.mean()),
-    )
-
-
-@dataclass(frozen=True)
-class FlipStats:
-    """Paired per-sample comparison of a variant with the baseline on one task."""
-
-    task: str
-    both_correct: int
-    both_wrong: int
-    correct_to_wrong_ids: tuple[int | str, ...]
-    wrong_to_correct_ids: tuple[int | str, ...]
-    mcnemar_p: float
-
-    @property
-    def flipped_doc_ids(self) -> tuple[int | str, ...]:
-        return tuple(sorted((*self.correct_to_wrong_ids, *self.wrong_to_correct_ids), key=_doc_id_order))
-
-    def to_metrics(self) -> dict[str, float]:
-        return flip_metrics(self.task, len(self.correct_to_wrong_ids), len(self.wrong_to_correct_ids))
+        "ln_ppl_ratio": variant_nll.mean() - baseline_nll.mean(),
+    } | {f"kld_{name}": value for name, value in kld_stats(kld).items()}
+    return {f"quality/{name}": float(value) for name, value in figures.items()}
 
 
 def flip_metrics(task: str, correct_to_wrong: int, wrong_to_correct: int) -> dict[str, float]:
@@ -121,9 +74,12 @@ def flip_metrics(task: str, correct_to_wrong: int, wrong_to_correct: int) -> dic
     }
 
 
-def paired_flips(task: str, baseline: Mapping[int | str, float], variant: Mapping[int | str, float]) -> FlipStats:
-    """Flips between baseline and variant correctness (doc_id -> 1.0 correct / 0.0 wrong). Both must
-    score the same samples: differing doc ids (another `limit`, another task version) are refused."""
+def paired_flips(
+    task: str, baseline: Mapping[int | str, float], variant: Mapping[int | str, float]
+) -> dict[str, list[int | str]]:
+    """The documents whose correctness flipped (doc_id -> 1.0 correct / 0.0 wrong), in doc id order, under
+    "correct_to_wrong" and "wrong_to_correct". Both must score the same samples: differing doc ids
+    (another `limit`, another task version) are refused."""
     if baseline.keys() != variant.keys():
         only_base = len(baseline.keys() - variant.keys())
         only_variant = len(variant.keys() - baseline.keys())
@@ -131,35 +87,20 @@ def paired_flips(task: str, baseline: Mapping[int | str, float], variant: Mappin
             f"task {task!r}: baseline and variant scored different samples "
             f"({only_base} only in baseline, {only_variant} only in variant)"
         )
-    pairs = {
-        doc_id: (_is_correct(task, doc_id, baseline[doc_id]), _is_correct(task, doc_id, variant[doc_id]))
-        for doc_id in sorted(baseline, key=_doc_id_order)
-    }
-    correct_to_wrong = tuple(doc_id for doc_id, pair in pairs.items() if pair == (True, False))
-    wrong_to_correct = tuple(doc_id for doc_id, pair in pairs.items() if pair == (False, True))
-    counts = Counter(pairs.values())
-    p = mcnemar_exact_p(len(correct_to_wrong), len(wrong_to_correct))
-    return FlipStats(task, counts[True, True], counts[False, False], correct_to_wrong, wrong_to_correct, p)
+    flips: dict[str, list[int | str]] = {"correct_to_wrong": [], "wrong_to_correct": []}
+    for doc_id in sorted(baseline, key=_doc_id_order):
+        was, now = _is_correct(task, doc_id, baseline[doc_id]), _is_correct(task, doc_id, variant[doc_id])
+        if was != now:
+            flips["correct_to_wrong" if was else "wrong_to_correct"].append(doc_id)
+    return flips
 
 
-@dataclass(frozen=True)
-class Recovery:
-    """variant / baseline for each metric of one task (1.0 = nothing lost), taken as is: for
-    lower-is-better metrics above 1 means worse. A baseline of 0 gives 1.0 when the variant is 0
-    too, and NaN (undefined, but the column stays) otherwise."""
-
-    task: str
-    ratios: Mapping[str, float]
-
-    def to_metrics(self) -> dict[str, float]:
-        return {f"quality/recovery/{self.task}/{metric}": ratio for metric, ratio in self.ratios.items()}
-
-
-def recovery(task: str, baseline: Mapping[str, float], variant: Mapping[str, float]) -> Recovery:
-    """Recovery of every metric the baseline and the variant both report for one task, except
-    standard errors (``*_stderr``)."""
-    shared = sorted(metric for metric in baseline.keys() & variant.keys() if not metric.endswith("_stderr"))
-    return Recovery(task, {metric: _ratio(float(baseline[metric]), float(variant[metric])) for metric in shared})
+def recovery(baseline: Mapping[str, float], variant: Mapping[str, float]) -> dict[str, float]:
+    """quality/recovery/<task>/<metric>[:<filter>]: variant / baseline for every lm-eval score both report
+    except standard errors (1.0 = nothing lost), taken as is: for lower-is-better scores above 1 means worse.
+    A baseline of 0 gives 1.0 when the variant is 0 too, and NaN (undefined, but the column stays) otherwise."""
+    shared = sorted(key for key in baseline.keys() & variant.keys() if is_eval_score(key))
+    return {f"quality/recovery/{key.removeprefix(EVAL_PREFIX)}": _ratio(baseline[key], variant[key]) for key in shared}
 
 
 def _ratio(base: float, var: float) -> float:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from quantlab import cache
-from quantlab.evaluate.damage import TokenDamage, perplexity, token_damage
+from quantlab.evaluate.damage import perplexity, token_damage
 from quantlab.paired import Aggregation, DocumentScores
 
 FORMAT = "quantlab.reference/1"
@@ -87,11 +87,6 @@ class ReferenceInfo:
     vocab_size: int
     baseline_ppl: float
     baseline_model: str
-    bytes_on_disk: int
-
-    @property
-    def bytes_bound(self) -> int:
-        return reference_bytes_bound(self.n_tokens, self.n_scored, self.vocab_size)
 
 
 def corpus_token_ids(tokenizer: Callable[..., Mapping[str, Any]], text: str, max_tokens: int) -> torch.Tensor:
@@ -173,12 +168,10 @@ def read_reference(ref_dir: Path) -> ReferenceInfo:
     info = json.loads(info_path.read_text())
     if info.get("format") != FORMAT:
         raise ValueError(f"{info_path}: format {info.get('format')!r}, expected {FORMAT!r}")
-    files = [ref_dir / name for name in (INFO_FILE, TOKENS_FILE, NLL_FILE, TOP1_FILE, LOGPROBS_FILE)]
-    missing = [f.name for f in files if not f.is_file()]
+    missing = [name for name in (TOKENS_FILE, NLL_FILE, TOP1_FILE, LOGPROBS_FILE) if not (ref_dir / name).is_file()]
     if missing:
         raise FileNotFoundError(f"{ref_dir}: incomplete reference, missing {missing}")
-    fields = {name: info[name] for name in _INFO_FIELDS}
-    return ReferenceInfo(path=ref_dir, bytes_on_disk=sum(f.stat().st_size for f in files), **fields)
+    return ReferenceInfo(path=ref_dir, **{name: info[name] for name in _INFO_FIELDS})
 
 
 @dataclass(frozen=True, eq=False)
@@ -196,7 +189,7 @@ class TokenComparison:
         """The baseline against itself: its own NLL, no KL from itself, always its own top-1."""
         return cls(np.zeros_like(nll), np.zeros_like(nll), nll, nll, np.ones(nll.shape, dtype=bool))
 
-    def damage(self) -> TokenDamage:
+    def metrics(self) -> dict[str, float]:
         return token_damage(self.kld, self.baseline_nll, self.variant_nll, self.top1_match)
 
     def documents(self) -> dict[str, DocumentScores]:
@@ -216,10 +209,6 @@ def baseline_comparison(ref_dir: Path) -> TokenComparison:
     return TokenComparison.of_baseline(np.load(read_reference(ref_dir).path / NLL_FILE))
 
 
-def baseline_damage(ref_dir: Path) -> TokenDamage:
-    return baseline_comparison(ref_dir).damage()
-
-
 def compare_tokens(model: torch.nn.Module, ref_dir: Path) -> TokenComparison:
     """Run ``model`` over the reference's tokens and windows and compare token by token."""
     info = read_reference(ref_dir)
@@ -237,11 +226,6 @@ def compare_tokens(model: torch.nn.Module, ref_dir: Path) -> TokenComparison:
         kld[rows], bound[rows] = block_kld.cpu().numpy(), block_bound.cpu().numpy()
         variant_nll[rows], top1_match[rows] = block_nll, block_top1 == baseline_top1[rows]
     return TokenComparison(kld, bound, np.load(info.path / NLL_FILE), variant_nll, top1_match)
-
-
-def compare_to_reference(model: torch.nn.Module, ref_dir: Path) -> TokenDamage:
-    """Token-level damage of ``model`` against the stored baseline."""
-    return compare_tokens(model, ref_dir).damage()
 
 
 def encode_logprobs(logprobs: torch.Tensor) -> torch.Tensor:

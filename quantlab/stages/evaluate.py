@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from quantlab import cache
 from quantlab.corpora import load_texts
 from quantlab.evaluate.damage import flip_metrics, paired_flips, recovery
-from quantlab.metrics import Declared, EvalKey, declared_tags, paired_key, unknown_directions
+from quantlab.metrics import Declared, declared_tags, paired_key, unknown_directions
 from quantlab.paired import DocumentScores, Group, NotPaired, PairedComparison, combine, compare
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ def token_damage(
     # Paired per token against the baseline's own pass (the baseline against itself: zeros).
     documents, baseline = tokens.documents(), reference.TokenComparison.of_baseline(tokens.baseline_nll).documents()
     paired = {key: compare(key, baseline[key], docs) for key, docs in documents.items()}
-    return DamageOutcome(tokens.damage().to_metrics() | _paired_metrics(paired), {}, str(reference_dir), documents)
+    return DamageOutcome(tokens.metrics() | _paired_metrics(paired), {}, str(reference_dir), documents)
 
 
 def answer_damage(scores: EvalOutcome, baseline: BaselineOutputs | None) -> DamageOutcome:
@@ -168,10 +168,7 @@ def answer_damage(scores: EvalOutcome, baseline: BaselineOutputs | None) -> Dama
         if baseline is not None and key in scores.documents:
             base, variant = reference.documents[key].values, scores.documents[key].values
             artifacts[f"flips/{task}.jsonl"] = _flips_jsonl(task, base, variant, scores.labels.get(task, {}))
-    for key in reference.scores.keys() & scores.scores.keys():  # recovery of every score both have
-        if (parsed := EvalKey.parse(key)) is not None and not parsed.stderr:
-            name = key.rpartition("/")[2]  # metric[:filter]
-            metrics |= recovery(parsed.task, {name: reference.scores[key]}, {name: scores.scores[key]}).to_metrics()
+    metrics |= recovery(reference.scores, scores.scores)
     tags = {NOTE_TAG + key: f"not paired: {note}" for key, note in notes.items()}
     return DamageOutcome(metrics, tags, artifacts=artifacts)
 
@@ -181,11 +178,10 @@ def _paired_metrics(comparisons: Mapping[str, PairedComparison]) -> dict[str, fl
 
 
 def _flips_jsonl(task: str, baseline: Mapping[int, float], variant: Mapping[int, float], labels: dict[int, str]) -> str:
-    flips = paired_flips(task, baseline, variant)
     rows = [
         {"doc_id": doc_id, "direction": direction, "baseline": baseline[doc_id], "variant": variant[doc_id]}
         | ({"document": labels[doc_id]} if doc_id in labels else {})
-        for direction in ("correct_to_wrong", "wrong_to_correct")
-        for doc_id in getattr(flips, f"{direction}_ids")
+        for direction, doc_ids in paired_flips(task, baseline, variant).items()
+        for doc_id in doc_ids
     ]
     return "".join(json.dumps(row) + "\n" for row in rows)
