@@ -69,9 +69,7 @@ def source_problem(source: str, base_dir: Path) -> str | None:
         return None if (path / "config.json").is_file() else f"{path} has no config.json"
     if source.startswith(PACKAGE_PREFIX) or path.exists():
         return f"{path} is neither a checkpoint directory nor a .gguf file"
-    if HUB_ID.match(source):
-        return None
-    return f"'{source}' is not a local path, a .gguf file, or a hub id (org/name)"
+    return None if HUB_ID.match(source) else f"'{source}' is not a local path, a .gguf file, or a hub id (org/name)"
 
 
 def resolve_source(spec: ModelSpec, base_dir: Path) -> ModelSource:
@@ -196,7 +194,7 @@ def materialize(source: ModelSource, cache_root: Path) -> ModelSource:
     if source.kind != "gguf":
         return source
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from quantlab import cache
 
@@ -204,7 +202,7 @@ def materialize(source: ModelSource, cache_root: Path) -> ModelSource:
     target = cache_root / "sources" / cache.cache_key(identity)
     if not cache.is_complete(target):
         location, kwargs = _from_pretrained_args(source)
-        dequantized = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, **kwargs)
+        dequantized, tokenizer = _load(location, torch.float32, "cpu", kwargs, kwargs)
         # A GGUF-loaded model refuses save_pretrained; a fresh one from its config, minus the
         # GGUF quantization_config (the weights are dequantized now), does not.
         settings = {k: v for k, v in dequantized.config.to_dict().items() if k != "quantization_config"}
@@ -214,7 +212,7 @@ def materialize(source: ModelSource, cache_root: Path) -> ModelSource:
         model.generation_config = dequantized.generation_config
         with cache.writing(target, identity) as scratch:
             model.save_pretrained(scratch)
-            AutoTokenizer.from_pretrained(location, **kwargs).save_pretrained(scratch)
+            tokenizer.save_pretrained(scratch)
     return replace(source, kind="local_dir", location=str(target), gguf_file=None)
 
 

@@ -89,8 +89,7 @@ def compare(task: str, baseline: DocumentScores, variant: DocumentScores) -> Pai
             f"({only_base} only in baseline, {only_variant} only in variant)"
         )
     docs = sorted(baseline.values)
-    b = np.array([baseline.values[d] for d in docs], dtype=np.float64)
-    v = np.array([variant.values[d] for d in docs], dtype=np.float64)
+    b, v = (np.array([scores.values[d] for d in docs], dtype=np.float64) for scores in (baseline, variant))
     if baseline.aggregation is Aggregation.MEAN:
         return _compare_means(b, v)
     w = np.array([baseline.weights[d] for d in docs], dtype=np.float64)
