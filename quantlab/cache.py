@@ -48,12 +48,10 @@ def cache_key(identity: dict[str, Any]) -> str:
 
 def recall(directory: Path | None, identity: dict[str, Any]) -> Any:
     """What `remember` stored under `directory` for `identity`, or None."""
-    if directory is None:
-        return None
-    try:
-        return json.loads((directory / f"{cache_key(identity)}.json").read_text())
-    except (OSError, ValueError):  # absent, or unreadable: the caller computes it again
-        return None
+    if directory is not None:
+        with suppress(OSError, ValueError):  # absent, or unreadable: the caller computes it again
+            return json.loads((directory / f"{cache_key(identity)}.json").read_text())
+    return None
 
 
 def remember(directory: Path, identity: dict[str, Any], fact: Any) -> None:
@@ -102,10 +100,9 @@ def _sha256(path: Path, advance: Callable[[int], object] = lambda n: None) -> st
 
 def recorded_files(checkpoint: Path) -> list[FileRecord] | None:
     """The files its marker records; None for a marker without records (an older quantlab's) or unreadable."""
-    try:
+    with suppress(OSError, ValueError, KeyError, TypeError):
         return [FileRecord(**record) for record in json.loads((checkpoint / COMPLETE_MARKER).read_text())["files"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    return None
 
 
 def _safetensors_problem(path: Path, size: int) -> str | None:
@@ -181,31 +178,23 @@ def is_complete(checkpoint: Path) -> bool:
     return True
 
 
-def _scratch_prefix(checkpoint: Path) -> str:
-    """Scratch directories are named by writer: `<checkpoint>.partial-<host>-<pid>`."""
-    return f"{checkpoint.name}.partial-{socket.gethostname()}-"
-
-
-def _remove_abandoned_scratch(checkpoint: Path) -> None:
-    """Remove scratch directories of `checkpoint` that dead processes of this host left (as large as
-    the result); another host's (a cache shared by a Ray cluster) only that host can judge."""
-    import psutil
-
-    prefix = _scratch_prefix(checkpoint)
-    for scratch in checkpoint.parent.glob(f"{prefix}*"):
-        pid = scratch.name[len(prefix) :]
-        if pid.isdigit() and not psutil.pid_exists(int(pid)):
-            shutil.rmtree(scratch, ignore_errors=True)
-
-
 @contextmanager
 def atomic_directory(target: Path, *, replace_existing: bool = False) -> Iterator[Path]:
     """Yield an empty scratch directory beside `target` (same file system, so the final rename is
     atomic); on success it becomes `target`, on failure it is removed. An existing `target` is
     replaced with `replace_existing`; otherwise a complete one another process wrote first wins."""
+    import psutil
+
     target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned_scratch(target)
-    scratch = target.with_name(f"{_scratch_prefix(target)}{os.getpid()}")
+    # Scratch directories are named by writer, `<target>.partial-<host>-<pid>`: those that dead processes
+    # of this host left (as large as the result) are removed; another host's (a cache shared by a Ray
+    # cluster) only that host can judge.
+    prefix = f"{target.name}.partial-{socket.gethostname()}-"
+    for abandoned in target.parent.glob(f"{prefix}*"):
+        pid = abandoned.name[len(prefix) :]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(abandoned, ignore_errors=True)
+    scratch = target.with_name(f"{prefix}{os.getpid()}")
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir()
     try:

@@ -155,12 +155,7 @@ def publish_sweep(store: tracking.TrackingStore, parent_run_id: str) -> SweepVie
     for run in tracking.child_runs(store, parent_run_id):
         store.log_values(run.run_id, tags={tracking.ON_FRONTIER: str(run.variant in on_front).lower()})
     with tempfile.TemporaryDirectory() as scratch:
-        render_artifacts(view, Path(scratch))
-        files = {
-            str(path.relative_to(scratch)): path.read_bytes()
-            for path in sorted(Path(scratch).rglob("*"))
-            if path.is_file()
-        }
+        files = {str(path.relative_to(scratch)): path.read_bytes() for path in render_artifacts(view, Path(scratch))}
     store.log_files(parent_run_id, files)  # relative names: plots/ stays a folder
     # The run page shows its description (this tag) as Markdown: the report, where reviewers look.
     store.log_values(parent_run_id, tags={tracking.NOTE: files["report.md"].decode("utf-8")[:60000]})
@@ -184,9 +179,7 @@ def record_pick(
     the chosen checkpoint registered under `alias` (model name: the experiment's, unless given)."""
     record = json_safe(decision.to_dict())
     if decision.chosen and register:
-        run = next(
-            r for r in tracking.child_runs(store, view.parent_run_id) if r.tags.get(tracking.VARIANT) == decision.chosen
-        )
+        run = next(r for r in tracking.child_runs(store, view.parent_run_id) if r.variant == decision.chosen)
         summary = {key: str(value) for key, value in run.metrics.items() if key.startswith(_REGISTRY_SUMMARY)}
         name = model_name or store.experiments()[view.experiment]
         version, created = tracking.register_checkpoint(store, name, alias, run, summary)

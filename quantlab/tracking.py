@@ -58,8 +58,6 @@ class DatasetRecord:
 
 @dataclass(frozen=True)
 class RunRecord:
-    """A logged run read back: its identity, state and what was logged on it."""
-
     run_id: str
     experiment_id: str
     name: str
@@ -259,9 +257,9 @@ def _health_request(uri: str) -> urllib.request.Request:
     return request
 
 
-def open_store(uri: str) -> TrackingStore:
-    """Check the store is usable before any work: an unreachable server is bad input (exit 2)."""
-    store = TrackingStore(uri)
+def open_store(uri: str | None = None) -> TrackingStore:
+    """The store `uri`, $MLFLOW_TRACKING_URI or the default names, checked usable: an unreachable server is bad input."""
+    store = TrackingStore(uri := tracking_uri(uri))
     if uri.startswith(("http://", "https://")):
         # MLflow's own client retries for minutes; one direct probe answers in seconds.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")

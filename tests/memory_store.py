@@ -9,24 +9,12 @@ twice overwrites. test_tracking_door.py runs the same checks on both stores to k
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 from quantlab.tracking import PARENT, DatasetRecord, RunRecord, safe_key
-
-
-@dataclass
-class _Run:
-    experiment_id: str
-    name: str
-    start_time: int
-    status: str = "RUNNING"
-    metrics: dict[str, float] = field(default_factory=dict)
-    params: dict[str, str] = field(default_factory=dict)
-    tags: dict[str, str] = field(default_factory=dict)
-    datasets: list[DatasetRecord] = field(default_factory=list)
-    artifacts: dict[str, bytes] = field(default_factory=dict)
 
 
 class MemoryStore:
@@ -35,14 +23,14 @@ class MemoryStore:
     def __init__(self, uri: str = "memory://"):
         self.uri = uri
         self._experiments: dict[str, str] = {}  # id -> name
-        self._runs: dict[str, _Run] = {}
+        self._runs: dict[str, RunRecord] = {}  # its dicts updated in place, a copy handed out
+        self._artifacts: dict[str, dict[str, bytes]] = {}  # run id -> name -> content
         self._versions: dict[str, dict[str, dict[str, str]]] = {}  # model -> version -> tags
         self.aliases: dict[tuple[str, str], str] = {}  # (model, alias) -> version
         self.sources: dict[tuple[str, str], tuple[str, str]] = {}  # (model, version) -> (source, run id)
         self._ids = itertools.count(1)
-        self._clock = itertools.count(
-            1_700_000_000_000
-        )  # strictly increasing start times: newest first is well defined
+        # Strictly increasing start and end times: newest first is well defined.
+        self._clock = itertools.count(1_700_000_000_000)
 
     def experiment_id(self, name: str, create: bool = True) -> str | None:
         found = next((id_ for id_, known in self._experiments.items() if known == name), None)
@@ -57,7 +45,8 @@ class MemoryStore:
     def start_run(self, experiment_id: str, name: str, tags: dict[str, str], parent: str | None = None) -> str:
         run_id = f"run{next(self._ids)}"
         all_tags = {"mlflow.runName": name, **tags, **({PARENT: parent} if parent else {})}
-        self._runs[run_id] = _Run(experiment_id, name, next(self._clock), tags=all_tags)
+        self._runs[run_id] = RunRecord(run_id, experiment_id, name, "RUNNING", next(self._clock), {}, {}, all_tags)
+        self._artifacts[run_id] = {}
         return run_id
 
     def log_values(
@@ -73,32 +62,18 @@ class MemoryStore:
         run.tags.update({key: str(value) for key, value in (tags or {}).items()})
 
     def log_files(self, run_id: str, files: dict[str, str | bytes]) -> None:
-        self._runs[run_id].artifacts.update(
-            {
-                name: content if isinstance(content, bytes) else content.encode("utf-8")
-                for name, content in files.items()
-            }
-        )
+        for name, content in files.items():
+            self._artifacts[run_id][name] = content if isinstance(content, bytes) else content.encode("utf-8")
 
     def log_datasets(self, run_id: str, datasets: Iterable) -> None:
-        self._runs[run_id].datasets.extend(map(DatasetRecord.of, datasets))
+        run = self._runs[run_id]
+        self._runs[run_id] = replace(run, datasets=run.datasets + tuple(map(DatasetRecord.of, datasets)))
 
     def finish(self, run_id: str, status: str) -> None:
-        self._runs[run_id].status = status
+        self._runs[run_id] = replace(self._runs[run_id], status=status, end_time=next(self._clock))
 
     def run(self, run_id: str) -> RunRecord:
-        run = self._runs[run_id]
-        return RunRecord(
-            run_id,
-            run.experiment_id,
-            run.name,
-            run.status,
-            run.start_time,
-            dict(run.metrics),
-            dict(run.params),
-            dict(run.tags),
-            tuple(run.datasets),
-        )
+        return copy.deepcopy(self._runs[run_id])
 
     def search(self, experiment_ids: list[str], tags: dict[str, str], status: str | None = None) -> list[RunRecord]:
         found = [
@@ -111,10 +86,10 @@ class MemoryStore:
         return sorted(found, key=lambda run: run.start_time, reverse=True)
 
     def read_artifact(self, run_id: str, path: str) -> bytes | None:
-        return self._runs[run_id].artifacts.get(path)
+        return self._artifacts[run_id].get(path)
 
     def copy_artifacts(self, source_run_id: str, target_run_id: str) -> None:
-        self._runs[target_run_id].artifacts.update(self._runs[source_run_id].artifacts)
+        self._artifacts[target_run_id].update(self._artifacts[source_run_id])
 
     def model_versions(self, model_name: str) -> dict[str, dict[str, str]]:
         return dict(self._versions.get(model_name, {}))
