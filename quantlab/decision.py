@@ -105,7 +105,7 @@ def _bound_check(bound: Bound, variant: VariantSummary) -> CheckResult:
     if value is None:
         return result(CheckStatus.FAILED, f"missing metric {metric}")
     passed = value <= limit + float_slack(limit) if upper else value >= limit - float_slack(limit)
-    contract = variant.spec(metric)
+    contract = spec(metric, variant.declared)
     shown = f"{metric} is {format_value(contract, value)}"
     if not passed:
         side = "above the maximum" if upper else "below the minimum"
@@ -158,11 +158,6 @@ class Decision:
     checks: tuple[str, ...]  # the limits as checked, after expansion against the baseline
     verdicts: tuple[Verdict, ...]  # chosen first, then by status and objective
     unchecked: tuple[str, ...] = ()  # lm-eval scores max_drop_any_task could not check, with why
-
-    @property
-    def reasons(self) -> dict[str, tuple[str, ...]]:
-        """Why each variant other than the chosen one was not chosen."""
-        return {v.name: v.reasons for v in self.verdicts if v.status is not Status.CHOSEN}
 
     def verdict(self, name: str) -> Verdict:
         return next(v for v in self.verdicts if v.name == name)

@@ -32,9 +32,6 @@ class VariantSummary:
     # What the sweep recorded about each lm-eval score (direction from lm-eval, scale seen).
     declared: dict[str, Declared] = field(default_factory=dict)
 
-    def spec(self, key: str) -> MetricSpec:
-        return metric_spec(key, self.declared)
-
     def value(self, metric: str) -> float | None:
         """None when not logged or not finite: a diverged measurement must not win a frontier."""
         return finite(self.metrics.get(metric))

@@ -3,7 +3,6 @@ report from the Jinja2 templates, the variants table as data. Every number comes
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -261,7 +260,7 @@ def render_html(
         svgs=[inline_svg(plot.svg.read_text()) for plot in plots],
         table=table,
         direction_unknown=frontiers.direction_unknown,
-        data=json.dumps(points).replace("</", "<\\/"),
+        points=points,
     )
     path.write_text(page, encoding="utf-8")
     return path

@@ -339,7 +339,7 @@ def test_satisfying_but_more_expensive_variants_say_so():
     decision = decide([baseline(), candidate()], Policy(max_drop_any_task=1))
 
     assert decision.chosen == "fp8"
-    (reason,) = decision.reasons["bf16"]
+    (reason,) = decision.verdict("bf16").reasons
     assert reason == "costs more: cost/weight_bytes 270.0 MB vs 170.0 MB for fp8"
     assert decision.verdict("bf16").status is Status.COSTS_MORE
 
@@ -350,8 +350,8 @@ def test_no_variant_satisfying_gives_no_choice_and_reasons_for_all():
     decision = decide(variants, only(max_peak_memory_bytes=1e9))
 
     assert decision.chosen is None
-    assert set(decision.reasons) == {"bf16", "fp8", "broken"}
-    assert all(decision.reasons.values())
+    assert {v.name for v in decision.verdicts} == {"bf16", "fp8", "broken"}
+    assert all(v.reasons for v in decision.verdicts)
     assert decision.summary.startswith("No variant satisfies")
 
 
@@ -361,7 +361,7 @@ def test_baseline_that_failed_cannot_vouch_for_drops():
     decision = decide([failed_baseline, candidate()], Policy(max_drop_any_task=1))
 
     assert decision.chosen is None
-    assert any("baseline bf16 failed" in reason for reason in decision.reasons["fp8"])
+    assert any("baseline bf16 failed" in reason for reason in decision.verdict("fp8").reasons)
 
 
 def test_baseline_that_failed_is_irrelevant_without_drop_limits():
@@ -374,7 +374,7 @@ def test_baseline_lacking_the_metric_rejects_instead_of_passing():
     decision = decide([baseline(), candidate()], only(max_drop={"eval/mmlu/acc": 1}))
 
     assert decision.chosen is None
-    assert decision.reasons["fp8"] == ("baseline lacks metric eval/mmlu/acc",)
+    assert decision.verdict("fp8").reasons == ("baseline lacks metric eval/mmlu/acc",)
 
 
 def test_a_limit_that_does_not_fit_the_sweeps_metric_is_an_error_not_a_verdict():
@@ -453,7 +453,7 @@ def test_pick_chooses_the_best_satisfying_variant(variants, objective, expected)
 def test_tie_loser_is_told_it_lost_the_tie_break():
     decision = decide([baseline(), candidate("b"), candidate("a")], only())
 
-    (reason,) = decision.reasons["b"]
+    (reason,) = decision.verdict("b").reasons
     assert "ties a" in reason
 
 
