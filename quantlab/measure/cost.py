@@ -11,8 +11,8 @@ last, once compressed-tensors has decompressed what it decompresses on the first
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
@@ -65,7 +65,7 @@ DEFINITIONS = (
 
 @dataclass(frozen=True)
 class BatchFigures:
-    """Medians and percentiles of one batch size's timed generations."""
+    """Medians and percentiles of one batch size's timed generations; a str figure says why it is absent."""
 
     batch_size: int
     prefill_tokens_per_s: float  # median over repeats
@@ -76,10 +76,9 @@ class BatchFigures:
     itl_ms_p50: float  # percentiles over every decode step of every repeat
     itl_ms_p90: float
     itl_ms_p99: float
-    energy_joules_per_token: float | None
-    local_roofline_decode_tokens_per_s: float | None
-    roofline_efficiency: float | None
-    unavailable: Mapping[str, str] = field(default_factory=dict)
+    energy_joules_per_token: float | str
+    local_roofline_decode_tokens_per_s: float | str
+    roofline_efficiency: float | str
 
     @classmethod
     def summarize(
@@ -90,26 +89,19 @@ class BatchFigures:
         itl_ms = [step * 1000 for timing in timings for step in timing.inter_token_s]
         decode = float(np.median([timing.decode_tokens_per_s for timing in timings]))
         generated = sum(timing.batch_size * timing.output_tokens for timing in timings)
-        figures = {  # a str says why the figure is absent
-            "prefill_tokens_per_s": float(np.median([timing.prefill_tokens_per_s for timing in timings])),
-            "decode_tokens_per_s": decode,
+        return cls(
+            batch_size=timings[0].batch_size,
+            prefill_tokens_per_s=float(np.median([timing.prefill_tokens_per_s for timing in timings])),
+            decode_tokens_per_s=decode,
             **{f"ttft_ms_p{q}": float(np.percentile(ttft_ms, q)) for q in PERCENTILES},
             **{f"itl_ms_p{q}": float(np.percentile(itl_ms, q)) for q in PERCENTILES},
-            "energy_joules_per_token": joules if isinstance(joules, str) else joules / generated,
-            "local_roofline_decode_tokens_per_s": local_roofline,
-            "roofline_efficiency": local_roofline if isinstance(local_roofline, str) else decode / local_roofline,
-        }
-        return cls(
-            timings[0].batch_size,
-            **{name: None if isinstance(value, str) else value for name, value in figures.items()},
-            unavailable={name: value for name, value in figures.items() if isinstance(value, str)},
+            energy_joules_per_token=joules if isinstance(joules, str) else joules / generated,
+            local_roofline_decode_tokens_per_s=local_roofline,
+            roofline_efficiency=local_roofline if isinstance(local_roofline, str) else decode / local_roofline,
         )
 
-    def figures(self) -> dict[str, float]:
-        return {name: float(value) for name in BATCH_FIGURES if (value := getattr(self, name)) is not None}
 
-
-BATCH_FIGURES = tuple(field.name for field in fields(BatchFigures) if field.name not in ("batch_size", "unavailable"))
+BATCH_FIGURES = tuple(field.name for field in fields(BatchFigures) if field.name != "batch_size")
 
 
 @dataclass(frozen=True)
@@ -121,21 +113,21 @@ class MeasuredCost:
     # Tags of how the figures were produced: engine, kernel path, hardware, clock, workload, host load, ...
     described: Mapping[str, str]
 
-    def _per_batch(self, by_name: Callable[[BatchFigures], Mapping[str, Any]]) -> dict[str, Any]:
-        """Figures of the default (first) batch size under their plain names, the others' with `_bs<N>`."""
+    def _values(self) -> dict[str, float | str]:
+        """Every figure, or why it is absent; the default (first) batch size's under plain names, others' `_bs<N>`."""
         default = self.batches[0].batch_size
-        return {
-            name if batch.batch_size == default else f"{name}_bs{batch.batch_size}": value
+        per_batch = {
+            name if batch.batch_size == default else f"{name}_bs{batch.batch_size}": getattr(batch, name)
             for batch in self.batches
-            for name, value in by_name(batch).items()
+            for name in BATCH_FIGURES
         }
+        return {**per_batch, **{name: read(self) for name, read in WINDOW_FIGURES.items()}}
 
     def figures(self) -> dict[str, float]:
-        window = {name: float(value) for name, read in WINDOW_FIGURES.items() if (value := read(self)) is not None}
-        return {**self._per_batch(BatchFigures.figures), **window}
+        return {name: float(value) for name, value in self._values().items() if not isinstance(value, str)}
 
     def unavailable(self) -> dict[str, str]:
-        return {**self._per_batch(lambda batch: batch.unavailable), **self.memory.unavailable}
+        return {name: value for name, value in self._values().items() if isinstance(value, str)}
 
 
 @dataclass(frozen=True)

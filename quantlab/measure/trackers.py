@@ -1,7 +1,6 @@
 """What a window of work cost in memory and energy: context managers returning frozen readings.
 
-Figures a device cannot give are None with the reason in `unavailable` (never zero); NVML
-(nvidia-ml-py) is optional and, when it cannot help, answers with that reason.
+A figure a device cannot give is a str saying why (never zero); NVML (nvidia-ml-py) is optional.
 """
 
 from __future__ import annotations
@@ -10,8 +9,8 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cache
 from typing import Any, Generic, TypeVar
 
@@ -121,9 +120,8 @@ class MemoryReading:
     peak_bytes: int  # the headline figure; `peak_kind` says what it counts
     peak_kind: str
     process_peak_rss_bytes: int  # over the process's life, loading included
-    peak_device_memory_bytes: int | None  # NVML's view of device memory (CUDA only)
+    peak_device_memory_bytes: int | str  # NVML's view of device memory (CUDA only), or why there is none
     device_memory_scope: str | None  # "this process" or "whole device"
-    unavailable: Mapping[str, str] = field(default_factory=dict)
 
 
 class MemoryTracker(_Window[MemoryReading]):
@@ -187,11 +185,9 @@ class MemoryTracker(_Window[MemoryReading]):
         self._peak_nvml = max(self._peak_nvml or 0, device_bytes)
 
     def _read(self) -> MemoryReading:
-        unavailable: dict[str, str] = {}
-        if self._peak_nvml is None:
-            unavailable["peak_device_memory_bytes"] = (
-                self._nvml if isinstance(self._nvml, str) else "NVML returned no memory sample"
-            )
+        device_memory = self._peak_nvml
+        if device_memory is None:
+            device_memory = self._nvml if isinstance(self._nvml, str) else "NVML returned no memory sample"
         if self._cuda:
             peak = sum(torch.cuda.max_memory_allocated(index) for index in self._cuda)
             kind = f"torch.cuda.max_memory_allocated, summed over cuda:{','.join(map(str, self._cuda))}"
@@ -207,9 +203,8 @@ class MemoryTracker(_Window[MemoryReading]):
             peak_bytes=peak,
             peak_kind=kind,
             process_peak_rss_bytes=max(self._peak_before, self._peak_rss),
-            peak_device_memory_bytes=self._peak_nvml,
+            peak_device_memory_bytes=device_memory,
             device_memory_scope=self._nvml_scope,
-            unavailable=unavailable,
         )
 
 
