@@ -12,7 +12,6 @@ import pytest
 
 from quantlab import corpora
 from quantlab.evaluate.lm_eval_runner import (
-    BUNDLED_EVALS_DIR,
     TaskRequest,
     known_tasks,
     run_tasks,
@@ -21,6 +20,7 @@ from quantlab.evaluate.lm_eval_runner import (
 )
 from quantlab.metrics import Scale
 
+BUNDLED_EVALS_DIR = Path(__file__).resolve().parents[1] / "evals"  # the repository's offline tasks
 DATA_DIR = BUNDLED_EVALS_DIR / "data"
 BUNDLED_TASKS = ("mmlu_dev", "pydoc_cloze")
 

@@ -28,9 +28,6 @@ from quantlab.paired import Aggregation, DocumentScores
 if TYPE_CHECKING:
     from lm_eval.tasks import TaskManager
 
-# The repository's offline tasks (mmlu_dev, pydoc_cloze); recipes point `evals.include_path` here.
-BUNDLED_EVALS_DIR = Path(__file__).resolve().parents[2] / "evals"
-
 # lm-eval's default seeds today, spelled out so that a change of default upstream cannot silently move our numbers.
 SEEDS = {"random_seed": 0, "numpy_random_seed": 1234, "torch_random_seed": 1234, "fewshot_random_seed": 1234}
 
@@ -395,7 +392,10 @@ def _dataset(task: str, results: Mapping[str, Any], settings: TaskSettings) -> T
     dumped = json.dumps(config, sort_keys=True, default=str)
     digest.update(re.sub(r" at 0x[0-9a-fA-F]+", "", dumped).encode())
     digest.update(f"lm_eval={version('lm-eval')} limit={settings.limit}".encode())
-    files = _data_files(config)
+    # dataset_kwargs.data_files: one file, a list, or split -> file(s).
+    data_files = (config.get("dataset_kwargs") or {}).get("data_files") or []
+    splits = data_files.values() if isinstance(data_files, Mapping) else [data_files]
+    files = [str(f) for split in splits for f in ([split] if isinstance(split, str) else split)]
     for path in files:
         if Path(path).is_file():  # local data: its content, not just its name
             digest.update(Path(path).read_bytes())
@@ -406,13 +406,6 @@ def _dataset(task: str, results: Mapping[str, Any], settings: TaskSettings) -> T
         source += " " + ",".join(files)
     profile = {name: getattr(settings, name) for name in ("limit", "documents", "num_fewshot", "version")}
     return TaskDataset(task, digest.hexdigest()[:16], source, json.dumps(profile, sort_keys=True))
-
-
-def _data_files(config: Mapping[str, Any]) -> list[str]:
-    """dataset_kwargs.data_files as a list: one file, a list, or split -> file(s)."""
-    files = (config.get("dataset_kwargs") or {}).get("data_files") or []
-    splits = files.values() if isinstance(files, Mapping) else [files]
-    return [str(f) for split in splits for f in ([split] if isinstance(split, str) else split)]
 
 
 def _is_number(value: Any) -> bool:
