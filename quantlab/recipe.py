@@ -250,9 +250,8 @@ def _problems_across_fields(data: dict, shown: str) -> list[Problem]:
     names = {variant["name"] for variant in variants if isinstance(variant.get("name"), str)}
     baseline = data.get("baseline")
     if isinstance(baseline, str) and variants_raw and baseline not in names:
-        problems.append(
-            Problem(shown, "baseline", f"'{baseline}' is not a variant name{did_you_mean(baseline, names)}")
-        )
+        message = f"'{baseline}' is not a variant name{did_you_mean(baseline, names)}"
+        problems.append(Problem(shown, "baseline", message))
     return problems
 
 
