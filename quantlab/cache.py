@@ -133,10 +133,9 @@ def check_checkpoint(
     problems = []
     for record in records:
         path = checkpoint / record.path
-        size = path.stat().st_size if path.is_file() else None
-        if size is None:
+        if not path.is_file():
             problems.append(f"{record.path}: missing")
-        elif size != record.size:
+        elif (size := path.stat().st_size) != record.size:
             problems.append(f"{record.path}: {size} bytes, {record.size} recorded")
         elif path.suffix == ".safetensors" and (problem := _safetensors_problem(path, size)):
             problems.append(problem)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,11 +77,9 @@ def model_label(source: str) -> str:
 
 def _samples(store: tracking.TrackingStore, run_id: str) -> BaselineOutputs | None:
     """The run's samples.json in this version's format; None otherwise (its noise comes from the logged paired figures)."""
-    raw = store.read_artifact(run_id, tracking.SAMPLES_ARTIFACT)
-    try:
-        return None if raw is None else BaselineOutputs.from_samples(json.loads(raw), None)
-    except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, another version, not this format
-        return None
+    with suppress(ValueError, KeyError, TypeError, AttributeError):  # absent, not JSON, another version or format
+        return BaselineOutputs.from_samples(json.loads(store.read_artifact(run_id, tracking.SAMPLES_ARTIFACT)), None)
+    return None
 
 
 def _summary(run: tracking.RunRecord) -> VariantSummary:
@@ -126,10 +125,9 @@ def render_artifacts(view: SweepView, out_dir: Path) -> list[Path]:
     """frontier.json, frontier.png, frontier.html, report.md and plots/ (PNG and SVG per frontier)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     found = frontiers(view)
-    try:
+    decision = None
+    with suppress(BadInput):  # the report then has no recommendation
         decision = decide(view)
-    except BadInput:
-        decision = None
     plots = render_plots(found, out_dir, view.model)
     (out_dir / "frontier.json").write_text(frontier_json(found, indent=2))
     render_html(found, plots, out_dir / "frontier.html", variants=view.variants, model=view.model)

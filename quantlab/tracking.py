@@ -361,11 +361,11 @@ def mark_killed(store: TrackingStore, sweep_run_id: str, reason: str) -> None:
 def latest_sweep(store: TrackingStore, experiment_name: str | None) -> RunRecord:
     """The newest parent run of an experiment (of any experiment when None), or BadInput saying why not."""
     if experiment_name is None:
-        experiments, where = list(store.experiments()), f"the store {store.uri}"
+        experiments, where = list(store.experiments()), f"the store {shown_uri(store.uri)}"
     else:
         found = store.experiment_id(experiment_name, create=False)
         if found is None:
-            raise bad_input("--experiment", "", f"no experiment named '{experiment_name}' in {store.uri}")
+            raise bad_input("--experiment", "", f"no experiment named '{experiment_name}' in {shown_uri(store.uri)}")
         experiments, where = [found], f"experiment '{experiment_name}'"
     runs = store.search(experiments, {ROLE: "sweep"})
     if not runs:
