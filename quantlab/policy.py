@@ -153,11 +153,11 @@ class Policy(BaseModel):
             # A metric the baseline lacks is reported per variant, not bad input.
             if value is not None and (problem := limit_problem(key, limit, metric)):
                 raise PolicyError(f"{key}={limit.text}: {problem}")
-            rules.append(DropRule(key, metric, limit, value, "max_drop"))
+            rules.append(DropRule(key, metric, limit, value))
         if self.max_drop_any_task is not None:
             limit = Limit(self.max_drop_any_task, LimitKind.POINTS, f"{self.max_drop_any_task:g}")
             rules += [
-                DropRule(key, spec(key, declared), limit, value, "max_drop_any_task")
+                DropRule(key, spec(key, declared), limit, value)
                 for key, value in sorted(baseline.items())
                 if is_eval_score(key) and key not in self.max_drop and finite(value) is not None
                 if not _any_task_problem(spec(key, declared))
@@ -166,18 +166,13 @@ class Policy(BaseModel):
 
     def bounds(self) -> tuple[Bound, ...]:
         """Upper bounds, then lower; `at_most`/`at_least` override a named field on the same metric."""
-        sides = (
-            (True, {KLD_MEAN: "max_kld", "cost/peak_memory_bytes": "max_peak_memory_bytes"}, "at_most"),
-            (False, {"quality/top1_agreement": "min_top1_agreement"}, "at_least"),
+        upper = {KLD_MEAN: self.max_kld, "cost/peak_memory_bytes": self.max_peak_memory_bytes}
+        lower = {"quality/top1_agreement": self.min_top1_agreement}
+        return tuple(
+            Bound(key, limit, is_upper)
+            for is_upper, named, extra in ((True, upper, self.at_most), (False, lower, self.at_least))
+            for key, limit in ({key: limit for key, limit in named.items() if limit is not None} | extra).items()
         )
-        found = []
-        for upper, named, extra in sides:
-            limits = {
-                key: (getattr(self, name), name) for key, name in named.items() if getattr(self, name) is not None
-            }
-            limits.update({key: (limit, extra) for key, limit in getattr(self, extra).items()})
-            found += [Bound(key, limit, upper, name) for key, (limit, name) in limits.items()]
-        return tuple(found)
 
     def check_logged(self, logged: Collection[str]) -> None:
         """PolicyError for a `max_drop` metric that no run logged (a typo, most likely)."""
@@ -200,7 +195,6 @@ class DropRule:
     spec: MetricSpec  # as the sweep declared it
     limit: Limit
     baseline_value: float | None
-    source: str  # the policy field it came from: "max_drop" or "max_drop_any_task"
 
     @property
     def allowed(self) -> float | None:
@@ -235,7 +229,6 @@ class Bound:
     metric: str
     limit: float
     upper: bool
-    source: str  # the policy field it came from
 
     @property
     def constraint(self) -> str:

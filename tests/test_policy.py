@@ -175,10 +175,7 @@ def test_default_policy_covers_every_known_0_1_lm_eval_score_and_names_the_rest(
     rules = policy.drop_rules(BASELINE, DECLARED)
 
     assert policy.max_drop_any_task == 1.0
-    assert [(r.metric, r.allowed, r.source) for r in rules] == [
-        (GSM, 0.01, "max_drop_any_task"),
-        (ACC, 0.01, "max_drop_any_task"),  # sorted by key
-    ]
+    assert [(r.metric, r.allowed) for r in rules] == [(GSM, 0.01), (ACC, 0.01)]  # sorted by key
     assert unchecked_by_any_task(BASELINE, DECLARED) == [
         f"{BLEU} (better direction unknown)",
         f"{WORD_PPL} (not a 0-1 score: perplexity; give it its own max_drop)",
@@ -188,10 +185,7 @@ def test_default_policy_covers_every_known_0_1_lm_eval_score_and_names_the_rest(
 def test_a_named_limit_overrides_the_any_task_limit_for_its_metric():
     rules = Policy(max_drop={ACC: 3}, max_drop_any_task=0.5).drop_rules(BASELINE, DECLARED)
 
-    assert {r.metric: (r.allowed, r.source) for r in rules} == {
-        ACC: (pytest.approx(0.03), "max_drop"),
-        GSM: (pytest.approx(0.005), "max_drop_any_task"),
-    }
+    assert {r.metric: r.allowed for r in rules} == {ACC: pytest.approx(0.03), GSM: pytest.approx(0.005)}
 
 
 def test_without_declarations_no_lm_eval_score_is_guessed_into_the_any_task_limit():
@@ -215,10 +209,18 @@ at_most: {{cost/ttft_ms_p99: 200}}
     dumped = policy.model_dump(mode="json")
     assert dumped["max_drop"] == {ACC: 1.0, PPL: "+2%", WORD_PPL: 0.5}
     assert Policy.model_validate(dumped) == policy
-    assert [(b.metric, b.limit, b.upper, b.source) for b in policy.bounds()] == [
-        ("quality/kld_mean", 0.05, True, "max_kld"),
-        ("cost/ttft_ms_p99", 200.0, True, "at_most"),
-        ("quality/top1_agreement", 0.9, False, "min_top1_agreement"),
+    assert [(b.metric, b.limit, b.upper) for b in policy.bounds()] == [
+        ("quality/kld_mean", 0.05, True),
+        ("cost/ttft_ms_p99", 200.0, True),
+        ("quality/top1_agreement", 0.9, False),
+    ]
+    overridden = Policy(
+        max_kld=0.05, max_peak_memory_bytes=1e9, at_most={"quality/kld_mean": 0.1}, at_least={"x": 2}
+    ).bounds()
+    assert [(b.metric, b.limit, b.upper) for b in overridden] == [
+        ("quality/kld_mean", 0.1, True),
+        ("cost/peak_memory_bytes", 1e9, True),
+        ("x", 2.0, False),
     ]
 
 
