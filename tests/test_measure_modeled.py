@@ -14,10 +14,8 @@ from quantlab.measure.modeled import (
     linear_weight_count,
     max_concurrent_sequences,
     modeled_cost,
-    modeled_cost_from_facts,
     parameter_count,
     streamed_weight_bytes,
-    usd_per_million_tokens,
 )
 from quantlab.measure.settings import MeasureSettings
 
@@ -152,15 +150,6 @@ def test_decode_roofline(bandwidth, weights, embedding, tied, kv_per_token, cont
     assert decode_roofline_tokens_per_s(bandwidth, streamed, kv_per_token, context, batch) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize(
-    ("price", "tokens_per_s", "expected"),
-    [(2.0, 1000, 0.5555555556), (3.0, 1000, 0.8333333333), (2.5, 500, 1.3888888889)],
-)
-def test_usd_per_million_tokens(price, tokens_per_s, expected):
-    # price / (tokens/s x 3600 s) x 1e6
-    assert usd_per_million_tokens(price, tokens_per_s) == pytest.approx(expected)
-
-
 def llama_checkpoint_facts(config: dict, linear_tensors) -> CheckpointFacts:
     """Safetensors header facts of a Llama-layout checkpoint: BF16 embeddings, norms and
     lm_head; each linear layer's tensors from `linear_tensors(out_features, in_features)`."""
@@ -229,14 +218,14 @@ def int4_group64_linear(out_features, in_features):
     ids=["8b-bf16", "8b-fp8", "135m-int4-g64", "70b-bf16"],
 )
 def test_bits_per_weight_over_linear_weights(config, linear, bits_per_weight):
-    cost = modeled_cost_from_facts(config, llama_checkpoint_facts(config, linear))
+    cost = modeled_cost(config, llama_checkpoint_facts(config, linear))
     assert cost.bits_per_weight == pytest.approx(bits_per_weight)
 
 
 def test_bf16_checkpoint_figures_of_llama_8b_on_h100():
     facts = llama_checkpoint_facts(LLAMA_8B, bf16_linear)
     settings = MeasureSettings(target={"accelerator": "h100 sxm", "price_per_hour": 2.0, "context_length": 4096})
-    cost = modeled_cost_from_facts(LLAMA_8B, facts, settings)
+    cost = modeled_cost(LLAMA_8B, facts, settings)
     assert cost.target == "H100-SXM"
     assert cost.weight_bytes_in_memory == 16_060_522_496  # 2 bytes x 8,030,261,248
     assert cost.weight_bytes == 16_060_522_496 + 4096  # the file: payload + header
@@ -252,9 +241,7 @@ def test_bf16_checkpoint_figures_of_llama_8b_on_h100():
 
 def test_what_does_not_fit_is_absent_with_a_reason_never_zero():
     facts = llama_checkpoint_facts(LLAMA_70B, bf16_linear)
-    cost = modeled_cost_from_facts(
-        LLAMA_70B, facts, MeasureSettings(target={"accelerator": "H100-SXM", "price_per_hour": 3})
-    )
+    cost = modeled_cost(LLAMA_70B, facts, MeasureSettings(target={"accelerator": "H100-SXM", "price_per_hour": 3}))
     assert cost.max_concurrent_sequences == 0
     metrics = cost.to_metrics()
     for figure in ("roofline_decode_tokens_per_s", "serving_decode_tokens_per_s", "usd_per_million_output_tokens"):
@@ -263,7 +250,7 @@ def test_what_does_not_fit_is_absent_with_a_reason_never_zero():
 
 
 def test_without_a_price_the_dollar_figure_is_absent_with_a_reason():
-    cost = modeled_cost_from_facts(SMOLLM2_135M, llama_checkpoint_facts(SMOLLM2_135M, bf16_linear))
+    cost = modeled_cost(SMOLLM2_135M, llama_checkpoint_facts(SMOLLM2_135M, bf16_linear))
     assert cost.usd_per_million_output_tokens is None
     assert "price_per_hour" in cost.unavailable["usd_per_million_output_tokens"]
     assert cost.roofline_decode_tokens_per_s is not None
@@ -276,7 +263,7 @@ def test_without_a_checkpoint_only_config_figures_remain():
 
 
 def test_a_config_that_is_not_a_llama_family_decoder_leaves_shape_figures_absent():
-    cost = modeled_cost_from_facts({"d_model": 512}, llama_checkpoint_facts(SMOLLM2_135M, bf16_linear))
+    cost = modeled_cost({"d_model": 512}, llama_checkpoint_facts(SMOLLM2_135M, bf16_linear))
     assert cost.weight_bytes is not None
     assert cost.kv_bytes_per_token is None
     assert "hidden_size" in cost.unavailable["kv_bytes_per_token"]

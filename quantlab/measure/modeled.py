@@ -145,10 +145,6 @@ def decode_roofline_tokens_per_s(
     return batch_size * bandwidth_bytes_per_s / bytes_per_step
 
 
-def usd_per_million_tokens(price_per_hour: float, tokens_per_s: float) -> float:
-    return price_per_hour / (tokens_per_s * 3600) * 1_000_000
-
-
 @dataclass(frozen=True)
 class ModeledCost:
     """Modeled figures for one checkpoint on the target accelerator; None = unavailable (see why)."""
@@ -179,27 +175,20 @@ class ModeledCost:
         }
 
 
-def modeled_cost(config: Any, checkpoint_dir: Path | None, settings: MeasureSettings | None = None) -> ModeledCost:
-    """Every modeled figure from a config (object, mapping, or None to read the checkpoint's
-    config.json) and a checkpoint directory's safetensors headers; loads no model."""
-    if config is None and checkpoint_dir is not None:
-        config = Path(checkpoint_dir) / "config.json"
-    facts = CheckpointFacts.from_dir(checkpoint_dir) if checkpoint_dir is not None else None
-    return modeled_cost_from_facts(config, facts, settings, where=str(checkpoint_dir))
-
-
-def modeled_cost_from_facts(
-    config: Any, facts: CheckpointFacts | None, settings: MeasureSettings | None = None, where: str = "the checkpoint"
+def modeled_cost(
+    config: Any, checkpoint: Path | CheckpointFacts | None, settings: MeasureSettings | None = None
 ) -> ModeledCost:
-    """`modeled_cost` on checkpoint facts already at hand (None: no checkpoint)."""
+    """Every modeled figure from a config (object, mapping, or None to read the checkpoint's config.json) and
+    a checkpoint directory's safetensors headers, or their facts already at hand; loads no model."""
     settings = settings or MeasureSettings()
     target = settings.target
     target_name, spec = settings.target_accelerator()
-    values = config_dict(config)
-    if facts is None:
+    values = config_dict(Path(checkpoint) / "config.json" if config is None else config)
+    if checkpoint is None:
         facts, no_weights = CheckpointFacts((), ()), "no checkpoint directory given"
     else:
-        no_weights = "" if facts.file_sizes else f"no *.safetensors files in {where}"
+        facts = checkpoint if isinstance(checkpoint, CheckpointFacts) else CheckpointFacts.from_dir(checkpoint)
+        no_weights = "" if facts.file_sizes else f"no *.safetensors files in {checkpoint}"
     try:
         shape, no_shape = ModelShape.from_config(values), ""
     except ValueError as error:
@@ -239,9 +228,8 @@ def modeled_cost_from_facts(
                     spec.bandwidth_bytes_per_s, streamed, kv_per_token, target.context_length, batch_size
                 )
             if target.price_per_hour is not None:
-                figures["usd_per_million_output_tokens"] = usd_per_million_tokens(
-                    target.price_per_hour, figures["serving_decode_tokens_per_s"]
-                )
+                tokens_per_hour = figures["serving_decode_tokens_per_s"] * 3600
+                figures["usd_per_million_output_tokens"] = target.price_per_hour / tokens_per_hour * 1_000_000
 
     # Why each figure would be absent, the first reason that applies.
     both = no_shape or no_weights
