@@ -259,7 +259,8 @@ def _health_request(uri: str) -> urllib.request.Request:
 
 def open_store(uri: str | None = None) -> TrackingStore:
     """The store `uri`, $MLFLOW_TRACKING_URI or the default names, checked usable: an unreachable server is bad input."""
-    store = TrackingStore(uri := tracking_uri(uri))
+    uri = tracking_uri(uri)
+    store = TrackingStore(uri)
     if uri.startswith(("http://", "https://")):
         # MLflow's own client retries for minutes; one direct probe answers in seconds.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
