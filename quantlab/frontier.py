@@ -8,7 +8,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -359,44 +359,38 @@ def pareto_front(variants: Sequence[VariantSummary], pair: AxisPair, noise: Nois
     return FrontierResult(pair, tuple(judged), tuple(excluded), baseline.name if baseline else None, unpaired)
 
 
-def _check_direction(metric: str, given: bool | None) -> None:
-    # lm-eval scores get their direction from lm-eval during the sweep; every other key must be
-    # in the contract or given a direction, checked when the recipe loads, not after an hour.
-    if given is None and not is_eval_score(metric):
-        Axis.of(metric)
-
-
-class AxisSettings(BaseModel):
-    """One frontier plot: a quality metric against a cost metric."""
+class _Directed(BaseModel):
+    """Recipe settings where a metric field `X` has its direction in `X_higher_is_better` (None: the contract's)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="after")
+    def _directions_are_known(self) -> Self:
+        # lm-eval scores get their direction from lm-eval during the sweep; every other key must be
+        # in the contract or given a direction, checked when the recipe loads, not after an hour.
+        for name, given in self:
+            metric = getattr(self, name.removesuffix("_higher_is_better"))
+            if name.endswith("_higher_is_better") and given is None and not is_eval_score(metric):
+                Axis.of(metric)
+        return self
+
+
+class AxisSettings(_Directed):
+    """One frontier plot: a quality metric against a cost metric."""
 
     quality: str = Field(min_length=1)
     cost: str = Field(min_length=1)
     quality_higher_is_better: bool | None = None
     cost_higher_is_better: bool | None = None
 
-    @model_validator(mode="after")
-    def _directions_are_known(self) -> AxisSettings:
-        _check_direction(self.quality, self.quality_higher_is_better)
-        _check_direction(self.cost, self.cost_higher_is_better)
-        return self
 
-
-class FrontierSettings(BaseModel):
+class FrontierSettings(_Directed):
     """Which frontiers to draw and how to pick (the recipe's `frontier:`); every field has a working default."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     axes: list[AxisSettings] | None = None  # None: the defaults of `axis_pairs`
     objective: str = "cost/weight_bytes"
     objective_higher_is_better: bool | None = None
     default_policy: Policy = Field(default_factory=Policy)  # the report's recommendation: `quantlab pick` bare
-
-    @model_validator(mode="after")
-    def _objective_direction_is_known(self) -> FrontierSettings:
-        _check_direction(self.objective, self.objective_higher_is_better)
-        return self
 
     def objective_axis(self, declared: Mapping[str, Declared] | None = None) -> Axis:
         return Axis.of(self.objective, self.objective_higher_is_better, declared)
