@@ -63,5 +63,4 @@ def test_the_cpu_clock_is_perf_counter():
 def test_copy_bandwidth_is_positive_and_says_how_it_was_measured():
     reading = measure_copy_bandwidth(torch.device("cpu"), nbytes=4 * MB, repeats=3)
     assert reading.bytes_per_s > 0
-    assert len(reading.samples_bytes_per_s) == 3
     assert "read + write" in reading.method

@@ -18,7 +18,6 @@ from quantlab.measure.checkpoint import CheckpointFacts
 from quantlab.measure.settings import AcceleratorSpec, KvCacheDtype, MeasureSettings
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "fp8": 1, "float8_e4m3fn": 1}
-_DEFAULT_KV_BYTES = 2  # servers keep the KV cache in BF16/FP16 unless told otherwise
 
 
 def config_dict(config: Any) -> dict[str, Any]:
@@ -103,7 +102,7 @@ def kv_cache_element_bytes(config: Any, kv_cache_dtype: KvCacheDtype = "auto") -
     if isinstance(scheme, Mapping) and scheme.get("num_bits"):
         return scheme["num_bits"] / 8
     dtype = str(values.get("dtype") or values.get("torch_dtype") or "").removeprefix("torch.")
-    return _DTYPE_BYTES.get(dtype, _DEFAULT_KV_BYTES)
+    return _DTYPE_BYTES.get(dtype, 2)  # servers keep the KV cache in BF16/FP16 unless told otherwise
 
 
 def kv_cache_bytes_per_token(shape: ModelShape, element_bytes: float) -> float:
@@ -167,7 +166,6 @@ class ModeledCost:
     _NOT_FIGURES = ("target", "target_spec", "assumptions", "unavailable")
 
     def to_metrics(self) -> dict[str, float]:
-        """The available figures as `cost/<figure>`."""
         return {
             f"cost/{field.name}": float(value)
             for field in fields(self)

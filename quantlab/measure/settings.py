@@ -84,9 +84,7 @@ class TargetSettings(_Strict):
     """The accelerator the modeled figures (capacity, roofline, dollars) are computed for."""
 
     accelerator: str = Field("H100-SXM", description="A name from the accelerator table (built-in or `accelerators`).")
-    price_per_hour: float | None = Field(
-        None, gt=0, description="USD per accelerator-hour; without it the dollar figure is left out."
-    )
+    price_per_hour: float | None = Field(None, gt=0, description="USD per accelerator-hour; else no dollar figure.")
     context_length: int = Field(
         4096, gt=0, le=10_000_000, description="Tokens (prompt + output) each served sequence holds in KV cache."
     )
@@ -95,12 +93,8 @@ class TargetSettings(_Strict):
     memory_utilization: float = Field(
         0.9, gt=0, le=1, description="Share of device memory a server may use (vLLM's gpu_memory_utilization)."
     )
-    runtime_overhead_bytes: int = Field(
-        1 * _GIB, ge=0, description="Held back for CUDA context, activations and allocator slack."
-    )
-    kv_cache_dtype: KvCacheDtype = Field(
-        "auto", description="auto = the checkpoint's KV cache scheme if it declares one, else its dtype."
-    )
+    runtime_overhead_bytes: int = Field(_GIB, ge=0, description="CUDA context, activations and allocator slack.")
+    kv_cache_dtype: KvCacheDtype = Field("auto", description="auto: the checkpoint's KV cache scheme, else its dtype.")
 
 
 class MeasureSettings(_Strict):

@@ -118,7 +118,6 @@ def time_generation(
 @dataclass(frozen=True)
 class BandwidthReading:
     bytes_per_s: float  # median over the samples
-    samples_bytes_per_s: tuple[float, ...]
     method: str
 
 
@@ -138,9 +137,7 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> B
         end = clock.mark()
         clock.settle()
         samples.append(2 * nbytes / clock.seconds(start, end))
-    del source, target
     return BandwidthReading(
         bytes_per_s=float(np.median(samples)),
-        samples_bytes_per_s=tuple(samples),
         method=f"torch copy of {nbytes} B on {device} (read + write counted), median of {repeats}",
     )

@@ -58,7 +58,6 @@ def _process(pid: int) -> psutil.Process:
 
 
 def current_rss_bytes() -> int:
-    """This process's resident set size now."""
     return int(_process(os.getpid()).memory_info().rss)
 
 
