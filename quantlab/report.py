@@ -177,13 +177,10 @@ def draw(axes, result: FrontierResult, title: str, gid_prefix: str = "pt") -> No
 
 
 def _blank(columns: int = 1, rows: int = 1):
-    """A figure on an Agg canvas: the object API leaves pyplot's global state alone."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    """A figure of the object API (savefig picks the canvas per format): pyplot's global state is left alone."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(6.4 * columns, 4.8 * rows), layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig
+    return Figure(figsize=(6.4 * columns, 4.8 * rows), layout="constrained")
 
 
 def figure(result: FrontierResult, model: str, gid_prefix: str = "pt"):
