@@ -10,6 +10,7 @@ import os
 import platform
 from collections import Counter
 from collections.abc import Sequence
+from contextlib import suppress
 from functools import cache
 from typing import Any
 
@@ -28,21 +29,15 @@ def describe_engine(model: torch.nn.Module) -> str:
 
 @cache
 def cpu_model_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    with suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def visible_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def hardware() -> dict[str, str]:

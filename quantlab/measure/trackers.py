@@ -184,9 +184,6 @@ class MemoryTracker(_Window[MemoryReading]):
         self._peak_nvml = max(self._peak_nvml or 0, device_bytes)
 
     def _read(self) -> MemoryReading:
-        device_memory = self._peak_nvml
-        if device_memory is None:
-            device_memory = self._nvml if isinstance(self._nvml, str) else "NVML returned no memory sample"
         if self._cuda:
             peak = sum(torch.cuda.max_memory_allocated(index) for index in self._cuda)
             kind = f"torch.cuda.max_memory_allocated, summed over cuda:{','.join(map(str, self._cuda))}"
@@ -202,7 +199,8 @@ class MemoryTracker(_Window[MemoryReading]):
             peak_bytes=peak,
             peak_kind=kind,
             process_peak_rss_bytes=max(self._peak_before, self._peak_rss),
-            peak_device_memory_bytes=device_memory,
+            # With NVML open, `__enter__`'s own sample set a peak.
+            peak_device_memory_bytes=self._nvml if isinstance(self._nvml, str) else self._peak_nvml,
             device_memory_scope=self._nvml_scope,
         )
 
