@@ -231,9 +231,9 @@ def measure_loaded_model(model: Any, tokenizer: Any, settings: MeasureSettings) 
     loaded_bytes = sum(parameter.nbytes for parameter in model.parameters())
     batches = tuple(
         BatchFigures.summarize(
-            timings, energy, _local_roofline(model, loaded_bytes, bandwidth.bytes_per_s, settings, batch_size)
+            timings, joules, _local_roofline(model, loaded_bytes, bandwidth.bytes_per_s, settings, batch_size)
         )
-        for batch_size, timings, energy in timed
+        for batch_size, timings, joules in timed
     )
     described = {
         "engine": describe_engine(model),
