@@ -98,7 +98,6 @@ def _verdict_words(rule: DropRule, found: NonInferiority, n: int) -> str:
 
 
 def _bound_check(bound: Bound, variant: VariantSummary) -> CheckResult:
-    """A plain limit on a logged figure."""
     metric, limit, upper = bound.metric, bound.limit, bound.upper
     result = partial(CheckResult, bound.constraint, metric)
     value = variant.value(metric)

@@ -155,8 +155,7 @@ def logged_keys(variants: Iterable[VariantSummary]) -> set[str]:
 
 
 def quality_metrics(variants: Sequence[VariantSummary], declared: Mapping[str, Declared]) -> list[str]:
-    """Every lm-eval score (filtered ones too) whose direction is declared, sorted, then the damage figures;
-    what a succeeded variant logged."""
+    """Task scores of declared direction (filtered ones too, sorted), then damage: what a succeeded variant logged."""
     logged = logged_keys(variants)
     scores = sorted(key for key in logged if is_eval_score(key) and metric_spec(key, declared).direction_known)
     return [*scores, *(key for key in DAMAGE_METRICS if key in logged)]
@@ -268,10 +267,8 @@ class FrontierPoint:
 
 @dataclass(frozen=True)
 class Exclusion:
-    """A variant that could not be placed on a pair's plot, and why."""
-
     name: str
-    reason: str
+    reason: str  # why it could not be placed on the pair's plot
 
 
 @dataclass(frozen=True)

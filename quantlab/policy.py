@@ -1,8 +1,5 @@
-"""The release policy: one pydantic model for the recipe's `frontier.default_policy` and `quantlab pick`'s flags.
-
-Drop limits are judged by non-inferiority in `quantlab.decision`; bounds cap measured figures. Pure:
-imports only the metric contract and pydantic, so frontier.py can embed it.
-"""
+"""The release policy (pure): one pydantic model for the recipe's `frontier.default_policy` and `quantlab pick`'s flags.
+Drop limits are judged by non-inferiority in `quantlab.decision`; bounds cap measured figures."""
 
 from __future__ import annotations
 
