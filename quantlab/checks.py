@@ -12,7 +12,7 @@ from typing import Any
 
 from quantlab import cache
 from quantlab.corpora import text_source_problem
-from quantlab.errors import BadInput, Problem
+from quantlab.errors import BadInput, Problem, did_you_mean
 from quantlab.models import (
     hub_reachable,
     in_local_cache,
@@ -52,7 +52,7 @@ def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None, hub_optio
     that this machine cannot reach (nor has cached) is bad input; with `hub_optional` (`quantlab
     validate`) what needs the hub is listed in `needs_hub` instead.
     """
-    from quantlab.evaluate.lm_eval_runner import known_tasks, task_index_identity, unknown_tasks
+    from quantlab.evaluate.lm_eval_runner import known_tasks, task_index_identity
 
     recipe, shown = loaded.recipe, str(loaded.path)
     remembered = cache_root / RECIPE_CHECKS_DIR if cache_root is not None else None
@@ -88,10 +88,10 @@ def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None, hub_optio
     task_names = [task.name for task in recipe.evals.tasks]
     if task_names:
         known = set(look_up(task_index_identity(loaded.include_path), lambda: sorted(known_tasks(loaded.include_path))))
-        for name, suggestion in unknown_tasks(task_names, known):
-            hint = f" (did you mean '{suggestion}'?)" if suggestion else ""
-            field = f"evals.tasks[{task_names.index(name)}].name"
-            problems.append(Problem(shown, field, f"lm-eval cannot resolve task '{name}'{hint}"))
+        for index, name in enumerate(task_names):
+            if name not in known:  # a close name among lm-eval's ~10k: a stricter cutoff than for a recipe's few
+                message = f"lm-eval cannot resolve task '{name}'{did_you_mean(name, known, cutoff=0.75)}"
+                problems.append(Problem(shown, f"evals.tasks[{index}].name", message))
     if hub_optional and task_names:
         local = _tasks_defined_under(loaded.include_path)
         if hub_tasks := [name for name in task_names if name not in local]:

@@ -110,7 +110,7 @@ def sweep(
             raise bad_input("--executor", "", f"'{executor}' is not one of: {', '.join(EXECUTORS)}")
         cache_root = (cache_dir or default_root()).resolve()
         loaded = validate(recipe, cache_root)
-        uri = tracking.open_store(tracking.tracking_uri(tracking_uri)).uri
+        uri = tracking.open_store(tracking_uri).uri
         options = SweepOptions(uri, cache_root, executor, force, tuple(only or ()), ray_address)
         # SIGTERM (a scheduler stopping the job) ends the sweep like Ctrl-C: its runs are marked KILLED.
         signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -202,7 +202,7 @@ def ui(
 
     from quantlab import tracking
 
-    store = tracking.open_store(tracking.tracking_uri(tracking_uri))
+    store = tracking.open_store(tracking_uri)
     options = ["--backend-store-uri", store.uri, "--host", host, "--port", str(port)]
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped like Ctrl-C, its helpers with it
     # Its job runners (seven huey consumers) serve GenAI features, not the runs we browse.
@@ -229,7 +229,7 @@ def _sweep_view(experiment: str | None, tracking_uri: str | None):
     from quantlab import tracking
     from quantlab.publish import read_sweep
 
-    store = tracking.open_store(tracking.tracking_uri(tracking_uri))
+    store = tracking.open_store(tracking_uri)
     return store, read_sweep(store, tracking.latest_sweep(store, experiment).run_id)
 
 

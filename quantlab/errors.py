@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -27,3 +29,9 @@ class BadInput(Exception):
 
 def bad_input(file: str, field: str, message: str) -> BadInput:
     return BadInput([Problem(file, field, message)])
+
+
+def did_you_mean(word: str, choices: Iterable[str], cutoff: float = 0.6) -> str:
+    """ " (did you mean 'x'?)" for the closest choice, or "" when none is close."""
+    close = difflib.get_close_matches(word, sorted(choices), n=1, cutoff=cutoff)
+    return f" (did you mean '{close[0]}'?)" if close else ""

@@ -6,8 +6,7 @@ The file alone, every problem collected before reporting; checks against the wor
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -15,7 +14,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, create_model
 
-from quantlab.errors import BadInput, Problem, bad_input
+from quantlab.errors import BadInput, Problem, bad_input, did_you_mean
 from quantlab.frontier import FrontierSettings
 from quantlab.measure.settings import MeasureSettings
 from quantlab.quantize import METHODS
@@ -227,11 +226,6 @@ def _field_path(data: Any, loc: tuple) -> str:
         else:
             path += f".{key}" if path else str(key)
     return path
-
-
-def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    close = difflib.get_close_matches(word, sorted(choices), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def _problems_across_fields(data: dict, shown: str) -> list[Problem]:

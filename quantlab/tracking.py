@@ -74,10 +74,6 @@ class RunRecord:
         return self.tags.get(VARIANT, self.name)
 
 
-def tracking_uri(flag: str | None) -> str:
-    return flag or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
-
-
 class TrackingStore:
     """The primitives quantlab needs of a tracking store, on MLflow (SQLite, a tracking server, any URI MLflow
     accepts); everything else is built on them below. search() is newest first."""
@@ -259,7 +255,7 @@ def _health_request(uri: str) -> urllib.request.Request:
 
 def open_store(uri: str | None = None) -> TrackingStore:
     """The store `uri`, $MLFLOW_TRACKING_URI or the default names, checked usable: an unreachable server is bad input."""
-    uri = tracking_uri(uri)
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
     store = TrackingStore(uri)
     if uri.startswith(("http://", "https://")):
         # MLflow's own client retries for minutes; one direct probe answers in seconds.

@@ -11,12 +11,12 @@ from types import ModuleType
 import pytest
 
 from quantlab import corpora
+from quantlab.errors import did_you_mean
 from quantlab.evaluate.lm_eval_runner import (
     TaskRequest,
     known_tasks,
     run_tasks,
     task_index_identity,
-    unknown_tasks,
 )
 from quantlab.metrics import Scale
 
@@ -90,13 +90,11 @@ def test_known_tasks_include_bundled_and_standard_names() -> None:
     assert {"mmlu_dev", "pydoc_cloze", "quantlab_bundled", "hellaswag", "mmlu"} <= known
 
 
-def test_unknown_tasks_suggest_the_closest_name() -> None:
-    names = ["mmlu_dve", "mmlu_dev", "hellaswag", "no_such_task_at_all"]
+def test_a_close_task_name_is_suggested_and_a_far_one_is_not() -> None:
+    known = known_tasks(BUNDLED_EVALS_DIR)
 
-    assert unknown_tasks(names, known_tasks(BUNDLED_EVALS_DIR)) == [
-        ("mmlu_dve", "mmlu_dev"),
-        ("no_such_task_at_all", None),
-    ]
+    assert did_you_mean("mmlu_dve", known, cutoff=0.75) == " (did you mean 'mmlu_dev'?)"
+    assert did_you_mean("no_such_task_at_all", known, cutoff=0.75) == ""
 
 
 def test_the_task_index_identity_follows_the_task_files(tmp_path) -> None:

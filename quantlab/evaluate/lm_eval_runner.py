@@ -5,7 +5,6 @@ reproduces lm-eval's figure, and each group's leaf weights. The model is wrapped
 from __future__ import annotations
 
 import contextlib
-import difflib
 import functools
 import hashlib
 import json
@@ -140,15 +139,6 @@ def task_index_identity(include_path: Path | None) -> dict[str, Any]:
         "include_path": str(include_path.resolve()) if include_path else None,
         "include_files": cache.tasks_digest(include_path),
     }
-
-
-def unknown_tasks(names: list[str], known: set[str]) -> list[tuple[str, str | None]]:
-    """The names not in `known`, each with the closest known name (or None)."""
-    return [
-        (name, next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.75)), None))
-        for name in names
-        if name not in known
-    ]
 
 
 @functools.cache

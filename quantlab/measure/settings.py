@@ -8,12 +8,13 @@ spaces, dashes or underscores ("h100 sxm" finds "H100-SXM").
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Mapping
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from quantlab.errors import did_you_mean
 
 _GIB = 1024**3
 _MIB = 1024**2
@@ -75,9 +76,8 @@ def find_accelerator(name: str, overrides: Mapping[str, AcceleratorSpec] | None 
     for known, spec in table.items():
         if _normalized(known) == _normalized(name):
             return known, spec
-    close = difflib.get_close_matches(name, list(table), n=1, cutoff=0.5)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    raise ValueError(f"unknown accelerator {name!r}; {hint}known: {', '.join(sorted(table))}")
+    hint = did_you_mean(name, table, cutoff=0.5)
+    raise ValueError(f"unknown accelerator {name!r}{hint}; known: {', '.join(sorted(table))}")
 
 
 class TargetSettings(_Strict):
