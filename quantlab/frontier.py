@@ -392,13 +392,10 @@ class FrontierSettings(_Directed):
     def objective_axis(self, declared: Mapping[str, Declared] | None = None) -> Axis:
         return Axis.of(self.objective, self.objective_higher_is_better, declared)
 
-    def axis_pairs(
-        self, variants: Sequence[VariantSummary], declared: Mapping[str, Declared] | None = None
-    ) -> tuple[AxisPair, ...]:
+    def axis_pairs(self, variants: Sequence[VariantSummary], declared: Mapping[str, Declared]) -> tuple[AxisPair, ...]:
         """The pairs to draw, less explicit axes of a still unknown direction (`compute_frontiers` names them).
         By default every lm-eval score of known direction, and mean KL, against weight size and decode speed:
         only pairs some succeeded variant can be placed on (a CPU sweep has no speed plots)."""
-        declared = merged_declared(variants) if declared is None else declared
         if self.axes is None:
             succeeded = [variant for variant in variants if variant.succeeded]
             return tuple(

@@ -283,7 +283,6 @@ def render_markdown(
 ) -> str:
     """A report for someone who has never seen quantlab: compared what, found what, ship what."""
     metrics = key_metrics(variants, frontiers)
-    declared = frontiers.declared
     setups: dict[str, list[str]] = {}  # which succeeded variants were measured alike
     for variant in (v for v in variants if v.succeeded):
         setups.setdefault(_setup(variant.tags), []).append(variant.name)
@@ -303,8 +302,8 @@ def render_markdown(
         costs=[metric_spec(m).label for m in metrics if m in KEY_COST_METRICS],
         unpaired=unpaired,
         frontiers=frontiers,
-        show=lambda metric, value: format_value(metric_spec(metric, declared), value),
-        describe=lambda comparison, metric: describe_comparison(comparison, metric_spec(metric, declared)),
+        show=lambda metric, value: format_value(metric_spec(metric, frontiers.declared), value),
+        describe=lambda comparison, metric: describe_comparison(comparison, metric_spec(metric, frontiers.declared)),
         decision=decision,
         setups=setups,
         unrecorded=_setup({}),

@@ -406,7 +406,7 @@ def test_an_undeclared_score_gets_no_axis_whatever_its_name():
     """`acc` is not guessed: without the sweep's declaration its direction is unknown."""
     variants = [VariantSummary("a", "a", True, {ACC: 0.5, WEIGHTS: 1.0})]
 
-    assert FrontierSettings().axis_pairs(variants) == ()
+    assert FrontierSettings().axis_pairs(variants, merged_declared(variants)) == ()
     assert compute_frontiers(variants).direction_unknown == (ACC,)
 
 
@@ -423,7 +423,9 @@ def test_declarations_are_merged_and_a_disagreement_makes_the_direction_unknown(
 def test_default_axis_pairs_skip_speed_when_nobody_measured_it():
     variants = [summary("a", acc=0.5, weights=1), summary("b", succeeded=False, acc=0.5, decode=10)]
 
-    assert [pair.name for pair in FrontierSettings().axis_pairs(variants)] == [f"{ACC} vs {WEIGHTS}"]
+    assert [pair.name for pair in FrontierSettings().axis_pairs(variants, merged_declared(variants))] == [
+        f"{ACC} vs {WEIGHTS}"
+    ]
 
 
 def test_axis_direction_from_the_contract_or_given():
@@ -480,7 +482,7 @@ def test_frontier_settings_explicit_directions_and_defaults():
         }
     )
 
-    (pair,) = settings.axis_pairs([summary("a", decode=10.0, **{"eval/custom/score": 1.0})])
+    (pair,) = settings.axis_pairs([summary("a", decode=10.0, **{"eval/custom/score": 1.0})], DECLARED)
     assert pair == AxisPair(Axis("eval/custom/score", True), Axis(DECODE, True))
     assert settings.objective_axis() == Axis("cost/dollars_per_mtok", False)
     assert FrontierSettings().axes is None and FrontierSettings().objective_axis() == Axis(WEIGHTS, False)
