@@ -212,11 +212,8 @@ def _would_need(undecided: Sequence[Verdict]) -> str:
 
 
 def pick(variants: Sequence[VariantSummary], baseline_name: str, policy: Policy, objective: Axis) -> Decision:
-    """The best variant by `objective` among those shown within every limit of `policy`.
-
-    Ties on the objective go to the smaller use of the drop limits (sum of drop / limit over the
-    drop checks), then the lower mean KL, then the name, so the same inputs give the same answer.
-    """
+    """The best variant by `objective` among those shown within every limit of `policy`; ties go to the smaller use of
+    the drop limits (sum of drop / limit), then the lower mean KL, then the name: same inputs, same answer."""
     ensure_unique_names(variants)
     baseline = next((v for v in variants if v.name == baseline_name), None)
     if baseline is None:

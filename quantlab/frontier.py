@@ -62,12 +62,6 @@ def ensure_unique_names(variants: Sequence[VariantSummary]) -> None:
         raise ValueError(f"variant names must be unique; repeated: {repeated}")
 
 
-def format_p(p: float) -> str:
-    if not math.isfinite(p):
-        return "n/a"
-    return f"{p:.0e}".replace("e-0", "e-") if p < 1e-3 else f"{p:.2g}"
-
-
 def format_diff(metric: MetricSpec, comparison: PairedComparison) -> str:
     """ "-2.00 pts [-3.10, -0.90]": variant minus baseline and its paired 95% interval, where it has one."""
     text = format_change(metric, comparison.diff)
@@ -80,7 +74,9 @@ def format_diff(metric: MetricSpec, comparison: PairedComparison) -> str:
 
 def describe_comparison(comparison: PairedComparison, metric: MetricSpec) -> str:
     """ "-2.00 pts [-3.10, -0.90], p=3e-4, 25 right→wrong / 5 wrong→right" (variant minus baseline)."""
-    text = f"{format_diff(metric, comparison)}, p={format_p(comparison.p_value)}"
+    p = comparison.p_value
+    shown = f"{p:.0e}".replace("e-0", "e-") if p < 1e-3 else f"{p:.2g}"
+    text = f"{format_diff(metric, comparison)}, p={shown if math.isfinite(p) else 'n/a'}"
     if comparison.correct_to_wrong is not None and comparison.wrong_to_correct is not None:
         text += f", {comparison.correct_to_wrong} right→wrong / {comparison.wrong_to_correct} wrong→right"
     return text
