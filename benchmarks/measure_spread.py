@@ -101,7 +101,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None, extra_figures: ExtraFigures | None = None) -> int:
     args = parse_args(argv)
-    from quantlab.measure import MeasureSettings, measure_cost
+    from quantlab.measure.cost import measure_cost
+    from quantlab.measure.settings import MeasureSettings
 
     overrides = {
         "batch_sizes": args.batch_sizes,

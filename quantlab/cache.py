@@ -89,7 +89,7 @@ class FileRecord:
     sha256: str
 
 
-def _sha256(path: Path, advance: Callable[[int], object] = lambda n: None) -> str:
+def file_sha256(path: Path, advance: Callable[[int], object] = lambda n: None) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as stream:
         while chunk := stream.read(1 << 23):
@@ -143,7 +143,7 @@ def check_checkpoint(
         problems = [
             f"{r.path}: SHA-256 differs from the record"
             for r in records
-            if _sha256(checkpoint / r.path, advance) != r.sha256
+            if file_sha256(checkpoint / r.path, advance) != r.sha256
         ]
     return problems
 
@@ -221,6 +221,6 @@ def writing(checkpoint: Path, identity: dict[str, Any]) -> Iterator[Path]:
     with atomic_directory(checkpoint) as scratch:
         yield scratch
         files = sorted(path for path in scratch.rglob("*") if path.is_file())
-        records = [FileRecord(p.relative_to(scratch).as_posix(), p.stat().st_size, _sha256(p)) for p in files]
+        records = [FileRecord(p.relative_to(scratch).as_posix(), p.stat().st_size, file_sha256(p)) for p in files]
         marker = {"identity": identity, "files": [asdict(record) for record in records]}
         (scratch / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True, default=str))

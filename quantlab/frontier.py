@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from quantlab.metrics import Declared, MetricSpec, Scale, is_eval_score, paired_key
 from quantlab.metrics import spec as metric_spec
 from quantlab.metrics import unknown_directions as contract_unknown_directions
-from quantlab.paired import DocumentScores, Group, NotPaired, PairedComparison, combine, compare
+from quantlab.paired import STATISTICS, DocumentScores, Group, NotPaired, PairedComparison, combine, compare
 from quantlab.policy import KLD_MEAN, Policy, finite, format_change
 
 
@@ -165,34 +165,11 @@ def no_noise(metric: str, first: str, second: str) -> None:
     """Point comparison everywhere (tests, and sweeps that logged no paired figures)."""
 
 
-def reversed_comparison(c: PairedComparison) -> PairedComparison:
-    """first minus second from second minus first."""
-    return replace(
-        c,
-        baseline=c.variant,
-        variant=c.baseline,
-        diff=-c.diff,
-        ci95_low=-c.ci95_high,
-        ci95_high=-c.ci95_low,
-        correct_to_wrong=c.wrong_to_correct,
-        wrong_to_correct=c.correct_to_wrong,
-    )
-
-
 def logged_comparison(variant: VariantSummary, metric: str) -> PairedComparison | None:
     """The variant-minus-baseline figures its run logged under `quality/paired/<metric>/...`."""
-    stats = ("diff", "se", "ci95_low", "ci95_high", "p_value", "n", "correct_to_wrong", "wrong_to_correct")
-    figures = {stat: variant.value(paired_key(metric, stat)) for stat in stats}
     value = variant.value(metric)
-    if value is None or None in (figures["diff"], figures["ci95_low"], figures["ci95_high"]):
-        return None
-    figures |= {
-        "n": int(figures["n"] or 0),
-        "se": math.nan if figures["se"] is None else figures["se"],
-        "p_value": math.nan if figures["p_value"] is None else figures["p_value"],
-        **{flip: None if figures[flip] is None else int(figures[flip]) for flip in stats[-2:]},
-    }
-    return PairedComparison(baseline=value - figures["diff"], variant=value, test="logged", **figures)
+    figures = {name: variant.value(paired_key(metric, name)) for name in STATISTICS}
+    return None if value is None else PairedComparison.logged(value, figures)
 
 
 def paired_noise(
@@ -224,7 +201,7 @@ def paired_noise(
             return logged_comparison(by_name[second], metric)
         if baseline is not None and second == baseline.name and first in by_name:
             found = logged_comparison(by_name[first], metric)
-            return None if found is None else reversed_comparison(found)
+            return None if found is None else found.reversed()
         return None
 
     def noise(metric: str, first: str, second: str) -> PairedComparison | None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from quantlab import cache
 from quantlab.errors import bad_input
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ def resolve_source(spec: ModelSpec, base_dir: Path) -> ModelSource:
     path = _local_path(spec.source, base_dir)
     common = dict(revision=spec.revision, trust_remote_code=spec.trust_remote_code)
     if path.suffix == ".gguf":
-        identity = f"gguf:{path.name}:sha256={_file_sha256(path)}"
+        identity = f"gguf:{path.name}:sha256={cache.file_sha256(path)}"
         return ModelSource("gguf", str(path.parent), path.name, identity=identity, **common)
     if path.is_dir():
         return ModelSource("local_dir", str(path), None, identity=f"dir:{_directory_fingerprint(path)}", **common)
@@ -86,11 +87,6 @@ def resolve_source(spec: ModelSpec, base_dir: Path) -> ModelSource:
 
 
 @functools.lru_cache(maxsize=16)
-def _file_sha256(path: Path) -> str:
-    with path.open("rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
-
-
 def _directory_fingerprint(path: Path) -> str:
     """Config and tokenizer contents plus weight file sizes: cheap, and changes when weights do."""
     digest = hashlib.sha256()
@@ -196,8 +192,6 @@ def materialize(source: ModelSource, cache_root: Path) -> ModelSource:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from quantlab import cache
-
     identity = {"source": source.identity, "dtype": "float32"}
     target = cache_root / "sources" / cache.cache_key(identity)
     if not cache.is_complete(target):
@@ -228,7 +222,7 @@ def load_checkpoint(checkpoint: Path, dtype: torch.dtype, device: str) -> Loaded
     """A saved variant (plain or compressed-tensors), spread over the GPUs on CUDA.
 
     On CUDA, FP8 compressed-tensors weights stay FP8 and run FP8 matmuls (SM 8.9+) instead of being
-    dequantized; quantlab.measure.kernels reports which path ran (no FP8 matmuls: a warned fallback)."""
+    dequantized; quantlab.measure.provenance reports which path ran (no FP8 matmuls: a warned fallback)."""
     import json
 
     config = json.loads((checkpoint / "config.json").read_text())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import numpy as np
@@ -65,9 +65,34 @@ class PairedComparison:
 
     def statistics(self) -> dict[str, float]:
         """The finite figures, by the statistic names of `quantlab.metrics.PAIRED_STATISTICS`."""
-        names = ("diff", "se", "ci95_low", "ci95_high", "p_value", "n", "correct_to_wrong", "wrong_to_correct")
-        figures = {name: getattr(self, name) for name in names}
+        figures = {name: getattr(self, name) for name in STATISTICS}
         return {name: float(value) for name, value in figures.items() if value is not None and math.isfinite(value)}
+
+    @classmethod
+    def logged(cls, variant: float, figures: Mapping[str, float | None]) -> PairedComparison | None:
+        """Back from `statistics()` as a run logged them (None: not logged) and the variant's value."""
+        if None in (figures["diff"], figures["ci95_low"], figures["ci95_high"]):
+            return None
+        found = {name: math.nan if value is None else value for name, value in figures.items()}
+        counts = {name: None if figures[name] is None else int(figures[name]) for name in STATISTICS[-2:]}
+        found |= counts | {"n": int(figures["n"] or 0)}
+        return cls(baseline=variant - found["diff"], variant=variant, test="logged", **found)
+
+    def reversed(self) -> PairedComparison:
+        """baseline minus variant."""
+        return replace(
+            self,
+            baseline=self.variant,
+            variant=self.baseline,
+            diff=-self.diff,
+            ci95_low=-self.ci95_high,
+            ci95_high=-self.ci95_low,
+            correct_to_wrong=self.wrong_to_correct,
+            wrong_to_correct=self.correct_to_wrong,
+        )
+
+
+STATISTICS = ("diff", "se", "ci95_low", "ci95_high", "p_value", "n", "correct_to_wrong", "wrong_to_correct")
 
 
 class NotPaired(ValueError):

@@ -48,19 +48,6 @@ class SweepOptions:
     ray_address: str | None = None
 
 
-@dataclass(frozen=True)
-class SweepOutcome:
-    experiment_id: str
-    parent_run_id: str
-    finished: list[str]
-    reused: list[str] = field(default_factory=list)
-    failures: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def exit_code(self) -> int:
-        return 1 if self.failures else 0
-
-
 def plan(loaded: LoadedRecipe, only: tuple[str, ...]) -> list[str]:
     """Variant names in run order: the baseline first, since the others compare against it."""
     recipe = loaded.recipe
@@ -96,7 +83,7 @@ def run_keys(loaded: LoadedRecipe, names: list[str]) -> dict[str, str]:
     }
 
 
-def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay) -> SweepOutcome:
+def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay) -> SweepRuns:
     from quantlab.publish import publish_sweep
 
     order = plan(loaded, options.only)
@@ -128,16 +115,16 @@ def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay
         store.finish(parent, status)
         raise
     store.finish(parent, "FINISHED" if not sweep.failures else "FAILED")
-    return SweepOutcome(experiment, parent, sweep.finished, sweep.reused, sweep.failures)
+    return sweep
 
 
 @dataclass
 class SweepRuns:
-    """The bookkeeping of one sweep: which run belongs to which variant, and what came of it."""
+    """The bookkeeping of one sweep: which run belongs to which variant, and what came of it (`run_sweep` returns it)."""
 
     store: tracking.TrackingStore
-    experiment: str
-    parent: str
+    experiment_id: str
+    parent_run_id: str
     loaded: LoadedRecipe
     options: SweepOptions
     display: SweepDisplay
@@ -147,6 +134,10 @@ class SweepRuns:
     finished: list[str] = field(default_factory=list)
     reused: list[str] = field(default_factory=list)
     failures: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failures else 0
 
     def run_batch(self, names: list[str], reusable: dict[str, tracking.RunRecord], logs: Path) -> None:
         to_run = []
@@ -171,7 +162,13 @@ class SweepRuns:
         if name not in self.runs:
             method, baseline = self.loaded.recipe.variant(name).method, name == self.loaded.recipe.baseline
             self.runs[name] = tracking.start_variant(
-                self.store, self.experiment, self.parent, name, method, baseline=baseline, run_key=self.keys[name]
+                self.store,
+                self.experiment_id,
+                self.parent_run_id,
+                name,
+                method,
+                baseline=baseline,
+                run_key=self.keys[name],
             )
         return self.runs[name]
 
@@ -239,10 +236,7 @@ class SweepRuns:
 
 def mark_dead_sweeps(store: tracking.TrackingStore, experiment: str) -> list[str]:
     """Runs left RUNNING by a sweep process on this host that no longer exists become KILLED."""
-    dead = [sweep.run_id for sweep in tracking.running_sweeps(store, experiment) if _died_here(sweep.tags)]
-    for run_id in dead:
-        tracking.mark_killed(store, run_id, "its sweep process died")
-    return dead
+    return tracking.kill_sweeps(store, experiment, _died_here, "its sweep process died")
 
 
 def _died_here(tags: dict[str, str]) -> bool:

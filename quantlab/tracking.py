@@ -14,7 +14,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
@@ -342,17 +342,18 @@ def copy_run(store: TrackingStore, source: RunRecord, target_run_id: str) -> Non
     )
 
 
-def running_sweeps(store: TrackingStore, experiment_id: str) -> list[RunRecord]:
-    return store.search([experiment_id], {ROLE: "sweep"}, status="RUNNING")
-
-
-def mark_killed(store: TrackingStore, sweep_run_id: str, reason: str) -> None:
-    """A sweep that will never finish: it and its RUNNING variant runs become KILLED, with the reason."""
-    for child in child_runs(store, sweep_run_id):
-        if child.status == "RUNNING":
-            store.log_values(child.run_id, tags={FAILURE: reason})
-            store.finish(child.run_id, "KILLED")
-    store.finish(sweep_run_id, "KILLED")
+def kill_sweeps(
+    store: TrackingStore, experiment_id: str, dead: Callable[[dict[str, str]], bool], reason: str
+) -> list[str]:
+    """RUNNING sweeps that will never finish (`dead` of their tags): each and its RUNNING variant runs become KILLED."""
+    killed = [run.run_id for run in store.search([experiment_id], {ROLE: "sweep"}, status="RUNNING") if dead(run.tags)]
+    for sweep_run_id in killed:
+        for child in child_runs(store, sweep_run_id):
+            if child.status == "RUNNING":
+                store.log_values(child.run_id, tags={FAILURE: reason})
+                store.finish(child.run_id, "KILLED")
+        store.finish(sweep_run_id, "KILLED")
+    return killed
 
 
 def latest_sweep(store: TrackingStore, experiment_name: str | None) -> RunRecord:

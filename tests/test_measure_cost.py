@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny import tiny_llama_config
 
-from quantlab.measure import measure_cost
+from quantlab.measure.cost import measure_cost
 from quantlab.measure.settings import MeasureSettings
 from quantlab.stages.measure import measure
 

@@ -138,7 +138,7 @@ def test_a_renamed_variant_is_copied_under_its_new_name_with_its_numbers_and_fil
     assert sweep.baseline == BaselineOutputs(None, scores={MMLU: 0.6}, primary={"mmlu_dev": MMLU})
     original, copy = store.run(before["fp8"]), store.run(sweep.runs["fp8-dynamic"])
     assert copy.status == "FINISHED" and copy.run_id != original.run_id
-    assert copy.variant == copy.name == "fp8-dynamic" and copy.tags[tracking.PARENT] == sweep.parent
+    assert copy.variant == copy.name == "fp8-dynamic" and copy.tags[tracking.PARENT] == sweep.parent_run_id
     assert copy.params == original.params | {"variant.name": "fp8-dynamic"}
     assert copy.metrics == original.metrics and copy.datasets == original.datasets
     assert copy.tags[tracking.REUSED_FROM] == original.run_id
