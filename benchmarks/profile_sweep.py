@@ -37,8 +37,8 @@ IMPORTS = {
 }
 # (what, file path suffix, function name, indent): the functions whose cumulative time the table shows.
 PROFILED = [
+    ("recipe checks (the CLI, before the sweep)", "quantlab/checks.py", "validate", 0),
     ("whole sweep", "quantlab/sweep.py", "run_sweep", 0),
-    ("recipe checks (parent)", "quantlab/checks.py", "validate", 1),
     ("prepare model (GGUF -> HF)", "quantlab/models.py", "materialize", 1),
     ("quantize stage", "quantlab/stages/quantize.py", "quantize_variant", 1),
     ("calibration samples", "quantlab/stages/calibration.py", "calibration_dataset", 2),
