@@ -32,7 +32,6 @@ def embedded(tmp_path_factory):
     recipe = yaml.safe_load((REPO / "recipes" / "smollm2-135m.yaml").read_text())
     recipe["evals"]["include_path"] = str(REPO / "evals")
     recipe["evals"]["tasks"] = [{"name": "mmlu_dev", "limit": 12}, {"name": "pydoc_cloze", "limit": 40}]
-    recipe["calibration"]["num_samples"] = 16
     recipe["measure"] = {"prompt_tokens": 32, "output_tokens": 8, "repeats": 2, "bandwidth_probe_bytes": 64 * 2**20}
     path = work / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
