@@ -79,7 +79,7 @@ def sweep(
     executor: Annotated[
         str,
         typer.Option(
-            help="local: one spawned process per variant. ray: one Ray task per variant. inprocess: every variant in this process (no isolation: a crash ends the sweep; no variant log file); for notebooks, debuggers, scripts."
+            help="local: one process per variant, forked from a server that imported the libraries once. ray: one Ray task per variant. inprocess: every variant in this process (no isolation: a crash ends the sweep; no variant log file); for notebooks, debuggers, scripts."
         ),
     ] = "local",
     ray_address: Annotated[

@@ -1,4 +1,4 @@
-"""Where a variant runs: its own spawned process (local), a Ray task, or the sweep's own process
+"""Where a variant runs: its own process (local, forked from a server that preloaded the libraries), a Ray task, or the sweep's own process
 (inprocess). Each yields every outcome as soon as it is known: a VariantResult, or VariantFailed with the traceback.
 
 A process per variant keeps memory figures clean and contains crashes (a segfault or the OOM
@@ -7,19 +7,26 @@ killer takes one variant, not the sweep); its stdout and stderr go to a log file
 
 from __future__ import annotations
 
+import hashlib
+import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import queue
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from multiprocessing import forkserver
 from pathlib import Path
 
 from quantlab.errors import BadInput
 from quantlab.jobs import VariantJob, VariantResult
+from quantlab.preload import ENV as PRELOAD_ENV
+from quantlab.preload import output_to
 from quantlab.runner import run_variant
 
 StageCallback = Callable[[str, str], None]  # (variant, stage)
@@ -33,17 +40,9 @@ class VariantFailed(Exception):
         self.details = details  # traceback or log tail, kept as an artifact
 
 
-def _output_to(log_path: str) -> None:
-    """This process's stdout and stderr (file descriptors, so native libraries' too) into the log."""
-    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-
-
 def _child_main(variant: str, job_path: str, messages: multiprocessing.Queue, log_path: str) -> None:
     _bind_to_sweep(f"quantlab-{variant}")
-    _output_to(log_path)
+    output_to(log_path)
     try:
         job = pickle.loads(Path(job_path).read_bytes())
         Path(job_path).unlink()
@@ -55,8 +54,11 @@ def _child_main(variant: str, job_path: str, messages: multiprocessing.Queue, lo
 
 
 def _bind_to_sweep(name: str) -> None:
-    """Name the variant's process for ps/top/psutil (15 bytes) and have the kernel kill it when the
-    sweep dies outright (SIGKILL, OOM killer), rather than leave it holding memory. Linux only."""
+    """Name the variant's process for ps/top/psutil (15 bytes) and end it when the sweep dies outright
+    (SIGKILL, OOM killer), rather than leave it holding memory."""
+    parent = multiprocessing.parent_process()
+    if parent is not None:  # the sweep's end of a pipe closes when it dies, however it dies
+        threading.Thread(target=_exit_when_ready, args=(parent.sentinel,), name="sweep-watch", daemon=True).start()
     if sys.platform != "linux":
         return
     try:
@@ -64,12 +66,15 @@ def _bind_to_sweep(name: str) -> None:
 
         libc = ctypes.CDLL(None)
         libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        # The kernel's own guard, for when this process cannot run Python; its parent is the fork server.
         libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    parent = multiprocessing.parent_process()
-    if parent is not None and os.getppid() != parent.pid:  # the sweep died before the line above
-        os._exit(1)
+
+
+def _exit_when_ready(sentinel: int) -> None:
+    multiprocessing.connection.wait([sentinel])
+    os._exit(1)
 
 
 def failure_reason(error: BaseException) -> str:
@@ -81,8 +86,8 @@ def failure_reason(error: BaseException) -> str:
 
 
 def run_local(job: VariantJob, log_path: Path, on_stage: StageCallback) -> VariantResult:
-    """Run the job in a fresh spawned interpreter; raise VariantFailed if it fails or dies."""
-    context = multiprocessing.get_context("spawn")
+    """Run the job in a fresh process; raise VariantFailed if it fails or dies."""
+    context = _variant_processes(job, log_path.parent)
     messages = context.Queue()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     # The job (often megabytes of baseline scores) goes through a file, not the spawn pipe: a child
@@ -116,6 +121,39 @@ def run_local(job: VariantJob, log_path: Path, on_stage: StageCallback) -> Varia
     raise VariantFailed(_death_reason(process.exitcode), _log_tail(log_path))
 
 
+_preloaded_for: str | None = None  # the spec the running fork server preloaded
+
+
+def _variant_processes(job: VariantJob, log_dir: Path) -> multiprocessing.context.BaseContext:
+    """A fork server that has imported what this sweep's variants need (quantlab.preload): each variant
+    is a fresh fork of it, as isolated as a spawned interpreter but without paying the imports again.
+    Started once per sweep; one left by an earlier sweep with other needs or environment is replaced."""
+    global _preloaded_for
+    stop = getattr(forkserver._forkserver, "_stop", None)  # noqa: SLF001 - the stdlib's only way to restart it
+    if "forkserver" not in multiprocessing.get_all_start_methods() or stop is None:
+        return multiprocessing.get_context("spawn")
+    recipe = job.loaded.recipe
+    spec = json.dumps(
+        {
+            "log": str(log_dir / "preload.log"),
+            "tasks": bool(recipe.evals.tasks),
+            "include_path": str(job.loaded.include_path) if job.loaded.include_path else None,
+            "quantizes": any(variant.method != "bf16" for variant in recipe.variants),
+            "environment": hashlib.sha256(json.dumps(sorted(os.environ.items())).encode()).hexdigest(),
+        }
+    )
+    if spec != _preloaded_for:
+        stop()
+        forkserver.set_forkserver_preload(["quantlab.preload"])
+        os.environ[PRELOAD_ENV] = spec
+        try:
+            forkserver.ensure_running()
+        finally:
+            del os.environ[PRELOAD_ENV]
+        _preloaded_for = spec
+    return multiprocessing.get_context("forkserver")
+
+
 def _death_reason(exitcode: int | None) -> str:
     if exitcode is not None and exitcode < 0:
         name = signal.Signals(-exitcode).name
@@ -132,7 +170,7 @@ def _log_tail(log_path: Path) -> str:
 
 
 class LocalExecutor:
-    """One spawned process per variant, one variant at a time: the machine is the variant's alone."""
+    """One process per variant, one variant at a time: the machine is the variant's alone."""
 
     def run(self, jobs: list[VariantJob], log_dir: Path, on_stage: StageCallback) -> Iterator[Outcome]:
         for job in jobs:
@@ -204,7 +242,7 @@ class RayExecutor:
 
 
 def _ray_task(job: VariantJob, log_path: str) -> VariantResult:
-    _output_to(log_path)
+    output_to(log_path)
     return run_variant(job)
 
 

@@ -1,4 +1,4 @@
-"""The in-process executor: the same outcomes and MLflow layout as the spawned-process one, in this process."""
+"""The in-process executor: the same outcomes and MLflow layout as the local (process per variant) one, in this process."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from mlflow.tracking import MlflowClient
 from quantlab.checks import validate
 from quantlab.executors import InProcessExecutor, VariantFailed
 from quantlab.jobs import VariantResult
+from quantlab.recipe import load_recipe
 from quantlab.sweep import SweepOptions, run_sweep
-from recipes import tiny_recipe, write
+from recipes import REPO, tiny_recipe, write
 
 
 class RecordingDisplay:
@@ -201,6 +202,7 @@ class _UnloadableJob:
     variant = "unloadable"
 
     def __init__(self) -> None:
+        self.loaded = load_recipe(REPO / "recipes" / "smollm2-135m.yaml")  # what the executor preloads for
         self.payload = os.urandom(1 << 20)
 
     def __reduce__(self):
@@ -227,3 +229,47 @@ def test_a_variant_process_that_cannot_read_its_job_fails_alone_instead_of_hangi
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
     assert "this job cannot be rebuilt" in failed.value.reason
+
+
+_ORPHAN_SCRIPT = """
+import multiprocessing, sys, time
+from quantlab import executors
+
+def variant():
+    executors._bind_to_sweep("quantlab-orphan")
+    time.sleep(120)
+
+if __name__ == "__main__":
+    process = multiprocessing.get_context("forkserver").Process(target=variant)
+    process.start()
+    print(process.pid, flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_forked_variant_process_dies_with_its_sweep(tmp_path):
+    """A variant forked by the fork server is the server's child, not the sweep's, and keeps the server
+    alive: neither the kernel's parent-death signal nor the server's own exit ends it when the sweep is
+    SIGKILLed. Its watch on the sweep's end of a pipe must (a sleeping variant cannot end on its own)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    script = write(tmp_path / "sweep.py", _ORPHAN_SCRIPT)
+    sweep = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        variant = psutil.Process(int(sweep.stdout.readline()))
+        time.sleep(1)  # past _bind_to_sweep
+        assert variant.is_running()
+        sweep.send_signal(signal.SIGKILL)
+        sweep.wait(timeout=30)
+        try:
+            variant.wait(timeout=10)
+        except psutil.TimeoutExpired:
+            variant.kill()
+            pytest.fail("the variant process outlived its SIGKILLed sweep")
+    finally:
+        sweep.kill()
