@@ -245,6 +245,9 @@ def report(args: argparse.Namespace, repetitions: Sequence[Repetition], context:
     sweep = [rep.sweep_seconds for rep in repetitions]
     ratios = [rep.sweep_seconds / rep.direct_seconds for rep in repetitions]
     outside = [rep.sweep_seconds - sum(rep.sweep_stages.values()) for rep in repetitions]
+    direct_evaluate = [rep.direct_phases["evaluate"] for rep in repetitions]
+    sweep_evaluate = [rep.sweep_stages["evaluate"] for rep in repetitions]
+    evaluate_ratios = [b / a for a, b in zip(direct_evaluate, sweep_evaluate)]
     header = f"{'':<34} {'median':>10} {'min':>10} {'max':>10}"
     lines = [f"{key}: {value}" for key, value in context.items()]
     lines += [
@@ -255,6 +258,9 @@ def report(args: argparse.Namespace, repetitions: Sequence[Repetition], context:
         f"{'ratio (b)/(a)':<34} {statistics.median(sweep) / statistics.median(direct):>10.2f} "
         f"{min(ratios):>10.2f} {max(ratios):>10.2f}   (medians' ratio; min/max over repetitions)",
         f"{'difference (b)-(a)':<34} {statistics.median(sweep) - statistics.median(direct):>9.2f}s",
+        f"{'evaluate: (b) stage / (a) phase':<34} "
+        f"{statistics.median(sweep_evaluate) / statistics.median(direct_evaluate):>10.2f} "
+        f"{min(evaluate_ratios):>10.2f} {max(evaluate_ratios):>10.2f}   (the scoring alone, same checkpoint and tasks)",
         "",
         *phase_lines("(a) phases, as the direct process timed them:", [rep.direct_phases for rep in repetitions]),
         "",
