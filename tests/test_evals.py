@@ -121,7 +121,8 @@ def test_run_tasks_scores_bundled_tasks_from_any_directory(tiny_llama, tmp_path,
     scores = run_tasks(model, tokenizer, requests, BUNDLED_EVALS_DIR, batch_size=4, progress=steps.append)
 
     assert [s.task for s in scores] == ["mmlu_dev", "pydoc_cloze", "pydoc_cloze"]
-    assert len(steps) == 3 and "2-shot" in steps[2]
+    # The first two share one lm-eval call; another shot count is another call.
+    assert steps == ["lm-eval mmlu_dev, pydoc_cloze, first 8 docs", "lm-eval pydoc_cloze, 2-shot, first 4 docs"]
     assert [s.key for s in scores[0].scores] == ["eval/mmlu_dev/acc"]
     assert [s.key for s in scores[1].scores] == ["eval/pydoc_cloze/acc", "eval/pydoc_cloze/acc_norm"]
     assert [s.settings.num_fewshot for s in scores] == [0, 0, 2]
@@ -151,3 +152,50 @@ def test_run_tasks_expands_a_tag_and_repeats_itself(tiny_llama) -> None:
     assert not any(s.is_group for s in first)  # a tag has no aggregate of its own
     assert [s.primary.documents for s in first] == [s.primary.documents for s in second]
     assert [s.dataset.digest for s in first] == [s.dataset.digest for s in second]
+
+
+def count_lm_eval_calls(monkeypatch) -> list[list[str]]:
+    """The tasks of every simple_evaluate call from now on (lm-eval itself still runs)."""
+    import lm_eval.evaluator
+
+    calls: list[list[str]] = []
+    real = lm_eval.evaluator.simple_evaluate
+
+    def counting(*args, **kwargs):
+        calls.append(list(kwargs["tasks"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lm_eval.evaluator, "simple_evaluate", counting)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("requests", "calls_together"),
+    [
+        # the same settings: one call; another limit or shot count: a call of its own
+        (
+            [
+                TaskRequest("mmlu_dev", limit=4),
+                TaskRequest("pydoc_cloze", num_fewshot=1, limit=3),
+                TaskRequest("pydoc_cloze", limit=4),
+            ],
+            [["mmlu_dev", "pydoc_cloze"], ["pydoc_cloze"]],
+        ),
+        # a tag and a task of it: apart (lm-eval would score the task once for both)
+        (
+            [TaskRequest("quantlab_bundled", limit=3), TaskRequest("mmlu_dev", limit=3)],
+            [["quantlab_bundled"], ["mmlu_dev"]],
+        ),
+    ],
+)
+def test_requests_that_share_a_call_score_as_they_do_alone(tiny_llama, monkeypatch, requests, calls_together) -> None:
+    model, tokenizer = tiny_llama.load()
+    calls = count_lm_eval_calls(monkeypatch)
+
+    together = run_tasks(model, tokenizer, requests, BUNDLED_EVALS_DIR, batch_size=2)
+    assert calls == calls_together
+    alone = [s for request in requests for s in run_tasks(model, tokenizer, [request], BUNDLED_EVALS_DIR, batch_size=2)]
+
+    assert len(calls) == len(calls_together) + len(requests)
+    # Exactly: the same per-document values to the last bit, settings, datasets and labels.
+    assert together == alone

@@ -22,9 +22,13 @@ from test_sweep import quantlab
 from quantlab import metrics
 from quantlab.evaluate.lm_eval_runner import (
     TaskRequest,
+    batches,
     document_scores,
     group_weights,
     read_results,
+    restrict,
+    task_manager,
+    task_names,
 )
 from quantlab.jobs import BaselineOutputs
 from quantlab.paired import Aggregation
@@ -154,6 +158,61 @@ def test_nested_groups_aggregate_over_all_their_leaves():
     assert mid.leaves == ("eval/a1/acc", "eval/a2/acc") and mid.weights == pytest.approx([0.6, 0.4])
     assert top.higher_is_better is True and top.scale is metrics.Scale.FRACTION
     assert tasks["a1"].primary.documents.values == {0: 1.0, 1: 1.0, 2: 0.0}
+
+
+def test_one_call_s_results_split_into_what_each_request_would_have_got_alone():
+    c1 = _leaf("c1", [1.0, 0.0])
+    combined = _results(
+        [_leaf("a1", [1.0, 1.0, 0.0]), c1, _leaf("a2", [0.0, 1.0]), _leaf("b1", [1.0, 0.0, 0.0, 0.0, 1.0])],
+        {"top": ["mid", "b1"], "mid": ["a1", "a2"]},
+        {"top": 5 / 10, "mid": 3 / 5},
+        {"top": {"acc": True}, "mid": {"acc": True}},
+    )
+    structure = combined["group_subtasks"]
+
+    assert task_names("top", {}, structure) == {"top", "mid", "a1", "a2", "b1"}
+    for name, alone in [("top", NESTED), ("c1", _results([c1], {}, {}, {}))]:
+        mine = restrict(combined, task_names(name, {}, structure))
+        assert read_results(TaskRequest(name), mine) == read_results(TaskRequest(name), alone)
+
+
+R = TaskRequest
+CHAT = {"apply_chat_template": True}
+
+
+@pytest.mark.parametrize(
+    ("requests", "names", "expected"),
+    [
+        ([R("a", limit=4), R("b", limit=4)], [{"a"}, {"b"}], [[0, 1]]),
+        ([R("a", limit=4), R("b", limit=8)], [{"a"}, {"b"}], [[0], [1]]),
+        ([R("a"), R("b", num_fewshot=0)], [{"a"}, {"b"}], [[0], [1]]),  # None keeps a YAML's shots: not 0
+        ([R("a", num_fewshot=2), R("b", num_fewshot=2)], [{"a"}, {"b"}], [[0, 1]]),
+        ([R("a", gen_kwargs={}), R("b")], [{"a"}, {"b"}], [[0, 1]]),  # no generation settings either way
+        ([R("a", gen_kwargs={"max_gen_toks": 8}), R("b")], [{"a"}, {"b"}], [[0], [1]]),
+        ([R("a", **CHAT), R("b", **CHAT, fewshot_as_multiturn=True)], [{"a"}, {"b"}], [[0, 1]]),  # resolved the same
+        ([R("a", **CHAT), R("b", **CHAT, fewshot_as_multiturn=False)], [{"a"}, {"b"}], [[0], [1]]),
+        ([R("a", **CHAT), R("b")], [{"a"}, {"b"}], [[0], [1]]),
+        ([R("a", system_instruction="Be brief."), R("b")], [{"a"}, {"b"}], [[0], [1]]),
+        # a tag (or group) and a task below it: apart, and a later request joins the first batch that fits
+        ([R("tag"), R("a"), R("b")], [{"tag", "a", "c"}, {"a"}, {"b"}], [[0, 2], [1]]),
+        ([R("a", limit=2), R("b"), R("c", limit=2)], [{"a"}, {"b"}, {"c"}], [[0, 2], [1]]),
+        ([], [], []),
+    ],
+)
+def test_requests_share_a_call_when_every_setting_matches_and_no_task_is_shared(requests, names, expected):
+    assert batches(requests, names) == expected
+
+
+def test_a_requested_name_covers_every_group_and_task_below_it(tmp_path):
+    index = task_manager(materialize(tmp_path / "tasks")).task_index
+
+    assert task_names("ql_mmlu", index) == {"ql_mmlu", "ql_mmlu_anatomy", "ql_mmlu_astronomy"}
+    # A tag: its tasks as lm-eval's index has them (this include path's ai2_arc replaces lm-eval's own).
+    assert task_names("ai2_arc", index) == {"ai2_arc", "ql_arc_easy"}
+    assert task_names("ql_arc_easy", index) == {"ql_arc_easy"}
+    mmlu = task_names("mmlu", index)  # groups of tags of tasks
+    assert len(mmlu) == 1 + 4 + 4 + 57 and {"mmlu_stem", "mmlu_stem_tasks", "mmlu_anatomy"} <= mmlu
+    assert task_names("no_such_task", index) == {"no_such_task"}
 
 
 def test_a_group_s_flips_are_the_sum_of_its_leaves():

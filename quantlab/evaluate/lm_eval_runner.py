@@ -156,43 +156,117 @@ def run_tasks(
 
     A group (e.g. "mmlu") yields its aggregate scores under its own name (when its YAML asks
     lm-eval to aggregate), then one entry per leaf task; a tag yields its leaf tasks only.
+    Requests with the same settings and no task in common share one lm-eval call (`batches`).
     """
     from lm_eval.evaluator import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
     manager = task_manager(include_path)
-    scores: list[TaskScores] = []
+    scored: dict[int, list[TaskScores]] = {}
     with contextlib.ExitStack() as restore:
         # lm-eval logs every request batch at INFO; keep its warnings (overridden settings among them).
         for logger in map(logging.getLogger, ("lm_eval", "lm-eval")):
             restore.callback(logger.setLevel, logger.level)
             logger.setLevel(logging.WARNING)
         language_model = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-        for request in tasks:
-            progress(_describe(request))
+        for batch in batches(tasks, [task_names(r.name, manager.task_index) for r in tasks]):
+            first = tasks[batch[0]]  # the requests of a batch have the same settings
+            progress(_describe(first, [tasks[i].name for i in batch]))
             results = simple_evaluate(
                 model=language_model,
-                tasks=[request.name],
-                num_fewshot=request.num_fewshot,  # None keeps the task YAML's own shots
-                limit=request.limit,
-                gen_kwargs=dict(request.gen_kwargs) if request.gen_kwargs else None,
-                apply_chat_template=request.apply_chat_template,
-                fewshot_as_multiturn=request.multiturn,
-                system_instruction=request.system_instruction,
+                tasks=[tasks[i].name for i in batch],
+                num_fewshot=first.num_fewshot,  # None keeps the task YAML's own shots
+                limit=first.limit,
+                gen_kwargs=dict(first.gen_kwargs) if first.gen_kwargs else None,
+                apply_chat_template=first.apply_chat_template,
+                fewshot_as_multiturn=first.multiturn,
+                system_instruction=first.system_instruction,
                 log_samples=True,
                 task_manager=manager,
                 **SEEDS,
             )
             if results is None:  # only non-zero ranks of a distributed run get None
-                raise RuntimeError(f"lm-eval returned no results for {request.name}")
-            scores.extend(read_results(request, results))
-    return scores
+                raise RuntimeError(f"lm-eval returned no results for {', '.join(tasks[i].name for i in batch)}")
+            structure = results.get("group_subtasks") or {}
+            for i in batch:
+                names = task_names(tasks[i].name, manager.task_index, structure)
+                scored[i] = read_results(tasks[i], restrict(results, names))
+    return [task for i in range(len(tasks)) for task in scored[i]]
 
 
-def _describe(request: TaskRequest) -> str:
+def _describe(request: TaskRequest, names: list[str]) -> str:
     shots = f", {request.num_fewshot}-shot" if request.num_fewshot is not None else ""
     limit = f", first {request.limit} docs" if request.limit is not None else ""
-    return f"lm-eval {request.name}{shots}{limit}"
+    return f"lm-eval {', '.join(names)}{shots}{limit}"
+
+
+def batches(requests: list[TaskRequest], names: list[set[str]]) -> list[list[int]]:
+    """The requests (indices, in order) that can share one simple_evaluate call: the same value of every
+    setting it takes for all its tasks, and no task in common (`names[i]`: request i's groups, tags and leaves).
+
+    num_fewshot is one of those settings: lm-eval takes a per-task one only as a task config override,
+    which unlike simple_evaluate's also overrides a YAML's `num_fewshot: 0`. Two requests naming a common
+    task run apart: lm-eval refuses overlapping groups in one call and would score a tag's leaf once.
+    """
+    found: list[tuple[tuple, set[str], list[int]]] = []
+    for index, (request, mine) in enumerate(zip(requests, names, strict=True)):
+        key = (
+            request.num_fewshot,
+            request.limit,
+            dict(request.gen_kwargs or {}),
+            request.apply_chat_template,
+            request.multiturn,
+            request.system_instruction,
+        )
+        batch = next((b for b in found if b[0] == key and not b[1] & mine), None)
+        if batch is None:
+            found.append((key, set(mine), [index]))
+        else:
+            batch[1].update(mine)
+            batch[2].append(index)
+    return [indices for _, _, indices in found]
+
+
+def task_names(name: str, index: Mapping[str, Any], structure: Mapping[str, list[str]] | None = None) -> set[str]:
+    """A requested name and every group and task below it: from lm-eval's group_subtasks where a call
+    reported them, else from its task index (a tag's tasks, the names a group's YAML lists)."""
+    entry = index.get(name)
+    kind = getattr(getattr(entry, "kind", None), "name", None)
+    if structure and name in structure:
+        below = structure[name]
+    elif kind == "TAG":
+        below = sorted(entry.tags)
+    elif kind == "GROUP":
+        items = (entry.cfg or {}).get("task") or []
+        below = [i if isinstance(i, str) else i.get("task") or i.get("group") for i in items]
+        below = [b for b in below if isinstance(b, str)]
+    else:
+        below = []
+    return {name}.union(*(task_names(child, index, structure) for child in below))
+
+
+# The sections of lm-eval's results dict that are keyed by task or group.
+_PER_TASK = (
+    "results",
+    "groups",
+    "group_subtasks",
+    "configs",
+    "versions",
+    "n-shot",
+    "higher_is_better",
+    "n-samples",
+    "samples",
+)
+
+
+def restrict(results: Mapping[str, Any], names: set[str]) -> dict[str, Any]:
+    """One call's results as if only `names` had been asked for (pure)."""
+    return {
+        section: {t: v for t, v in value.items() if t in names}
+        if section in _PER_TASK and isinstance(value, Mapping)
+        else value
+        for section, value in results.items()
+    }
 
 
 # From lm-eval's results dict to scores (pure: dicts in, dataclasses out)
