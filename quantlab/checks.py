@@ -122,9 +122,16 @@ def remember_lookups(loaded: LoadedRecipe, cache_root: Path) -> None:
         cache.remember(cache_root / RECIPE_CHECKS_DIR, identity, fact)
 
 
-def validate(path: str | Path, cache_root: Path | None = None, hub_optional: bool = False) -> LoadedRecipe:
+def validate(
+    path: str | Path,
+    cache_root: Path | None = None,
+    hub_optional: bool = False,
+    parsed: Callable[[LoadedRecipe], object] = lambda loaded: None,
+) -> LoadedRecipe:
     """Everything a sweep needs to know before spending compute, in two passes that each report every
-    problem: the file (its schema and the files it names), then `check_recipe`. Raises BadInput."""
+    problem: the file (its schema and the files it names), then `check_recipe`. Raises BadInput.
+    `parsed` sees the file's recipe between the two (the sweep starts its variants' imports there)."""
     text, data = read_recipe(path)
     loaded = parse_recipe(path, text, data, missing_files(data, Path(path).resolve().parent, str(Path(path))))
+    parsed(loaded)
     return check_recipe(loaded, cache_root, hub_optional)

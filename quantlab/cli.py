@@ -102,15 +102,21 @@ def sweep(
     from quantlab import tracking
     from quantlab.cache import default_root
     from quantlab.checks import validate
-    from quantlab.executors import EXECUTORS
+    from quantlab.executors import EXECUTORS, start_variant_processes, stop_variant_processes
     from quantlab.sweep import SweepOptions, run_sweep
 
     try:
         if executor not in EXECUTORS:
             raise bad_input("--executor", "", f"'{executor}' is not one of: {', '.join(EXECUTORS)}")
         cache_root = (cache_dir or default_root()).resolve()
-        loaded = validate(recipe, cache_root)
-        uri = tracking.open_store(tracking_uri).uri
+        # The local executor's fork server imports the libraries while the recipe is checked (both take seconds).
+        early = start_variant_processes if executor == "local" else lambda loaded: None
+        try:
+            loaded = validate(recipe, cache_root, parsed=early)
+            uri = tracking.open_store(tracking_uri).uri
+        except BaseException:
+            stop_variant_processes()
+            raise
         options = SweepOptions(uri, cache_root, executor, force, tuple(only or ()), ray_address)
         # SIGTERM (a scheduler stopping the job) ends the sweep like Ctrl-C: its runs are marked KILLED.
         signal.signal(signal.SIGTERM, signal.default_int_handler)

@@ -22,12 +22,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing import forkserver
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from quantlab.errors import BadInput
 from quantlab.jobs import VariantJob, VariantResult
 from quantlab.preload import ENV as PRELOAD_ENV
 from quantlab.preload import output_to
 from quantlab.runner import run_variant
+
+if TYPE_CHECKING:
+    from quantlab.recipe import LoadedRecipe
 
 StageCallback = Callable[[str, str], None]  # (variant, stage)
 Outcome = tuple[VariantJob, "VariantResult | VariantFailed", Path]  # job, what came of it, its log file
@@ -87,7 +91,7 @@ def failure_reason(error: BaseException) -> str:
 
 def run_local(job: VariantJob, log_path: Path, on_stage: StageCallback) -> VariantResult:
     """Run the job in a fresh process; raise VariantFailed if it fails or dies."""
-    context = _variant_processes(job, log_path.parent)
+    context = start_variant_processes(job.loaded)
     messages = context.Queue()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     # The job (often megabytes of baseline scores) goes through a file, not the spawn pipe: a child
@@ -97,7 +101,11 @@ def run_local(job: VariantJob, log_path: Path, on_stage: StageCallback) -> Varia
     process = context.Process(
         target=_child_main, args=(job.variant, str(job_path), messages, str(log_path)), name=f"quantlab-{job.variant}"
     )
-    process.start()
+    try:
+        process.start()
+    except (OSError, EOFError) as error:  # the fork server is gone (killed, or crashed importing a library)
+        reason = f"could not start the variant's process: {failure_reason(error)}"
+        raise VariantFailed(reason, traceback.format_exc()) from None
     try:
         while True:
             try:
@@ -124,22 +132,25 @@ def run_local(job: VariantJob, log_path: Path, on_stage: StageCallback) -> Varia
 _preloaded_for: str | None = None  # the spec the running fork server preloaded
 
 
-def _variant_processes(job: VariantJob, log_dir: Path) -> multiprocessing.context.BaseContext:
-    """A fork server that has imported what this sweep's variants need (quantlab.preload): each variant
-    is a fresh fork of it, as isolated as a spawned interpreter but without paying the imports again.
-    Started once per sweep; one left by an earlier sweep with other needs or environment is replaced."""
+def start_variant_processes(loaded: LoadedRecipe) -> multiprocessing.context.BaseContext:
+    """A fork server that imports what this recipe's variants need (quantlab.preload), in the
+    background from the moment it starts: each variant is a fresh fork of it, as isolated as a
+    spawned interpreter without paying the imports again. One per sweep; a server left by an
+    earlier sweep with other needs or another environment is replaced."""
     global _preloaded_for
     stop = getattr(forkserver._forkserver, "_stop", None)  # noqa: SLF001 - the stdlib's only way to restart it
     if "forkserver" not in multiprocessing.get_all_start_methods() or stop is None:
         return multiprocessing.get_context("spawn")
-    recipe = job.loaded.recipe
+    recipe = loaded.recipe
     spec = json.dumps(
         {
-            "log": str(log_dir / "preload.log"),
             "tasks": bool(recipe.evals.tasks),
-            "include_path": str(job.loaded.include_path) if job.loaded.include_path else None,
+            "include_path": str(loaded.include_path) if loaded.include_path else None,
             "quantizes": any(variant.method != "bf16" for variant in recipe.variants),
-            "environment": hashlib.sha256(json.dumps(sorted(os.environ.items())).encode()).hexdigest(),
+            # Not MLflow's variables, which the sweep sets after starting the server: a variant never talks to MLflow.
+            "environment": hashlib.sha256(
+                json.dumps(sorted(item for item in os.environ.items() if not item[0].startswith("MLFLOW_"))).encode()
+            ).hexdigest(),
         }
     )
     if spec != _preloaded_for:
@@ -152,6 +163,16 @@ def _variant_processes(job: VariantJob, log_dir: Path) -> multiprocessing.contex
             del os.environ[PRELOAD_ENV]
         _preloaded_for = spec
     return multiprocessing.get_context("forkserver")
+
+
+def stop_variant_processes() -> None:
+    """End the fork server now, without waiting for its imports: for a sweep that ends before its variants."""
+    global _preloaded_for
+    server = forkserver._forkserver  # noqa: SLF001 - see start_variant_processes
+    if getattr(server, "_forkserver_pid", None) is not None:
+        os.kill(server._forkserver_pid, signal.SIGKILL)  # noqa: SLF001
+        server._stop()  # noqa: SLF001 - reaps it and removes its socket
+    _preloaded_for = None
 
 
 def _death_reason(exitcode: int | None) -> str:

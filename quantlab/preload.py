@@ -25,9 +25,11 @@ FOR_TASKS = ("lm_eval.evaluator", "lm_eval.models.huggingface", "lm_eval.api.met
 FOR_QUANTIZING = ("quantlab.stages.quantize", "llmcompressor", "llmcompressor.modifiers.quantization")
 
 
-def preload(log: str, tasks: bool, include_path: str | None, quantizes: bool, environment: str) -> None:
+def preload(tasks: bool, include_path: str | None, quantizes: bool, environment: str) -> None:
     """`environment` only tells servers apart: one started under other variables is not reused."""
-    output_to(log)
+    # Import-time chatter would land on the sweep's display; anything that matters fails again,
+    # logged, in the variant (a failed import is not cached).
+    output_to(os.devnull)
     modules = EVERY_VARIANT + (FOR_TASKS if tasks else ()) + (FOR_QUANTIZING if quantizes else ())
     # A failure here is not the sweep's: the variant imports (or builds) it again and reports it in its own log.
     for name in modules:
@@ -43,7 +45,6 @@ def preload(log: str, tasks: bool, include_path: str | None, quantizes: bool, en
 def output_to(log_path: str) -> None:
     """This process's stdout and stderr (file descriptors, so native libraries' too) into the log,
     not onto the sweep's display."""
-    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)

@@ -273,3 +273,36 @@ def test_a_forked_variant_process_dies_with_its_sweep(tmp_path):
             pytest.fail("the variant process outlived its SIGKILLed sweep")
     finally:
         sweep.kill()
+
+
+def test_one_fork_server_per_sweep_replaced_when_the_environment_changes(tmp_path, monkeypatch):
+    """The sweep starts its fork server while the recipe is checked and every variant forks from that
+    one; a sweep under other variables (or other needs) gets a new one; bad input ends it at once."""
+    from multiprocessing import forkserver
+
+    import psutil
+
+    from quantlab.executors import start_variant_processes, stop_variant_processes
+
+    def server() -> int | None:
+        return forkserver._forkserver._forkserver_pid
+
+    recipe = tiny_recipe(tmp_path, variants=[{"name": "bf16", "method": "bf16"}], evals={"tasks": []})
+    loaded = load_recipe(write(tmp_path / "recipe.yaml", recipe))
+    try:
+        start_variant_processes(loaded)
+        first = server()
+        start_variant_processes(loaded)
+        assert server() == first
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///elsewhere.db")  # the sweep's own: not the variant's
+        start_variant_processes(loaded)
+        assert server() == first
+        monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+        start_variant_processes(loaded)
+        assert server() not in (None, first)
+        assert not psutil.pid_exists(first)
+    finally:
+        replaced = server()
+        stop_variant_processes()
+    assert server() is None
+    assert not psutil.pid_exists(replaced)
