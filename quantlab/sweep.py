@@ -20,7 +20,7 @@ import psutil
 from quantlab import cache, tracking
 from quantlab.checks import remember_lookups
 from quantlab.errors import BadInput, Problem
-from quantlab.executors import EXECUTORS, VariantFailed
+from quantlab.executors import EXECUTORS, VariantFailed, stop_variant_processes
 from quantlab.jobs import SAMPLES_FORMAT, BaselineOutputs, VariantJob, VariantResult
 from quantlab.recipe import LoadedRecipe
 from quantlab.tracking import SAMPLES_ARTIFACT
@@ -93,6 +93,8 @@ def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay
     mark_dead_sweeps(store, experiment)
     keys = run_keys(loaded, order)
     reusable = {} if options.force else tracking.finished_runs(store, experiment, set(keys.values()))
+    if set(keys.values()) <= set(reusable):  # every variant is copied: the fork server's imports would only compete
+        stop_variant_processes()
     who = {HOST: socket.gethostname(), PID: str(os.getpid()), PID_STARTED: str(psutil.Process().create_time())}
     parent = tracking.start_sweep(store, experiment, f"sweep {loaded.recipe.name}", who)
     sweep = SweepRuns(store, experiment, parent, loaded, options, display, keys)
