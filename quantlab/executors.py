@@ -138,8 +138,8 @@ def start_variant_processes(loaded: LoadedRecipe) -> multiprocessing.context.Bas
     spawned interpreter without paying the imports again. One per sweep; a server left by an
     earlier sweep with other needs or another environment is replaced."""
     global _preloaded_for
-    stop = getattr(forkserver._forkserver, "_stop", None)  # noqa: SLF001 - the stdlib's only way to restart it
-    if "forkserver" not in multiprocessing.get_all_start_methods() or stop is None:
+    # _stop is the stdlib's only way to restart its fork server (stop_variant_processes).
+    if "forkserver" not in multiprocessing.get_all_start_methods() or not hasattr(forkserver._forkserver, "_stop"):  # noqa: SLF001
         return multiprocessing.get_context("spawn")
     recipe = loaded.recipe
     spec = json.dumps(
@@ -154,7 +154,7 @@ def start_variant_processes(loaded: LoadedRecipe) -> multiprocessing.context.Bas
         }
     )
     if spec != _preloaded_for:
-        stop()
+        stop_variant_processes()
         forkserver.set_forkserver_preload(["quantlab.preload"])
         os.environ[PRELOAD_ENV] = spec
         try:
@@ -166,7 +166,8 @@ def start_variant_processes(loaded: LoadedRecipe) -> multiprocessing.context.Bas
 
 
 def stop_variant_processes() -> None:
-    """End the fork server now, without waiting for its imports: for a sweep that ends before its variants."""
+    """End the fork server now, without waiting for its imports: for a sweep that ends before its variants,
+    or one whose needs the running server does not meet (its forked variants, if any, live on)."""
     global _preloaded_for
     server = forkserver._forkserver  # noqa: SLF001 - see start_variant_processes
     if getattr(server, "_forkserver_pid", None) is not None:
