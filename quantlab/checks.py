@@ -17,6 +17,7 @@ from quantlab.models import (
     hub_reachable,
     in_local_cache,
     linear_input_widths,
+    materialized,
     resolve_source,
     source_problem,
     widths_identity,
@@ -74,7 +75,8 @@ def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None, hub_optio
             and not hub_reachable()
         )
         if not offline_hub_model:
-            widths = look_up(widths_identity(source), lambda: linear_input_widths(source))
+            config_from = materialized(source, cache_root) if cache_root is not None else source
+            widths = look_up(widths_identity(source), lambda: linear_input_widths(config_from))
             for index, variant in enumerate(recipe.variants):
                 for field, message in METHODS[variant.method].check_model(variant.params, widths):
                     problems.append(Problem(shown, f"variants[{index}] ({variant.name}).params.{field}", message))
@@ -87,7 +89,12 @@ def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None, hub_optio
         problems += [Problem(shown, "model.source", problem.message) for problem in error.problems]
     task_names = [task.name for task in recipe.evals.tasks]
     if task_names:
-        known = set(look_up(task_index_identity(loaded.include_path), lambda: sorted(known_tasks(loaded.include_path))))
+        include = loaded.include_path
+        # The recipe's own task files first: lm-eval's whole index is needed only for names they lack
+        # (a local name is known to it as well: include_path takes precedence over lm-eval's tasks).
+        known = set(look_up(task_index_identity(include, False), lambda: sorted(known_tasks(include, False))))
+        if not known.issuperset(task_names):
+            known |= set(look_up(task_index_identity(include), lambda: sorted(known_tasks(include))))
         for index, name in enumerate(task_names):
             if name not in known:  # a close name among lm-eval's ~10k: a stricter cutoff than for a recipe's few
                 message = f"lm-eval cannot resolve task '{name}'{did_you_mean(name, known, cutoff=0.75)}"

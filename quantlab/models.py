@@ -192,8 +192,7 @@ def materialize(source: ModelSource, cache_root: Path) -> ModelSource:
     import torch
     from transformers import AutoModelForCausalLM
 
-    identity = {"source": source.identity, "dtype": "float32"}
-    target = cache_root / "sources" / cache.cache_key(identity)
+    identity, target = _conversion(source, cache_root)
     if not cache.is_complete(target):
         location, kwargs = _from_pretrained_args(source)
         dequantized, tokenizer = _load(location, torch.float32, "cpu", kwargs, kwargs)
@@ -208,6 +207,20 @@ def materialize(source: ModelSource, cache_root: Path) -> ModelSource:
             model.save_pretrained(scratch)
             tokenizer.save_pretrained(scratch)
     return replace(source, kind="local_dir", location=str(target), gguf_file=None)
+
+
+def materialized(source: ModelSource, cache_root: Path) -> ModelSource:
+    """`materialize`'s result when the cache already holds it, else `source` itself: reading a GGUF's
+    config means parsing its whole metadata (about 11 s for the embedded model), a config.json does not."""
+    _, target = _conversion(source, cache_root) if source.kind == "gguf" else (None, None)
+    if target is None or not cache.is_complete(target):
+        return source
+    return replace(source, kind="local_dir", location=str(target), gguf_file=None)
+
+
+def _conversion(source: ModelSource, cache_root: Path) -> tuple[dict[str, str], Path]:
+    identity = {"source": source.identity, "dtype": "float32"}
+    return identity, cache_root / "sources" / cache.cache_key(identity)
 
 
 def load_source_model(source: ModelSource, dtype: torch.dtype, device: str) -> LoadedModel:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
@@ -20,7 +21,8 @@ from quantlab.evaluate.lm_eval_runner import (
 )
 from quantlab.metrics import Scale
 
-BUNDLED_EVALS_DIR = Path(__file__).resolve().parents[1] / "evals"  # the repository's offline tasks
+REPO = Path(__file__).resolve().parents[1]
+BUNDLED_EVALS_DIR = REPO / "evals"  # the repository's offline tasks
 DATA_DIR = BUNDLED_EVALS_DIR / "data"
 BUNDLED_TASKS = ("mmlu_dev", "pydoc_cloze")
 
@@ -88,6 +90,28 @@ def test_known_tasks_include_bundled_and_standard_names() -> None:
     known = known_tasks(BUNDLED_EVALS_DIR)
 
     assert {"mmlu_dev", "pydoc_cloze", "quantlab_bundled", "hellaswag", "mmlu"} <= known
+
+
+def test_known_tasks_without_defaults_are_the_task_files_under_include_path() -> None:
+    assert known_tasks(BUNDLED_EVALS_DIR, defaults=False) == {"mmlu_dev", "pydoc_cloze", "quantlab_bundled"}
+    assert known_tasks(None, defaults=False) == set()
+    assert task_index_identity(BUNDLED_EVALS_DIR, False) != task_index_identity(BUNDLED_EVALS_DIR)
+
+
+def test_a_recipe_of_local_tasks_is_checked_without_lm_evals_whole_index(tmp_path) -> None:
+    from quantlab.checks import check_recipe
+    from quantlab.recipe import load_recipe
+
+    def indexes_looked_up(tasks: list[str]) -> list[bool]:
+        recipe = load_recipe(REPO / "recipes" / "smollm2-135m.yaml")
+        chosen = [task.model_copy(update={"name": name}) for name, task in zip(tasks, recipe.recipe.evals.tasks)]
+        evals = recipe.recipe.evals.model_copy(update={"tasks": chosen})
+        recipe = replace(recipe, recipe=recipe.recipe.model_copy(update={"evals": evals}))
+        checked = check_recipe(recipe, tmp_path)
+        return [identity.get("defaults", True) for identity, _ in checked.lookups if "lm_eval" in identity]
+
+    assert indexes_looked_up(["mmlu_dev", "pydoc_cloze"]) == [False]
+    assert indexes_looked_up(["mmlu_dev", "hellaswag"]) == [False, True]
 
 
 def test_a_close_task_name_is_suggested_and_a_far_one_is_not() -> None:

@@ -9,7 +9,14 @@ import pytest
 import torch
 from tiny import EMBEDDED_GGUF, embedded_gguf_path
 
-from quantlab.models import linear_input_widths, load_source_model, materialize, resolve_source, source_problem
+from quantlab.models import (
+    linear_input_widths,
+    load_source_model,
+    materialize,
+    materialized,
+    resolve_source,
+    source_problem,
+)
 from quantlab.recipe import ModelSpec
 
 
@@ -49,9 +56,13 @@ def test_gguf_materializes_to_a_checkpoint_with_identical_logits(tmp_path):
 
     source = resolve_source(ModelSpec(source=EMBEDDED_GGUF), Path.cwd())
     assert source.kind == "gguf" and source.identity.startswith("gguf:SmolLM2-135M-Instruct.Q4_1.gguf:sha256=")
+    assert materialized(source, tmp_path) == source  # not converted yet: the GGUF itself
     local = materialize(source, tmp_path)
     assert local.kind == "local_dir" and local.identity == source.identity
     assert materialize(source, tmp_path) == local  # made once, then found
+    assert materialized(source, tmp_path) == local
+    # The recipe check reads the converted copy's config.json instead of the GGUF's metadata: same widths.
+    assert linear_input_widths(local) == linear_input_widths(source)
     config = json.loads(Path(local.location, "config.json").read_text())
     assert "quantization_config" not in config  # dequantized: llm-compressor must not see a GGUF model
     model, tokenizer = load_source_model(local, torch.float32, "cpu")
