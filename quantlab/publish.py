@@ -156,7 +156,8 @@ def publish_sweep(store: tracking.TrackingStore, parent_run_id: str) -> SweepVie
         files = {str(path.relative_to(scratch)): path.read_bytes() for path in render_artifacts(view, Path(scratch))}
     store.log_files(parent_run_id, files)  # relative names: plots/ stays a folder
     # The run page shows its description (this tag) as Markdown: the report, where reviewers look.
-    store.log_values(parent_run_id, tags={tracking.NOTE: files["report.md"].decode("utf-8")[:60000]})
+    report = files["report.md"].decode("utf-8")
+    store.log_values(parent_run_id, tags={tracking.NOTE: tracking.run_description(report, "report.md")})
     return view
 
 

@@ -312,6 +312,21 @@ def log_failure(store: TrackingStore, run_id: str, reason: str, files: dict[str,
     store.finish(run_id, "FAILED")
 
 
+def run_description(markdown: str, whole: str) -> str:
+    """`markdown` as a run's description (the NOTE tag). MLflow keeps a tag to 8,000 characters and cuts a
+    longer one with only a logged warning (or refuses it): cut here instead, at the last line that fits,
+    and say that the artifact `whole` holds all of it."""
+    from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
+
+    if len(markdown) <= MAX_TAG_VAL_LENGTH:
+        return markdown
+    pointer = (
+        f"\n\n*Cut to fit MLflow's {MAX_TAG_VAL_LENGTH:,}-character description: all of it is the artifact `{whole}`.*"
+    )
+    kept = markdown[: MAX_TAG_VAL_LENGTH - len(pointer)]
+    return kept[: kept.rfind("\n") + 1 or len(kept)].rstrip("\n") + pointer
+
+
 def child_runs(store: TrackingStore, parent_run_id: str) -> list[RunRecord]:
     return store.search([store.run(parent_run_id).experiment_id], {PARENT: parent_run_id})
 

@@ -252,6 +252,34 @@ def test_publish_tags_the_frontier_and_attaches_the_report_to_the_parent(store, 
     assert tracking.latest_sweep(store, "tiny").run_id == parent
 
 
+ROWS = "# report\n" + "".join(f"| row {n:04} of a table |\n" for n in range(1000))
+
+
+@pytest.mark.parametrize(
+    ("markdown", "cut"),
+    [
+        ("# short\n\nall of it", False),
+        ("x" * 8000, False),  # exactly MLflow's limit
+        (ROWS, True),
+        ("y" * 9000, True),  # no line end to cut at
+    ],
+)
+def test_a_long_run_description_is_cut_at_a_line_with_a_pointer_to_the_whole(store, markdown, cut) -> None:
+    description = tracking.run_description(markdown, "report.md")
+
+    assert len(description) <= 8000
+    if not cut:
+        assert description == markdown
+    else:
+        kept, pointer = description.split("\n\n*Cut to fit MLflow's 8,000-character description: ")
+        assert pointer == "all of it is the artifact `report.md`.*"
+        assert markdown.startswith(kept) and len(kept) > 7800
+        assert "\n" not in markdown or markdown[len(kept)] == "\n"  # whole lines only
+    # What the store keeps is what was written: MLflow does not cut it again.
+    run = store.start_run(store.experiment_id("description"), "run", {tracking.NOTE: description})
+    assert store.run(run).tags[tracking.NOTE] == description
+
+
 def test_pick_registers_the_chosen_checkpoint_once_and_logs_each_decision(store, tmp_path, monkeypatch):
     parent = _logged_sweep(store, tmp_path)
     view = publish.read_sweep(store, parent)
