@@ -144,7 +144,7 @@ def start_variant_processes(loaded: LoadedRecipe) -> multiprocessing.context.Bas
     recipe = loaded.recipe
     spec = json.dumps(
         {
-            "tasks": bool(recipe.evals.tasks),
+            "tasks": [task.name for task in recipe.evals.tasks],
             "include_path": str(loaded.include_path) if loaded.include_path else None,
             "quantizes": any(variant.method != "bf16" for variant in recipe.variants),
             # Not MLflow's variables, which the sweep sets after starting the server: a variant never talks to MLflow.

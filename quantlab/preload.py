@@ -25,7 +25,7 @@ FOR_TASKS = ("lm_eval.evaluator", "lm_eval.models.huggingface", "lm_eval.api.met
 FOR_QUANTIZING = ("quantlab.stages.quantize", "llmcompressor", "llmcompressor.modifiers.quantization")
 
 
-def preload(tasks: bool, include_path: str | None, quantizes: bool, environment: str) -> None:
+def preload(tasks: list[str], include_path: str | None, quantizes: bool, environment: str) -> None:
     """`environment` only tells servers apart: one started under other variables is not reused."""
     # Import-time chatter would land on the sweep's display; anything that matters fails again,
     # logged, in the variant (a failed import is not cached).
@@ -37,9 +37,9 @@ def preload(tasks: bool, include_path: str | None, quantizes: bool, environment:
             importlib.import_module(name)
     if tasks:
         with contextlib.suppress(Exception):
-            from quantlab.evaluate.lm_eval_runner import task_manager
+            from quantlab.evaluate.lm_eval_runner import task_manager_for
 
-            task_manager(Path(include_path) if include_path else None)
+            task_manager_for(tasks, Path(include_path) if include_path else None)
 
 
 def output_to(log_path: str) -> None:

@@ -18,6 +18,7 @@ from quantlab.evaluate.lm_eval_runner import (
     known_tasks,
     run_tasks,
     task_index_identity,
+    task_manager_for,
 )
 from quantlab.metrics import Scale
 
@@ -96,6 +97,23 @@ def test_known_tasks_without_defaults_are_the_task_files_under_include_path() ->
     assert known_tasks(BUNDLED_EVALS_DIR, defaults=False) == {"mmlu_dev", "pydoc_cloze", "quantlab_bundled"}
     assert known_tasks(None, defaults=False) == set()
     assert task_index_identity(BUNDLED_EVALS_DIR, False) != task_index_identity(BUNDLED_EVALS_DIR)
+
+
+@pytest.mark.parametrize(
+    ("names", "whole_index"),
+    [
+        (["mmlu_dev", "pydoc_cloze"], False),  # tasks defined under include_path
+        (["mmlu_dev", "hellaswag"], True),  # one of lm-eval's own
+        (["quantlab_bundled"], True),  # a tag: tasks elsewhere may carry it too
+        ([], False),
+    ],
+)
+def test_a_variant_builds_lm_evals_whole_task_index_only_when_its_tasks_need_it(names, whole_index) -> None:
+    manager = task_manager_for(names, BUNDLED_EVALS_DIR)
+
+    assert ("hellaswag" in manager.all_tasks) == whole_index
+    assert set(names) <= set(manager.all_tasks)
+    assert "hellaswag" in task_manager_for(["mmlu_dev"], None).all_tasks
 
 
 def test_a_recipe_of_local_tasks_is_checked_without_lm_evals_whole_index(tmp_path) -> None:

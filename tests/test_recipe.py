@@ -7,8 +7,10 @@ import pickle
 
 import pytest
 
+from quantlab import cache
 from quantlab.checks import remember_lookups, validate
 from quantlab.errors import BadInput
+from quantlab.evaluate.lm_eval_runner import task_index_identity
 from quantlab.recipe import load_recipe
 from recipes import REPO, tiny_recipe, write
 
@@ -63,6 +65,8 @@ def _variant(name, method, **params):
         ),
         ({"calibration": {"num_samples": -4}}, "calibration.num_samples", "greater than 0"),
         ({"calibration": {"num_samples": "many"}}, "calibration.num_samples", "valid integer"),
+        ({"calibration": {"num_samples": 4, "batch_size": 8}}, "calibration.batch_size", "more than num_samples (4)"),
+        ({"calibration": {"batch_size": 0}}, "calibration.batch_size", "greater than 0"),
         ({"calibration": {"source": "missing.txt"}}, "calibration.source", "no such file"),
         ({"calibration": {"source": "builtin:nope"}}, "calibration.source", "unknown builtin text"),
         ({"evals": {"batch_size": 0}}, "evals.batch_size", "greater than 0"),
@@ -142,10 +146,13 @@ def test_a_valid_recipe_check_is_remembered_and_used_again(tmp_path, tiny_llama)
     facts = {path: json.loads(path.read_text()) for path in (cache_root / "recipe-checks").glob("*.json")}
     (widths,) = [path for path, fact in facts.items() if isinstance(fact, dict)]
     (names,) = [path for path, fact in facts.items() if isinstance(fact, list)]
-    assert set(facts[widths].values()) == {64, 128} and {"mmlu_dev", "pydoc_cloze", "hellaswag"} <= set(facts[names])
+    # The recipe's tasks are defined under its include_path: only that small index was looked up.
+    assert set(facts[widths].values()) == {64, 128} and facts[names] == ["mmlu_dev", "pydoc_cloze", "quantlab_bundled"]
     # The next check reads what was remembered instead of asking transformers and lm-eval again.
     widths.write_text(json.dumps({"model.layers.0.mlp.down_proj": 48}))
     names.write_text(json.dumps(["pydoc_cloze"]))
+    # (a name missing from the local index is looked up in lm-eval's whole index: remembered too)
+    cache.remember(cache_root / "recipe-checks", task_index_identity(REPO / "evals"), ["pydoc_cloze", "hellaswag"])
     task_problem, width_problem = sorted(_problems(good, cache_root))
     assert task_problem.startswith(f"{good}: evals.tasks[0].name: lm-eval cannot resolve task 'mmlu_dev'")
     assert (

@@ -12,7 +12,7 @@ import logging
 import math
 import numbers
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from importlib.metadata import version
 from pathlib import Path
@@ -129,14 +129,7 @@ class TaskScores:
 
 def known_tasks(include_path: Path | None, defaults: bool = True) -> set[str]:
     """Every name lm-eval can resolve: its tasks, groups and tags (`defaults`), plus those under include_path."""
-    if defaults:
-        return set(task_manager(include_path).all_tasks)
-    if include_path is None:
-        return set()
-    from lm_eval.tasks import TaskManager
-
-    # Indexing include_path alone takes a blink; lm-eval's own ~10k YAMLs take 20-30 s on 2 cores.
-    return set(TaskManager(include_path=str(include_path.resolve()), include_defaults=False).all_tasks)
+    return set(task_manager(include_path, defaults).all_tasks) if defaults or include_path else set()
 
 
 def task_index_identity(include_path: Path | None, defaults: bool = True) -> dict[str, Any]:
@@ -149,11 +142,22 @@ def task_index_identity(include_path: Path | None, defaults: bool = True) -> dic
 
 
 @functools.cache
-def task_manager(include_path: Path | None) -> TaskManager:
-    """lm-eval's task index, built once per include path per process (it walks ~10k YAMLs)."""
+def task_manager(include_path: Path | None, defaults: bool = True) -> TaskManager:
+    """lm-eval's task index, built once per include path per process. lm-eval's own ~10k YAMLs take
+    20-30 s on 2 cores; include_path's alone (`defaults=False`) take a blink."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(include_path.resolve()) if include_path is not None else None)
+    included = str(include_path.resolve()) if include_path is not None else None
+    return TaskManager(include_path=included, include_defaults=defaults)
+
+
+def task_manager_for(names: Sequence[str], include_path: Path | None) -> TaskManager:
+    """The index that resolves `names` as lm-eval's whole one would, built as cheaply as that allows:
+    include_path's alone when every name is a task defined there (include_path overrides lm-eval's
+    own), the whole otherwise (a group or tag there may name lm-eval's tasks)."""
+    if include_path is not None and set(names) <= set(task_manager(include_path, False).all_subtasks):
+        return task_manager(include_path, False)
+    return task_manager(include_path)
 
 
 def run_tasks(
@@ -168,7 +172,7 @@ def run_tasks(
     from lm_eval.evaluator import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    manager = task_manager(include_path)
+    manager = task_manager_for([request.name for request in tasks], include_path)
     scored: dict[int, list[TaskScores]] = {}
     with contextlib.ExitStack() as restore:
         # lm-eval logs every request batch at INFO; keep its warnings (overridden settings among them).
