@@ -12,7 +12,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, create_model
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    field_validator,
+)
 
 from quantlab.errors import BadInput, Problem, bad_input, did_you_mean
 from quantlab.frontier import FrontierSettings
@@ -62,6 +71,21 @@ class CalibrationSettings(StrictModel):
     num_samples: int = Field(32, gt=0, le=100_000)
     seq_len: int = Field(256, gt=0, le=1_000_000)
     seed: int = 0
+    batch_size: int = Field(
+        1,
+        gt=0,
+        le=100_000,
+        description="Samples per calibration forward pass: more is faster and holds more activations in memory; "
+        "the scales found move within their noise (float sums in another order).",
+    )
+
+    @field_validator("batch_size")
+    @classmethod
+    def _at_most_the_samples(cls, batch_size: int, info: ValidationInfo) -> int:
+        samples = info.data.get("num_samples")
+        if samples is not None and batch_size > samples:
+            raise ValueError(f"{batch_size} is more than num_samples ({samples})")
+        return batch_size
 
 
 class GenKwargs(BaseModel):

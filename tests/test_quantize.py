@@ -101,6 +101,29 @@ def test_cached_checkpoint_is_reused_and_keyed_by_content(quantized):
     assert checkpoint_identity(source, _variant(name="b", method="bf16"), more) == checkpoint_identity(
         source, _variant(name="b", method="bf16"), CALIBRATION
     )
+    # The calibration batch moves AWQ's float sums, so its scales: another checkpoint.
+    awq, batched = _variant(name="w4", method="awq_int4"), CALIBRATION.model_copy(update={"batch_size": 4})
+    assert checkpoint_identity(source, awq, batched) != checkpoint_identity(source, awq, CALIBRATION)
+
+
+def test_awq_calibrates_in_batches_of_the_recipes_size(tiny_llama):
+    """Four samples in one batch run each layer's calibration forward passes once, not four times."""
+    from quantlab.stages.calibration import calibration_dataset
+
+    awq = METHODS["awq_int4"]
+    rows_per_call: dict[int, list[int]] = {1: [], 4: []}
+    for batch_size, rows in rows_per_call.items():
+        model, tokenizer = tiny_llama.load()
+        settings = CalibrationSettings(num_samples=4, seq_len=32, batch_size=batch_size)
+        calibration = calibration_dataset(settings, tokenizer, Path.cwd())
+        assert calibration.batch_size == batch_size and len(calibration.samples) == 4
+        hook = model.model.layers[0].mlp.register_forward_hook(
+            lambda module, args, output, rows=rows: rows.append(len(output))
+        )
+        awq.apply(model, awq.Params(group_size=32), calibration)
+        hook.remove()
+    assert set(rows_per_call[1]) == {1} and set(rows_per_call[4]) == {4}
+    assert len(rows_per_call[1]) == 4 * len(rows_per_call[4])
 
 
 def test_partial_checkpoint_is_never_taken_as_complete(tmp_path):

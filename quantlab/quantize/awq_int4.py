@@ -60,7 +60,11 @@ class AwqInt4(Method):
             oneshot(
                 model=model,
                 recipe=recipe,
-                dataset=calibration,
-                num_calibration_samples=len(calibration),
-                max_seq_length=len(calibration[0]["input_ids"]),
+                dataset=calibration.samples,
+                num_calibration_samples=len(calibration.samples),
+                max_seq_length=len(calibration.samples[0]["input_ids"]),
+                batch_size=calibration.batch_size,
+                # The samples are equal-length blocks, already drawn at random (seeded); shuffled batches
+                # only draw llm-compressor's warning about padding, which equal lengths do not need.
+                **({"shuffle_calibration_samples": False} if calibration.batch_size > 1 else {}),
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from pydantic import BaseModel, ConfigDict
@@ -9,6 +10,14 @@ from pydantic import BaseModel, ConfigDict
 if TYPE_CHECKING:
     from datasets import Dataset
     from transformers import PreTrainedModel
+
+
+@dataclass(frozen=True)
+class CalibrationSet:
+    """What a calibrating method runs through the model, and how many samples per forward pass."""
+
+    samples: Dataset
+    batch_size: int
 
 
 class MethodParams(BaseModel):
@@ -27,6 +36,6 @@ class Method:
         return []
 
     @staticmethod
-    def apply(model: PreTrainedModel, params: MethodParams, calibration: Dataset | None) -> None:
+    def apply(model: PreTrainedModel, params: MethodParams, calibration: CalibrationSet | None) -> None:
         """Quantize `model` in place, ready for `save_pretrained(..., save_compressed=True)`."""
         raise NotImplementedError

@@ -8,14 +8,13 @@ from typing import TYPE_CHECKING
 
 from quantlab.corpora import load_texts
 from quantlab.errors import bad_input
+from quantlab.quantize.base import CalibrationSet
 
 if TYPE_CHECKING:
-    from datasets import Dataset
-
     from quantlab.recipe import CalibrationSettings
 
 
-def calibration_dataset(settings: CalibrationSettings, tokenizer, base_dir: Path) -> Dataset:
+def calibration_dataset(settings: CalibrationSettings, tokenizer, base_dir: Path) -> CalibrationSet:
     """`num_samples` blocks of `seq_len` tokens, drawn reproducibly (seeded) from the source text."""
     from datasets import Dataset
 
@@ -31,4 +30,5 @@ def calibration_dataset(settings: CalibrationSettings, tokenizer, base_dir: Path
         found = f"{settings.source} holds {len(stream)} tokens: {len(blocks)} blocks of {settings.seq_len}"
         raise bad_input("", "calibration.num_samples", f"{found}, fewer than the {settings.num_samples} asked for")
     chosen = random.Random(settings.seed).sample(blocks, settings.num_samples)
-    return Dataset.from_dict({"input_ids": chosen, "attention_mask": [[1] * settings.seq_len for _ in chosen]})
+    mask = [[1] * settings.seq_len for _ in chosen]
+    return CalibrationSet(Dataset.from_dict({"input_ids": chosen, "attention_mask": mask}), settings.batch_size)
