@@ -126,6 +126,22 @@ def test_awq_calibrates_in_batches_of_the_recipes_size(tiny_llama):
     assert len(rows_per_call[1]) == 4 * len(rows_per_call[4])
 
 
+def test_awq_gives_the_same_weights_whatever_torchs_random_state(tiny_llama):
+    """The calibration samples are drawn from the recipe's seed alone; nothing reshuffles them."""
+    from quantlab.stages.calibration import calibration_dataset
+
+    awq = METHODS["awq_int4"]
+    weights = []
+    for torch_seed in (1, 2):
+        torch.manual_seed(torch_seed)
+        model, tokenizer = tiny_llama.load()
+        calibration = calibration_dataset(CalibrationSettings(num_samples=8, seq_len=32), tokenizer, Path.cwd())
+        awq.apply(model, awq.Params(group_size=32), calibration)
+        weights.append(model.state_dict())
+    first, second = weights
+    assert all(torch.equal(first[name], second[name]) for name in first)
+
+
 def test_partial_checkpoint_is_never_taken_as_complete(tmp_path):
     target = tmp_path / "checkpoints" / "x-123"
     with pytest.raises(RuntimeError), cache.writing(target, {"k": 1}) as scratch:
