@@ -206,21 +206,25 @@ def materialize(source: ModelSource, cache_root: Path) -> ModelSource:
         with cache.writing(target, identity) as scratch:
             model.save_pretrained(scratch)
             tokenizer.save_pretrained(scratch)
-    return replace(source, kind="local_dir", location=str(target), gguf_file=None)
+    return _converted(source, target)
 
 
 def materialized(source: ModelSource, cache_root: Path) -> ModelSource:
     """`materialize`'s result when the cache already holds it, else `source` itself: reading a GGUF's
     config means parsing its whole metadata (about 11 s for the embedded model), a config.json does not."""
-    _, target = _conversion(source, cache_root) if source.kind == "gguf" else (None, None)
-    if target is None or not cache.is_complete(target):
+    if source.kind != "gguf":
         return source
-    return replace(source, kind="local_dir", location=str(target), gguf_file=None)
+    _, target = _conversion(source, cache_root)
+    return _converted(source, target) if cache.is_complete(target) else source
 
 
 def _conversion(source: ModelSource, cache_root: Path) -> tuple[dict[str, str], Path]:
     identity = {"source": source.identity, "dtype": "float32"}
     return identity, cache_root / "sources" / cache.cache_key(identity)
+
+
+def _converted(source: ModelSource, directory: Path) -> ModelSource:
+    return replace(source, kind="local_dir", location=str(directory), gguf_file=None)
 
 
 def load_source_model(source: ModelSource, dtype: torch.dtype, device: str) -> LoadedModel:

@@ -106,38 +106,35 @@ def test_cached_checkpoint_is_reused_and_keyed_by_content(quantized):
     assert checkpoint_identity(source, awq, batched) != checkpoint_identity(source, awq, CALIBRATION)
 
 
-def test_awq_calibrates_in_batches_of_the_recipes_size(tiny_llama):
-    """Four samples in one batch run each layer's calibration forward passes once, not four times."""
+def _awq_on_tiny_llama(tiny_llama, calibration: CalibrationSettings, rows_per_mlp_call: list[int] | None = None):
+    """A fresh tiny Llama quantized by AWQ; with `rows_per_mlp_call`, the batch rows of each call of layer 0's MLP."""
     from quantlab.stages.calibration import calibration_dataset
 
-    awq = METHODS["awq_int4"]
+    model, tokenizer = tiny_llama.load()
+    samples = calibration_dataset(calibration, tokenizer, Path.cwd())
+    assert samples.batch_size == calibration.batch_size and len(samples.samples) == calibration.num_samples
+    if rows_per_mlp_call is not None:
+        rows = rows_per_mlp_call
+        model.model.layers[0].mlp.register_forward_hook(lambda module, args, output: rows.append(len(output)))
+    METHODS["awq_int4"].apply(model, METHODS["awq_int4"].Params(group_size=32), samples)
+    return model
+
+
+def test_awq_calibrates_in_batches_of_the_recipes_size(tiny_llama):
+    """Four samples in one batch run each layer's calibration forward passes once, not four times."""
     rows_per_call: dict[int, list[int]] = {1: [], 4: []}
     for batch_size, rows in rows_per_call.items():
-        model, tokenizer = tiny_llama.load()
-        settings = CalibrationSettings(num_samples=4, seq_len=32, batch_size=batch_size)
-        calibration = calibration_dataset(settings, tokenizer, Path.cwd())
-        assert calibration.batch_size == batch_size and len(calibration.samples) == 4
-        hook = model.model.layers[0].mlp.register_forward_hook(
-            lambda module, args, output, rows=rows: rows.append(len(output))
-        )
-        awq.apply(model, awq.Params(group_size=32), calibration)
-        hook.remove()
+        _awq_on_tiny_llama(tiny_llama, CalibrationSettings(num_samples=4, seq_len=32, batch_size=batch_size), rows)
     assert set(rows_per_call[1]) == {1} and set(rows_per_call[4]) == {4}
     assert len(rows_per_call[1]) == 4 * len(rows_per_call[4])
 
 
 def test_awq_gives_the_same_weights_whatever_torchs_random_state(tiny_llama):
     """The calibration samples are drawn from the recipe's seed alone; nothing reshuffles them."""
-    from quantlab.stages.calibration import calibration_dataset
-
-    awq = METHODS["awq_int4"]
     weights = []
     for torch_seed in (1, 2):
         torch.manual_seed(torch_seed)
-        model, tokenizer = tiny_llama.load()
-        calibration = calibration_dataset(CalibrationSettings(num_samples=8, seq_len=32), tokenizer, Path.cwd())
-        awq.apply(model, awq.Params(group_size=32), calibration)
-        weights.append(model.state_dict())
+        weights.append(_awq_on_tiny_llama(tiny_llama, CalibrationSettings(num_samples=8, seq_len=32)).state_dict())
     first, second = weights
     assert all(torch.equal(first[name], second[name]) for name in first)
 
