@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
-from sweep_overhead import EVALS_DIR, build_tiny_llama, run_benchmark, summary_line, timed_process
+from sweep_overhead import EVALS_DIR, run_benchmark, save_tiny_llama, summary_line, timed_process
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -43,7 +43,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def tiny_recipe(work: Path) -> Path:
     recipe = {
         "name": "unchanged-rerun",
-        "model": {"source": str(build_tiny_llama(work / "tiny-llama"))},
+        "model": {"source": str(save_tiny_llama(work / "tiny-llama"))},
         "baseline": "bf16",
         "variants": [{"name": "bf16", "method": "bf16"}, {"name": "fp8", "method": "fp8"}],
         "evals": {"include_path": str(EVALS_DIR), "batch_size": 8, "tasks": [{"name": "mmlu_dev", "limit": 8}]},

@@ -7,6 +7,7 @@ headers, `quantlab cache verify` the hashes; a checkpoint that fails is set asid
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -21,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 COMPLETE_MARKER = "quantlab-checkpoint.json"
+# Scratch directories beside a checkpoint, named `<name><kind><host>-<pid>` after the process using them:
+# a writer's, renamed into place when complete, and a pruner's, a checkpoint renamed aside to be deleted.
+PARTIAL, PRUNING = ".partial-", ".pruning-"
 logger = logging.getLogger(__name__)
 LIBRARIES = ("torch", "transformers", "llmcompressor", "compressed-tensors", "quantlab")
 
@@ -160,12 +164,45 @@ def set_aside(checkpoint: Path) -> Path:
 def complete_checkpoints(cache_root: Path) -> list[Path]:
     """The cache's checkpoints that carry a marker (checked or not), not those set aside or being written."""
     markers = (cache_root / "checkpoints").glob(f"*/{COMPLETE_MARKER}")
-    return sorted(m.parent for m in markers if ".corrupt-" not in m.parent.name and ".partial-" not in m.parent.name)
+    scratch = (".corrupt-", PARTIAL, PRUNING)
+    return sorted(m.parent for m in markers if not any(kind in m.parent.name for kind in scratch))
+
+
+def mark_used(checkpoint: Path) -> None:
+    """Record that `checkpoint` is used now: its marker's mtime (the marker is not among the files it
+    records, so its checks are unchanged). A cache this process may not write keeps the older time."""
+    with suppress(OSError):
+        os.utime(checkpoint / COMPLETE_MARKER)
+
+
+def last_used(checkpoint: Path) -> float:
+    """When `checkpoint` was last reused or written (seconds since the epoch; see `mark_used`)."""
+    return (checkpoint / COMPLETE_MARKER).stat().st_mtime
+
+
+def scratch_owner(directory: Path) -> tuple[str, int] | None:
+    """The host and pid a `.partial-` or `.pruning-` directory is named after; None for other names."""
+    for kind in (PARTIAL, PRUNING):
+        _, found, owner = directory.name.rpartition(kind)
+        host, _, pid = owner.rpartition("-")
+        if found and host and pid.isdigit():
+            return host, int(pid)
+    return None
+
+
+def is_abandoned(directory: Path) -> bool:
+    """Whether a scratch directory's process, one of this host, is gone. Another host's (a cache shared by
+    a Ray cluster) only that host can judge: never abandoned here."""
+    import psutil
+
+    owner = scratch_owner(directory)
+    return owner is not None and owner[0] == socket.gethostname() and not psutil.pid_exists(owner[1])
 
 
 def is_complete(checkpoint: Path) -> bool:
     """Whether `checkpoint` carries its marker and passes the cheap check; one that fails is
-    reported (a logged warning) and set aside, so the caller rebuilds it."""
+    reported (a logged warning) and set aside, so the caller rebuilds it. A complete one is marked used
+    (`mark_used`): callers ask in order to reuse it."""
     if not (checkpoint / COMPLETE_MARKER).is_file():
         return False
     if problems := check_checkpoint(checkpoint):
@@ -174,6 +211,7 @@ def is_complete(checkpoint: Path) -> bool:
             "cached checkpoint %s: %s; set aside as %s, rebuilding it", checkpoint, "; ".join(problems), aside.name
         )
         return False
+    mark_used(checkpoint)
     return True
 
 
@@ -182,18 +220,13 @@ def atomic_directory(target: Path, *, replace_existing: bool = False) -> Iterato
     """Yield an empty scratch directory beside `target` (same file system, so the final rename is
     atomic); on success it becomes `target`, on failure it is removed. An existing `target` is
     replaced with `replace_existing`; otherwise a complete one another process wrote first wins."""
-    import psutil
-
     target.parent.mkdir(parents=True, exist_ok=True)
     # Scratch directories are named by writer, `<target>.partial-<host>-<pid>`: those that dead processes
-    # of this host left (as large as the result) are removed; another host's (a cache shared by a Ray
-    # cluster) only that host can judge.
-    prefix = f"{target.name}.partial-{socket.gethostname()}-"
-    for abandoned in target.parent.glob(f"{prefix}*"):
-        pid = abandoned.name[len(prefix) :]
-        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+    # of this host left (as large as the result) are removed (`is_abandoned`).
+    for abandoned in target.parent.glob(f"{target.name}{PARTIAL}*"):
+        if is_abandoned(abandoned):
             shutil.rmtree(abandoned, ignore_errors=True)
-    scratch = target.with_name(f"{prefix}{os.getpid()}")
+    scratch = target.with_name(f"{target.name}{PARTIAL}{socket.gethostname()}-{os.getpid()}")
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir()
     try:
@@ -209,18 +242,129 @@ def atomic_directory(target: Path, *, replace_existing: bool = False) -> Iterato
                 shutil.rmtree(scratch)
             else:
                 os.replace(scratch, target)
-    except BaseException:
+    except BaseException as error:
+        written = _tree_bytes(scratch)
         shutil.rmtree(scratch, ignore_errors=True)
+        if _out_of_space(error):
+            free = shutil.disk_usage(target.parent).free
+            raise NotEnoughSpace(
+                f"{target.parent}: the file system filled up while writing {target.name} ({written:,} bytes of it "
+                f"written, now removed; {free:,} bytes free): free space there (`quantlab cache prune` removes the "
+                "checkpoints no sweep used lately) or point --cache-dir / QUANTLAB_CACHE_DIR at a larger disk"
+            ) from error
         raise
+
+
+class NotEnoughSpace(OSError):
+    """Too little free space for what the cache is to hold: found before writing (`quantlab.disk`'s estimate) or
+    while writing (ENOSPC, the partial copy removed). An OSError with errno ENOSPC; its text says what to free."""
+
+    def __init__(self, message: str):
+        super().__init__(errno.ENOSPC, message)
+
+    def __str__(self) -> str:
+        return self.strerror
+
+    def __reduce__(self):  # pickled (Ray) by its message alone
+        return type(self), (self.strerror,)
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _out_of_space(error: BaseException | None) -> bool:
+    """Whether `error`, or what caused it, is a full disk or quota: an OSError's errno, or the OS's words for it in
+    another library's error (safetensors' writer raises `SafetensorError("... No space left on device (os error 28)")`)."""
+    words = [os.strerror(number) for number in _NO_SPACE]
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if (isinstance(error, OSError) and error.errno in _NO_SPACE) or any(w in str(error) for w in words):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _tree_bytes(directory: Path) -> int:
+    with suppress(OSError):
+        return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+    return 0
+
+
+def lock_file(checkpoint: Path) -> Path:
+    """The lock file of a checkpoint's key, beside it while a process builds it: `<name>.lock`."""
+    return checkpoint.with_name(f"{checkpoint.name}.lock")
+
+
+@contextmanager
+def building(checkpoint: Path) -> Iterator[None]:
+    """Hold the key's lock file exclusively, so that one process at a time builds `checkpoint` (re-check
+    `is_complete` inside: who waited reuses what the other built). A POSIX record lock (`fcntl.lockf`), which
+    local file systems and NFS (v3 with lockd, v4) hold across processes and hosts; released when its process
+    ends, however it ends. Where the file system refuses locks, the build goes ahead unlocked: two may build at
+    once, and the atomic rename keeps one complete copy."""
+    import fcntl
+    import time
+
+    path = lock_file(checkpoint)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock, waiting_since = None, None
+    while lock is None:
+        candidate = open(path, "a")  # noqa: SIM115 - held open past this block: closing it releases the lock
+        try:
+            fcntl.lockf(candidate, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            if error.errno not in (errno.EACCES, errno.EAGAIN):  # e.g. ENOLCK: an NFS mount without lockd
+                candidate.close()
+                logger.warning("cannot lock %s (%s): building %s without the lock", path, error, checkpoint.name)
+                break
+            if waiting_since is None:
+                # A warning, to reach the variant's log: its process sets up no logging, and Python's
+                # last-resort handler writes warnings (only) to stderr, which is that log.
+                logger.warning("waiting for another process building the same checkpoint %s", checkpoint)
+                waiting_since = time.monotonic()
+            try:
+                fcntl.lockf(candidate, fcntl.LOCK_EX)
+            except BaseException:
+                candidate.close()
+                raise
+        # Each holder removes the file when done (no litter beside the checkpoints): a lock taken on a file
+        # removed meanwhile guards nothing, so it is taken again on the file now at `path`.
+        if _still_at(path, candidate):
+            lock = candidate
+        else:
+            candidate.close()
+    if lock is None:  # this file system takes no locks
+        yield
+        return
+    if waiting_since is not None:
+        logger.warning("took the lock of %s after %.0f s", checkpoint.name, time.monotonic() - waiting_since)
+    try:
+        yield
+    finally:
+        with suppress(FileNotFoundError):
+            os.unlink(path)  # still holding it: whoever waits on this file takes the lock on a new one
+        lock.close()  # releases it
+
+
+def _still_at(path: Path, stream: Any) -> bool:
+    """Whether the open file `stream` is the one at `path` now (not removed, nor replaced)."""
+    opened = os.fstat(stream.fileno())
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (now.st_ino, now.st_dev) == (opened.st_ino, opened.st_dev)
 
 
 @contextmanager
 def writing(checkpoint: Path, identity: dict[str, Any]) -> Iterator[Path]:
     """A checkpoint written atomically, with the completion marker that `is_complete` reads: its
-    identity and each file's size and SHA-256."""
+    identity and each file's size and SHA-256. The marker's mtime is the checkpoint's last use (`mark_used`)."""
     with atomic_directory(checkpoint) as scratch:
         yield scratch
         files = sorted(path for path in scratch.rglob("*") if path.is_file())
         records = [FileRecord(p.relative_to(scratch).as_posix(), p.stat().st_size, file_sha256(p)) for p in files]
         marker = {"identity": identity, "files": [asdict(record) for record in records]}
         (scratch / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True, default=str))
+    mark_used(checkpoint)  # ours, or the equal one another process finished first

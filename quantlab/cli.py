@@ -1,6 +1,7 @@
 """quantlab's command line: the only module that prints or exits.
 
-Exit codes: 0 every variant succeeded; 1 at least one variant failed (the others are logged);
+Exit codes: 0 every variant succeeded; 1 at least one variant failed (the others are logged) or a
+finished one could not be logged (it is kept in the cache for the next sweep);
 2 bad input (recipe, flags, unreachable tracking server), found before any work.
 """
 
@@ -59,17 +60,20 @@ class _SweepProgress(Progress):
         index = self.order.index(variant) + 1
         self.update(self.task_ids[0], description=f"[{index}/{len(self.order)}] [bold]{variant}[/]: {stage}")
 
-    def variant_finished(self, variant: str, result, failure: str | None, reused: bool = False) -> None:
+    def variant_finished(self, variant: str, result, failure: str | None, reused: str = "") -> None:
         done = self.tasks[0].completed + 1
         self.update(self.task_ids[0], completed=done, description=f"{done:.0f}/{len(self.order)} variants done")
         if reused:
-            line = f"[green]✓[/] {variant}: unchanged since a finished run, copied from it"
+            line = f"[green]✓[/] {variant}: {reused}"
         elif failure:
             line = f"[red]✗[/] {variant} failed: {failure}"
         else:
             seconds = ", ".join(f"{stage} {value:.0f}s" for stage, value in result.stage_seconds.items())
             line = f"[green]✓[/] {variant}{' (checkpoint reused)' if result.reused_checkpoint else ''}: {seconds}"
         self.console.print(line)
+
+    def note(self, variant: str, text: str) -> None:
+        self.console.print(f"  {variant}: {text}")
 
 
 @app.command()
@@ -97,8 +101,20 @@ def sweep(
         typer.Option(help="Run only this variant (repeatable); the baseline always runs as the reference."),
     ] = None,
     cache_dir: CacheDir = None,
+    log_retry_seconds: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="How long to keep retrying (with backoff) when the tracking store fails to take a finished variant. "
+            "Its result stays in the cache either way, and the next sweep of the recipe logs it without recomputing.",
+        ),
+    ] = 300.0,
 ) -> None:
-    """Quantize, evaluate, measure and log every variant of RECIPE; then publish the frontier."""
+    """Quantize, evaluate, measure and log every variant of RECIPE; then publish the frontier.
+
+    Exit 0 when every variant is computed and logged; 1 when a variant failed or the tracking store
+    could not take a result (kept in the cache, logged by the next sweep); 2 on bad input.
+    """
     from quantlab import tracking
     from quantlab.cache import default_root
     from quantlab.checks import validate
@@ -117,7 +133,7 @@ def sweep(
         except BaseException:
             stop_variant_processes()
             raise
-        options = SweepOptions(uri, cache_root, executor, force, tuple(only or ()), ray_address)
+        options = SweepOptions(uri, cache_root, executor, force, tuple(only or ()), ray_address, log_retry_seconds)
         # SIGTERM (a scheduler stopping the job) ends the sweep like Ctrl-C: its runs are marked KILLED.
         signal.signal(signal.SIGTERM, signal.default_int_handler)
         columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
@@ -131,6 +147,13 @@ def sweep(
         raise typer.Exit(130) from None
     if outcome.reused:
         out.print(f"Reused (unchanged, not recomputed): {', '.join(outcome.reused)}; --force recomputes.")
+    if outcome.logged_from_cache:
+        out.print(f"Logged from the cache (computed by an earlier sweep): {', '.join(outcome.logged_from_cache)}.")
+    if outcome.unlogged:
+        err.print(
+            f"[red]Not logged to {tracking.shown_uri(uri)}[/]: {'; '.join(f'{k}: {v}' for k, v in outcome.unlogged.items())}."
+            " Run the same command again once the store is back: kept results are logged, not recomputed."
+        )
     failed = ", ".join(outcome.failures)
     out.print(
         f"Logged to {tracking.shown_uri(uri)}, experiment '{loaded.recipe.name}', parent run {outcome.parent_run_id}."
@@ -193,6 +216,139 @@ def cache_verify(cache_dir: CacheDir = None) -> None:
             progress.console.print(line)
     out.print(f"{len(checkpoints)} checkpoints checked, {bad} bad")
     raise typer.Exit(1 if bad else 0)
+
+
+def _cache_root(cache_dir: Path | None) -> Path:
+    from quantlab import cache
+
+    root = (cache_dir or cache.default_root()).resolve()
+    if not root.is_dir():
+        raise bad_input("--cache-dir", "", f"no cache directory at {root}")
+    return root
+
+
+def _registry(tracking_uri: str | None) -> tuple[dict[str, list[str]] | None, str]:
+    """Checkpoint -> the registry aliases on it, or None and one line saying why the registry is unknown."""
+    from quantlab import tracking
+
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or tracking.DEFAULT_TRACKING_URI
+    path = tracking.TrackingStore(uri).sqlite_path
+    if path is not None and not path.exists():  # no store, nothing registered: not created by looking
+        return {}, ""
+    try:
+        return tracking.registered_checkpoints(tracking.open_store(uri)), ""
+    except Exception as error:  # whatever the store's failure, the cache is listed without it
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return None, f"registry unknown: {tracking.shown_uri(uri)} could not be read ({reason})"
+
+
+@cache_app.command("list")
+def cache_list(cache_dir: CacheDir = None, tracking_uri: TrackingUri = None, as_json: AsJson = False) -> None:
+    """List the cache: each checkpoint's model, method, size, last use and the registry aliases on it.
+
+    Directories that only take disk are listed too: set aside (.corrupt-*, failed a check), abandoned
+    (.partial-* or .pruning-* of a dead process of this host), in progress (a live or another host's).
+    """
+    import time
+
+    from rich.table import Table as RichTable
+
+    from quantlab import cache_inventory as inventory
+
+    root = _cache_root(cache_dir)
+    registry, unknown = _registry(tracking_uri)
+    entries, now = inventory.inventory(root, registry), time.time()
+    if as_json:
+        listed = [inventory.as_json(entry) for entry in entries]
+        out.print_json(json.dumps({"cache": str(root), "registry_unknown": unknown or None, "entries": listed}))
+        return
+    table = RichTable()
+    for header in ("Directory", "Kind", "Model", "Method", "Size", "Last use", "Registry"):
+        table.add_column(header, overflow="fold")
+    for entry in entries:
+        aliases = "unknown" if entry.aliases is None else ", ".join(entry.aliases) or "-"
+        registered = aliases if entry.kind == inventory.CHECKPOINT else "-"
+        used, size = inventory.age(now - entry.last_used), inventory.human_size(entry.size)
+        model = inventory.short_model(entry.model)
+        table.add_row(entry.name, entry.kind, model, entry.method or "-", size, used, registered)
+    out.print(table)
+    checkpoints = [entry for entry in entries if entry.kind == inventory.CHECKPOINT]
+    debris = [entry for entry in entries if entry.debris]
+    out.print(
+        f"{len(checkpoints)} checkpoints, {inventory.human_size(sum(e.size for e in checkpoints))}; "
+        f"{len(debris)} set aside or abandoned, {inventory.human_size(sum(e.size for e in debris))} "
+        "(`quantlab cache prune` removes those)"
+    )
+    if unknown:
+        out.print(unknown)
+
+
+@cache_app.command("prune")
+def cache_prune(
+    older_than: Annotated[
+        float | None, typer.Option(min=0, metavar="DAYS", help="Remove checkpoints last used more than DAYS ago.")
+    ] = None,
+    max_size: Annotated[
+        str | None,
+        typer.Option(
+            metavar="SIZE",
+            help="Remove the least recently used checkpoints until the rest take at most SIZE: 500M, 20G, 1.5T (powers of 1024), bytes without a unit.",
+        ),
+    ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Remove checkpoints that a registry alias points at, too.")
+    ] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be removed; remove nothing.")] = False,
+    cache_dir: CacheDir = None,
+    tracking_uri: TrackingUri = None,
+) -> None:
+    """Free disk: remove set-aside and abandoned directories, then the checkpoints a limit selects.
+
+    Needs --older-than, --max-size or both. A checkpoint that a registry alias points at (or might:
+    the registry could not be read) is kept unless --force. A checkpoint is renamed before it is
+    deleted, so a sweep that looks for it meanwhile finds nothing and rebuilds it, never half of it.
+    Exit 0; 1 when a directory could not be removed.
+    """
+    import time
+
+    from quantlab import cache_inventory as inventory
+
+    if older_than is None and max_size is None:
+        raise bad_input("--older-than/--max-size", "", "prune needs a limit: give either or both")
+    try:
+        limit = None if max_size is None else inventory.parse_size(max_size)
+    except ValueError as error:
+        raise bad_input("--max-size", "", str(error)) from None
+    root = _cache_root(cache_dir)
+    registry, unknown = _registry(tracking_uri)
+    if unknown and not force:
+        out.print(f"{unknown}: every checkpoint is kept (--force prunes without it)")
+    entries = inventory.inventory(root, registry)
+    plan = inventory.select(entries, now=time.time(), older_than_days=older_than, max_size=limit, force=force)
+    freed, failed = 0, 0
+    for entry in plan.remove:
+        what = f"{entry.name} ({entry.kind}, {inventory.human_size(entry.size)})"
+        if dry_run:
+            out.print(f"would remove {what}")
+            freed += entry.size
+            continue
+        try:
+            if inventory.remove(entry):
+                out.print(f"removed {what}")
+                freed += entry.size
+            else:
+                out.print(f"{what}: gone already")
+        except OSError as error:
+            failed += 1
+            err.print(f"[red]could not remove {what}:[/] {error}")
+    for entry, why in plan.kept:
+        out.print(f"kept {entry.name} ({inventory.human_size(entry.size)}): {why}")
+    out.print(
+        f"{'would free' if dry_run else 'freed'} {inventory.human_size(freed)}; "
+        f"the checkpoints left take {inventory.human_size(plan.size_after)}"
+        + (f", over --max-size {max_size}" if limit is not None and plan.size_after > limit else "")
+    )
+    raise typer.Exit(1 if failed else 0)
 
 
 @app.command()
@@ -388,13 +544,18 @@ def _pick_policy(view, max_drop: list[str], **bounds: float | None):
 
 
 def _print_decision(decision) -> None:
-    """The summary, then each variant's verdict in words: the chosen one's evidence, the others' reasons."""
+    """The summary, then each variant's verdict in words: the chosen one's evidence, the others' reasons, and
+    warnings about speed figures timed while other work competed for the cores."""
+    from rich.markup import escape
+
     out.print(decision.summary)
     for verdict in decision.verdicts:
         lines = [check.detail for check in verdict.checks] if verdict.name == decision.chosen else list(verdict.reasons)
         out.print(f"  {verdict.name} ({verdict.status.words}): {'; '.join(lines) or 'no limits to check'}")
     if decision.unchecked:
         out.print(f"  not checked by the any-task limit: {', '.join(decision.unchecked)}")
+    for warning in decision.warnings:
+        out.print(f"[bold yellow]warning:[/] {escape(warning)}")
 
 
 def main() -> None:

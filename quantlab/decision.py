@@ -15,6 +15,7 @@ from functools import partial
 from typing import Any
 
 from quantlab.frontier import Axis, VariantSummary, ensure_unique_names
+from quantlab.measure.contention import CONTENDED_TAG, CONTENTION_TAG, is_timing_metric
 from quantlab.metrics import paired_key, spec
 from quantlab.paired import NonInferiority, Outcome, agresti_min_se, float_slack, non_inferiority
 from quantlab.policy import KLD_MEAN, Bound, DropRule, Policy, format_change, format_value, unchecked_by_any_task
@@ -157,6 +158,7 @@ class Decision:
     checks: tuple[str, ...]  # the limits as checked, after expansion against the baseline
     verdicts: tuple[Verdict, ...]  # chosen first, then by status and objective
     unchecked: tuple[str, ...] = ()  # lm-eval scores max_drop_any_task could not check, with why
+    warnings: tuple[str, ...] = ()  # cost figures measured while other work competed (cost_warnings)
 
     def verdict(self, name: str) -> Verdict:
         return next(v for v in self.verdicts if v.name == name)
@@ -192,6 +194,7 @@ class Decision:
             "policy": self.policy.model_dump(mode="json"),
             "checks": list(self.checks),
             "unchecked": list(self.unchecked),
+            "warnings": list(self.warnings),
             "variants": [asdict(verdict) for verdict in self.verdicts],  # str enums: their values in JSON
         }
 
@@ -209,6 +212,33 @@ def _would_need(undecided: Sequence[Verdict]) -> str:
         parts += [f"has no paired statistics for {', '.join(unpaired)}"] if unpaired else []
         words.append(f"{verdict.name} {' and '.join(parts) or 'is not shown within the limits'}")
     return f" {'; '.join(words)}." if words else ""
+
+
+def contended(variant: VariantSummary) -> bool:
+    """Whether the variant's speed figures were measured while other work competed for its cores."""
+    return variant.succeeded and variant.tags.get(CONTENDED_TAG) == "true"
+
+
+def cost_warnings(variants: Sequence[VariantSummary], rests_on: Sequence[str] = ()) -> tuple[str, ...]:
+    """One line per variant whose speed was timed under contention, naming it and the load it saw; first, when
+    a metric the decision `rests_on` (its objective, its bounds) is a timing, that the choice rests on it."""
+    flagged = [variant for variant in variants if contended(variant)]
+    lines = [
+        f"{variant.name}: speed figures measured while other work competed for its cores "
+        f"({variant.tags.get(CONTENTION_TAG, 'no details recorded').removeprefix('contended: ')})"
+        for variant in flagged
+    ]
+    timings = list(dict.fromkeys(metric for metric in rests_on if is_timing_metric(metric)))
+    if flagged and timings:
+        names = ", ".join(variant.name for variant in flagged)
+        lines.insert(
+            0,
+            f"the decision rests on {', '.join(timings)}, timed under contention for {names}: "
+            "rerun the sweep with --force on a quiet machine before a release rests on this choice",
+        )
+    elif flagged:
+        lines.append("rerun the sweep with --force on a quiet machine before a release rests on these speed figures")
+    return tuple(lines)
 
 
 def pick(variants: Sequence[VariantSummary], baseline_name: str, policy: Policy, objective: Axis) -> Decision:
@@ -256,6 +286,7 @@ def pick(variants: Sequence[VariantSummary], baseline_name: str, policy: Policy,
         checks=tuple(constraint for constraint, _ in checks),
         verdicts=tuple(sorted(judged.values(), key=listed)),
         unchecked=tuple(unchecked_by_any_task(baseline.metrics, baseline.declared) if any_task else ()),
+        warnings=cost_warnings(variants, [objective.metric, *(bound.metric for bound in policy.bounds())]),
     )
 
 

@@ -3,6 +3,11 @@
 
 A process per variant keeps memory figures clean and contains crashes (a segfault or the OOM
 killer takes one variant, not the sweep); its stdout and stderr go to a log file kept as an artifact.
+
+Each variant sizes torch's thread pool to its share of the CPUs (measure.contention.thread_share): under
+Ray the CPUs its task reserved, locally the visible cores divided by the variants running at once (one,
+so all of them), QUANTLAB_THREADS if set. Without it every process runs one thread per core, and
+variants side by side oversubscribe the cores.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from quantlab.errors import BadInput
 from quantlab.jobs import VariantJob, VariantResult
+from quantlab.measure.contention import THREADS_ENV, ThreadShare, local_share, thread_share, use_threads, visible_cores
 from quantlab.preload import ENV as PRELOAD_ENV
 from quantlab.preload import output_to
 from quantlab.runner import run_variant
@@ -44,12 +50,15 @@ class VariantFailed(Exception):
         self.details = details  # traceback or log tail, kept as an artifact
 
 
-def _child_main(variant: str, job_path: str, messages: multiprocessing.Queue, log_path: str) -> None:
+def _child_main(
+    variant: str, job_path: str, messages: multiprocessing.Queue, log_path: str, share: ThreadShare | None = None
+) -> None:
     _bind_to_sweep(f"quantlab-{variant}")
     output_to(log_path)
     try:
         job = pickle.loads(Path(job_path).read_bytes())
         Path(job_path).unlink()
+        use_threads(share or local_share())
         result = run_variant(job, lambda stage: messages.put(("stage", stage)))
         messages.put(("result", result))
     except BaseException as error:  # noqa: BLE001 - everything must reach the parent as a failure
@@ -89,8 +98,12 @@ def failure_reason(error: BaseException) -> str:
     return f"{error.problems[0].field or 'input'}: {error.problems[0].message}"
 
 
-def run_local(job: VariantJob, log_path: Path, on_stage: StageCallback) -> VariantResult:
-    """Run the job in a fresh process; raise VariantFailed if it fails or dies."""
+def run_local(
+    job: VariantJob, log_path: Path, on_stage: StageCallback, share: ThreadShare | None = None
+) -> VariantResult:
+    """Run the job in a fresh process with `share` threads (default: this machine's, one variant at a time);
+    raise VariantFailed if it fails or dies."""
+    share = share or local_share()
     context = start_variant_processes(job.loaded)
     messages = context.Queue()
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -99,7 +112,9 @@ def run_local(job: VariantJob, log_path: Path, on_stage: StageCallback) -> Varia
     job_path = log_path.with_name(f"{log_path.stem}.job.pickle")
     job_path.write_bytes(pickle.dumps(job))
     process = context.Process(
-        target=_child_main, args=(job.variant, str(job_path), messages, str(log_path)), name=f"quantlab-{job.variant}"
+        target=_child_main,
+        args=(job.variant, str(job_path), messages, str(log_path), share),
+        name=f"quantlab-{job.variant}",
     )
     try:
         process.start()
@@ -195,6 +210,7 @@ class LocalExecutor:
     """One process per variant, one variant at a time: the machine is the variant's alone."""
 
     def run(self, jobs: list[VariantJob], log_dir: Path, on_stage: StageCallback) -> Iterator[Outcome]:
+        local_share()  # a bad QUANTLAB_THREADS is bad input, found before any variant starts
         for job in jobs:
             log_path = log_dir / f"{job.variant}.log"
             try:
@@ -217,6 +233,8 @@ class InProcessExecutor(LocalExecutor):
         from quantlab.stages.quantize import release_quantizer_memory
 
         try:
+            # The sweep's own process: torch's pool only, the environment (and so the fork server's) left alone.
+            use_threads(local_share(), environment=False)
             return run_variant(job, lambda stage: on_stage(job.variant, stage))
         except Exception as error:  # noqa: BLE001 - one variant's error must not end the sweep; Ctrl-C still does
             raise VariantFailed(failure_reason(error), traceback.format_exc()) from None
@@ -244,8 +262,10 @@ class RayExecutor:
         for job in jobs:
             runtime = job.loaded.recipe.runtime
             log_path = log_dir / f"{job.variant}.log"
+            # Decided here: the driver's QUANTLAB_THREADS, which workers on other nodes do not see.
+            share = thread_share(visible_cores(), ray_cpus=runtime.cpus, override=os.environ.get(THREADS_ENV))
             ref = remote.options(num_cpus=runtime.cpus, num_gpus=runtime.gpus, name=f"quantlab-{job.variant}").remote(
-                job, str(log_path)
+                job, str(log_path), share
             )
             pending[ref] = (job, log_path)
             on_stage(job.variant, "queued on Ray")
@@ -263,8 +283,9 @@ class RayExecutor:
                 yield job, VariantFailed(reason, str(error) + _log_tail(log_path)), log_path
 
 
-def _ray_task(job: VariantJob, log_path: str) -> VariantResult:
+def _ray_task(job: VariantJob, log_path: str, share: ThreadShare) -> VariantResult:
     output_to(log_path)
+    use_threads(share)
     return run_variant(job)
 
 

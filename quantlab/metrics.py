@@ -161,6 +161,11 @@ _FIXED: dict[str, tuple[bool | None, Scale, str]] = {
     "quality/flips/<task>/wrong_to_correct": (True, Scale.COUNT, "{task} wrong-to-right flips"),
     "quality/mcnemar_p/<task>": (None, Scale.P_VALUE, "{task} McNemar p"),  # exact McNemar p of the primary 0/1 score
     "time/<stage>_seconds": (False, Scale.SECONDS, "{stage} time"),  # wall seconds of one stage of the variant's run
+    # What competed with the measure stage's timed generations (measure.contention): facts about the machine.
+    "measure/load_1m": (None, Scale.RATIO, "1-minute load average while timing"),  # the higher, before or after
+    "measure/cpu_seconds_per_wall_second": (None, Scale.RATIO, "own CPU s per wall s while timing"),
+    "measure/other_cores_busy": (None, Scale.RATIO, "cores other work kept busy while timing"),
+    "measure/threads": (None, Scale.COUNT, "torch threads while timing"),
 }
 _PATTERNS = {re.compile(re.sub(r"<(\w+)>", r"(?P<\1>[^/]+)", re.escape(entry))): entry for entry in _FIXED}
 

@@ -81,7 +81,10 @@ def variant_params(
     loaded: LoadedRecipe, variant: VariantSpec, source: ModelSource, device: str, dtype: torch.dtype
 ) -> dict[str, str]:
     """A variant's full resolved configuration as flat MLflow params: what exactly produced these numbers."""
+    import torch
+
     from quantlab.cache import library_versions
+    from quantlab.measure.contention import applied_share
     from quantlab.measure.provenance import hardware
     from quantlab.quantize import METHODS
 
@@ -93,7 +96,13 @@ def variant_params(
         "evals": recipe.evals.model_dump(),
         "quality": recipe.quality.model_dump(),
         "measure": recipe.measure.model_dump(),
-        "runtime": {"device": device, "compute_dtype": str(dtype).removeprefix("torch.")},
+        "runtime": {
+            "device": device,
+            "compute_dtype": str(dtype).removeprefix("torch."),
+            # torch's intra-op threads in this process, as the executor sized them (measure.contention).
+            "threads": torch.get_num_threads(),
+            "threads_from": share.source if (share := applied_share()) else "torch's default (not sized by quantlab)",
+        },
         "versions": library_versions() | {"lm-eval": version("lm_eval"), "mlflow": version("mlflow")},
         "hardware": hardware(),
     }

@@ -11,21 +11,24 @@ import os
 import socket
 import tempfile
 import traceback
-from dataclasses import dataclass, field
+from contextlib import suppress
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
 import psutil
 
-from quantlab import cache, tracking
+from quantlab import cache, disk, kept_results, tracking
 from quantlab.checks import remember_lookups
 from quantlab.errors import BadInput, Problem
 from quantlab.executors import EXECUTORS, VariantFailed, stop_variant_processes
 from quantlab.jobs import SAMPLES_FORMAT, BaselineOutputs, VariantJob, VariantResult
+from quantlab.kept_results import KeptResult
 from quantlab.recipe import LoadedRecipe
 from quantlab.tracking import SAMPLES_ARTIFACT
 
 HOST, PID = "quantlab.host", "quantlab.pid"
+LOGGED_FROM_CACHE = "quantlab.logged_from_cache"  # when its numbers were computed, by a sweep that could not log them
 PID_STARTED = "quantlab.pid_started"  # the sweep process's start time: with host and pid, who it was
 REFERENCE_DIR = "quantlab.reference_dir"
 
@@ -34,8 +37,9 @@ class SweepDisplay(Protocol):
     def sweep_started(self, experiment: str, run_id: str, variants: list[str]) -> None: ...
     def stage(self, variant: str, stage: str) -> None: ...
     def variant_finished(
-        self, variant: str, result: VariantResult | None, failure: str | None, reused: bool = False
-    ) -> None: ...
+        self, variant: str, result: VariantResult | None, failure: str | None, reused: str = ""
+    ) -> None: ...  # `reused` says where the numbers of a variant that was not computed again came from
+    def note(self, variant: str, text: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class SweepOptions:
     force: bool = False
     only: tuple[str, ...] = ()
     ray_address: str | None = None
+    log_retry_seconds: float = 300.0  # how long a finished variant's logging is retried while the store fails
 
 
 def plan(loaded: LoadedRecipe, only: tuple[str, ...]) -> list[str]:
@@ -84,8 +89,6 @@ def run_keys(loaded: LoadedRecipe, names: list[str]) -> dict[str, str]:
 
 
 def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay) -> SweepRuns:
-    from quantlab.publish import publish_sweep
-
     order = plan(loaded, options.only)
     store = tracking.open_store(options.tracking_uri)
     remember_lookups(loaded, options.cache_root)
@@ -93,8 +96,14 @@ def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay
     mark_dead_sweeps(store, experiment)
     keys = run_keys(loaded, order)
     reusable = {} if options.force else tracking.finished_runs(store, experiment, set(keys.values()))
-    if set(keys.values()) <= set(reusable):  # every variant is copied: the fork server's imports would only compete
+    kept = set() if options.force else {key for key in keys.values() if kept_results.has(options.cache_root, key)}
+    if set(keys.values()) <= set(reusable) | kept:  # nothing to compute: the fork server's imports would only compete
         stop_variant_processes()
+    from quantlab.stages.quantize import sweep_space_needs
+
+    computed = [name for name in order if keys[name] not in set(reusable) | kept]
+    space = sweep_space_needs(loaded, computed, options.cache_root, options.force)
+    disk.refuse_sweep(space + disk.artifact_needs(store.uri, len(order) + 1))  # bad input, before any run
     who = {HOST: socket.gethostname(), PID: str(os.getpid()), PID_STARTED: str(psutil.Process().create_time())}
     parent = tracking.start_sweep(store, experiment, f"sweep {loaded.recipe.name}", who)
     sweep = SweepRuns(store, experiment, parent, loaded, options, display, keys)
@@ -110,13 +119,12 @@ def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay
         with tempfile.TemporaryDirectory(prefix="quantlab-logs-", dir=log_root) as logs:
             sweep.run_batch(order[:1], reusable, Path(logs))  # the baseline, which the others compare against
             sweep.run_batch(order[1:], reusable, Path(logs))
-        publish_sweep(store, parent)
+        sweep.publish()
     except BaseException as error:
         status = "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
         sweep.abandon(status)
-        store.finish(parent, status)
         raise
-    store.finish(parent, "FINISHED" if not sweep.failures else "FAILED")
+    sweep.finish("FINISHED" if not (sweep.failures or sweep.unlogged) else "FAILED")
     return sweep
 
 
@@ -136,16 +144,21 @@ class SweepRuns:
     finished: list[str] = field(default_factory=list)
     reused: list[str] = field(default_factory=list)
     failures: dict[str, str] = field(default_factory=dict)
+    logged_from_cache: list[str] = field(default_factory=list)
+    unlogged: dict[str, str] = field(default_factory=dict)  # variant -> why the store does not have it yet
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.failures else 0
+        return 1 if self.failures or self.unlogged else 0
 
     def run_batch(self, names: list[str], reusable: dict[str, tracking.RunRecord], logs: Path) -> None:
         to_run = []
         for name in names:
             if self.keys[name] in reusable:
                 self._copy(name, reusable[self.keys[name]])
+                kept_results.discard(self.options.cache_root, self.keys[name])
+            elif not self.options.force and (kept := kept_results.recall(self.options.cache_root, self.keys[name])):
+                self._log_kept_result(name, kept)
             else:
                 to_run.append(VariantJob(self.loaded, name, self.options.cache_root, self.baseline, self.options.force))
         if not to_run:  # every variant copied: no executor (a Ray cluster) to start
@@ -175,13 +188,18 @@ class SweepRuns:
         return self.runs[name]
 
     def _stage(self, name: str, stage: str) -> None:
-        self._run_for(name)
+        try:
+            self._run_for(name)
+        except tracking.store_errors() as error:  # the run is made when its result is logged
+            self.display.note(name, f"the tracking store failed ({_first_line(error)}); the variant goes on")
         self.display.stage(name, stage)
 
     def _log_result(self, job: VariantJob, result: VariantResult, log_path: Path) -> None:
-        tracking.log_variant(
-            self.store,
-            self._run_for(job.variant),
+        if job.is_baseline:  # the other variants compare against it, logged or not
+            self.baseline = result.baseline_outputs
+        kept = KeptResult(
+            variant=job.variant,
+            run_key=self.keys[job.variant],
             metrics=result.metrics
             | {f"time/{stage}_seconds": seconds for stage, seconds in result.stage_seconds.items()},
             params=result.params,
@@ -192,7 +210,7 @@ class SweepRuns:
                 "quantlab.checkpoint_reused": str(result.reused_checkpoint).lower(),
                 REFERENCE_DIR: result.baseline_outputs.reference_dir or "",
             },
-            datasets=result.datasets,
+            datasets=tuple(tracking.DatasetRecord.of(item) for item in result.datasets),
             files={
                 **result.artifacts,
                 **_log_artifact(log_path),
@@ -200,19 +218,64 @@ class SweepRuns:
                 "stage_seconds.json": json.dumps(result.stage_seconds, indent=2),
             },
         )
-        if job.is_baseline:
-            self.baseline = result.baseline_outputs
-        self.finished.append(job.variant)
-        self.display.variant_finished(job.variant, result, None)
+        try:  # before the store is asked: it may be down
+            kept_results.keep(self.options.cache_root, kept)
+        except OSError as error:  # a safety net that failed (a full disk): the store may still take it
+            self.display.note(job.variant, f"could not keep its result in the cache ({error}); logging it directly")
+        if self._logged(kept):
+            self.finished.append(job.variant)
+            self.display.variant_finished(job.variant, result, None)
+
+    def _log_kept_result(self, name: str, kept: KeptResult) -> None:
+        """A result an earlier sweep computed but could not log: logged now, not recomputed."""
+        if name == self.loaded.recipe.baseline:
+            samples = json.loads(kept.files[SAMPLES_ARTIFACT])
+            self.baseline = BaselineOutputs.from_samples(samples, _usable_reference(kept.tags.get(REFERENCE_DIR)))
+        renamed = {"variant.name": name} if "variant.name" in kept.params else {}
+        kept = replace(kept, params=kept.params | renamed, tags=kept.tags | {LOGGED_FROM_CACHE: kept.finished_at})
+        if self._logged(kept):
+            self.logged_from_cache.append(name)
+            how = f"computed at {kept.finished_at} by a sweep that could not log it; logged now from the cache"
+            self.display.variant_finished(name, None, None, reused=how)
+
+    def _logged(self, kept: KeptResult) -> bool:
+        """Log a kept result, retrying while the store fails; once logged, it leaves the cache."""
+        name = kept.variant
+
+        def log() -> None:
+            tracking.log_variant(
+                self.store,
+                self._run_for(name),
+                metrics=kept.metrics,
+                params=kept.params,
+                tags=kept.tags,
+                datasets=kept.datasets,
+                files=kept.files,
+            )
+
+        def retrying(error: BaseException, wait: float) -> None:
+            self.display.note(name, f"logging failed ({_first_line(error)}); trying again in {wait:.0f} s")
+
+        try:
+            tracking.with_retries(log, self.options.log_retry_seconds, retrying)
+        except tracking.store_errors() as error:
+            where = kept_results.kept_dir(self.options.cache_root, kept.run_key)
+            self.unlogged[name] = f"{_first_line(error)}; its result is kept in {where}"
+            self.display.note(name, f"[red]not logged[/]: {self.unlogged[name]}")
+            return False
+        kept_results.discard(self.options.cache_root, kept.run_key)
+        return True
 
     def _log_failure(self, name: str, failed: VariantFailed, log_path: Path) -> None:
-        tracking.log_failure(
-            self.store,
-            self._run_for(name),
-            failed.reason,
-            {"failure/traceback.txt": failed.details, **_log_artifact(log_path)},
-        )
         self.failures[name] = failed.reason
+        files = {"failure/traceback.txt": failed.details, **_log_artifact(log_path)}
+        try:
+            tracking.with_retries(
+                lambda: tracking.log_failure(self.store, self._run_for(name), failed.reason, files),
+                self.options.log_retry_seconds,
+            )
+        except tracking.store_errors() as error:
+            self.unlogged[name] = f"{_first_line(error)}; its failure is not logged"
         self.display.variant_finished(name, None, failed.reason)
 
     def _copy(self, name: str, previous: tracking.RunRecord) -> None:
@@ -222,18 +285,36 @@ class SweepRuns:
             samples = self.store.read_artifact(previous.run_id, SAMPLES_ARTIFACT)
             if samples is None:
                 raise ValueError(f"the reused baseline run has no {SAMPLES_ARTIFACT}")
-            reference = previous.tags.get(REFERENCE_DIR)
-            usable = reference if reference and Path(reference, "reference.json").is_file() else None
-            self.baseline = BaselineOutputs.from_samples(json.loads(samples), usable)
+            self.baseline = BaselineOutputs.from_samples(
+                json.loads(samples), _usable_reference(previous.tags.get(REFERENCE_DIR))
+            )
         tracking.copy_run(self.store, previous, run_id)
         self.reused.append(name)
-        self.display.variant_finished(name, None, None, reused=True)
+        self.display.variant_finished(name, None, None, reused="unchanged since a finished run, copied from it")
+
+    def publish(self) -> None:
+        """The frontier and report over every variant, once all of them are logged (a later sweep publishes them)."""
+        from quantlab.publish import publish_sweep
+
+        if self.unlogged:
+            return
+        try:
+            tracking.with_retries(lambda: publish_sweep(self.store, self.parent_run_id), self.options.log_retry_seconds)
+        except tracking.store_errors() as error:
+            self.unlogged["frontier and report"] = _first_line(error)
+
+    def finish(self, status: str) -> None:
+        """End the parent run; a store still failing leaves it RUNNING, for the next sweep to mark KILLED."""
+        with suppress(*tracking.store_errors()):
+            tracking.with_retries(lambda: self.store.finish(self.parent_run_id, status), self.options.log_retry_seconds)
 
     def abandon(self, status: str) -> None:
-        """The sweep is dying: no run of it may stay RUNNING."""
-        for run_id in self.runs.values():
-            if self.store.run(run_id).status == "RUNNING":
-                self.store.finish(run_id, status)
+        """The sweep is dying: no run of it may stay RUNNING (unless the store is what failed)."""
+        with suppress(*tracking.store_errors()):
+            for run_id in self.runs.values():
+                if self.store.run(run_id).status == "RUNNING":
+                    self.store.finish(run_id, status)
+            self.store.finish(self.parent_run_id, status)
 
 
 def mark_dead_sweeps(store: tracking.TrackingStore, experiment: str) -> list[str]:
@@ -259,6 +340,15 @@ def _died_here(tags: dict[str, str]) -> bool:
         return abs(started - float(tags[PID_STARTED])) >= 1.0
     except (KeyError, ValueError):  # not recorded (a sweep from before start times were)
         return False
+
+
+def _usable_reference(reference_dir: str | None) -> str | None:
+    """The baseline's reference pass directory, if it is still there to compare against."""
+    return reference_dir if reference_dir and Path(reference_dir, "reference.json").is_file() else None
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
 
 
 def _log_artifact(log_path: Path) -> dict[str, str]:

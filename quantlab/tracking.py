@@ -18,8 +18,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import TypeVar
 
 from quantlab.errors import bad_input
+
+T = TypeVar("T")
 
 DEFAULT_TRACKING_URI = "sqlite:///mlruns/mlflow.db"
 ROLE = "quantlab.role"
@@ -207,6 +210,18 @@ class TrackingStore:
     def set_alias(self, model_name: str, alias: str, version: str) -> None:
         self._client.set_registered_model_alias(model_name, alias, version)
 
+    def aliased_versions(self) -> list[tuple[str, str, str, dict[str, str]]]:
+        """(model, alias, version, the version's tags) for every alias of every registered model."""
+        found, token = [], None
+        while True:
+            page = self._client.search_registered_models(max_results=100, page_token=token)
+            for model in page:
+                for alias, version in sorted(model.aliases.items()):
+                    tags = dict(self._client.get_model_version(model.name, str(version)).tags)
+                    found.append((model.name, alias, str(version), tags))
+            if not (token := page.token):
+                return found
+
 
 def _record(run) -> RunRecord:
     inputs = run.inputs.dataset_inputs if run.inputs is not None else []
@@ -327,6 +342,33 @@ def run_description(markdown: str, whole: str) -> str:
     return kept[: kept.rfind("\n") + 1 or len(kept)].rstrip("\n") + pointer
 
 
+def store_errors() -> tuple[type[BaseException], ...]:
+    """What a store raises when it is down, slow or refusing a write (an HTTP error, a timeout, a locked database)."""
+    import requests
+    from mlflow.exceptions import MlflowException
+
+    return (MlflowException, requests.exceptions.RequestException, OSError)
+
+
+def with_retries(
+    operation: Callable[[], T],
+    budget_seconds: float,
+    on_retry: Callable[[BaseException, float], object] = lambda error, wait: None,
+) -> T:
+    """`operation()`, tried again after 1, 2, 4 ... 30 s while the store fails, for `budget_seconds` at most;
+    then its last error is raised. `on_retry` hears each failure and the wait before the next try."""
+    deadline, wait = time.monotonic() + budget_seconds, 1.0
+    while True:
+        try:
+            return operation()
+        except store_errors() as error:
+            if time.monotonic() + wait > deadline:
+                raise
+            on_retry(error, wait)
+            time.sleep(wait)
+            wait = min(2 * wait, 30.0)
+
+
 def child_runs(store: TrackingStore, parent_run_id: str) -> list[RunRecord]:
     return store.search([store.run(parent_run_id).experiment_id], {PARENT: parent_run_id})
 
@@ -413,3 +455,13 @@ def register_checkpoint(
         )
     store.set_alias(model_name, alias, version)
     return version, created
+
+
+def registered_checkpoints(store: TrackingStore) -> dict[str, list[str]]:
+    """Checkpoint (as its registered version's CHECKPOINT tag names it) -> "model@alias vN" for each registry
+    alias that points at it. A version without an alias is not listed."""
+    found: dict[str, list[str]] = {}
+    for model, alias, version, tags in store.aliased_versions():
+        if CHECKPOINT in tags:
+            found.setdefault(tags[CHECKPOINT], []).append(f"{model}@{alias} v{version}")
+    return found

@@ -103,3 +103,9 @@ class MemoryStore:
 
     def set_alias(self, model_name: str, alias: str, version: str) -> None:
         self.aliases[(model_name, alias)] = version
+
+    def aliased_versions(self) -> list[tuple[str, str, str, dict[str, str]]]:
+        return [
+            (model, alias, version, dict(self._versions[model][version]))
+            for (model, alias), version in sorted(self.aliases.items())
+        ]

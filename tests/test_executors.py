@@ -29,8 +29,11 @@ class RecordingDisplay:
     def stage(self, variant, stage):
         self.stages.append((variant, stage, os.getpid()))
 
-    def variant_finished(self, variant, result, failure, reused=False):
+    def variant_finished(self, variant, result, failure, reused=""):
         self.finished[variant] = failure
+
+    def note(self, variant, text):
+        pass
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ so recipes turn off what the point under test does not need (evals, quality, mea
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -427,8 +428,13 @@ def test_renamed_variant_is_copied_under_its_new_name(resumed, fourth):
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_interrupted_sweep_leaves_no_run_running(tmp_path, tiny_llama, sweeps, signum):
-    """Ctrl-C in a terminal sends SIGINT to the foreground process group; a scheduler sends SIGTERM."""
-    recipe = write(tmp_path / "recipe.yaml", _recipe(tiny_llama, "tiny", ["bf16", "fp8"]))
+    """Ctrl-C in a terminal sends SIGINT to the foreground process group; a scheduler sends SIGTERM.
+
+    The signal must find the sweep running, however slow the machine: the baseline's measure stage times
+    10,000 generations of 512 tokens (hours), so neither it nor the sweep can finish before the signal.
+    Without that, a loaded machine let the baseline finish (and the sweep with it) while the test waited."""
+    endless = {"prompt_tokens": 8, "output_tokens": 512, "repeats": 10_000, "warmup": 0}
+    recipe = write(tmp_path / "recipe.yaml", _recipe(tiny_llama, "tiny", ["bf16", "fp8"], measure=endless))
     uri = f"sqlite:///{tmp_path / 'store.db'}"
     _init_store(uri)
     sweep = Sweep(_sweep_args(recipe, uri, tmp_path / "cache"), tmp_path)
@@ -440,9 +446,11 @@ def test_interrupted_sweep_leaves_no_run_running(tmp_path, tiny_llama, sweeps, s
 
     _wait_until(baseline_running, sweep, "the bf16 run to start")
     child = _wait_until(lambda: sweep.variant_process("bf16"), sweep, "the bf16 variant process", timeout=60)
+    assert sweep.process.poll() is None, sweep.text()[-3000:]
     sweep.signal_group(signum)
     code, _ = sweep.wait(timeout=120)
     assert code == 130, sweep.text()[-3000:]
+    assert not re.search(r"[✓✗] bf16", sweep.text()), sweep.text()[-3000:]  # interrupted: neither finished nor failed
     assert "Traceback" not in sweep.text() and "Run the same command again to resume" in sweep.text()
     assert _gone(child, timeout=30)
     statuses = {run.info.run_name: run.info.status for run in _all_runs(uri, "tiny")}
@@ -518,56 +526,61 @@ def test_killed_and_starved_variants_fail_alone(tmp_path, tiny_llama, sweeps):
 # --- 4. A shared tracking server ------------------------------------------------------------------
 
 
-@pytest.fixture
-def tracking_server(tmp_path):
-    """A real `mlflow server` on loopback, in its own process group (it starts worker processes)."""
-    port = free_port()
-    artifacts = tmp_path / "server-artifacts"
-    log = (tmp_path / "server.log").open("w")
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "server",
-            "--backend-store-uri",
-            f"sqlite:///{tmp_path / 'server.db'}",
-            "--artifacts-destination",
-            str(artifacts),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-        ],
-        cwd=tmp_path,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    uri = f"http://127.0.0.1:{port}"
-    try:
+class TrackingServer:
+    """A real `mlflow server` on loopback, in its own process group (it starts worker processes);
+    stopped and started again on the same port and store as a real server goes down and comes back."""
+
+    def __init__(self, directory: Path):
+        self.directory, self.port = directory, free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.artifacts = directory / "server-artifacts"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log = (self.directory / "server.log").open("a")
+        store = f"sqlite:///{self.directory / 'server.db'}"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", store]
+            + ["--artifacts-destination", str(self.artifacts), "--host", "127.0.0.1", "--port", str(self.port)]
+            + ["--workers", "1"],
+            cwd=self.directory,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
 
         def healthy():
-            if server.poll() is not None:
-                pytest.fail(f"mlflow server exited: {(tmp_path / 'server.log').read_text()[-3000:]}")
-            with urllib.request.urlopen(f"{uri}/health", timeout=5) as response:
+            if self.process.poll() is not None:
+                pytest.fail(f"mlflow server exited: {(self.directory / 'server.log').read_text()[-3000:]}")
+            with urllib.request.urlopen(f"{self.uri}/health", timeout=5) as response:
                 return response.status == 200
 
         _wait_until(healthy, None, "the mlflow server", timeout=300)
-        yield uri, artifacts
-    finally:
-        for signum in (signal.SIGTERM, signal.SIGKILL):
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        for each in (signum, signal.SIGKILL):
             try:
-                os.killpg(server.pid, signum)
-                server.wait(timeout=30)
-                break
+                os.killpg(self.process.pid, each)
+                self.process.wait(timeout=30)
+                return
             except ProcessLookupError:
-                break
+                return
             except subprocess.TimeoutExpired:
                 continue
-        log.close()
+
+
+@pytest.fixture
+def server(tmp_path):
+    running = TrackingServer(tmp_path)
+    running.start()
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def tracking_server(server):
+    return server.uri, server.artifacts
 
 
 def test_sweep_through_a_tracking_server(tmp_path, tiny_llama, tracking_server):
@@ -606,6 +619,54 @@ def test_sweep_through_a_tracking_server(tmp_path, tiny_llama, tracking_server):
     copied = _variants(uri, _parents(uri, "tiny-server")[-1].info.run_id)
     assert all("quantlab.reused_from" in run.data.tags for run in copied.values())
     assert {item.path for item in client.list_artifacts(copied["fp8"].info.run_id)} >= {"logs", "samples.json"}
+
+
+def test_results_outlive_a_tracking_server_that_dies_mid_sweep(tmp_path, tiny_llama, server, sweeps):
+    """The server is killed while fp8 is computed: the sweep retries for its bounded time, ends with exit 1
+    naming what was not logged, and keeps fp8's result in the cache; once the server is back, the same
+    command logs it from there without recomputing anything."""
+    work = tmp_path / "work"
+    work.mkdir()
+    quality = {"max_tokens": 96, "window": 32}
+    recipe = write(work / "recipe.yaml", _recipe(tiny_llama, "tiny-outage", ["bf16", "fp8"], quality=quality))
+    cache_dir = work / "cache"
+    sweep = Sweep(_sweep_args(recipe, server.uri, cache_dir, "--log-retry-seconds", "3"), work)
+    sweeps.append(sweep)
+
+    def fp8_running():
+        parents = _parents(server.uri, "tiny-outage")
+        return parents and _statuses(server.uri, parents[0].info.run_id).get("fp8") == "RUNNING"
+
+    _wait_until(fp8_running, sweep, "the fp8 run to start")
+    # The sweep is held while the server dies, so that fp8 cannot finish while it is still up.
+    sweep.signal_group(signal.SIGSTOP)
+    server.stop(signal.SIGKILL)
+    sweep.signal_group(signal.SIGCONT)
+    code, _ = sweep.wait(timeout=600)
+    text = sweep.text()
+    assert code == 1, text[-3000:]
+    assert "Traceback" not in text and "Not logged to" in text and "fp8:" in text, text[-3000:]
+    (kept,) = [json.loads(path.read_text()) for path in (cache_dir / "results").glob("*/result.json")]
+    assert kept["variant"] == "fp8" and kept["metrics"]["quality/kld_mean"] > 0
+
+    server.start()
+    # A sweep that recomputed anything would have to rebuild these.
+    (cache_dir / "checkpoints").rename(work / "checkpoints-aside")
+    again = quantlab(*_sweep_args(recipe, server.uri, cache_dir), cwd=work)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "logged now from the cache" in again.stdout and "copied from it" in again.stdout
+    assert not list(cache_dir.glob("checkpoints/*")) and not list(cache_dir.glob("results/*"))
+    first, second = _parents(server.uri, "tiny-outage")
+    assert first.info.status == "KILLED" and second.info.status == "FINISHED"
+    runs = _variants(server.uri, second.info.run_id)
+    assert {name: run.info.status for name, run in runs.items()} == {"bf16": "FINISHED", "fp8": "FINISHED"}
+    assert runs["fp8"].data.tags["quantlab.logged_from_cache"] == kept["finished_at"]
+    assert "quantlab.reused_from" in runs["bf16"].data.tags
+    assert runs["fp8"].data.metrics == pytest.approx(kept["metrics"])
+    client = MlflowClient(server.uri)
+    assert {item.path for item in client.list_artifacts(runs["fp8"].info.run_id)} >= {"logs", "samples.json"}
+    report = Path(client.download_artifacts(second.info.run_id, "report.md", str(tmp_path)))
+    assert "fp8" in report.read_text()
 
 
 # --- 5. Two sweeps, one SQLite store --------------------------------------------------------------

@@ -57,8 +57,11 @@ class Recorder:
     def stage(self, variant, stage):
         pass
 
-    def variant_finished(self, variant, result, failure, reused=False):
-        self.finished.append((variant, reused))
+    def variant_finished(self, variant, result, failure, reused=""):
+        self.finished.append((variant, bool(reused)))
+
+    def note(self, variant, text):
+        pass
 
 
 def _loaded(tmp_path: Path, variants: list[dict]) -> LoadedRecipe:

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 import torch
 
+from quantlab.measure.contention import Contention, LoadMonitor, LoadReading, judge_contention
 from quantlab.measure.modeled import (
     ModeledCost,
     ModelShape,
@@ -30,7 +30,7 @@ from quantlab.measure.modeled import (
     modeled_cost,
     streamed_weight_bytes,
 )
-from quantlab.measure.provenance import describe_engine, describe_hardware, kernel_path, visible_cores
+from quantlab.measure.provenance import describe_engine, describe_hardware, kernel_path
 from quantlab.measure.settings import MeasureSettings
 from quantlab.measure.timing import (
     BandwidthReading,
@@ -112,6 +112,7 @@ class MeasuredCost:
     loaded_weight_bytes: int
     # Tags of how the figures were produced: engine, kernel path, hardware, clock, workload, host load, ...
     described: Mapping[str, str]
+    load: LoadReading | None = None  # what competed with the timed generations (None: not read)
 
     def _values(self) -> dict[str, float | str]:
         """Every figure, or why it is absent; the default (first) batch size's under plain names, others' `_bs<N>`."""
@@ -153,6 +154,8 @@ class CostReport:
             metrics["cost/load_seconds"] = float(self.load_seconds)
         if self.measured is not None:
             metrics.update({f"cost/{name}": value for name, value in self.measured.figures().items()})
+            if self.measured.load is not None:
+                metrics.update(self.measured.load.to_metrics())
         return metrics
 
     def to_tags(self) -> dict[str, str]:
@@ -166,7 +169,14 @@ class CostReport:
             **(self.measured.described if self.measured is not None else {}),
             **{f"unavailable.{name}": reason for name, reason in self.unavailable().items()},
         }
+        if (contention := self.contention()) is not None:
+            tags["contention"] = contention.reason
         return {f"{TAG_PREFIX}{name}": value for name, value in tags.items()}
+
+    def contention(self) -> Contention | None:
+        """Whether other work competed for the cores while the generations were timed; None if none were."""
+        load = self.measured.load if self.measured is not None else None
+        return judge_contention(load) if load is not None else None
 
 
 def measure_cost(
@@ -219,10 +229,8 @@ def measure_loaded_model(model: Any, tokenizer: Any, settings: MeasureSettings) 
             timings = [time_generation(model, prompt, settings.output_tokens, clock) for _ in range(settings.repeats)]
         return batch_size, timings, energy.reading
 
-    load_before = f"{psutil.getloadavg()[0]:.2f}"
-    with MemoryTracker(devices) as memory:
+    with LoadMonitor(torch.get_num_threads()) as load, MemoryTracker(devices) as memory:
         timed = [time_batch(batch_size) for batch_size in settings.batch_sizes]
-    load_after = f"{psutil.getloadavg()[0]:.2f}"
     bandwidth = measure_copy_bandwidth(
         input_weight.device, settings.bandwidth_probe_bytes, settings.bandwidth_probe_repeats
     )
@@ -243,11 +251,11 @@ def measure_loaded_model(model: Any, tokenizer: Any, settings: MeasureSettings) 
         "workload": _workload(settings),
         "peak_memory": memory.reading.peak_kind,
         "bandwidth_probe": bandwidth.method,
-        "host_load": f"1-minute load average {load_before} before, {load_after} after, on {visible_cores()} cores",
+        "host_load": load.reading.describe(),
     }
     if memory.reading.device_memory_scope:
         described["device_memory_scope"] = memory.reading.device_memory_scope
-    return MeasuredCost(batches, memory.reading, bandwidth, loaded_bytes, described)
+    return MeasuredCost(batches, memory.reading, bandwidth, loaded_bytes, described, load.reading)
 
 
 def _local_roofline(

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from quantlab.measure.contention import visible_cores
+
 
 def describe_engine(model: torch.nn.Module) -> str:
     import transformers
@@ -34,10 +36,6 @@ def cpu_model_name() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine() or "unknown CPU"
-
-
-def visible_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def hardware() -> dict[str, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from quantlab.measure.contention import CONTENDED_TAG
 from quantlab.measure.cost import measure_cost
 from quantlab.measure.settings import MeasureSettings
 
@@ -12,6 +13,9 @@ from quantlab.measure.settings import MeasureSettings
 def measure(
     model: Any, tokenizer: Any, settings: MeasureSettings, checkpoint_dir: Path | None, load_seconds: float | None
 ) -> tuple[dict[str, float], dict[str, str]]:
-    """The variant's `cost/*` metrics and `quantlab.cost.*` tags."""
+    """The variant's `cost/*` and `measure/*` metrics (what competed with its timing), `quantlab.cost.*` tags,
+    and `quantlab.cost_contended`: whether other work competed for its cores while it was timed."""
     report = measure_cost(model, tokenizer, settings, checkpoint_dir, load_seconds)
-    return report.to_metrics(), report.to_tags()
+    contention = report.contention()
+    flag = {CONTENDED_TAG: str(contention.contended).lower()} if contention is not None else {}
+    return report.to_metrics(), report.to_tags() | flag

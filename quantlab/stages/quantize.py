@@ -7,13 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from quantlab import cache
-from quantlab.models import ModelSource, load_source_model
+from quantlab import cache, disk
+from quantlab.models import ModelSource, load_source_model, materialized, resolve_source
 from quantlab.quantize import METHODS
 from quantlab.stages.calibration import calibration_dataset
 
 if TYPE_CHECKING:
-    from quantlab.recipe import CalibrationSettings, VariantSpec
+    from quantlab.recipe import CalibrationSettings, LoadedRecipe, VariantSpec
 
 
 @dataclass(frozen=True)
@@ -43,15 +43,35 @@ def quantize_variant(
     device: str,
     force: bool = False,
 ) -> QuantizedCheckpoint:
-    import torch
-
     identity = checkpoint_identity(source, variant, calibration)
     key = cache.cache_key(identity)
     target = cache.checkpoint_dir(cache_root, variant.name, key)
-    if force:
-        shutil.rmtree(target, ignore_errors=True)
-    if cache.is_complete(target):
+    if not force and cache.is_complete(target):
         return QuantizedCheckpoint(target, key, reused=True)
+    # One process at a time builds a key: another sweep's variant that needs it waits here, then reuses it.
+    with cache.building(target):
+        if force:
+            shutil.rmtree(target, ignore_errors=True)
+        elif cache.is_complete(target):
+            return QuantizedCheckpoint(target, key, reused=True)
+        if (shape := disk.model_shape(source)) is not None:  # before loading the model
+            tensor_bytes = disk.checkpoint_bytes(shape, variant.method, variant.params.model_dump())
+            disk.require([disk.Need(target.parent, disk.with_margin(tensor_bytes), f"the {variant.name} checkpoint")])
+        _build(source, variant, calibration, recipe_dir, target, identity, device)
+    release_quantizer_memory()
+    return QuantizedCheckpoint(target, key, reused=False)
+
+
+def _build(
+    source: ModelSource,
+    variant: VariantSpec,
+    calibration: CalibrationSettings,
+    recipe_dir: Path,
+    target: Path,
+    identity: dict,
+    device: str,
+) -> None:
+    import torch
 
     method = METHODS[variant.method]
     # CPUs without native BF16 matmuls emulate them ~10x slower (AWQ's grid search takes most
@@ -65,9 +85,36 @@ def quantize_variant(
     with cache.writing(target, identity) as scratch:
         model.save_pretrained(scratch)
         tokenizer.save_pretrained(scratch)
-    del model
-    release_quantizer_memory()
-    return QuantizedCheckpoint(target, key, reused=False)
+
+
+def sweep_space_needs(loaded: LoadedRecipe, names: list[str], cache_root: Path, force: bool) -> list[disk.Need]:
+    """What the variants `names` will write into the cache: the checkpoints it lacks (with `force`, each one,
+    less the copy it replaces) and a GGUF model's conversion when it lacks that. Nothing when the model's shape
+    is not at hand (a hub model not in the local Hugging Face cache)."""
+    recipe = loaded.recipe
+    source = resolve_source(recipe.model, loaded.path.parent)
+    shape_from = materialized(source, cache_root)
+    if (shape := disk.model_shape(shape_from)) is None:
+        return []
+    needs = []
+    if shape_from.kind == "gguf":
+        conversion = disk.with_margin(disk.conversion_bytes(shape))
+        needs.append(disk.Need(cache_root, conversion, f"the float32 conversion of {source.gguf_file}"))
+    to_build, needed = [], 0
+    for name in names:
+        variant = recipe.variant(name)
+        target = cache.checkpoint_dir(
+            cache_root, name, cache.cache_key(checkpoint_identity(source, variant, recipe.calibration))
+        )
+        if force or not (target / cache.COMPLETE_MARKER).is_file():  # the marker alone: reading is not using
+            to_build.append(name)
+            replaced = sum(p.stat().st_size for p in target.rglob("*") if p.is_file()) if force else 0
+            tensor_bytes = disk.checkpoint_bytes(shape, variant.method, variant.params.model_dump())
+            needed += disk.with_margin(tensor_bytes) - replaced
+    if to_build:
+        what = f"{len(to_build)} checkpoint{'s' if len(to_build) > 1 else ''} to build ({', '.join(to_build)})"
+        needs.append(disk.Need(cache_root / "checkpoints", max(needed, 0), what))
+    return needs
 
 
 def release_quantizer_memory() -> None:

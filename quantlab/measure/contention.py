@@ -1,0 +1,268 @@
+"""Honest timings on a shared machine: how many threads a variant's process runs torch with (its CPU share), and
+whether other work competed for its cores while the measure stage timed it.
+
+Light on purpose (no torch at import): the sweep's own process computes thread shares, and `quantlab pick` reads
+the tags, without loading torch.
+
+Every process of torch (OpenMP) starts one intra-op thread per core. Several variants on one machine (Ray runs
+them side by side; several sweeps can share a host) then run several threads per core; torch's threads wait
+for each other at the end of every op, so one preempted thread stalls them all, and short ops suffer most.
+Each variant process therefore sizes its pool to its share of the cores (`thread_share`), and the measure
+stage records what competed with it (`LoadMonitor`) and judges whether its speed figures are honest
+(`judge_contention`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass
+
+import psutil
+
+from quantlab.errors import bad_input
+
+THREADS_ENV = "QUANTLAB_THREADS"  # overrides every variant's thread share
+# Variables read by OpenMP, MKL and OpenBLAS when they start: a library that starts after the variant
+# process sized its share, or a process it starts, then uses the share too. torch, already imported in a
+# forked variant, is sized by torch.set_num_threads.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+CONTENDED_TAG = "quantlab.cost_contended"  # "true" | "false": whether other work competed while timing
+CONTENTION_TAG = "quantlab.cost.contention"  # the verdict in words, with the figures it rests on
+
+# Figures that other work on the variant's cores distorts: timings and what is derived from them. Sizes and
+# memory are not (the modeled figures neither).
+_TIMING = re.compile(
+    r"^cost/(prefill_tokens_per_s|decode_tokens_per_s|ttft_ms_p\d+|itl_ms_p\d+|energy_joules_per_token"
+    r"|local_roofline_decode_tokens_per_s|roofline_efficiency)(_bs\d+)?$"
+    r"|^cost/(measured_bandwidth_bytes_per_s|load_seconds)$|^time/"
+)
+
+
+def is_timing_metric(key: str) -> bool:
+    return _TIMING.match(key) is not None
+
+
+def visible_cores() -> int:
+    """Cores this process may run on (its affinity), not the machine's count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# --- The thread share ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ThreadShare:
+    threads: int
+    source: str  # where the number comes from, in words (logged as runtime.threads_from)
+
+
+def thread_share(
+    cores: int, concurrent: int = 1, ray_cpus: float | None = None, override: str | None = None
+) -> ThreadShare:
+    """A variant's intra-op threads: `override` (QUANTLAB_THREADS) if set; under Ray the CPUs its task reserved
+    (`runtime.cpus`, at least 1); otherwise the `cores` it may run on divided among the `concurrent` variants
+    that run on them at once (at least 1). BadInput for an override that is not a whole number above 0."""
+    if override is not None and override.strip():
+        try:
+            threads = int(override.strip())
+        except ValueError:
+            threads = 0
+        if threads < 1:
+            raise bad_input(THREADS_ENV, "", f"must be a whole number of threads above 0, got {override!r}")
+        return ThreadShare(threads, f"{THREADS_ENV}={threads}")
+    if ray_cpus is not None:
+        return ThreadShare(max(1, int(ray_cpus)), f"runtime.cpus={ray_cpus:g} (the CPUs Ray reserved for the variant)")
+    concurrent = max(1, concurrent)
+    variants = "1 variant" if concurrent == 1 else f"{concurrent} variants"
+    return ThreadShare(max(1, cores // concurrent), f"{cores} visible cores / {variants} at a time")
+
+
+def local_share(concurrent: int = 1) -> ThreadShare:
+    """The share of a variant run on this machine by the local (or in-process) executor."""
+    return thread_share(visible_cores(), concurrent, override=os.environ.get(THREADS_ENV))
+
+
+_applied: ThreadShare | None = None  # the share use_threads gave this process
+
+
+def use_threads(share: ThreadShare, environment: bool = True) -> ThreadShare:
+    """Size this process's torch intra-op pool (and, with `environment`, the OpenMP / MKL / OpenBLAS variables,
+    for libraries that start later and for child processes) to the share. Works in a variant forked from the
+    preloaded server: torch is imported there, but its pool starts on first use, in the variant."""
+    global _applied
+    import torch
+
+    if environment:
+        for name in THREAD_VARIABLES:
+            os.environ[name] = str(share.threads)
+    torch.set_num_threads(share.threads)
+    _applied = share
+    return share
+
+
+def applied_share() -> ThreadShare | None:
+    return _applied
+
+
+# --- Contention while timing ------------------------------------------------------------------------------------
+
+# Busy-time counters (per CPU in /proc/stat, per process) advance in ticks of 1/100 s (USER_HZ).
+TICK_SECONDS = 0.01
+# Other work may keep this much of the variant's cores busy, on average, before its timing counts as contended:
+# half a core, or a tenth of the cores on a large machine. On a quiet machine the OS, daemons and the sweep's
+# own parent process (polling its queue) take well under 0.2 of a core; an other process that keeps half a
+# core busy preempts one of torch's threads half the time, and every op then waits for that thread.
+OTHER_CORES_MARGIN = 0.5
+OTHER_CORES_SHARE = 0.1
+# Runnable threads besides the variant's, in the 1-minute load average, beyond the CPUs its threads leave free:
+# at least one, or a quarter of the machine. The average lags by a minute (it still holds the stage before)
+# and counts threads waiting on disk too, so only a clear excess counts. It is the machine's figure (a
+# container sees its host's), so it is compared with the machine's CPUs, not this process's cores.
+LOAD_MARGIN = 1.0
+LOAD_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class LoadReading:
+    """What competed with the timed part of the measure stage."""
+
+    threads: int  # torch intra-op threads while timing
+    cores: int  # cores this process may run on
+    machine_cpus: int  # CPUs of the machine: what its load average counts against
+    load_before: float  # the machine's 1-minute load average before the timed part
+    load_after: float  # ... and after it
+    wall_seconds: float
+    cpu_seconds: float  # this process's user + system CPU time over the timed part
+    cores_busy_seconds: float | None  # busy time of this process's cores, every process's; None: unknown
+
+    @property
+    def load_1m(self) -> float:
+        return max(self.load_before, self.load_after)
+
+    @property
+    def own_cores(self) -> float:
+        """Cores this process kept busy, on average (its CPU seconds per wall second)."""
+        return self.cpu_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    @property
+    def other_cores(self) -> float | None:
+        """Cores of this process's that other work kept busy, on average."""
+        if self.cores_busy_seconds is None or self.wall_seconds <= 0:
+            return None
+        return max(0.0, self.cores_busy_seconds / self.wall_seconds - self.own_cores)
+
+    def to_metrics(self) -> dict[str, float]:
+        metrics = {
+            "measure/load_1m": self.load_1m,
+            "measure/cpu_seconds_per_wall_second": self.own_cores,
+            "measure/threads": float(self.threads),
+        }
+        if self.other_cores is not None:
+            metrics["measure/other_cores_busy"] = self.other_cores
+        return metrics
+
+    def describe(self) -> str:
+        return (
+            f"1-minute load average {self.load_before:.2f} before, {self.load_after:.2f} after, on {self.cores} "
+            f"cores ({self.machine_cpus} on the machine); {self.threads} torch threads used {self.own_cores:.2f} "
+            f"CPU s per wall s over {self.wall_seconds:.2f} s"
+        )
+
+
+@dataclass(frozen=True)
+class Contention:
+    contended: bool
+    reason: str
+
+
+def judge_contention(reading: LoadReading) -> Contention:
+    """Whether other work competed for the variant's cores while it was timed (pure). Either is enough:
+
+    - CPU time: other processes kept more of this process's cores busy than its threads left free, by
+      more than OTHER_CORES_MARGIN (plus what the counters' ticks cannot resolve over so short a window);
+    - load: the machine's 1-minute load average held more runnable threads besides the variant's than the
+      CPUs its threads leave free, by more than LOAD_MARGIN.
+    Its own threads beyond its cores (QUANTLAB_THREADS set too high) are not other work: not contention."""
+    found: list[str] = []
+    checked: list[str] = []
+    others = reading.other_cores
+    if others is not None:
+        spare = max(0, reading.cores - reading.threads)
+        resolution = 2 * (reading.cores + 1) * TICK_SECONDS / reading.wall_seconds
+        limit = spare + max(OTHER_CORES_MARGIN, OTHER_CORES_SHARE * reading.cores) + resolution
+        words = (
+            f"other processes kept {others:.2f} of its {reading.cores} cores busy while it was timed "
+            f"({reading.threads} threads; limit {limit:.2f})"
+        )
+        (found if others > limit else checked).append(words)
+    load_others = max(0.0, reading.load_1m - reading.threads)
+    load_limit = max(0, reading.machine_cpus - reading.threads) + max(LOAD_MARGIN, LOAD_SHARE * reading.machine_cpus)
+    words = (
+        f"1-minute load average {reading.load_1m:.2f} on {reading.machine_cpus} CPUs, {load_others:.2f} runnable "
+        f"threads besides its {reading.threads} (limit {load_limit:.2f})"
+    )
+    (found if load_others > load_limit else checked).append(words)
+    if found:
+        return Contention(True, "contended: " + "; ".join(found))
+    return Contention(False, "not contended: " + "; ".join(checked))
+
+
+def _busy_seconds(cpus: set[int]) -> float | None:
+    """Busy seconds so far of the given CPUs (every process's time but idle and I/O wait); None if unknown."""
+    try:
+        per_cpu = psutil.cpu_times(percpu=True)
+    except (OSError, NotImplementedError, AttributeError):
+        return None
+    chosen = [per_cpu[index] for index in sorted(cpus) if index < len(per_cpu)] or per_cpu
+    busy = 0.0
+    for times in chosen:
+        fields = times._asdict()
+        # guest time is counted in user time already (Linux); steal (the hypervisor's other guests) is busy.
+        total = sum(value for name, value in fields.items() if name not in ("guest", "guest_nice"))
+        busy += total - fields["idle"] - fields.get("iowait", 0.0)
+    return busy
+
+
+def _cpus() -> set[int]:
+    return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
+class LoadMonitor:
+    """Around the timed part of the measure stage: `reading` once it exits."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self._reading: LoadReading | None = None
+
+    @property
+    def reading(self) -> LoadReading:
+        if self._reading is None:
+            raise RuntimeError("the load is read when the monitored block ends")
+        return self._reading
+
+    def __enter__(self) -> LoadMonitor:
+        self._cpus = _cpus()
+        self._process = psutil.Process()
+        self._load = psutil.getloadavg()[0]
+        self._busy = _busy_seconds(self._cpus)
+        times = self._process.cpu_times()
+        self._cpu = times.user + times.system
+        self._started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = time.perf_counter() - self._started
+        times = self._process.cpu_times()
+        busy = _busy_seconds(self._cpus)
+        self._reading = LoadReading(
+            threads=self.threads,
+            cores=len(self._cpus),
+            machine_cpus=os.cpu_count() or len(self._cpus),
+            load_before=self._load,
+            load_after=psutil.getloadavg()[0],
+            wall_seconds=wall,
+            cpu_seconds=times.user + times.system - self._cpu,
+            cores_busy_seconds=None if busy is None or self._busy is None else busy - self._busy,
+        )

@@ -1,0 +1,410 @@
+"""Honest under load: each variant's thread share, the measure stage's contention verdict, and the warnings
+the report and `quantlab pick` give when a variant's speed was timed while other work competed for its cores."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import replace
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+from test_sweep import quantlab
+
+from quantlab import tracking
+from quantlab.decision import cost_warnings, pick
+from quantlab.errors import BadInput
+from quantlab.executors import LocalExecutor
+from quantlab.frontier import Axis, VariantSummary
+from quantlab.measure.contention import (
+    CONTENDED_TAG,
+    CONTENTION_TAG,
+    THREADS_ENV,
+    LoadMonitor,
+    LoadReading,
+    is_timing_metric,
+    judge_contention,
+    local_share,
+    thread_share,
+)
+from quantlab.policy import Policy
+from recipes import tiny_recipe, write
+
+# --- The thread share -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cores", "concurrent", "ray_cpus", "override", "threads", "source"),
+    [
+        pytest.param(8, 1, None, None, 8, "8 visible cores / 1 variant at a time", id="local-alone"),
+        pytest.param(8, 3, None, None, 2, "8 visible cores / 3 variants at a time", id="local-three-at-once"),
+        pytest.param(2, 3, None, None, 1, "2 visible cores / 3 variants at a time", id="never-below-one"),
+        pytest.param(16, 1, 4.0, None, 4, "runtime.cpus=4", id="ray-reserved-cpus"),
+        pytest.param(16, 1, 0.5, None, 1, "runtime.cpus=0.5", id="ray-fraction-of-a-cpu"),
+        pytest.param(16, 1, 2.9, None, 2, "runtime.cpus=2.9", id="ray-whole-cpus-only"),
+        pytest.param(8, 1, 4.0, "3", 3, "QUANTLAB_THREADS=3", id="override-beats-ray"),
+        pytest.param(8, 3, None, " 6 ", 6, "QUANTLAB_THREADS=6", id="override-beats-local"),
+        pytest.param(8, 1, None, "", 8, "8 visible cores", id="empty-override-is-unset"),
+    ],
+)
+def test_thread_share(cores, concurrent, ray_cpus, override, threads, source):
+    share = thread_share(cores, concurrent, ray_cpus, override)
+    assert share.threads == threads
+    assert share.source.startswith(source)
+
+
+@pytest.mark.parametrize("override", ["0", "-2", "two", "1.5"])
+def test_a_bad_thread_override_is_bad_input_before_any_variant_starts(monkeypatch, tmp_path, override):
+    with pytest.raises(BadInput, match=THREADS_ENV):
+        thread_share(4, override=override)
+    monkeypatch.setenv(THREADS_ENV, override)
+    with pytest.raises(BadInput, match="whole number"):
+        next(LocalExecutor().run([], tmp_path, lambda variant, stage: None))
+
+
+def test_local_share_reads_the_override(monkeypatch):
+    monkeypatch.setenv(THREADS_ENV, "3")
+    assert local_share().threads == 3
+    monkeypatch.delenv(THREADS_ENV)
+    assert local_share().threads == len(os.sched_getaffinity(0))
+
+
+# --- Contention: the verdict ------------------------------------------------------------------------------
+
+
+def reading(**fields) -> LoadReading:
+    """A quiet 2-core machine, 2 threads timed for 10 s, unless told otherwise."""
+    quiet = dict(
+        threads=2,
+        cores=2,
+        machine_cpus=2,
+        load_before=2.1,
+        load_after=2.0,
+        wall_seconds=10.0,
+        cpu_seconds=19.0,
+        cores_busy_seconds=19.8,
+    )
+    return LoadReading(**(quiet | fields))
+
+
+@pytest.mark.parametrize(
+    ("fields", "contended", "words"),
+    [
+        pytest.param({}, False, "other processes kept 0.08 of its 2 cores", id="quiet"),
+        # Two other sweeps on the same 2 cores: this one got under half of them.
+        pytest.param(
+            {"cpu_seconds": 7.0, "cores_busy_seconds": 20.0, "load_before": 6.2, "load_after": 6.5},
+            True,
+            "other processes kept 1.30 of its 2 cores",
+            id="three-sweeps-on-two-cores",
+        ),
+        # Other work on the cores while the load average still remembers the quiet minute before.
+        pytest.param(
+            {"cpu_seconds": 12.0, "cores_busy_seconds": 20.0},
+            True,
+            "other processes kept 0.80",
+            id="cpu-time-alone-suffices",
+        ),
+        pytest.param({"cpu_seconds": 14.0, "cores_busy_seconds": 19.0}, False, "kept 0.50", id="just-under-the-margin"),
+        # The load average alone (no per-CPU times here): 3.2 others on 2 CPUs.
+        pytest.param(
+            {"cores_busy_seconds": None, "load_before": 5.2, "load_after": 4.0},
+            True,
+            "3.20 runnable threads besides its 2",
+            id="load-alone-suffices",
+        ),
+        pytest.param(
+            {"cores_busy_seconds": None, "load_before": 2.9, "load_after": 2.5},
+            False,
+            "0.90 runnable threads besides its 2 (limit 1.00)",
+            id="load-within-the-margin",
+        ),
+        # 8 threads of 64 cores: 50 cores busy with other work still leave this one's alone.
+        pytest.param(
+            {
+                "threads": 8,
+                "cores": 64,
+                "machine_cpus": 64,
+                "cpu_seconds": 78.0,
+                "cores_busy_seconds": 578.0,
+                "load_before": 58.0,
+                "load_after": 58.0,
+            },
+            False,
+            "other processes kept 50.00 of its 64 cores",
+            id="spare-cores-absorb-other-work",
+        ),
+        pytest.param(
+            {
+                "threads": 64,
+                "cores": 64,
+                "machine_cpus": 64,
+                "cpu_seconds": 400.0,
+                "cores_busy_seconds": 600.0,
+                "load_before": 70.0,
+                "load_after": 70.0,
+            },
+            True,
+            "other processes kept 20.00 of its 64 cores",
+            id="every-core-taken-on-a-big-machine",
+        ),
+        # Its own 8 threads on 2 cores (QUANTLAB_THREADS set too high) are not other work.
+        pytest.param(
+            {"threads": 8, "load_before": 8.1, "load_after": 8.3, "cpu_seconds": 19.5, "cores_busy_seconds": 19.9},
+            False,
+            "0.30 runnable threads besides its 8",
+            id="own-oversubscription-is-not-contention",
+        ),
+        # A container pinned to 2 of a busy host's 64 CPUs: the host's load is not this variant's.
+        pytest.param(
+            {"machine_cpus": 64, "load_before": 40.0, "load_after": 40.0},
+            False,
+            "40.00 on 64 CPUs",
+            id="busy-host-quiet-cores",
+        ),
+        # 0.1 s windows: the counters' 10 ms ticks cannot tell 0.6 cores of others from none.
+        pytest.param(
+            {"wall_seconds": 0.1, "cpu_seconds": 0.14, "cores_busy_seconds": 0.2},
+            False,
+            "(2 threads; limit 1.10)",
+            id="too-short-to-tell",
+        ),
+    ],
+)
+def test_contention_verdict(fields, contended, words):
+    verdict = judge_contention(reading(**fields))
+    assert verdict.contended is contended, verdict.reason
+    assert verdict.reason.startswith("contended: " if contended else "not contended: ")
+    assert words in verdict.reason
+
+
+def test_reading_metrics_are_the_logged_keys():
+    metrics = reading(cpu_seconds=15.0, cores_busy_seconds=19.0, load_before=2.5).to_metrics()
+    assert metrics == pytest.approx(
+        {
+            "measure/load_1m": 2.5,
+            "measure/cpu_seconds_per_wall_second": 1.5,
+            "measure/threads": 2.0,
+            "measure/other_cores_busy": 0.4,
+        }
+    )
+    assert "measure/other_cores_busy" not in reading(cores_busy_seconds=None).to_metrics()
+
+
+def test_the_monitor_counts_this_process_within_its_cores():
+    """Busy time on this process's cores includes this process's own CPU time (every process's counts)."""
+    with LoadMonitor(threads=1) as monitor:
+        deadline = time.perf_counter() + 0.5
+        while time.perf_counter() < deadline:
+            pass
+    found = monitor.reading
+    assert found.wall_seconds >= 0.5 and found.cores == len(os.sched_getaffinity(0))
+    assert 0 < found.cpu_seconds <= found.wall_seconds + 0.05
+    assert found.cores_busy_seconds is not None and found.cores_busy_seconds >= found.cpu_seconds - 0.05
+    assert found.load_before >= 0 and found.load_after >= 0
+
+
+@pytest.mark.parametrize(
+    ("key", "timing"),
+    [
+        ("cost/decode_tokens_per_s", True),
+        ("cost/ttft_ms_p99_bs8", True),
+        ("cost/itl_ms_p50", True),
+        ("cost/roofline_efficiency", True),
+        ("time/evaluate_seconds", True),
+        ("cost/weight_bytes", False),
+        ("cost/peak_memory_bytes", False),
+        ("cost/roofline_decode_tokens_per_s", False),  # modeled on the target, not timed here
+        ("eval/mmlu_dev/acc", False),
+    ],
+)
+def test_which_figures_contention_distorts(key, timing):
+    assert is_timing_metric(key) is timing
+
+
+# --- A real variant process sizes its threads --------------------------------------------------------------
+
+
+def test_a_variant_process_runs_with_the_threads_it_was_given(tmp_path, tiny_llama):
+    """QUANTLAB_THREADS=1 reaches the forked variant's torch: logged as its param and as the threads it timed with."""
+    recipe = tiny_recipe(
+        tiny_llama.path,
+        name="threads",
+        variants=[{"name": "bf16", "method": "bf16"}],
+        evals={"tasks": []},
+        quality={"enabled": False},
+        measure={
+            "prompt_tokens": 8,
+            "output_tokens": 4,
+            "repeats": 2,
+            "warmup": 0,
+            "bandwidth_probe_bytes": 1 << 20,
+            "bandwidth_probe_repeats": 1,
+        },
+    )
+    path = write(tmp_path / "recipe.yaml", recipe)
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    result = quantlab(
+        "sweep", str(path), "--tracking-uri", uri, "--cache-dir", str(tmp_path / "cache"), cwd=tmp_path,
+        env={THREADS_ENV: "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("threads")
+    (run,) = client.search_runs([experiment.experiment_id], "tags.`quantlab.role` = 'variant'")
+    assert run.data.params["runtime.threads"] == "1"
+    assert run.data.params["runtime.threads_from"] == "QUANTLAB_THREADS=1"
+    assert run.data.metrics["measure/threads"] == 1
+    assert run.data.metrics["measure/load_1m"] >= 0 and run.data.metrics["measure/cpu_seconds_per_wall_second"] > 0
+    assert run.data.tags[CONTENDED_TAG] in {"true", "false"}
+    assert run.data.tags[CONTENTION_TAG].startswith(("contended: ", "not contended: "))
+    assert "1 torch threads" in run.data.tags["quantlab.cost.host_load"]
+
+
+# --- The report and `quantlab pick` warn ------------------------------------------------------------------
+
+
+def _summary(name: str, tag: str | None, succeeded: bool = True) -> VariantSummary:
+    tags = (
+        {}
+        if tag is None
+        else {CONTENDED_TAG: tag, CONTENTION_TAG: f"{'contended' if tag == 'true' else 'not contended'}: load 5.00"}
+    )
+    return VariantSummary(name, "fp8", succeeded, {"cost/weight_bytes": 1.0}, tags)
+
+
+@pytest.mark.parametrize(
+    ("variants", "rests_on", "expected"),
+    [
+        pytest.param([_summary("a", "false"), _summary("b", None)], ["cost/ttft_ms_p99"], (), id="none-contended"),
+        pytest.param([_summary("a", "true", succeeded=False)], [], (), id="a-failed-run-has-no-speed-figures"),
+        pytest.param(
+            [_summary("a", "true"), _summary("b", "false")],
+            ["cost/weight_bytes", "quality/kld_mean"],
+            (
+                "a: speed figures measured while other work competed for its cores (load 5.00)",
+                "rerun the sweep with --force on a quiet machine before a release rests on these speed figures",
+            ),
+            id="sizes-decide",
+        ),
+        pytest.param(
+            [_summary("a", "true"), _summary("b", "true")],
+            ["cost/weight_bytes", "cost/ttft_ms_p99", "cost/ttft_ms_p99"],
+            (
+                "the decision rests on cost/ttft_ms_p99, timed under contention for a, b: rerun the sweep with "
+                "--force on a quiet machine before a release rests on this choice",
+                "a: speed figures measured while other work competed for its cores (load 5.00)",
+                "b: speed figures measured while other work competed for its cores (load 5.00)",
+            ),
+            id="a-timing-bound-decides",
+        ),
+    ],
+)
+def test_cost_warnings(variants, rests_on, expected):
+    assert cost_warnings(variants, rests_on) == expected
+
+
+def test_pick_carries_a_warning_for_a_timing_bound():
+    variants = [_summary("bf16", "false"), _summary("fp8", "true")]
+    variants = [
+        replace(v, metrics={**v.metrics, "cost/ttft_ms_p99": 50.0}, is_baseline=v.name == "bf16") for v in variants
+    ]
+    policy = Policy(max_drop_any_task=None, at_most={"cost/ttft_ms_p99": 100.0})
+    decision = pick(variants, "bf16", policy, Axis.of("cost/weight_bytes"))
+    assert decision.warnings[0].startswith("the decision rests on cost/ttft_ms_p99, timed under contention for fp8")
+    assert decision.to_dict()["warnings"] == list(decision.warnings)
+
+
+REASON = (
+    "contended: other processes kept 1.30 of its 2 cores busy while it was timed (2 threads; limit 0.52); "
+    "1-minute load average 6.50 on 2 CPUs, 4.50 runnable threads besides its 2 (limit 1.00)"
+)
+
+
+def _store(work, contended: dict[str, bool]) -> str:
+    """A sweep of three variants in a real SQLite store, each logged with whether its timing was contended."""
+    uri = f"sqlite:///{work / 'store.db'}"
+    store = tracking.open_store(uri)
+    experiment = store.experiment_id("busy")
+    parent = store.start_run(experiment, "sweep busy", {tracking.ROLE: "sweep"})
+    store.log_files(parent, {"recipe.yaml": yaml.safe_dump({"name": "busy", "baseline": "bf16"})})
+    figures = {"bf16": (270e6, 30.0), "fp8": (170e6, 25.0), "int4": (90e6, 20.0)}
+    for name, (size, speed) in figures.items():
+        tags = {
+            tracking.ROLE: "variant",
+            tracking.VARIANT: name,
+            tracking.METHOD: name,
+            tracking.CHECKPOINT: str(work / name),
+            "quantlab.baseline": str(name == "bf16").lower(),
+        }
+        if name in contended:
+            verdict = REASON if contended[name] else "not contended: other processes kept 0.05 of its 2 cores"
+            tags |= {CONTENDED_TAG: str(contended[name]).lower(), CONTENTION_TAG: verdict}
+        run = store.start_run(experiment, name, tags, parent=parent)
+        store.log_values(run, {"cost/weight_bytes": size, "cost/decode_tokens_per_s": speed, "quality/kld_mean": 0.1})
+        store.finish(run, "FINISHED")
+    store.finish(parent, "FINISHED")
+    return uri
+
+
+@pytest.fixture(scope="module")
+def busy_store(tmp_path_factory):
+    work = tmp_path_factory.mktemp("busy")
+    return work, _store(work, {"bf16": False, "fp8": True, "int4": False})
+
+
+def test_pick_warns_naming_the_contended_variant_and_its_load(busy_store):
+    work, uri = busy_store
+    result = quantlab("pick", "--experiment", "busy", "--tracking-uri", uri, cwd=work)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("Chosen: int4")  # pick still decides
+    warnings = [line for line in lines if line.startswith("warning:")]
+    assert len(warnings) == 2, result.stdout
+    assert warnings[0].startswith("warning: fp8: speed figures measured while other work competed for its cores")
+    assert "1-minute load average 6.50 on 2 CPUs" in warnings[0]
+    assert "int4" not in warnings[0] and "bf16" not in warnings[0]
+    assert "rerun the sweep with --force on a quiet machine" in warnings[1]
+
+
+def test_pick_json_carries_the_warnings_and_says_when_the_objective_is_a_timing(busy_store):
+    work, uri = busy_store
+    by_speed = quantlab(
+        "pick", "--experiment", "busy", "--tracking-uri", uri, "--objective", "cost/decode_tokens_per_s", "--json",
+        cwd=work,
+    )  # fmt: skip
+    assert by_speed.returncode == 0, by_speed.stdout + by_speed.stderr
+    record = json.loads(by_speed.stdout)
+    assert record["chosen"] == "bf16"
+    first, second = record["warnings"]
+    assert first.startswith("the decision rests on cost/decode_tokens_per_s, timed under contention for fp8")
+    assert second.startswith("fp8: speed figures measured") and "6.50" in second
+
+
+def test_the_report_warns_about_contended_timings(busy_store, tmp_path):
+    from quantlab.publish import read_sweep, render_artifacts
+
+    _, uri = busy_store
+    store = tracking.open_store(uri)
+    render_artifacts(read_sweep(store, tracking.latest_sweep(store, "busy").run_id), tmp_path)
+    report = (tmp_path / "report.md").read_text()
+    recommendation = report.split("## Recommendation", 1)[1].split("\n## ", 1)[0]
+    assert "**Warning: speed measured under contention.**" in recommendation
+    assert "> - fp8: speed figures measured while other work competed for its cores" in recommendation
+    assert "load average 6.50 on 2 CPUs" in recommendation
+    assert "> - int4" not in report and "> - bf16" not in report
+
+
+def test_no_warning_without_contention(tmp_path):
+    from quantlab.publish import read_sweep, render_artifacts
+
+    # Measured on a quiet machine, or logged before contention was recorded (no tag): nothing to warn about.
+    uri = _store(tmp_path, {"bf16": False, "fp8": False})
+    result = quantlab("pick", "--experiment", "busy", "--tracking-uri", uri, "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads(result.stdout)["warnings"] == []
+    store = tracking.open_store(uri)
+    render_artifacts(read_sweep(store, tracking.latest_sweep(store, "busy").run_id), tmp_path / "out")
+    assert "contention" not in (tmp_path / "out" / "report.md").read_text()
