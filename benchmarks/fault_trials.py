@@ -68,9 +68,10 @@ def fresh_cache(path: Path, sources: Path) -> Path:
     return path
 
 
-def checkpoints(cache: Path) -> dict[str, float]:
-    """Complete checkpoint -> its marker's modification time (a rebuilt one gets a new one)."""
-    return {p.parent.name: p.stat().st_mtime for p in cache.glob("checkpoints/*/quantlab-checkpoint.json")}
+def checkpoints(cache: Path) -> dict[str, int]:
+    """Complete checkpoint -> its directory's inode (a rebuilt one is a new directory renamed into place;
+    the marker's mtime would not do: reuse touches it)."""
+    return {p.parent.name: p.parent.stat().st_ino for p in cache.glob("checkpoints/*/quantlab-checkpoint.json")}
 
 
 def variants_of_latest_sweep(uri: str, experiment: str) -> tuple[str, dict]:
