@@ -238,8 +238,11 @@ def when(timestamp: float, now: float) -> str:
 
 
 def short_model(model: str | None) -> str:
-    """A model identity for a table: long hex digests (a local directory's fingerprint) cut to 12 digits."""
-    return re.sub(r"[0-9a-f]{16,}", lambda digest: digest[0][:12] + "…", model) if model else "-"
+    """A model identity for a table: its digests (a file's or a local directory's fingerprint) cut to 8 digits,
+    without their algorithm's name, so that the model's name keeps the column."""
+    if not model:
+        return "-"
+    return re.sub(r"(sha256=)?([0-9a-f]{16,})", lambda digest: digest[2][:8], model)
 
 
 def as_json(entry: Entry) -> dict[str, Any]:

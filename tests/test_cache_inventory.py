@@ -31,6 +31,7 @@ from quantlab.cache_inventory import (
     human_size,
     parse_size,
     select,
+    short_model,
 )
 
 NOW = 1_800_000_000.0
@@ -338,3 +339,19 @@ def test_prune_without_a_good_limit_is_bad_input(populated, flags, option):
     assert result.returncode == 2
     assert option in result.stderr and "Traceback" not in result.stderr
     assert _names(root) == everything
+
+
+@pytest.mark.parametrize(
+    ("identity", "shown"),
+    [
+        (
+            "gguf:SmolLM2-135M-Instruct.Q4_1.gguf:sha256=" + "b179c9523d0e" * 5,
+            "gguf:SmolLM2-135M-Instruct.Q4_1.gguf:b179c952",
+        ),
+        ("local:/models/tiny:" + "0123456789abcdef" * 2, "local:/models/tiny:01234567"),
+        ("hub:HuggingFaceTB/SmolLM2-135M@main", "hub:HuggingFaceTB/SmolLM2-135M@main"),
+        (None, "-"),
+    ],
+)
+def test_a_model_identity_is_shown_short(identity, shown):
+    assert short_model(identity) == shown
