@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from quantlab.errors import BadInput, Problem, bad_input
+from quantlab.errors import BadInput, Problem, bad_input, first_line
 
 # MLflow's own download bars would interleave with ours.
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -238,8 +238,7 @@ def _registry(tracking_uri: str | None) -> tuple[dict[str, list[str]] | None, st
     try:
         return tracking.registered_checkpoints(tracking.open_store(uri)), ""
     except Exception as error:  # whatever the store's failure, the cache is listed without it
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return None, f"registry unknown: {tracking.shown_uri(uri)} could not be read ({reason})"
+        return None, f"registry unknown: {tracking.shown_uri(uri)} could not be read ({first_line(error)})"
 
 
 @cache_app.command("list")

@@ -35,3 +35,8 @@ def did_you_mean(word: str, choices: Iterable[str], cutoff: float = 0.6) -> str:
     """ " (did you mean 'x'?)" for the closest choice, or "" when none is close."""
     close = difflib.get_close_matches(word, sorted(choices), n=1, cutoff=cutoff)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """An error's first line, for a one-line message (MLflow's and requests' errors span many)."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:limit]

@@ -20,7 +20,7 @@ import psutil
 
 from quantlab import cache, disk, kept_results, tracking
 from quantlab.checks import remember_lookups
-from quantlab.errors import BadInput, Problem
+from quantlab.errors import BadInput, Problem, first_line
 from quantlab.executors import EXECUTORS, VariantFailed, stop_variant_processes
 from quantlab.jobs import SAMPLES_FORMAT, BaselineOutputs, VariantJob, VariantResult
 from quantlab.kept_results import KeptResult
@@ -191,7 +191,7 @@ class SweepRuns:
         try:
             self._run_for(name)
         except tracking.store_errors() as error:  # the run is made when its result is logged
-            self.display.note(name, f"the tracking store failed ({_first_line(error)}); the variant goes on")
+            self.display.note(name, f"the tracking store failed ({first_line(error)}); the variant goes on")
         self.display.stage(name, stage)
 
     def _log_result(self, job: VariantJob, result: VariantResult, log_path: Path) -> None:
@@ -254,13 +254,13 @@ class SweepRuns:
             )
 
         def retrying(error: BaseException, wait: float) -> None:
-            self.display.note(name, f"logging failed ({_first_line(error)}); trying again in {wait:.0f} s")
+            self.display.note(name, f"logging failed ({first_line(error)}); trying again in {wait:.0f} s")
 
         try:
             tracking.with_retries(log, self.options.log_retry_seconds, retrying)
         except tracking.store_errors() as error:
             where = kept_results.kept_dir(self.options.cache_root, kept.run_key)
-            self.unlogged[name] = f"{_first_line(error)}; its result is kept in {where}"
+            self.unlogged[name] = f"{first_line(error)}; its result is kept in {where}"
             self.display.note(name, f"[red]not logged[/]: {self.unlogged[name]}")
             return False
         kept_results.discard(self.options.cache_root, kept.run_key)
@@ -275,7 +275,7 @@ class SweepRuns:
                 self.options.log_retry_seconds,
             )
         except tracking.store_errors() as error:
-            self.unlogged[name] = f"{_first_line(error)}; its failure is not logged"
+            self.unlogged[name] = f"{first_line(error)}; its failure is not logged"
         self.display.variant_finished(name, None, failed.reason)
 
     def _copy(self, name: str, previous: tracking.RunRecord) -> None:
@@ -301,7 +301,7 @@ class SweepRuns:
         try:
             tracking.with_retries(lambda: publish_sweep(self.store, self.parent_run_id), self.options.log_retry_seconds)
         except tracking.store_errors() as error:
-            self.unlogged["frontier and report"] = _first_line(error)
+            self.unlogged["frontier and report"] = first_line(error)
 
     def finish(self, status: str) -> None:
         """End the parent run; a store still failing leaves it RUNNING, for the next sweep to mark KILLED."""
@@ -345,10 +345,6 @@ def _died_here(tags: dict[str, str]) -> bool:
 def _usable_reference(reference_dir: str | None) -> str | None:
     """The baseline's reference pass directory, if it is still there to compare against."""
     return reference_dir if reference_dir and Path(reference_dir, "reference.json").is_file() else None
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
 
 
 def _log_artifact(log_path: Path) -> dict[str, str]:
