@@ -5,8 +5,8 @@ A process per variant keeps memory figures clean and contains crashes (a segfaul
 killer takes one variant, not the sweep); its stdout and stderr go to a log file kept as an artifact.
 
 Each variant sizes torch's thread pool to its share of the CPUs (measure.contention.thread_share): under
-Ray the CPUs its task reserved, locally the visible cores divided by the variants running at once (one,
-so all of them), QUANTLAB_THREADS if set. Without it every process runs one thread per core, and
+Ray the CPUs its task reserved, locally the visible cores divided by the quantlab variants running on the
+host (this sweep runs one at a time; other sweeps may run theirs), QUANTLAB_THREADS if set. Without it every process runs one thread per core, and
 variants side by side oversubscribe the cores.
 """
 
@@ -31,7 +31,15 @@ from typing import TYPE_CHECKING
 
 from quantlab.errors import BadInput
 from quantlab.jobs import VariantJob, VariantResult
-from quantlab.measure.contention import THREADS_ENV, ThreadShare, local_share, thread_share, use_threads, visible_cores
+from quantlab.measure.contention import (
+    THREADS_ENV,
+    ThreadShare,
+    local_share,
+    thread_share,
+    use_host_share,
+    use_threads,
+    visible_cores,
+)
 from quantlab.preload import ENV as PRELOAD_ENV
 from quantlab.preload import output_to
 from quantlab.runner import run_variant
@@ -58,7 +66,7 @@ def _child_main(
     try:
         job = pickle.loads(Path(job_path).read_bytes())
         Path(job_path).unlink()
-        use_threads(share or local_share())
+        use_threads(share) if share else use_host_share()
         result = run_variant(job, lambda stage: messages.put(("stage", stage)))
         messages.put(("result", result))
     except BaseException as error:  # noqa: BLE001 - everything must reach the parent as a failure
@@ -101,9 +109,8 @@ def failure_reason(error: BaseException) -> str:
 def run_local(
     job: VariantJob, log_path: Path, on_stage: StageCallback, share: ThreadShare | None = None
 ) -> VariantResult:
-    """Run the job in a fresh process with `share` threads (default: this machine's, one variant at a time);
-    raise VariantFailed if it fails or dies."""
-    share = share or local_share()
+    """Run the job in a fresh process with `share` threads (default: its share of this host's cores, among the
+    quantlab variants running on it); raise VariantFailed if it fails or dies."""
     context = start_variant_processes(job.loaded)
     messages = context.Queue()
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -234,7 +241,7 @@ class InProcessExecutor(LocalExecutor):
 
         try:
             # The sweep's own process: torch's pool only, the environment (and so the fork server's) left alone.
-            use_threads(local_share(), environment=False)
+            use_host_share(environment=False)
             return run_variant(job, lambda stage: on_stage(job.variant, stage))
         except Exception as error:  # noqa: BLE001 - one variant's error must not end the sweep; Ctrl-C still does
             raise VariantFailed(failure_reason(error), traceback.format_exc()) from None

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Literal
 
 from quantlab import cache
 from quantlab.errors import bad_input
+from quantlab.measure.contention import follow_share
 
 if TYPE_CHECKING:
     import torch
@@ -258,4 +259,5 @@ def _load(location: str | Path, dtype: torch.dtype, device: str, tokenizer_args:
     # device_map="auto" lets Accelerate spread a model larger than one GPU over several.
     placement = {"device_map": "auto"} if device == "cuda" else {}
     model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **placement, **model_args)
+    follow_share(model)  # its threads follow this host's other variants as they start and end
     return model.eval(), tokenizer

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from dataclasses import replace
 
@@ -18,12 +20,15 @@ from quantlab.decision import cost_warnings, pick
 from quantlab.errors import BadInput
 from quantlab.executors import LocalExecutor
 from quantlab.frontier import Axis, VariantSummary
+from quantlab.measure import contention
 from quantlab.measure.contention import (
     CONTENDED_TAG,
     CONTENTION_TAG,
+    SEATS_ENV,
     THREADS_ENV,
     LoadMonitor,
     LoadReading,
+    Seats,
     is_timing_metric,
     judge_contention,
     local_share,
@@ -69,6 +74,119 @@ def test_local_share_reads_the_override(monkeypatch):
     assert local_share().threads == 3
     monkeypatch.delenv(THREADS_ENV)
     assert local_share().threads == len(os.sched_getaffinity(0))
+
+
+# --- Sharing the host with other sweeps: seats ----------------------------------------------------------------
+
+# A process that takes a seat in the folder given, says so, and holds it until its stdin closes or it is killed.
+SEAT_HOLDER = """
+import sys
+from pathlib import Path
+from quantlab.measure.contention import Seats
+Seats(Path(sys.argv[1])).take()
+print("seated", flush=True)
+sys.stdin.read()
+"""
+
+
+def hold_seat(directory):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", SEAT_HOLDER, str(directory)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdout.readline().strip() == "seated"
+    return holder
+
+
+def test_seats_count_the_variant_processes_alive_on_the_host(tmp_path):
+    """Real processes: each seat held counts, a killed holder's seat frees itself (and its file goes)."""
+    seats = Seats(tmp_path)
+    assert seats.live() == 1  # nobody yet: the caller counts as one
+    holders = [hold_seat(tmp_path) for _ in range(2)]
+    try:
+        assert seats.live() == 2
+        seats.take()
+        assert seats.live() == 3
+        holders[0].kill()
+        holders[0].wait()
+        assert seats.live() == 2
+        assert len(list(tmp_path.glob("*.seat"))) == 2
+        seats.leave()
+        assert seats.live() == 1
+        assert len(list(tmp_path.glob("*.seat"))) == 1
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()
+
+
+@pytest.mark.parametrize(
+    ("others", "cores", "threads", "source"),
+    [
+        (0, 2, 2, "2 visible cores, no other quantlab variant on this host"),
+        (1, 2, 1, "2 visible cores / 2 quantlab variants on this host"),
+        (2, 2, 1, "2 visible cores / 3 quantlab variants on this host"),
+    ],
+)
+def test_the_local_share_divides_the_cores_by_the_seats(tmp_path, monkeypatch, others, cores, threads, source):
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    monkeypatch.setattr(contention, "visible_cores", lambda: cores)
+    holders = [hold_seat(tmp_path) for _ in range(others)]
+    try:
+        share = local_share(seats=Seats(tmp_path).take())
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()
+    assert (share.threads, share.source) == (threads, source)
+
+
+# A variant's process in miniature: its host share, the tiny model loaded the way a variant loads it, and a
+# forward pass per line read, answering with torch's threads after it.
+FOLLOWER = """
+import sys
+from pathlib import Path
+import torch
+from quantlab.measure.contention import pinned_threads, use_host_share
+from quantlab.models import load_checkpoint
+print(use_host_share().threads, flush=True)
+model, _ = load_checkpoint(Path(sys.argv[1]), torch.float32, "cpu")
+for line in sys.stdin:
+    pinned = line.split()[1:]  # "pinned N": the pass runs pinned to N threads
+    with pinned_threads(int(pinned[0]) if pinned else None):
+        model(torch.tensor([[1, 2, 3]]))
+        print(torch.get_num_threads(), flush=True)
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="dividing the cores needs at least two")
+def test_a_running_variant_gives_cores_back_while_another_runs(tmp_path, monkeypatch, tiny_llama):
+    """A variant alone takes every core; when another variant takes a seat it drops to its share at its next
+    forward pass (but not inside a pinned block: measure.cpu_threads), and takes them back once it has gone."""
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    monkeypatch.setenv(SEATS_ENV, str(tmp_path / "seats"))
+    variant = subprocess.Popen(
+        [sys.executable, "-c", FOLLOWER, str(tiny_llama.path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+    def threads_after_a_forward_pass(line="forward") -> int:
+        time.sleep(contention.RECOUNT_SECONDS + 0.2)
+        variant.stdin.write(line + "\n")
+        variant.stdin.flush()
+        return int(variant.stdout.readline())
+
+    try:
+        assert int(variant.stdout.readline()) == cores
+        assert threads_after_a_forward_pass() == cores
+        other = hold_seat(tmp_path / "seats")
+        assert threads_after_a_forward_pass(f"pinned {cores}") == cores
+        assert threads_after_a_forward_pass() == cores // 2
+        other.kill()
+        other.wait()
+        assert threads_after_a_forward_pass() == cores
+    finally:
+        variant.kill()
+        variant.wait()
 
 
 # --- Contention: the verdict ------------------------------------------------------------------------------

@@ -14,10 +14,17 @@ stage records what competed with it (`LoadMonitor`) and judges whether its speed
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
+import socket
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -79,31 +86,186 @@ def thread_share(
     return ThreadShare(max(1, cores // concurrent), f"{cores} visible cores / {variants} at a time")
 
 
-def local_share(concurrent: int = 1) -> ThreadShare:
-    """The share of a variant run on this machine by the local (or in-process) executor."""
-    return thread_share(visible_cores(), concurrent, override=os.environ.get(THREADS_ENV))
+def local_share(concurrent: int = 1, seats: Seats | None = None) -> ThreadShare:
+    """The share of a variant run on this machine by the local (or in-process) executor: with `seats`, the
+    cores divided among every quantlab variant holding a seat on this host (other sweeps' too)."""
+    override = os.environ.get(THREADS_ENV)
+    if seats is None or (override is not None and override.strip()):
+        return thread_share(visible_cores(), concurrent, override=override)
+    cores, live = visible_cores(), seats.live()
+    share = thread_share(cores, live)
+    if live == 1:
+        return ThreadShare(share.threads, f"{cores} visible cores, no other quantlab variant on this host")
+    return ThreadShare(share.threads, f"{cores} visible cores / {live} quantlab variants on this host")
+
+
+# --- Sharing the host's cores with other sweeps -------------------------------------------------------------
+
+# Independent sweeps on one host (two users, a test suite, a script per model) know nothing of each other, and
+# each would give its variant every core. So each local variant holds a seat in a host-wide folder (a file it
+# keeps locked: the kernel drops the lock however the process ends, so a dead variant's seat frees itself and
+# no pid can be mistaken for a reused one), and divides the cores by the seats held. Sweeps on one host share
+# it only if they see the same temporary folder: a container with its own /tmp counts alone (set
+# QUANTLAB_THREADS there).
+SEATS_ENV = "QUANTLAB_SEATS_DIR"  # where the seats are (default: <tmp>/quantlab-seats): a host-local folder
+RECOUNT_SECONDS = 1.0  # how often a running variant counts the seats again (at most, at its next forward pass)
+
+
+def seats_dir() -> Path:
+    """The host's seat folder, writable by every user (sticky, like /tmp); a folder of this user's own where
+    another user made the shared one without letting others in (their variants are then not counted)."""
+    if os.environ.get(SEATS_ENV):
+        shared = Path(os.environ[SEATS_ENV])
+        shared.mkdir(parents=True, exist_ok=True)
+        return shared
+    shared = Path(tempfile.gettempdir()) / "quantlab-seats"
+    try:
+        shared.mkdir(exist_ok=True)
+        if shared.stat().st_uid == os.getuid():
+            shared.chmod(0o1777)
+        if os.access(shared, os.W_OK | os.X_OK):
+            return shared
+    except OSError:
+        pass
+    own = Path(tempfile.gettempdir()) / f"quantlab-seats-{os.getuid()}"
+    own.mkdir(exist_ok=True)
+    return own
+
+
+class Seats:
+    """The seats of the quantlab variants running on this host; `take` one for this process."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._held: int | None = None  # the descriptor that keeps this process's seat locked
+
+    def take(self) -> Seats:
+        """Hold a seat until this process ends (or `leave`). Made under a name the counters skip, locked, then
+        renamed: a counter never sees a seat that is not locked yet (it would take it for a dead one)."""
+        name = f"{socket.gethostname()}-{os.getpid()}"
+        making = self.directory / f".{name}.making"
+        descriptor = os.open(making, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        os.rename(making, self.directory / f"{name}.seat")
+        self._held = descriptor
+        return self
+
+    def leave(self) -> None:
+        if self._held is not None:
+            os.close(self._held)  # unlocks: the next count removes the file
+            self._held = None
+
+    def live(self) -> int:
+        """Seats held now (this process's too), at least 1. A seat nobody holds is removed."""
+        live = 0
+        for seat in self.directory.glob("*.seat"):
+            try:
+                descriptor = os.open(seat, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:  # removed meanwhile, or not ours to read
+                continue
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                live += 1
+            else:
+                with contextlib.suppress(OSError):
+                    seat.unlink()
+            finally:
+                os.close(descriptor)
+        return max(1, live)
 
 
 _applied: ThreadShare | None = None  # the share use_threads gave this process
+_following: Seats | None = None  # the seats whose count this process's threads follow, if any
+_pinned = 0  # how many pinned_threads blocks are open: the threads were set on purpose, following waits
+_counted_at = 0.0
 
 
-def use_threads(share: ThreadShare, environment: bool = True) -> ThreadShare:
+def use_threads(share: ThreadShare, environment: bool = True, follow: Seats | None = None) -> ThreadShare:
     """Size this process's torch intra-op pool (and, with `environment`, the OpenMP / MKL / OpenBLAS variables,
     for libraries that start later and for child processes) to the share. Works in a variant forked from the
-    preloaded server: torch is imported there, but its pool starts on first use, in the variant."""
-    global _applied
+    preloaded server: torch is imported there, but its pool starts on first use, in the variant.
+
+    With `follow`, the share is counted again as variants elsewhere on the host start and end, at the forward
+    passes of every model loaded afterwards (`follow_share`): a variant that started alone gives back cores
+    when another sweep's variant starts, and takes them again when it ends."""
+    global _applied, _following
     import torch
 
     if environment:
         for name in THREAD_VARIABLES:
             os.environ[name] = str(share.threads)
     torch.set_num_threads(share.threads)
-    _applied = share
+    _applied, _following = share, follow
     return share
 
 
 def applied_share() -> ThreadShare | None:
     return _applied
+
+
+_seat: Seats | None = None  # this process's seat on the host, once taken
+
+
+def use_host_share(environment: bool = True) -> ThreadShare:
+    """A local variant's threads: QUANTLAB_THREADS if set; otherwise a seat on this host (one per process) and
+    the cores divided by the seats held, followed as others come and go. Where no seat can be made (no
+    writable temporary folder), the variant counts alone, as if no other sweep ran."""
+    global _seat
+    if os.environ.get(THREADS_ENV, "").strip():
+        return use_threads(local_share(), environment)
+    try:
+        _seat = _seat or Seats(seats_dir()).take()
+    except OSError:
+        return use_threads(local_share(), environment)
+    return use_threads(local_share(seats=_seat), environment, follow=_seat)
+
+
+def follow_share(model: Any) -> None:
+    """Count the seats again (at most every RECOUNT_SECONDS) before the forward passes of `model` and of the
+    blocks in its module lists (its decoder layers: llm-compressor's calibration calls them one by one), and
+    resize torch's pool when the share changed. Torch's thread count belongs to the thread that sets it, so
+    it is set here, in the thread that runs the model, not from a timer. Nothing without a followed share."""
+    if _following is None:
+        return
+    from torch import nn
+
+    blocks = [model] + [block for module in model.modules() if isinstance(module, nn.ModuleList) for block in module]
+    for block in blocks:
+        block.register_forward_pre_hook(_recount)
+
+
+def _recount(module: Any, args: Any) -> None:
+    global _counted_at
+    now = time.monotonic()
+    if _following is None or _pinned or now - _counted_at < RECOUNT_SECONDS:
+        return
+    _counted_at = now
+    import torch
+
+    threads = thread_share(visible_cores(), _following.live()).threads
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def pinned_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with `threads` torch threads, not resized by the seat count, then go back to the threads
+    before it. None: nothing pinned (the threads keep following the host's share, if they do)."""
+    global _pinned
+    import torch
+
+    if threads is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    _pinned += 1
+    try:
+        yield
+    finally:
+        _pinned -= 1
+        torch.set_num_threads(before)
 
 
 # --- Contention while timing ------------------------------------------------------------------------------------

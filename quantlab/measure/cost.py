@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from quantlab.measure.contention import Contention, LoadMonitor, LoadReading, judge_contention
+from quantlab.measure.contention import Contention, LoadMonitor, LoadReading, judge_contention, pinned_threads
 from quantlab.measure.modeled import (
     ModeledCost,
     ModelShape,
@@ -194,12 +194,8 @@ def measure_cost(
     modeled = modeled_cost(None if saved_config else model.config, checkpoint_dir, settings)
     if not settings.enabled:
         return CostReport(modeled, None, load_seconds)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(settings.cpu_threads or threads)
-    try:
+    with pinned_threads(settings.cpu_threads):
         return CostReport(modeled, measure_loaded_model(model, tokenizer, settings), load_seconds)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def measure_loaded_model(model: Any, tokenizer: Any, settings: MeasureSettings) -> MeasuredCost:
