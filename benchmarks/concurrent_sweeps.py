@@ -117,7 +117,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--split-threads",
         action="store_true",
-        help="give each concurrent sweep QUANTLAB_THREADS = visible cores / copies (default: each variant's own share)",
+        help="give each concurrent sweep QUANTLAB_THREADS = visible cores / copies (default: each variant's share of the host)",
     )
     parser.add_argument("--max-ratio", type=float, default=1.2, help="allowed ratio to the fair share (default 1.2)")
     parser.add_argument(
@@ -254,7 +254,7 @@ def benchmark(args: argparse.Namespace, work: Path) -> str:
         + (
             f"QUANTLAB_THREADS={cores // args.copies or 1} when {args.copies} at once"
             if args.split_threads
-            else "its own (all cores locally)"
+            else "its share of the host (visible cores / the quantlab variants running on it, recounted as they come and go)"
         ),
     ]
     if args.dry_run:

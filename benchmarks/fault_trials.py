@@ -1,6 +1,6 @@
 """Issue 11's faults tried by hand on a recipe (default: the embedded one), with real processes and files.
 
-    .venv/bin/python benchmarks/fault_trials.py --work-dir /tmp/trials server corrupt disk concurrent
+    .venv/bin/python benchmarks/fault_trials.py --work-dir /tmp/trials server corrupt disk enospc concurrent
 
 Each trial prints its commands' wall times and what it checked:
 - server:     a real `mlflow server` is SIGKILLed while the second variant is computed; the sweep ends with
@@ -10,6 +10,9 @@ Each trial prints its commands' wall times and what it checked:
               `quantlab cache verify` sets the flipped one aside, the next sweep (a fresh store) sets the
               truncated one aside by itself, rebuilds both and reuses the untouched one.
 - disk:       a cache on a 64 MiB tmpfs (needs root): the sweep refuses before any work, exit 2, no run.
+- enospc:     a cache on a 2 GiB tmpfs (needs root) that another process fills while fp8's checkpoint is
+              written: fp8 fails naming what to free, no partial directory stays, and once the space is
+              freed the same command completes, reusing what was built.
 - concurrent: two sweeps of the recipe at once on one fresh cache (separate stores): each checkpoint is
               built once, the other sweep waits for it and reuses it.
 The GGUF conversion of the embedded model is copied from --sources (default: the user's cache) when there.
@@ -25,6 +28,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from mlflow.tracking import MlflowClient
@@ -176,22 +181,31 @@ def trial_corrupt(recipe: Path, experiment: str, work: Path, sources: Path) -> N
     print(f"  untouched checkpoints kept: {sorted(k for k, t in checkpoints(cache).items() if before.get(k) == t)}")
 
 
-def trial_disk(recipe: Path, experiment: str, work: Path, sources: Path) -> None:
-    print("disk: a cache on a 64 MiB tmpfs")
-    mount = work / "small-cache"
+@contextmanager
+def tmpfs(mount: Path, size: str) -> Iterator[Path | None]:
+    """A tmpfs of `size` mounted at `mount` for the block (None, said, where mounting needs root)."""
     mount.mkdir(parents=True, exist_ok=True)
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)]).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)]).returncode:
         print("  skipped: mounting a tmpfs needs root")
+        yield None
         return
     try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)])
+
+
+def trial_disk(recipe: Path, experiment: str, work: Path, sources: Path) -> None:
+    print("disk: a cache on a 64 MiB tmpfs")
+    with tmpfs(work / "small-cache", "64m") as mount:
+        if mount is None:
+            return
         uri = f"sqlite:///{work / 'disk-store.db'}"
         run(sweep_command(recipe, uri, mount), "sweep", expect=2)
         client = MlflowClient(uri)
         found = client.get_experiment_by_name(experiment)
         runs = client.search_runs([found.experiment_id]) if found else []
         print(f"  MLflow runs started: {len(runs)}; files left in the cache: {sum(1 for _ in mount.rglob('*'))}")
-    finally:
-        subprocess.run(["umount", str(mount)])
 
 
 def trial_concurrent(recipe: Path, experiment: str, work: Path, sources: Path) -> None:
@@ -211,7 +225,49 @@ def trial_concurrent(recipe: Path, experiment: str, work: Path, sources: Path) -
     print(f"  checkpoints in the cache: {len(checkpoints(cache))}")
 
 
-TRIALS = {"server": trial_server, "corrupt": trial_corrupt, "disk": trial_disk, "concurrent": trial_concurrent}
+def trial_enospc(recipe: Path, experiment: str, work: Path, sources: Path) -> None:
+    """The cache's disk fills up while fp8's checkpoint is being written (another process takes the free space
+    the moment its scratch directory appears, so the sweep's own estimate passed): fp8 fails saying what to
+    free, nothing partial stays; once the space is freed the same command completes without recomputing."""
+    print("enospc: the cache's 2 GiB tmpfs fills up while fp8's checkpoint is written")
+    with tmpfs(work / "enospc-cache", "2g") as mount:
+        if mount is None:
+            return
+        cache = fresh_cache(mount / "cache", sources)  # the mount point itself cannot be removed
+        uri = f"sqlite:///{work / 'enospc-store.db'}"
+        Path(uri.removeprefix("sqlite:///")).unlink(missing_ok=True)
+        filler = mount / "filler"
+        started = time.monotonic()
+        log = work / "enospc-fault-run.log"
+        with log.open("w") as output:  # a file, not a pipe: nobody reads a pipe while the loop polls
+            sweep = subprocess.Popen(sweep_command(recipe, uri, cache), stdout=output, stderr=subprocess.STDOUT)
+        while sweep.poll() is None and not any(cache.glob("checkpoints/fp8-*.partial-*")):
+            time.sleep(0.002)
+        free = os.statvfs(mount).f_bavail * os.statvfs(mount).f_frsize
+        with filler.open("wb") as taken:
+            os.posix_fallocate(taken.fileno(), 0, max(free - (1 << 20), 1))
+        print(f"  fp8's write began {time.monotonic() - started:.0f} s in; took {free:,} bytes but 1 MiB")
+        sweep.wait()
+        output = log.read_text(errors="replace")
+        print(f"  fault run: exit {sweep.returncode} in {time.monotonic() - started:.0f} s (its output: {log})")
+        print("    | " + "\n    | ".join(line for line in output.splitlines() if "fp8" in line and "fill" in line))
+        partial = [p.name for p in cache.glob("checkpoints/*.partial-*")]
+        print(f"  partial directories left: {partial}; complete checkpoints: {sorted(checkpoints(cache))}")
+        before = checkpoints(cache)
+        filler.unlink()
+        run(sweep_command(recipe, uri, cache), "recovery run (space freed)", expect=0)
+        status, runs = variants_of_latest_sweep(uri, experiment)
+        print(f"  latest sweep {status}: {sorted(runs)}; checkpoints: {sorted(checkpoints(cache))}")
+        print(f"  untouched checkpoints kept: {sorted(k for k, t in checkpoints(cache).items() if before.get(k) == t)}")
+
+
+TRIALS = {
+    "server": trial_server,
+    "corrupt": trial_corrupt,
+    "disk": trial_disk,
+    "enospc": trial_enospc,
+    "concurrent": trial_concurrent,
+}
 
 
 def main() -> None:

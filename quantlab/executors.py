@@ -34,6 +34,7 @@ from quantlab.jobs import VariantJob, VariantResult
 from quantlab.measure.contention import (
     THREADS_ENV,
     ThreadShare,
+    leave_host_share,
     local_share,
     thread_share,
     use_host_share,
@@ -246,6 +247,7 @@ class InProcessExecutor(LocalExecutor):
         except Exception as error:  # noqa: BLE001 - one variant's error must not end the sweep; Ctrl-C still does
             raise VariantFailed(failure_reason(error), traceback.format_exc()) from None
         finally:
+            leave_host_share()  # the sweep's process lives on: its seat must not count once the variant is done
             release_quantizer_memory()  # so that the next variant's peak memory is its own
 
 

@@ -112,7 +112,7 @@ def test_seats_count_the_variant_processes_alive_on_the_host(tmp_path):
         assert len(list(tmp_path.glob("*.seat"))) == 2
         seats.leave()
         assert seats.live() == 1
-        assert len(list(tmp_path.glob("*.seat"))) == 1
+        assert len(list(tmp_path.glob("*.seat"))) == 1  # its own file goes as it leaves
     finally:
         for holder in holders:
             holder.kill()
@@ -131,9 +131,11 @@ def test_the_local_share_divides_the_cores_by_the_seats(tmp_path, monkeypatch, o
     monkeypatch.delenv(THREADS_ENV, raising=False)
     monkeypatch.setattr(contention, "visible_cores", lambda: cores)
     holders = [hold_seat(tmp_path) for _ in range(others)]
+    seat = Seats(tmp_path).take()
     try:
-        share = local_share(seats=Seats(tmp_path).take())
+        share = local_share(seats=seat)
     finally:
+        seat.leave()
         for holder in holders:
             holder.kill()
             holder.wait()

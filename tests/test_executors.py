@@ -11,6 +11,7 @@ from mlflow.tracking import MlflowClient
 from quantlab.checks import validate
 from quantlab.executors import InProcessExecutor, VariantFailed
 from quantlab.jobs import VariantResult
+from quantlab.measure.contention import seats_dir
 from quantlab.recipe import load_recipe
 from quantlab.sweep import SweepOptions, run_sweep
 from recipes import REPO, tiny_recipe, write
@@ -153,6 +154,15 @@ def test_in_process_variant_that_raises_fails_alone_with_its_traceback(two_sweep
     assert runs[0].data.tags["quantlab.failure"] == outcome.failures["awq"]
     text = Path(client.download_artifacts(runs[0].info.run_id, "failure/traceback.txt")).read_text()
     assert "Traceback" in text and "calibration_dataset" in text
+
+
+def test_an_in_process_sweep_holds_a_seat_on_the_host_only_while_a_variant_runs(two_sweeps):
+    """Its variants shared the host's cores like any local variant; the sweep's process lives on afterwards
+    (here: pytest), and must not keep counting as a variant for the others."""
+    uri, outcome, _ = two_sweeps["inprocess"]
+    run = MlflowClient(uri).search_runs([outcome.experiment_id], "tags.`quantlab.variant` = 'bf16'")[0]
+    assert run.data.params["runtime.threads_from"].endswith("on this host")
+    assert not list(seats_dir().glob(f"*-{os.getpid()}.seat"))
 
 
 def test_in_process_stages_are_reported_from_this_process(two_sweeps):

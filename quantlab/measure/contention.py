@@ -152,7 +152,9 @@ class Seats:
 
     def leave(self) -> None:
         if self._held is not None:
-            os.close(self._held)  # unlocks: the next count removes the file
+            with contextlib.suppress(OSError):
+                (self.directory / f"{socket.gethostname()}-{os.getpid()}.seat").unlink()
+            os.close(self._held)
             self._held = None
 
     def live(self) -> int:
@@ -219,6 +221,15 @@ def use_host_share(environment: bool = True) -> ThreadShare:
     except OSError:
         return use_threads(local_share(), environment)
     return use_threads(local_share(seats=_seat), environment, follow=_seat)
+
+
+def leave_host_share() -> None:
+    """Give up this process's seat (for a process that lives on after its variant: the in-process executor's
+    sweep, a notebook): other variants on the host stop counting it, and its threads stop following."""
+    global _seat, _following
+    if _seat is not None:
+        _seat.leave()
+    _seat = _following = None
 
 
 def follow_share(model: Any) -> None:
