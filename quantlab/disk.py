@@ -44,20 +44,28 @@ def _linear_rows(shape: ModelShape) -> int:
     return shape.num_layers * (heads * shape.head_dim + 2 * shape.hidden_size + 2 * shape.intermediate_size)
 
 
-def _awq_int4(shape: ModelShape, params: Mapping[str, Any]) -> int:
-    """W4A16 pack-quantized: eight INT4 weights per int32, a BF16 scale per group of inputs, with
-    `symmetric: false` an INT4 zero point per group (packed along the outputs), a 2-element int64 shape per layer."""
+def _w4a16_packed(shape: ModelShape, params: Mapping[str, Any]) -> int:
+    """W4A16 pack-quantized, AWQ's and GPTQ's alike (neither GPTQ ordering left in compressed-tensors 0.19 stores
+    a g_idx): eight INT4 weights per int32, a BF16 scale per group of inputs, with `symmetric: false` an INT4 zero
+    point per group (packed along the outputs), a 2-element int64 shape per layer."""
     weights, group = linear_weight_count(shape), params.get("group_size", 128)
     zero_points = 0 if params.get("symmetric", True) else weights // (2 * group)
     return weights // 2 + 2 * weights // group + zero_points + 16 * 7 * shape.num_layers
 
 
+def _w8_per_channel(shape: ModelShape, params: Mapping[str, Any]) -> int:
+    """One byte per weight (FP8 E4M3 or INT8) and a BF16 scale per output channel; activations are quantized
+    per token at run time, so nothing of theirs is stored."""
+    return linear_weight_count(shape) + 2 * _linear_rows(shape)
+
+
 # Stored bytes of the decoder blocks' linear weights, by method; everything else is kept in BF16.
 LINEAR_BYTES: dict[str, Callable[[ModelShape, Mapping[str, Any]], int]] = {
     "bf16": lambda shape, params: 2 * linear_weight_count(shape),
-    # FP8_DYNAMIC: one E4M3 byte per weight and a BF16 scale per output channel.
-    "fp8": lambda shape, params: linear_weight_count(shape) + 2 * _linear_rows(shape),
-    "awq_int4": _awq_int4,
+    "fp8": _w8_per_channel,
+    "awq_int4": _w4a16_packed,
+    "gptq_int4": _w4a16_packed,
+    "int8": _w8_per_channel,
 }
 
 

@@ -58,6 +58,15 @@ ESTIMATES = [  # method, params, tensor bytes of the checkpoint
         {"group_size": 32, "symmetric": False},
         LINEAR // 2 + 2 * LINEAR // 32 + ASYMMETRIC + 16 * 14 + 2 * OTHERS,
     ),
+    # GPTQ W4A16 stores what AWQ does (no g_idx)
+    ("gptq_int4", {"group_size": 32}, LINEAR // 2 + 2 * LINEAR // 32 + 16 * 14 + 2 * OTHERS),
+    (
+        "gptq_int4",
+        {"group_size": 32, "symmetric": False, "actorder": None},
+        LINEAR // 2 + 2 * LINEAR // 32 + ASYMMETRIC + 16 * 14 + 2 * OTHERS,
+    ),
+    ("int8", {}, LINEAR + 2 * ROWS + 2 * OTHERS),  # INT8 weights, a BF16 scale per output channel
+    ("int8", {"rtn": True, "smoothing_strength": 0.5}, LINEAR + 2 * ROWS + 2 * OTHERS),
     # more than lm_head kept unquantized, or a method the table lacks: the BF16 bound
     ("fp8", {"ignore": ["lm_head", "re:.*down_proj$"]}, 2 * (LINEAR + OTHERS)),
     ("some_new_method", {}, 2 * (LINEAR + OTHERS)),
@@ -74,7 +83,13 @@ def test_estimate_is_exactly_what_the_quantize_stage_writes(tmp_path, tiny_llama
     directory (tokenizer, configs, headers, marker) within the margin."""
     source = resolve_source(ModelSpec(source=str(tiny_llama.path)), Path.cwd())
     shape = disk.model_shape(source)
-    for method, params in (("bf16", {}), ("fp8", {}), ("awq_int4", {"group_size": 32})):
+    for method, params in (
+        ("bf16", {}),
+        ("fp8", {}),
+        ("awq_int4", {"group_size": 32}),
+        ("gptq_int4", {"group_size": 32}),
+        ("int8", {}),
+    ):
         variant = _variant(name=method, method=method, params=params)
         made = quantize_variant(source, variant, CALIBRATION, Path.cwd(), tmp_path, "cpu")
         estimate = disk.checkpoint_bytes(shape, method, params)

@@ -48,8 +48,8 @@ def _logits(path: Path) -> torch.Tensor:
         return model(ids).logits.float()
 
 
-def test_registry_has_the_three_methods():
-    assert set(METHODS) == {"bf16", "fp8", "awq_int4"}
+def test_registry_has_the_five_methods():
+    assert set(METHODS) == {"bf16", "fp8", "awq_int4", "gptq_int4", "int8"}
 
 
 @pytest.mark.parametrize("method", ["fp8", "awq_int4"])
