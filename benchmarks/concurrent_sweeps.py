@@ -49,11 +49,13 @@ class SweepRun:
     label: str
     folder: Path
     env: dict[str, str] = field(default_factory=dict)
+    options: list[str] = field(default_factory=list)  # more `quantlab sweep` options, e.g. ["--parallel", "2"]
     wall_seconds: float = 0.0
     # variant -> stage -> seconds (time/<stage>_seconds); variant -> its contention verdict (tag), load average
     stages: dict[str, dict[str, float]] = field(default_factory=dict)
     contended: dict[str, str] = field(default_factory=dict)
     load: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # variant -> every metric it logged
 
     @property
     def store(self) -> str:
@@ -66,7 +68,7 @@ class SweepRun:
     def command(self, recipe: Path) -> list[str]:
         return [
             sys.executable, "-m", "quantlab", "sweep", str(recipe),
-            "--tracking-uri", self.store, "--cache-dir", str(self.cache),
+            "--tracking-uri", self.store, "--cache-dir", str(self.cache), *self.options,
         ]  # fmt: skip
 
     def start(self, recipe: Path) -> tuple[subprocess.Popen, float]:
@@ -99,6 +101,7 @@ class SweepRun:
             self.contended[run.variant] = run.tags.get("quantlab.cost_contended", "not recorded")
             if "measure/load_1m" in run.metrics:
                 self.load[run.variant] = run.metrics["measure/load_1m"]
+            self.metrics[run.variant] = run.metrics
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -1,5 +1,6 @@
 """What a variant pays for following the host's core share (quantlab.measure.contention.follow_share): a forward
-pre-hook on the model and on each decoder block, which counts the seats again at most once a second.
+pre-hook on the model and on each decoder block, which checks the host's timing lock (a shared flock, released at
+once) and counts the seats again at most once a second.
 
 Loads the embedded SmolLM2-135M twice in one process (float32, CPU): once plain, once with the hooks (following
 a seat of its own, alone on the host, so the thread count never changes and only the hooks' cost shows). Then
@@ -28,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny import EMBEDDED_GGUF  # noqa: E402
 
-from quantlab.measure.contention import Seats, local_share, use_threads  # noqa: E402
+from quantlab.measure.contention import TIMING_LOCK, Seats, local_share, use_threads  # noqa: E402
 from quantlab.models import load_source_model, materialize, resolve_source  # noqa: E402
 from quantlab.recipe import ModelSpec  # noqa: E402
 
@@ -51,6 +52,7 @@ def main() -> None:
     source = materialize(resolve_source(ModelSpec(source=EMBEDDED_GGUF), Path.cwd()), args.cache_dir)
     plain, _ = load_source_model(source, torch.float32, "cpu")
     seat = Seats(Path(tempfile.mkdtemp(prefix="quantlab-seats-"))).take()  # a host of its own: always alone
+    (seat.directory / TIMING_LOCK).touch()  # as after any measure stage: each hook then checks the timing lock
     use_threads(local_share(seats=seat), follow=seat)
     hooked, _ = load_source_model(source, torch.float32, "cpu")
     hooks = sum(len(module._forward_pre_hooks) for module in hooked.modules())  # noqa: SLF001

@@ -109,6 +109,17 @@ def sweep(
             "Its result stays in the cache either way, and the next sweep of the recipe logs it without recomputing.",
         ),
     ] = 300.0,
+    parallel: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Variants at once with the local executor, after the baseline (which the others need first). "
+            "They share the cores (each takes its share of the host, recounted as variants start and end); each "
+            "measure stage times alone, the others pausing at their next forward pass until it is done. Whether "
+            "it pays on a CPU: benchmarks/README.md (parallel_sweep.py); on a GPU it needs memory for every "
+            "variant's model at once.",
+        ),
+    ] = 1,
 ) -> None:
     """Quantize, evaluate, measure and log every variant of RECIPE; then publish the frontier.
 
@@ -124,6 +135,9 @@ def sweep(
     try:
         if executor not in EXECUTORS:
             raise bad_input("--executor", "", f"'{executor}' is not one of: {', '.join(EXECUTORS)}")
+        if parallel > 1 and executor != "local":
+            why = "ray runs every variant at once" if executor == "ray" else "inprocess runs one at a time"
+            raise bad_input("--parallel", "", f"applies to --executor local only ({why})")
         cache_root = (cache_dir or default_root()).resolve()
         # The local executor's fork server imports the libraries while the recipe is checked (both take seconds).
         early = start_variant_processes if executor == "local" else lambda loaded: None
@@ -133,7 +147,9 @@ def sweep(
         except BaseException:
             stop_variant_processes()
             raise
-        options = SweepOptions(uri, cache_root, executor, force, tuple(only or ()), ray_address, log_retry_seconds)
+        options = SweepOptions(
+            uri, cache_root, executor, force, tuple(only or ()), ray_address, log_retry_seconds, parallel
+        )
         # SIGTERM (a scheduler stopping the job) ends the sweep like Ctrl-C: its runs are marked KILLED.
         signal.signal(signal.SIGTERM, signal.default_int_handler)
         columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())

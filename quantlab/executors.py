@@ -107,49 +107,66 @@ def failure_reason(error: BaseException) -> str:
     return f"{error.problems[0].field or 'input'}: {error.problems[0].message}"
 
 
+class VariantProcess:
+    """One variant in a fresh process forked from the fork server, with `share` threads (default: its share of
+    this host's cores, among the quantlab variants running on it). `poll` reads what it reports, without
+    blocking longer than its timeout; VariantFailed if it cannot start."""
+
+    def __init__(self, job: VariantJob, log_path: Path, share: ThreadShare | None = None):
+        self.job, self.log_path = job, log_path
+        context = start_variant_processes(job.loaded)
+        self.messages = context.Queue()
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        # The job (often megabytes of baseline scores) goes through a file, not the spawn pipe: a child
+        # that dies while reading a payload larger than the pipe's buffer would block start() forever.
+        job_path = log_path.with_name(f"{log_path.stem}.job.pickle")
+        job_path.write_bytes(pickle.dumps(job))
+        self.process = context.Process(
+            target=_child_main,
+            args=(job.variant, str(job_path), self.messages, str(log_path), share),
+            name=f"quantlab-{job.variant}",
+        )
+        try:
+            self.process.start()
+        except (OSError, EOFError) as error:  # the fork server is gone (killed, or crashed importing a library)
+            reason = f"could not start the variant's process: {failure_reason(error)}"
+            raise VariantFailed(reason, traceback.format_exc()) from None
+
+    def poll(self, on_stage: StageCallback, timeout: float = 0.5) -> VariantResult | VariantFailed | None:
+        """Its outcome once it has one (a result, or how it failed or died); None while it runs."""
+        try:
+            kind, payload = self.messages.get(timeout=timeout)
+        except queue.Empty:
+            if self.process.is_alive():
+                return None
+            self.process.join()
+            return VariantFailed(_death_reason(self.process.exitcode), _log_tail(self.log_path))
+        if kind == "stage":
+            on_stage(self.job.variant, payload)
+            return None
+        self.process.join()
+        if kind == "result":
+            return payload
+        return VariantFailed(payload[0], payload[1] + _log_tail(self.log_path))
+
+    def kill(self) -> None:
+        self.process.kill()
+
+
 def run_local(
     job: VariantJob, log_path: Path, on_stage: StageCallback, share: ThreadShare | None = None
 ) -> VariantResult:
-    """Run the job in a fresh process with `share` threads (default: its share of this host's cores, among the
-    quantlab variants running on it); raise VariantFailed if it fails or dies."""
-    context = start_variant_processes(job.loaded)
-    messages = context.Queue()
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    # The job (often megabytes of baseline scores) goes through a file, not the spawn pipe: a child
-    # that dies while reading a payload larger than the pipe's buffer would block start() forever.
-    job_path = log_path.with_name(f"{log_path.stem}.job.pickle")
-    job_path.write_bytes(pickle.dumps(job))
-    process = context.Process(
-        target=_child_main,
-        args=(job.variant, str(job_path), messages, str(log_path), share),
-        name=f"quantlab-{job.variant}",
-    )
+    """Run the job in a VariantProcess until it ends; raise VariantFailed if it fails or dies."""
+    variant = VariantProcess(job, log_path, share)
     try:
-        process.start()
-    except (OSError, EOFError) as error:  # the fork server is gone (killed, or crashed importing a library)
-        reason = f"could not start the variant's process: {failure_reason(error)}"
-        raise VariantFailed(reason, traceback.format_exc()) from None
-    try:
-        while True:
-            try:
-                kind, payload = messages.get(timeout=0.5)
-            except queue.Empty:
-                if not process.is_alive():
-                    break
-                continue
-            if kind == "stage":
-                on_stage(job.variant, payload)
-            elif kind == "result":
-                process.join()
-                return payload
-            elif kind == "error":
-                process.join()
-                raise VariantFailed(payload[0], payload[1] + _log_tail(log_path))
+        while (outcome := variant.poll(on_stage)) is None:
+            pass
     except BaseException:
-        process.kill()
+        variant.kill()
         raise
-    process.join()
-    raise VariantFailed(_death_reason(process.exitcode), _log_tail(log_path))
+    if isinstance(outcome, VariantFailed):
+        raise outcome
+    return outcome
 
 
 _preloaded_for: str | None = None  # the spec the running fork server preloaded
@@ -214,8 +231,42 @@ def _log_tail(log_path: Path) -> str:
     return "\n\n--- last lines of the variant's log ---\n" + "\n".join(tail)
 
 
+@dataclass(frozen=True)
 class LocalExecutor:
-    """One process per variant, one variant at a time: the machine is the variant's alone."""
+    """One process per variant, `parallel` at a time (default one: the machine is the variant's alone). Side by
+    side they share the cores through their seats on the host, and each measure stage times alone: the others
+    pause at their next forward pass until it is done (measure.contention.timing_alone)."""
+
+    parallel: int = 1
+
+    def run(self, jobs: list[VariantJob], log_dir: Path, on_stage: StageCallback) -> Iterator[Outcome]:
+        local_share()  # a bad QUANTLAB_THREADS is bad input, found before any variant starts
+        waiting, running = list(jobs), []
+        try:
+            while waiting or running:
+                while waiting and len(running) < max(1, self.parallel):
+                    job = waiting.pop(0)
+                    log_path = log_dir / f"{job.variant}.log"
+                    try:
+                        running.append(VariantProcess(job, log_path))
+                    except VariantFailed as failed:
+                        yield job, failed, log_path
+                for variant in list(running):
+                    outcome = variant.poll(on_stage, timeout=0.5 / len(running))
+                    if outcome is not None:
+                        running.remove(variant)
+                        yield variant.job, outcome, variant.log_path
+        finally:  # Ctrl-C, or the sweep stopped reading: no variant outlives it
+            for variant in running:
+                variant.kill()
+
+
+class InProcessExecutor:
+    """Every variant in the sweep's own process, one after another: for notebooks, debuggers and
+    scripts/gpu_check.py (one process, one CUDA context). No isolation: a crash ends the sweep (its
+    runs stay RUNNING until the next sweep marks them KILLED; an exception fails only its variant);
+    allocator caches and imports stay between variants; no log file (capturing fds 1 and 2 would
+    swallow the sweep's progress display), so the sweep logs none."""
 
     def run(self, jobs: list[VariantJob], log_dir: Path, on_stage: StageCallback) -> Iterator[Outcome]:
         local_share()  # a bad QUANTLAB_THREADS is bad input, found before any variant starts
@@ -225,16 +276,6 @@ class LocalExecutor:
                 yield job, self.run_one(job, log_path, on_stage), log_path
             except VariantFailed as failed:
                 yield job, failed, log_path
-
-    run_one = staticmethod(run_local)
-
-
-class InProcessExecutor(LocalExecutor):
-    """Every variant in the sweep's own process, one after another: for notebooks, debuggers and
-    scripts/gpu_check.py (one process, one CUDA context). No isolation: a crash ends the sweep (its
-    runs stay RUNNING until the next sweep marks them KILLED; an exception fails only its variant);
-    allocator caches and imports stay between variants; no log file (capturing fds 1 and 2 would
-    swallow the sweep's progress display), so the sweep logs none."""
 
     @staticmethod
     def run_one(job: VariantJob, log_path: Path, on_stage: StageCallback) -> VariantResult:
@@ -298,9 +339,9 @@ def _ray_task(job: VariantJob, log_path: str, share: ThreadShare) -> VariantResu
     return run_variant(job)
 
 
-# --executor's choices, each made from the sweep's --ray-address.
-EXECUTORS: dict[str, Callable[[str | None], LocalExecutor | RayExecutor]] = {
-    "local": lambda ray_address: LocalExecutor(),
-    "ray": RayExecutor,
-    "inprocess": lambda ray_address: InProcessExecutor(),
+# --executor's choices, each made from the sweep's --ray-address and --parallel.
+EXECUTORS: dict[str, Callable[[str | None, int], LocalExecutor | InProcessExecutor | RayExecutor]] = {
+    "local": lambda ray_address, parallel: LocalExecutor(parallel),
+    "ray": lambda ray_address, parallel: RayExecutor(ray_address),
+    "inprocess": lambda ray_address, parallel: InProcessExecutor(),
 }

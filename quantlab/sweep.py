@@ -51,6 +51,7 @@ class SweepOptions:
     only: tuple[str, ...] = ()
     ray_address: str | None = None
     log_retry_seconds: float = 300.0  # how long a finished variant's logging is retried while the store fails
+    parallel: int = 1  # variants at once in the local executor, after the baseline
 
 
 def plan(loaded: LoadedRecipe, only: tuple[str, ...]) -> list[str]:
@@ -163,7 +164,7 @@ class SweepRuns:
                 to_run.append(VariantJob(self.loaded, name, self.options.cache_root, self.baseline, self.options.force))
         if not to_run:  # every variant copied: no executor (a Ray cluster) to start
             return
-        executor = EXECUTORS[self.options.executor](self.options.ray_address)
+        executor = EXECUTORS[self.options.executor](self.options.ray_address, self.options.parallel)
         for job, outcome, log_path in executor.run(to_run, logs, self._stage):
             if isinstance(outcome, VariantResult):
                 try:

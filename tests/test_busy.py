@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -189,6 +190,50 @@ def test_a_running_variant_gives_cores_back_while_another_runs(tmp_path, monkeyp
     finally:
         variant.kill()
         variant.wait()
+
+
+# A measure stage in miniature: a seat, then the host's timing lock held until stdin closes.
+TIMER = """
+import sys
+from quantlab.measure.contention import timing_alone, use_host_share
+use_host_share()
+with timing_alone():
+    print("timing", flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_a_variant_pauses_at_its_forward_passes_while_another_times(tmp_path, monkeypatch, tiny_llama):
+    """While one variant's measure stage holds the timing lock, another's forward pass waits; it goes on
+    once the timing is done. Real processes, real flock."""
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    monkeypatch.setenv(SEATS_ENV, str(tmp_path / "seats"))
+    variant = subprocess.Popen(
+        [sys.executable, "-c", FOLLOWER, str(tiny_llama.path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    timer = None
+    try:
+        variant.stdout.readline()  # seated
+        variant.stdin.write("forward\n")
+        variant.stdin.flush()
+        variant.stdout.readline()  # loaded, and one forward pass done: the next one can only wait for the lock
+        timer = subprocess.Popen(
+            [sys.executable, "-c", TIMER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert timer.stdout.readline().strip() == "timing"
+        variant.stdin.write("forward\n")
+        variant.stdin.flush()
+        ready = select.select([variant.stdout], [], [], 3.0)[0]
+        assert not ready, "the forward pass ran while another variant was timing"
+        timer.stdin.close()  # the timing ends
+        timer.wait(timeout=30)
+        assert select.select([variant.stdout], [], [], 30.0)[0], "the forward pass never resumed"
+        assert int(variant.stdout.readline()) >= 1
+    finally:
+        for process in (variant, timer):
+            if process is not None:
+                process.kill()
+                process.wait()
 
 
 # --- Contention: the verdict ------------------------------------------------------------------------------

@@ -122,6 +122,7 @@ def test_unreachable_tracking_server_exits_2_before_any_work(tmp_path, tiny_llam
     [
         (["--executor", "slurm"], "--executor: 'slurm' is not one of: local, ray"),
         (["--only", "int3"], "--only: 'int3' is not a variant of recipe.yaml"),
+        (["--executor", "ray", "--parallel", "2"], "--parallel: applies to --executor local only (ray runs every"),
     ],
 )
 def test_bad_flags_exit_2(tmp_path, tiny_llama, args, message):

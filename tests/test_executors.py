@@ -39,7 +39,8 @@ class RecordingDisplay:
 
 @pytest.fixture(scope="module")
 def two_sweeps(tmp_path_factory, tiny_llama):
-    """One recipe swept by the local and the in-process executor, each into its own store and cache.
+    """One recipe swept by the local executor, the in-process one and the local one with two variants at a time
+    (`parallel`), each into its own store and cache.
 
     bf16 and fp8 finish; `awq` calibrates on a text far too short, a real failure found only at
     run time (a BadInput raised inside run_variant), so it must fail alone under both executors.
@@ -71,11 +72,11 @@ def two_sweeps(tmp_path_factory, tiny_llama):
     )
     loaded = validate(write(work / "recipe.yaml", recipe), work / "cache-check")
     swept = {}
-    for executor in ("local", "inprocess"):
-        uri = f"sqlite:///{work / executor}.db"
+    for label, executor, parallel in (("local", "local", 1), ("inprocess", "inprocess", 1), ("parallel", "local", 2)):
+        uri = f"sqlite:///{work / label}.db"
         display = RecordingDisplay()
-        options = SweepOptions(tracking_uri=uri, cache_root=work / f"cache-{executor}", executor=executor)
-        swept[executor] = (uri, run_sweep(loaded, options, display), display)
+        options = SweepOptions(uri, work / f"cache-{label}", executor, parallel=parallel)
+        swept[label] = (uri, run_sweep(loaded, options, display), display)
     return swept
 
 
@@ -126,17 +127,17 @@ def test_in_process_sweep_logs_the_same_layout_as_the_local_executor(two_sweeps)
     )
 
 
+def _metrics(uri: str, parent_run_id: str) -> dict[str, dict[str, float]]:
+    client = MlflowClient(uri)
+    experiment = client.get_run(parent_run_id).info.experiment_id
+    runs = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parent_run_id}'")
+    return {run.data.tags["quantlab.variant"]: run.data.metrics for run in runs}
+
+
 def test_in_process_figures_match_the_local_ones(two_sweeps):
     """Same checkpoints, same data: the figures that do not depend on timing agree."""
     (local_uri, local, _), (inproc_uri, inproc, _) = two_sweeps["local"], two_sweeps["inprocess"]
-    client = {uri: MlflowClient(uri) for uri in (local_uri, inproc_uri)}
-
-    def metrics(uri, parent):
-        experiment = client[uri].get_run(parent).info.experiment_id
-        runs = client[uri].search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parent}'")
-        return {run.data.tags["quantlab.variant"]: run.data.metrics for run in runs}
-
-    expected, got = metrics(local_uri, local.parent_run_id), metrics(inproc_uri, inproc.parent_run_id)
+    expected, got = _metrics(local_uri, local.parent_run_id), _metrics(inproc_uri, inproc.parent_run_id)
     for name in ("bf16", "fp8"):
         for key in ("cost/weight_bytes", "cost/bits_per_weight", "eval/pydoc_cloze/acc"):
             assert got[name][key] == expected[name][key], (name, key)
@@ -163,6 +164,22 @@ def test_an_in_process_sweep_holds_a_seat_on_the_host_only_while_a_variant_runs(
     run = MlflowClient(uri).search_runs([outcome.experiment_id], "tags.`quantlab.variant` = 'bf16'")[0]
     assert run.data.params["runtime.threads_from"].endswith("on this host")
     assert not list(seats_dir().glob(f"*-{os.getpid()}.seat"))
+
+
+def test_parallel_local_variants_run_side_by_side_with_the_same_outcomes(two_sweeps):
+    """After the baseline, fp8 and awq start together: awq starts before fp8 reaches its last stage, fails
+    alone as it does one at a time, and fp8's deterministic figures equal the one-at-a-time sweep's."""
+    (uri, outcome, display), (local_uri, local, _) = two_sweeps["parallel"], two_sweeps["local"]
+    assert outcome.finished == ["bf16", "fp8"]
+    assert outcome.failures.keys() == {"awq"} and "calibration.num_samples" in outcome.failures["awq"]
+    stages = [(variant, stage) for variant, stage, _ in display.stages]
+    assert stages.index(("awq", "prepare model")) < stages.index(("fp8", "measure"))
+    assert max(i for i, (variant, _) in enumerate(stages) if variant == "bf16") < stages.index(("fp8", "prepare model"))
+    got, expected = (_metrics(u, o.parent_run_id) for u, o in ((uri, outcome), (local_uri, local)))
+    for key in ("cost/weight_bytes", "cost/bits_per_weight", "eval/pydoc_cloze/acc"):
+        assert got["fp8"][key] == expected["fp8"][key], key
+    # One torch thread each side by side, two one at a time: float sums in another order.
+    assert got["fp8"]["quality/ppl"] == pytest.approx(expected["fp8"]["quality/ppl"], rel=1e-4)
 
 
 def test_in_process_stages_are_reported_from_this_process(two_sweeps):

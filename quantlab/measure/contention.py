@@ -248,8 +248,12 @@ def follow_share(model: Any) -> None:
 
 def _recount(module: Any, args: Any) -> None:
     global _counted_at
+    if _following is None:
+        return
+    if not _timing:
+        _wait_while_another_variant_times(_following.directory)
     now = time.monotonic()
-    if _following is None or _pinned or now - _counted_at < RECOUNT_SECONDS:
+    if _pinned or now - _counted_at < RECOUNT_SECONDS:
         return
     _counted_at = now
     import torch
@@ -257,6 +261,54 @@ def _recount(module: Any, args: Any) -> None:
     threads = thread_share(visible_cores(), _following.live()).threads
     if threads != torch.get_num_threads():
         torch.set_num_threads(threads)
+
+
+# --- Timing alone ---------------------------------------------------------------------------------------------
+
+# A measure stage times a variant's speed; variants of this sweep run side by side (--parallel) or of other
+# sweeps on the host would slow it and flag it contended. So it holds the host's timing lock exclusively while
+# it times, and every seated variant takes it shared, for an instant, before each forward pass of its models
+# (the hooks of follow_share): they pause at their next forward pass until the timing is done. Work between
+# forward passes (tokenizing, a quantizer's search inside one block) goes on; the contention verdict still
+# reports what competed. Two measure stages on one host take turns.
+TIMING_LOCK = "timing.lock"
+_timing = False  # this process holds the timing lock: its own forward passes must not wait for it
+
+
+def _wait_while_another_variant_times(directory: Path) -> None:
+    try:
+        descriptor = os.open(directory / TIMING_LOCK, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:  # no variant has timed on this host yet
+        return
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_SH)  # blocks while a measure stage holds it
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)  # releases it
+
+
+@contextlib.contextmanager
+def timing_alone() -> Iterator[None]:
+    """Hold the host's timing lock for the block (waiting for another variant's measure stage to finish first):
+    the other seated variants pause at their next forward pass. Nothing where this process holds no seat
+    (Ray, QUANTLAB_THREADS, no writable temporary folder)."""
+    global _timing
+    if _following is None:
+        yield
+        return
+    try:
+        descriptor = os.open(_following.directory / TIMING_LOCK, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        _timing = True
+        yield
+    finally:
+        _timing = False
+        os.close(descriptor)
 
 
 @contextlib.contextmanager
