@@ -236,6 +236,27 @@ def test_a_variant_pauses_at_its_forward_passes_while_another_times(tmp_path, mo
                 process.wait()
 
 
+def test_a_timer_stuck_on_the_lock_does_not_stop_the_others_for_ever(tmp_path, monkeypatch, caplog):
+    """Past TIMING_WAIT_SECONDS a variant goes on, says so once, and stops waiting for that lock."""
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    monkeypatch.setenv(SEATS_ENV, str(tmp_path))
+    monkeypatch.setattr(contention, "TIMING_WAIT_SECONDS", 1.0)
+    monkeypatch.setattr(contention, "_gave_up_waiting", False)
+    timer = subprocess.Popen([sys.executable, "-c", TIMER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert timer.stdout.readline().strip() == "timing"
+        started = time.monotonic()
+        contention._wait_while_another_variant_times(tmp_path)
+        assert 1.0 <= time.monotonic() - started < 10
+        assert "going on without waiting for it again" in caplog.text
+        started = time.monotonic()
+        contention._wait_while_another_variant_times(tmp_path)
+        assert time.monotonic() - started < 0.5
+    finally:
+        timer.kill()
+        timer.wait()
+
+
 # --- Contention: the verdict ------------------------------------------------------------------------------
 
 

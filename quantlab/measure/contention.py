@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import re
 import socket
@@ -29,6 +30,8 @@ from typing import Any
 import psutil
 
 from quantlab.errors import bad_input
+
+logger = logging.getLogger(__name__)
 
 THREADS_ENV = "QUANTLAB_THREADS"  # overrides every variant's thread share
 # Variables read by OpenMP, MKL and OpenBLAS when they start: a library that starts after the variant
@@ -275,15 +278,37 @@ TIMING_LOCK = "timing.lock"
 _timing = False  # this process holds the timing lock: its own forward passes must not wait for it
 
 
+TIMING_WAIT_SECONDS = 1800.0  # a pause this long means a stuck timer, not a slow one: go on (and say so)
+_gave_up_waiting = False
+
+
 def _wait_while_another_variant_times(directory: Path) -> None:
+    global _gave_up_waiting
     try:
         descriptor = os.open(directory / TIMING_LOCK, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:  # no variant has timed on this host yet
         return
     try:
-        fcntl.flock(descriptor, fcntl.LOCK_SH)  # blocks while a measure stage holds it
-    except OSError:
-        pass
+        # Polled, not a blocking flock: a process stuck while holding it must not stop every variant forever.
+        deadline = None if _gave_up_waiting else time.monotonic() + TIMING_WAIT_SECONDS
+        while True:
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if deadline is None or time.monotonic() > deadline:
+                    if not _gave_up_waiting:
+                        _gave_up_waiting = True
+                        logger.warning(
+                            "another quantlab variant has held %s for %.0f s; going on without waiting for it again "
+                            "(its speed figures are flagged if this variant competes with them)",
+                            directory / TIMING_LOCK,
+                            TIMING_WAIT_SECONDS,
+                        )
+                    return
+                time.sleep(0.05)
+            except OSError:
+                return
     finally:
         os.close(descriptor)  # releases it
 
