@@ -248,9 +248,15 @@ def test_a_timer_stuck_on_the_lock_does_not_stop_the_others_for_ever(tmp_path, m
         started = time.monotonic()
         contention._wait_while_another_variant_times(tmp_path)
         assert 1.0 <= time.monotonic() - started < 10
-        assert "going on without waiting for it again" in caplog.text
+        assert "going on without it from now on" in caplog.text
         started = time.monotonic()
         contention._wait_while_another_variant_times(tmp_path)
+        assert time.monotonic() - started < 0.5
+        # A measure stage of its own does not wait for the stuck one either (and does not claim the lock).
+        monkeypatch.setattr(contention, "_following", contention.Seats(tmp_path))
+        started = time.monotonic()
+        with contention.timing_alone():
+            assert not contention._timing
         assert time.monotonic() - started < 0.5
     finally:
         timer.kill()

@@ -278,37 +278,42 @@ TIMING_LOCK = "timing.lock"
 _timing = False  # this process holds the timing lock: its own forward passes must not wait for it
 
 
-TIMING_WAIT_SECONDS = 1800.0  # a pause this long means a stuck timer, not a slow one: go on (and say so)
-_gave_up_waiting = False
+TIMING_WAIT_SECONDS = 1800.0  # a wait this long means a stuck process, not a slow one: go on (and say so)
+_gave_up_waiting = False  # once gone on, this process does not wait for the timing lock again
+
+
+def _lock_within(descriptor: int, mode: int) -> bool:
+    """Take the flock `mode` on `descriptor`, waiting at most TIMING_WAIT_SECONDS (polled, not a blocking flock:
+    a process stuck while holding the lock must not stop every variant on the host for ever); False if not."""
+    global _gave_up_waiting
+    deadline = time.monotonic() + (0.0 if _gave_up_waiting else TIMING_WAIT_SECONDS)
+    while True:
+        try:
+            fcntl.flock(descriptor, mode | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                if not _gave_up_waiting:
+                    _gave_up_waiting = True
+                    logger.warning(
+                        "another quantlab variant has held the host's timing lock (%s) for %.0f s; going on without "
+                        "it from now on (speed figures timed meanwhile are flagged if they were contended)",
+                        TIMING_LOCK,
+                        TIMING_WAIT_SECONDS,
+                    )
+                return False
+            time.sleep(0.05)
+        except OSError:  # a file system without locks
+            return False
 
 
 def _wait_while_another_variant_times(directory: Path) -> None:
-    global _gave_up_waiting
     try:
         descriptor = os.open(directory / TIMING_LOCK, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:  # no variant has timed on this host yet
         return
     try:
-        # Polled, not a blocking flock: a process stuck while holding it must not stop every variant forever.
-        deadline = None if _gave_up_waiting else time.monotonic() + TIMING_WAIT_SECONDS
-        while True:
-            try:
-                fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                return
-            except BlockingIOError:
-                if deadline is None or time.monotonic() > deadline:
-                    if not _gave_up_waiting:
-                        _gave_up_waiting = True
-                        logger.warning(
-                            "another quantlab variant has held %s for %.0f s; going on without waiting for it again "
-                            "(its speed figures are flagged if this variant competes with them)",
-                            directory / TIMING_LOCK,
-                            TIMING_WAIT_SECONDS,
-                        )
-                    return
-                time.sleep(0.05)
-            except OSError:
-                return
+        _lock_within(descriptor, fcntl.LOCK_SH)
     finally:
         os.close(descriptor)  # releases it
 
@@ -317,7 +322,7 @@ def _wait_while_another_variant_times(directory: Path) -> None:
 def timing_alone() -> Iterator[None]:
     """Hold the host's timing lock for the block (waiting for another variant's measure stage to finish first):
     the other seated variants pause at their next forward pass. Nothing where this process holds no seat
-    (Ray, QUANTLAB_THREADS, no writable temporary folder)."""
+    (Ray, QUANTLAB_THREADS, no writable temporary folder), or past TIMING_WAIT_SECONDS of waiting."""
     global _timing
     if _following is None:
         yield
@@ -328,8 +333,7 @@ def timing_alone() -> Iterator[None]:
         yield
         return
     try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX)
-        _timing = True
+        _timing = _lock_within(descriptor, fcntl.LOCK_EX)
         yield
     finally:
         _timing = False
