@@ -38,6 +38,8 @@ import yaml
 from sweep_overhead import EVALS_DIR, OFFLINE_ENV, REPO, run_benchmark  # puts tests/ on sys.path
 from tiny import save_tiny_llama
 
+from quantlab.cache import default_root
+
 EMBEDDED_RECIPE = REPO / "recipes" / "smollm2-135m.yaml"
 MINI_VARIANTS = ("bf16", "fp8")
 
@@ -104,6 +106,17 @@ class SweepRun:
             self.metrics[run.variant] = run.metrics
 
 
+def add_folder_arguments(parser: argparse.ArgumentParser) -> None:
+    """--source-cache and --work-dir, shared with parallel_sweep.py."""
+    parser.add_argument(
+        "--source-cache",
+        type=Path,
+        default=default_root(),
+        help="a cache whose sources/ (converted model sources) each sweep starts with",
+    )
+    parser.add_argument("--work-dir", type=Path, help="keep stores, caches and outputs here (default: a temporary one)")
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", type=Path, help="recipe to sweep (default: a mini recipe written here)")
@@ -123,13 +136,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="give each concurrent sweep QUANTLAB_THREADS = visible cores / copies (default: each variant's share of the host)",
     )
     parser.add_argument("--max-ratio", type=float, default=1.2, help="allowed ratio to the fair share (default 1.2)")
-    parser.add_argument(
-        "--source-cache",
-        type=Path,
-        default=Path(os.environ.get("QUANTLAB_CACHE_DIR") or Path.home() / ".cache" / "quantlab"),
-        help="a cache whose sources/ (converted model sources) each sweep starts with",
-    )
-    parser.add_argument("--work-dir", type=Path, help="keep stores, caches and outputs here (default: a temporary one)")
+    add_folder_arguments(parser)
     parser.add_argument("--dry-run", action="store_true", help="write the recipe and print the plan; run nothing")
     args = parser.parse_args(argv)
     if args.copies < 1 or args.limit < 0:

@@ -34,8 +34,10 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
+from quantlab.cache import default_root
+
 REPO = Path(__file__).resolve().parents[1]
-ROOT_CACHE = Path(os.environ.get("QUANTLAB_CACHE_DIR") or Path.home() / ".cache" / "quantlab")
+ROOT_CACHE = default_root()
 
 
 def sweep_command(recipe: Path, uri: str, cache: Path, *extra: str) -> list[str]:

@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny import EMBEDDED_GGUF  # noqa: E402
 
+from quantlab.cache import default_root  # noqa: E402
 from quantlab.measure.contention import TIMING_LOCK, Seats, local_share, use_threads  # noqa: E402
 from quantlab.models import load_source_model, materialize, resolve_source  # noqa: E402
 from quantlab.recipe import ModelSpec  # noqa: E402
@@ -45,8 +46,7 @@ def forward_seconds(model: torch.nn.Module, tokens: torch.Tensor, calls: int) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=15, help="alternating timed rounds per shape (default 15)")
-    default_cache = os.environ.get("QUANTLAB_CACHE_DIR") or Path.home() / ".cache" / "quantlab"
-    parser.add_argument("--cache-dir", type=Path, default=Path(default_cache))
+    parser.add_argument("--cache-dir", type=Path, default=default_root())
     args = parser.parse_args()
 
     source = materialize(resolve_source(ModelSpec(source=EMBEDDED_GGUF), Path.cwd()), args.cache_dir)

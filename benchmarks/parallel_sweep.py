@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
-from concurrent_sweeps import EMBEDDED_RECIPE, SweepRun, contention_lines, prime, write_recipe
+from concurrent_sweeps import EMBEDDED_RECIPE, SweepRun, add_folder_arguments, contention_lines, prime, write_recipe
 from sweep_overhead import run_benchmark
 
 QUALITY = ("quality/ppl", "quality/kl_mean", "quality/top1_agreement")
@@ -37,13 +37,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", choices=("embedded", "tiny"), default="embedded", help="tiny: a random Llama")
     parser.add_argument("--limit", type=int, default=0, help="documents per eval task, at most (0: the recipe's)")
     parser.add_argument("--parallel", type=int, default=2, help="variants at once in the second sweep (default 2)")
-    parser.add_argument(
-        "--source-cache",
-        type=Path,
-        default=Path(os.environ.get("QUANTLAB_CACHE_DIR") or Path.home() / ".cache" / "quantlab"),
-        help="a cache whose sources/ (converted model sources) each sweep starts with",
-    )
-    parser.add_argument("--work-dir", type=Path, help="keep stores, caches and outputs here (default: temporary)")
+    add_folder_arguments(parser)
     args = parser.parse_args(argv)
     if args.model == "tiny":
         args.recipe = None  # write_recipe's tiny recipe

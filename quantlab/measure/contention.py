@@ -89,12 +89,12 @@ def thread_share(
     return ThreadShare(max(1, cores // concurrent), f"{cores} visible cores / {variants} at a time")
 
 
-def local_share(concurrent: int = 1, seats: Seats | None = None) -> ThreadShare:
+def local_share(seats: Seats | None = None) -> ThreadShare:
     """The share of a variant run on this machine by the local (or in-process) executor: with `seats`, the
     cores divided among every quantlab variant holding a seat on this host (other sweeps' too)."""
     override = os.environ.get(THREADS_ENV)
     if seats is None or (override is not None and override.strip()):
-        return thread_share(visible_cores(), concurrent, override=override)
+        return thread_share(visible_cores(), override=override)
     cores, live = visible_cores(), seats.live()
     share = thread_share(cores, live)
     if live == 1:
