@@ -4,8 +4,9 @@ lm-eval's task index), before a sweep spends compute. `validate` runs them all."
 from __future__ import annotations
 
 import contextlib
+import difflib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from quantlab.models import (
     in_local_cache,
     linear_input_widths,
     materialized,
+    module_classes,
+    module_classes_identity,
     resolve_source,
     source_problem,
     widths_identity,
@@ -26,6 +29,9 @@ from quantlab.quantize import METHODS
 from quantlab.recipe import LoadedRecipe, parse_recipe, read_recipe, section
 
 RECIPE_CHECKS_DIR = "recipe-checks"  # under the cache root: what `check_recipe` looked up
+# Every quantizing method targets the Linear layers (quantlab/quantize: targets "Linear"): a pattern of
+# `params.ignore` keeps something in BF16 only where it matches a module of this class.
+QUANTIZED_CLASS = "Linear"
 
 
 def missing_files(data: dict, base_dir: Path, shown: str) -> list[Problem]:
@@ -46,7 +52,8 @@ def missing_files(data: dict, base_dir: Path, shown: str) -> list[Problem]:
 
 
 def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None, hub_optional: bool = False) -> LoadedRecipe:
-    """The model's config (layer widths against each method's params) and lm-eval's task index. Raises BadInput.
+    """The model's config (layer widths and module names against each method's params) and lm-eval's task index.
+    Raises BadInput.
 
     Both are slow to find out and fixed by content: with `cache_root`, what `remember_lookups` kept
     there is read instead, and the recipe comes back with what this check looked up. A hub model
@@ -66,22 +73,36 @@ def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None, hub_optio
 
     problems: list[Problem] = []
     needs_hub: list[str] = []
+    # Only the patterns a recipe writes are checked: the default (["lm_head"]) is llm-compressor's own convention,
+    # which it skips where a model has no such module, and an error in a field the recipe never wrote would puzzle.
+    ignores = {
+        index: list(variant.params.ignore)
+        for index, variant in enumerate(recipe.variants)
+        if "ignore" in variant.params.model_fields_set
+    }
     try:
         source = resolve_source(recipe.model, loaded.path.parent)
+        facts = [widths_identity(source)] + ([module_classes_identity(source)] if ignores else [])
         offline_hub_model = (
             source.kind == "hub"
-            and cache.recall(remembered, widths_identity(source)) is None
+            and any(cache.recall(remembered, identity) is None for identity in facts)
             and not in_local_cache(source)
             and not hub_reachable()
         )
         if not offline_hub_model:
             config_from = materialized(source, cache_root) if cache_root is not None else source
             widths = look_up(widths_identity(source), lambda: linear_input_widths(config_from))
+            modules = look_up(module_classes_identity(source), lambda: module_classes(config_from)) if ignores else {}
             for index, variant in enumerate(recipe.variants):
-                for field, message in METHODS[variant.method].check_model(variant.params, widths):
+                found = [
+                    *METHODS[variant.method].check_model(variant.params, widths),
+                    *(ignore_problems(ignores[index], modules) if index in ignores else []),
+                ]
+                for field, message in found:
                     problems.append(Problem(shown, f"variants[{index}] ({variant.name}).params.{field}", message))
         elif hub_optional:
-            needs_hub.append(f"model.source: the config of {source.display} (layer widths against group sizes)")
+            checked = "layer widths against group sizes" + (", module names against params.ignore" if ignores else "")
+            needs_hub.append(f"model.source: the config of {source.display} ({checked})")
         else:
             no_copy = "this machine cannot reach the hub, and the local Hugging Face cache has no copy"
             problems.append(Problem(shown, "model.source", f"{source.display} is a hub model, {no_copy}"))
@@ -109,6 +130,71 @@ def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None, hub_optio
     if problems:
         raise BadInput(problems)
     return replace(loaded, lookups=tuple(lookups), needs_hub=tuple(needs_hub))
+
+
+def ignore_problems(patterns: Sequence[str], modules: Mapping[str, Sequence[str]]) -> list[tuple[str, str]]:
+    """(param field, message) for each pattern of a variant's `ignore` that keeps no Linear layer in BF16 (it
+    matches nothing, or only modules that are not quantized), or is no valid regular expression; and one for the
+    whole list when it keeps every Linear layer (the variant would quantize nothing). `modules` is
+    `models.module_classes`: each module's name -> its class names."""
+    quantized = [name for name, classes in modules.items() if QUANTIZED_CLASS in classes]
+    found: list[tuple[str, str]] = []
+    kept: set[str] = set()
+    for j, pattern in enumerate(patterns):
+        try:
+            matched = matching_modules(pattern, modules)
+        except re.error as error:
+            found.append((f"ignore[{j}]", f"'{pattern}' is not a valid regular expression ({error})"))
+            continue
+        if linear := [name for name in matched if QUANTIZED_CLASS in modules[name]]:
+            kept.update(linear)
+            continue
+        found.append((f"ignore[{j}]", _keeps_nothing(pattern, matched, modules, quantized)))
+    if quantized and kept.issuperset(quantized):
+        found.append(("ignore", "keeps every Linear layer in BF16: the variant would quantize nothing (use bf16)"))
+    return found
+
+
+def matching_modules(pattern: str, modules: Mapping[str, Sequence[str]]) -> list[str]:
+    """The modules that llm-compressor's `ignore` matches with `pattern`, as compressed-tensors' `is_match` does:
+    a module whose name matches (its own `match_name`: equal, or for `re:` Python's re.match, anchored at the
+    name's start) or one of whose classes (its MRO) is named `pattern`. Raises re.error for a bad `re:`."""
+    from compressed_tensors.utils.match import match_name
+
+    return [name for name, classes in modules.items() if match_name(name, pattern) or pattern in classes]
+
+
+def _keeps_nothing(pattern: str, matched: list[str], modules: Mapping[str, Sequence[str]], quantized: list[str]) -> str:
+    """Why `pattern` keeps no Linear layer, with what it probably meant."""
+    if matched:  # a block or an attention / MLP module: each Linear layer is matched by its own name
+        first = matched[0]
+        shown = f"'{first}' ({modules[first][0]})" + (f" and {len(matched) - 1} more" if len(matched) > 1 else "")
+        return (
+            f"'{pattern}' matches no Linear layer, only {shown}: a layer is kept in BF16 by its own name, "
+            f"so keep everything under '{first}' with 're:{re.escape(first)}\\..*'"
+        )
+    if pattern.startswith("re:"):
+        body = pattern.removeprefix("re:")
+        inside = next((name for name in quantized if re.search(body, name)), None)
+        if inside is not None:  # the usual slip: re.match anchors at the start, so 'layers\.0' misses 'model.layers.0'
+            return (
+                f"'{pattern}' matches no module name from its start (compressed-tensors uses re.match), though it "
+                f"is found inside '{inside}': did you mean 're:.*{body}'?"
+            )
+        # The regex's literal text (escapes and wildcards dropped) against the names.
+        word = re.sub(r"\\(.)", r"\1", re.sub(r"\.\*|\.\+|[\^$()?+*]", "", body))
+        return f"'{pattern}' matches no module of the model{_closest(word, modules)}"
+    return f"'{pattern}' matches no module of the model{_closest(pattern, modules)}"
+
+
+def _closest(word: str, modules: Mapping[str, Sequence[str]]) -> str:
+    """ " (closest: 'a', 'b', 'c')" among the module and class names, or an example of the names."""
+    choices = sorted({*modules, *(cls for classes in modules.values() for cls in classes)} - {""})
+    close = difflib.get_close_matches(word, choices, n=3, cutoff=0.6)
+    if close:
+        return f" (closest: {', '.join(repr(name) for name in close)})"
+    linear = [name for name, classes in modules.items() if QUANTIZED_CLASS in classes]
+    return f" (its Linear layers are named like {', '.join(repr(name) for name in linear[:1] + linear[-1:])})"
 
 
 def _tasks_defined_under(include_path: Path | None) -> set[str]:

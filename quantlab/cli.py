@@ -11,12 +11,17 @@ import json
 import os
 import signal
 import sys
+import tempfile
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from quantlab.errors import BadInput, Problem, bad_input, first_line
 
@@ -178,6 +183,153 @@ def sweep(
     if (address := tracking.run_address(uri, outcome.experiment_id, outcome.parent_run_id)) is not None:
         out.print(f"View it at {address}")
     raise typer.Exit(outcome.exit_code)
+
+
+@app.command("sensitivity")
+def sensitivity_command(
+    recipe: Annotated[Path, typer.Argument(help="Recipe YAML, e.g. recipes/smollm2-135m.yaml.")],
+    variant: Annotated[str, typer.Option(help="The quantized variant whose damage to locate, e.g. awq-int4-g64.")],
+    by: Annotated[
+        str,
+        typer.Option(
+            help="block: one group per decoder block. module: one group per kind of module within each block "
+            "(its attention projections, its MLP projections)."
+        ),
+    ] = "block",
+    rounded: Annotated[
+        bool,
+        typer.Option(
+            "--rounded",
+            help="Swap in the modules of a round-to-nearest copy in the variant's format, without the method's "
+            "calibration (AWQ, GPTQ, SmoothQuant): quicker to make when calibrating takes long, but only an "
+            "approximation of the method's ranking (on the embedded model, AWQ INT4: rank correlation 0.67, same "
+            "first block; benchmarks/README.md). Default: the variant's own checkpoint, reused from the cache when a "
+            "sweep built it. For FP8 the two are the same.",
+        ),
+    ] = False,
+    write_recipe: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write a copy of RECIPE here with one more variant: VARIANT keeping the --keep most damaging groups "
+            "in BF16 (params.ignore), for the next sweep to place on the frontier."
+        ),
+    ] = None,
+    keep: Annotated[int, typer.Option(min=1, help="Groups the written variant keeps in BF16.")] = 2,
+    force: Annotated[
+        bool, typer.Option("--force", help="Measure every group again, even those already measured.")
+    ] = False,
+    tracking_uri: TrackingUri = None,
+    cache_dir: CacheDir = None,
+) -> None:
+    """Rank the layers of a quantized variant by the damage each does alone.
+
+    Quantizes one group of layers at a time (the rest stay as in the baseline) and measures its KL divergence,
+    top-1 agreement and perplexity against the baseline's reference pass over the quality corpus (the sweep's own,
+    computed once). Logs an MLflow run of role `sensitivity` (under a parent of its own) with every group's figures,
+    the ranking as JSON and a bar chart. Finished groups are kept as they finish: running it again, or after an
+    interruption, measures only what is missing. Exit 0 done; 2 bad input.
+    """
+    from quantlab import tracking
+    from quantlab.cache import default_root
+    from quantlab.checks import validate
+    from quantlab.sensitivity.command import SensitivityOptions, check_request, run_sensitivity
+    from quantlab.sensitivity.probe import CannotIsolate
+
+    if by not in ("block", "module"):
+        raise bad_input("--by", "", f"'{by}' is not one of: block, module")
+    cache_root = (cache_dir or default_root()).resolve()
+    loaded = validate(recipe, cache_root)
+    options = SensitivityOptions(
+        tracking.open_store(tracking_uri).uri, cache_root, by, rounded, force, write_recipe, keep
+    )
+    check_request(loaded, variant, options)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    log = Path(tempfile.mkstemp(prefix="quantlab-sensitivity-", suffix=".log")[1])
+    with (
+        _output_to(log) as terminal,
+        Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=terminal,
+        ) as bar,
+    ):
+        task = bar.add_task("starting", total=None)
+
+        def progress(what: str, done: int, total: int) -> None:
+            bar.update(task, description=what, completed=done, total=total or None)
+
+        try:
+            outcome = run_sensitivity(loaded, variant, replace(options, log=log), progress)
+        except KeyboardInterrupt:
+            terminal.print("Interrupted: the groups measured so far are kept; run the same command again to go on.")
+            raise typer.Exit(130) from None
+        except BadInput:
+            raise
+        except CannotIsolate as error:  # found once the models are loaded: the runs it started are marked FAILED
+            raise bad_input("--by", "", str(error)) from None
+        except Exception as error:
+            traceback.print_exc()  # into the log
+            terminal.print(f"[red]Failed[/]: {first_line(error)} (the libraries' output and the traceback: {log})")
+            raise typer.Exit(1) from None
+    log.unlink(missing_ok=True)
+    _print_sensitivity(outcome, keep)
+    uri = options.tracking_uri
+    out.print(f"Logged to {tracking.shown_uri(uri)}, experiment '{loaded.recipe.name}', run {outcome.run_id}.")
+    if (address := tracking.run_address(uri, outcome.experiment_id, outcome.run_id)) is not None:
+        out.print(f"View it at {address}")
+
+
+@contextmanager
+def _output_to(log: Path) -> Iterator[Console]:
+    """The libraries' own output (llm-compressor's logs, progress bars of every layer) into `log`, at the level of
+    file descriptors so that native code's goes there too; yields a console on the terminal for ours."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(saved[0], "w", closefd=False) as terminal, open(log, "a") as sink:
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield Console(file=terminal, soft_wrap=True, highlight=False)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+def _print_sensitivity(outcome, keep: int) -> None:
+    from rich.table import Table
+
+    result = outcome.result
+    kept = len(result.groups) - result.computed
+    out.print(
+        f"{len(result.groups)} groups ranked by KL from the baseline; modules quantized by {outcome.rounding}."
+        + (f" {kept} groups were measured before and kept (--force measures them again)." if kept else "")
+    )
+    table = Table("rank", "KL mean", "KL p99", "top-1 agreement", "ppl")
+    table.add_column("group", no_wrap=True)  # last, whole: names such as model.layers.12.self_attn
+    rows = [("", "every group at once", result.whole)] + [
+        (str(rank), item.group.name, item.metrics) for rank, item in enumerate(outcome.ranking, start=1)
+    ]
+    for rank, name, metrics in rows:
+        table.add_row(
+            rank,
+            f"{metrics['quality/kld_mean']:.5f}",
+            f"{metrics['quality/kld_p99']:.4f}",
+            f"{metrics['quality/top1_agreement']:.2%}",
+            f"{metrics['quality/ppl']:.3f}",
+            name,
+        )
+    out.print(table)
+    if outcome.written is not None:
+        path, name = outcome.written
+        out.print(f"Wrote {path}: its variant {name} keeps the {keep} most damaging groups in BF16.")
 
 
 @app.command("validate")
@@ -578,8 +730,10 @@ def main() -> None:
     try:
         app()
     except BadInput as error:
-        for problem in error.problems:
-            err.print(f"[bold red]error:[/] {problem}")
+        from rich.markup import escape
+
+        for problem in error.problems:  # escaped: a regex's [a-z] is not a style
+            err.print(f"[bold red]error:[/] {escape(str(problem))}")
         sys.exit(2)
 
 

@@ -150,6 +150,17 @@ def widths_identity(source: ModelSource) -> dict[str, str]:
 def linear_input_widths(source: ModelSource) -> dict[str, int]:
     """Input width of every nn.Linear except lm_head, from the config alone (meta device, no weights)."""
     import torch
+
+    return {
+        name: module.in_features
+        for name, module in _meta_model(source).named_modules()
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head")
+    }
+
+
+def _meta_model(source: ModelSource) -> torch.nn.Module:
+    """The model as its config builds it, on the meta device: its modules' names and shapes, no weights."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     location, kwargs = _from_pretrained_args(source)
@@ -158,11 +169,29 @@ def linear_input_widths(source: ModelSource) -> dict[str, int]:
     except Exception as error:  # noqa: BLE001 - any failure here is the user's source being unusable
         raise bad_input("", "model.source", f"cannot read the model config of {source.display}: {error}") from None
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=source.trust_remote_code)
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=source.trust_remote_code)
+
+
+def module_classes_identity(source: ModelSource) -> dict[str, str]:
+    """What decides `module_classes`: as `widths_identity`, under a key of its own (another fact, another file)."""
+    from importlib.metadata import version
+
     return {
-        name: module.in_features
-        for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head")
+        "module_classes_of": source.identity,
+        "trust_remote_code": str(source.trust_remote_code),
+        "transformers": version("transformers"),
+    }
+
+
+def module_classes(source: ModelSource) -> dict[str, list[str]]:
+    """Every module's name (the root is "") -> the names of the nn.Module classes in its MRO, from the config alone
+    (meta device, no weights): what llm-compressor's `ignore` and `targets` patterns are matched against (a name,
+    or a class name such as "Linear"). A tied lm_head is still a module of its own here, as when it is loaded."""
+    import torch
+
+    return {
+        name: [cls.__name__ for cls in type(module).__mro__ if issubclass(cls, torch.nn.Module)]
+        for name, module in _meta_model(source).named_modules()
     }
 
 

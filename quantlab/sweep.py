@@ -105,8 +105,7 @@ def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay
     computed = [name for name in order if keys[name] not in set(reusable) | kept]
     space = sweep_space_needs(loaded, computed, options.cache_root, options.force)
     disk.refuse_sweep(space + disk.artifact_needs(store.uri, len(order) + 1))  # bad input, before any run
-    who = {HOST: socket.gethostname(), PID: str(os.getpid()), PID_STARTED: str(psutil.Process().create_time())}
-    parent = tracking.start_sweep(store, experiment, f"sweep {loaded.recipe.name}", who)
+    parent = tracking.start_sweep(store, experiment, f"sweep {loaded.recipe.name}", sweep_process_tags())
     sweep = SweepRuns(store, experiment, parent, loaded, options, display, keys)
     try:
         store.log_files(parent, {"recipe.yaml": loaded.text})
@@ -316,6 +315,11 @@ class SweepRuns:
                 if self.store.run(run_id).status == "RUNNING":
                     self.store.finish(run_id, status)
             self.store.finish(self.parent_run_id, status)
+
+
+def sweep_process_tags() -> dict[str, str]:
+    """Who runs this sweep: host, pid and the process's start time (`mark_dead_sweeps` reads them)."""
+    return {HOST: socket.gethostname(), PID: str(os.getpid()), PID_STARTED: str(psutil.Process().create_time())}
 
 
 def mark_dead_sweeps(store: tracking.TrackingStore, experiment: str) -> list[str]:

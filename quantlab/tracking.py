@@ -297,6 +297,29 @@ def start_sweep(store: TrackingStore, experiment_id: str, name: str, tags: dict[
     return store.start_run(experiment_id, name, {ROLE: "sweep", **tags})
 
 
+SENSITIVITY_PARENT_ROLE = "sensitivity-sweep"  # not "sweep": the latest sweep, its frontier and pick never see it
+
+
+def start_sensitivity(
+    store: TrackingStore, experiment_id: str, variant: str, method: str, run_key: str, tags: dict[str, str]
+) -> tuple[str, str]:
+    """(parent, run) of one `quantlab sensitivity`: a parent of its own, and its run of role `sensitivity`."""
+    parent = store.start_run(experiment_id, f"sensitivity {variant}", {ROLE: SENSITIVITY_PARENT_ROLE, **tags})
+    run_tags = {ROLE: "sensitivity", VARIANT: variant, METHOD: method, RUN_KEY: run_key}
+    return parent, store.start_run(experiment_id, f"{variant} by group", run_tags, parent=parent)
+
+
+def end_unfinished(store: TrackingStore, run_ids: Iterable[str], status: str, reason: str) -> None:
+    """Runs of work that is dying end with `status` and why, unless they already ended (or the store is down)."""
+    try:
+        for run_id in run_ids:
+            if store.run(run_id).status == "RUNNING":
+                store.log_values(run_id, tags={FAILURE: reason[:5000]})
+                store.finish(run_id, status)
+    except store_errors():
+        pass
+
+
 def start_variant(
     store: TrackingStore, experiment_id: str, parent: str, name: str, method: str, *, baseline: bool, run_key: str
 ) -> str:
@@ -403,7 +426,12 @@ def kill_sweeps(
     store: TrackingStore, experiment_id: str, dead: Callable[[dict[str, str]], bool], reason: str
 ) -> list[str]:
     """RUNNING sweeps that will never finish (`dead` of their tags): each and its RUNNING variant runs become KILLED."""
-    killed = [run.run_id for run in store.search([experiment_id], {ROLE: "sweep"}, status="RUNNING") if dead(run.tags)]
+    running = [
+        run
+        for role in ("sweep", SENSITIVITY_PARENT_ROLE)
+        for run in store.search([experiment_id], {ROLE: role}, status="RUNNING")
+    ]
+    killed = [run.run_id for run in running if dead(run.tags)]
     for sweep_run_id in killed:
         for child in child_runs(store, sweep_run_id):
             if child.status == "RUNNING":

@@ -18,14 +18,10 @@ class AwqInt4(GroupwiseInt4):
     @staticmethod
     def apply(model, params: Params, calibration) -> None:
         import torch
-        from llmcompressor.modifiers.quantization import QuantizationModifier
         from llmcompressor.modifiers.transform.awq import AWQModifier
         from llmcompressor.pipelines.cache import IntermediatesCache
 
-        recipe = [
-            AWQModifier(duo_scaling=params.duo_scaling),
-            QuantizationModifier(config_groups=GroupwiseInt4.int4_groups(params), ignore=list(params.ignore)),
-        ]
+        recipe = [AWQModifier(duo_scaling=params.duo_scaling), *GroupwiseInt4.rounded(params)]
         # llm-compressor 0.14's AWQ pins cached activations to speed copies to an accelerator; with none,
         # `Tensor.pin_memory()` raises ("Cannot access accelerator device..."), so pinning is skipped.
         unpinned = patch.object(IntermediatesCache, "pin_memory", lambda self, batch_index, input_names=None: None)

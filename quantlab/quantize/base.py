@@ -30,6 +30,8 @@ class Method:
 
     Params: ClassVar[type[MethodParams]] = MethodParams
     needs_calibration: ClassVar[bool] = False
+    # Whether `rounded` is all that `apply` does (a data-free method): then its own checkpoint serves both.
+    rounding_is_the_method: ClassVar[bool] = False
 
     @staticmethod
     def check_model(params: MethodParams, linear_widths: dict[str, int]) -> list[tuple[str, str]]:
@@ -40,6 +42,12 @@ class Method:
     def apply(model: PreTrainedModel, params: MethodParams, calibration: CalibrationSet | None) -> None:
         """Quantize `model` in place, ready for `save_pretrained(..., save_compressed=True)`."""
         raise NotImplementedError
+
+    @staticmethod
+    def rounded(params: MethodParams) -> list[Any] | None:
+        """llm-compressor modifiers storing this method's format by round-to-nearest, data-free: no calibration,
+        no smoothing. What `quantlab sensitivity` ranks layers with, quickly; None when nothing is quantized."""
+        return None
 
 
 class GroupwiseInt4(Method):
@@ -75,6 +83,12 @@ class GroupwiseInt4(Method):
             num_bits=4, type="int", symmetric=params.symmetric, strategy="group", group_size=params.group_size
         )
         return {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
+
+    @staticmethod
+    def rounded(params: Params) -> list[Any]:
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+
+        return [QuantizationModifier(config_groups=GroupwiseInt4.int4_groups(params), ignore=list(params.ignore))]
 
 
 def calibrated_oneshot(model: PreTrainedModel, recipe: Any, calibration: CalibrationSet | None) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field
 
 from quantlab.quantize.base import Method, MethodParams
@@ -11,10 +13,16 @@ class Fp8(Method):
     class Params(MethodParams):
         ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="Modules kept in BF16.")
 
+    rounding_is_the_method: ClassVar[bool] = True
+
+    @staticmethod
+    def rounded(params: Params) -> list:
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+
+        return [QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=list(params.ignore))]
+
     @staticmethod
     def apply(model, params: Params, calibration) -> None:
         from llmcompressor import oneshot
-        from llmcompressor.modifiers.quantization import QuantizationModifier
 
-        recipe = QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=list(params.ignore))
-        oneshot(model=model, recipe=recipe)
+        oneshot(model=model, recipe=Fp8.rounded(params))

@@ -24,14 +24,20 @@ class Int8(Method):
     needs_calibration: ClassVar[bool] = True
 
     @staticmethod
+    def rounded(params: Params) -> list:
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+
+        return [QuantizationModifier(targets="Linear", scheme="W8A8", ignore=list(params.ignore))]
+
+    @staticmethod
     def apply(model, params: Params, calibration) -> None:
         from llmcompressor.modifiers.gptq import GPTQModifier
-        from llmcompressor.modifiers.quantization import QuantizationModifier
         from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
 
-        quantizer = QuantizationModifier if params.rtn else GPTQModifier
-        recipe = [
-            SmoothQuantModifier(smoothing_strength=params.smoothing_strength),
-            quantizer(targets="Linear", scheme="W8A8", ignore=list(params.ignore)),
-        ]
+        weights = (
+            Int8.rounded(params)
+            if params.rtn
+            else [GPTQModifier(targets="Linear", scheme="W8A8", ignore=list(params.ignore))]
+        )
+        recipe = [SmoothQuantModifier(smoothing_strength=params.smoothing_strength), *weights]
         calibrated_oneshot(model, recipe, calibration)

@@ -13,6 +13,10 @@ from quantlab.quantize import METHODS
 from quantlab.stages.calibration import calibration_dataset
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
     from quantlab.recipe import CalibrationSettings, LoadedRecipe, VariantSpec
 
 
@@ -23,13 +27,14 @@ class QuantizedCheckpoint:
     reused: bool
 
 
-def checkpoint_identity(source: ModelSource, variant: VariantSpec, calibration: CalibrationSettings) -> dict:
+def checkpoint_identity(source: ModelSource, variant: VariantSpec, calibration: CalibrationSettings | None) -> dict:
     """Everything that decides the checkpoint's bytes, and nothing that does not (e.g. its name)."""
+    calibrated = calibration is not None and METHODS[variant.method].needs_calibration
     return {
         "model": source.identity,
         "method": variant.method,
         "params": variant.params.model_dump(),
-        "calibration": calibration.model_dump() if METHODS[variant.method].needs_calibration else None,
+        "calibration": calibration.model_dump() if calibrated else None,
         "versions": cache.library_versions(),
     }
 
@@ -37,15 +42,53 @@ def checkpoint_identity(source: ModelSource, variant: VariantSpec, calibration: 
 def quantize_variant(
     source: ModelSource,
     variant: VariantSpec,
-    calibration: CalibrationSettings,
+    calibration: CalibrationSettings | None,
     recipe_dir: Path,
     cache_root: Path,
     device: str,
     force: bool = False,
 ) -> QuantizedCheckpoint:
+    method = METHODS[variant.method]
+
+    def apply(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+        samples = calibration_dataset(calibration, tokenizer, recipe_dir) if method.needs_calibration else None
+        method.apply(model, variant.params, samples)
+
     identity = checkpoint_identity(source, variant, calibration)
+    return _cached_checkpoint(source, variant, identity, variant.name, apply, cache_root, device, force)
+
+
+def rounded_variant(source: ModelSource, variant: VariantSpec, cache_root: Path, device: str) -> QuantizedCheckpoint:
+    """The variant's format by round-to-nearest, without its calibration or smoothing (`Method.rounded`): the
+    variant's own checkpoint when that is all its method does."""
+    method = METHODS[variant.method]
+    modifiers = method.rounded(variant.params)
+    if modifiers is None:
+        raise ValueError(f"method {variant.method} quantizes nothing")
+    if method.rounding_is_the_method:
+        return quantize_variant(source, variant, None, Path(), cache_root, device)
+
+    def apply(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+        from llmcompressor import oneshot
+
+        oneshot(model=model, recipe=modifiers)
+
+    identity = checkpoint_identity(source, variant, None) | {"rounded": True}
+    return _cached_checkpoint(source, variant, identity, f"{variant.name}-rounded", apply, cache_root, device, False)
+
+
+def _cached_checkpoint(
+    source: ModelSource,
+    variant: VariantSpec,
+    identity: dict,
+    name: str,
+    apply: Callable[[PreTrainedModel, PreTrainedTokenizerBase], None],
+    cache_root: Path,
+    device: str,
+    force: bool,
+) -> QuantizedCheckpoint:
     key = cache.cache_key(identity)
-    target = cache.checkpoint_dir(cache_root, variant.name, key)
+    target = cache.checkpoint_dir(cache_root, name, key)
     if not force and cache.is_complete(target):
         return QuantizedCheckpoint(target, key, reused=True)
     # One process at a time builds a key: another sweep's variant that needs it waits here, then reuses it.
@@ -56,31 +99,27 @@ def quantize_variant(
             return QuantizedCheckpoint(target, key, reused=True)
         if (shape := disk.model_shape(source)) is not None:  # before loading the model
             tensor_bytes = disk.checkpoint_bytes(shape, variant.method, variant.params.model_dump())
-            disk.require([disk.Need(target.parent, disk.with_margin(tensor_bytes), f"the {variant.name} checkpoint")])
-        _build(source, variant, calibration, recipe_dir, target, identity, device)
+            disk.require([disk.Need(target.parent, disk.with_margin(tensor_bytes), f"the {name} checkpoint")])
+        _build(source, apply, target, identity, device)
     release_quantizer_memory()
     return QuantizedCheckpoint(target, key, reused=False)
 
 
 def _build(
     source: ModelSource,
-    variant: VariantSpec,
-    calibration: CalibrationSettings,
-    recipe_dir: Path,
+    apply: Callable[[PreTrainedModel, PreTrainedTokenizerBase], None],
     target: Path,
     identity: dict,
     device: str,
 ) -> None:
     import torch
 
-    method = METHODS[variant.method]
     # CPUs without native BF16 matmuls emulate them ~10x slower (AWQ's grid search takes most
     # of an hour for 135M params): calibrate in float32 there (an exact upcast of BF16 weights),
     # then store what the method leaves unquantized as BF16, as on a GPU.
     compute_dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model, tokenizer = load_source_model(source, compute_dtype, device)
-    samples = calibration_dataset(calibration, tokenizer, recipe_dir) if method.needs_calibration else None
-    method.apply(model, variant.params, samples)
+    apply(model, tokenizer)
     model.to(torch.bfloat16)
     with cache.writing(target, identity) as scratch:
         model.save_pretrained(scratch)

@@ -1,0 +1,264 @@
+"""`quantlab sensitivity`: groups, ranking and the written recipe (pure, table-driven); then the real command on the
+tiny Llama (real llm-compressor rounding, real MLflow store): the block made hard to quantize ranks first, and a
+second run, or one resumed after an interruption, measures only what is missing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from quantlab.sensitivity.groups import LayerGroup, layer_groups, rank_correlation, recipe_keeping
+from quantlab.sensitivity.probe import DAMAGE_FILE
+from recipes import tiny_recipe, write
+
+LLAMA_BLOCK = [
+    f"model.layers.{i}.{kind}" for i in (0, 1) for kind in ("self_attn.q_proj", "self_attn.o_proj", "mlp.up_proj")
+]
+
+
+@pytest.mark.parametrize(
+    ("names", "by", "expected"),
+    [
+        (LLAMA_BLOCK, "block", {"model.layers.0": 3, "model.layers.1": 3}),
+        (
+            LLAMA_BLOCK,
+            "module",
+            {
+                "model.layers.0.self_attn": 2,
+                "model.layers.0.mlp": 1,
+                "model.layers.1.self_attn": 2,
+                "model.layers.1.mlp": 1,
+            },
+        ),
+        # A module outside the blocks is a group of its own; block 10 is not block 1.
+        (
+            ["model.layers.1.mlp.up_proj", "model.layers.10.mlp.up_proj", "lm_head"],
+            "block",
+            {"model.layers.1": 1, "model.layers.10": 1, "lm_head": 1},
+        ),
+        # A linear directly in a block is its own group by module.
+        (
+            ["transformer.h.0.attn", "transformer.h.0.mlp.fc"],
+            "module",
+            {"transformer.h.0.attn": 1, "transformer.h.0.mlp": 1},
+        ),
+    ],
+)
+def test_layer_groups(names, by, expected):
+    groups = layer_groups(names, by)
+    assert {group.name: len(group.modules) for group in groups} == expected
+    assert [m for group in groups for m in group.modules] == sorted(names, key=names.index)  # every module, in order
+
+
+def test_ignore_patterns_match_exactly_the_group_under_llm_compressors_matcher(tiny_llama):
+    from compressed_tensors.utils import match_named_modules
+
+    model, _ = tiny_llama.load()
+    linear = [name for name, module in model.named_modules() if type(module).__name__ == "Linear" and name != "lm_head"]
+    for by in ("block", "module"):
+        for group in layer_groups(linear, by):
+            matched = {name for name, _ in match_named_modules(model, [group.ignore_pattern]) if name in linear}
+            assert matched == set(group.modules), group
+
+
+RECIPE_INDENTED = """\
+name: r   # a comment kept
+model:
+  source: model-dir
+variants:
+  - name: bf16
+    method: bf16
+  - name: int4
+    method: awq_int4
+    params:
+      group_size: 32   # why 32
+quality:
+  corpus: builtin:pydoc-perplexity
+"""
+RECIPE_FLUSH = RECIPE_INDENTED.replace("  - ", "- ").replace("\n    ", "\n  ").replace("      group", "    group")
+
+
+@pytest.mark.parametrize("text", [RECIPE_INDENTED, RECIPE_FLUSH], ids=["dash-indented", "dash-flush"])
+@pytest.mark.parametrize("target", ["same", "sub"])
+def test_recipe_keeping_adds_one_variant_and_keeps_the_rest(tmp_path, text, target):
+    (tmp_path / "model-dir").mkdir()
+    out_dir = tmp_path if target == "same" else tmp_path / "sub"
+    out_dir.mkdir(exist_ok=True)
+    raw = yaml.safe_load(text)["variants"][1]
+    kept = [LayerGroup("model.layers.3", ("model.layers.3.mlp.up_proj",)), LayerGroup("lm_head", ("lm_head",))]
+    written = recipe_keeping(text, tmp_path, out_dir, raw, "int4-keep2", kept)
+    data = yaml.safe_load(written)
+    assert [v["name"] for v in data["variants"]] == ["bf16", "int4", "int4-keep2"]
+    assert data["variants"][2] == {
+        "name": "int4-keep2",
+        "method": "awq_int4",
+        "params": {"group_size": 32, "ignore": ["lm_head", r"re:model\.layers\.3\..*"]},
+    }
+    assert data["variants"][1] == raw and "# a comment kept" in written and "# why 32" in written
+    assert (out_dir / data["model"]["source"]).resolve() == (tmp_path / "model-dir").resolve()
+    assert data["quality"]["corpus"] == "builtin:pydoc-perplexity"
+
+
+def test_recipe_keeping_refuses_a_flow_style_variant_list(tmp_path):
+    text = "name: r\nvariants: [{name: a, method: fp8}]\n"
+    with pytest.raises(ValueError, match="block list"):
+        recipe_keeping(text, tmp_path, tmp_path, {"name": "a", "method": "fp8"}, "a-keep1", [])
+
+
+def _sensitivity(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "quantlab", "sensitivity", *args]
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def _with_outliers(tiny_llama, block: int, target: Path) -> Path:
+    """The tiny Llama computing the same function, but with one weight 200x larger per 32 inputs in the linear layers
+    of `block` (AWQ's rescaling run backwards: each scaled input channel is scaled down where it is made, in the norm
+    or the up projection before it). Round-to-nearest INT4 in groups of 32 then sets each group's scale by its
+    outlier and flushes the other 31 weights to zero; the other block's damage stays as it was."""
+    import torch
+
+    model, tokenizer = tiny_llama.load()
+    layer, every_32nd = model.model.layers[block], slice(None, None, 32)
+    with torch.no_grad():
+        for norm, linears in [
+            (layer.input_layernorm.weight, [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+            (layer.post_attention_layernorm.weight, [layer.mlp.gate_proj, layer.mlp.up_proj]),
+            (layer.mlp.up_proj.weight, [layer.mlp.down_proj]),  # up's output rows feed down's input columns
+        ]:
+            norm[every_32nd] /= 200.0
+            for linear in linears:
+                linear.weight[:, every_32nd] *= 200.0
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return target
+
+
+@pytest.mark.parametrize("block", [0, 1])
+def test_the_block_made_hard_to_quantize_ranks_first_and_is_kept_in_bf16(tmp_path, tiny_llama, block):
+    from quantlab import tracking
+
+    model = _with_outliers(tiny_llama, block, tmp_path / "model")
+    recipe = write(tmp_path / "tiny.yaml", tiny_recipe(model))
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    common = ["--tracking-uri", uri, "--cache-dir", str(tmp_path / "cache")]
+    result = _sensitivity(
+        str(recipe),
+        "--variant",
+        "awq",
+        "--rounded",  # AWQ's own calibration exists to rescue exactly such outlier channels
+        "--write-recipe",
+        str(tmp_path / "kept.yaml"),
+        "--keep",
+        "1",
+        *common,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    assert "round-to-nearest in awq_int4's format" in result.stdout  # says it is not AWQ's own calibration
+
+    store = tracking.open_store(uri)
+    experiment = store.experiment_id("tiny", create=False)
+    [run] = store.search([experiment], {tracking.ROLE: "sensitivity"})
+    [parent] = store.search([experiment], {tracking.ROLE: tracking.SENSITIVITY_PARENT_ROLE})
+    assert run.tags[tracking.PARENT] == parent.run_id and run.status == parent.status == "FINISHED"
+    assert not store.search([experiment], {tracking.ROLE: "sweep"})  # never taken for a sweep
+    ranking = json.loads(store.read_artifact(run.run_id, "sensitivity.json"))
+    names = [item["group"] for item in ranking["ranking"]]
+    assert names[0] == f"model.layers.{block}" and sorted(names) == ["model.layers.0", "model.layers.1"]
+    kld = [item["metrics"]["quality/kld_mean"] for item in ranking["ranking"]]
+    assert kld[0] > 10 * kld[1] > 0
+    assert run.metrics[f"sensitivity/group/model.layers.{block}/kld_mean"] == kld[0]
+    assert run.metrics[f"sensitivity/rank/model.layers.{block}"] == 1.0
+    assert store.read_artifact(run.run_id, "sensitivity.png").startswith(b"\x89PNG")
+
+    written = yaml.safe_load((tmp_path / "kept.yaml").read_text())
+    added = written["variants"][-1]
+    assert added["name"] == "awq-keep1" and added["params"]["ignore"] == ["lm_head", rf"re:model\.layers\.{block}\..*"]
+
+
+def test_a_second_run_measures_nothing_and_an_interrupted_one_only_what_is_missing(tmp_path, tiny_llama):
+    from quantlab import tracking
+
+    recipe = write(tmp_path / "tiny.yaml", tiny_recipe(tiny_llama.path))
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    args = [
+        str(recipe),
+        "--variant",
+        "fp8",
+        "--by",
+        "module",
+        "--tracking-uri",
+        uri,
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    ]
+
+    def run_once() -> dict:
+        result = _sensitivity(*args, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+        store = tracking.open_store(uri)
+        newest = store.search([store.experiment_id("tiny", create=False)], {tracking.ROLE: "sensitivity"})[0]
+        return {"computed": newest.tags["quantlab.groups_computed"], "metrics": newest.metrics, "out": result.stdout}
+
+    first = run_once()
+    assert first["computed"] == "4"
+    again = run_once()
+    assert again["computed"] == "0" and again["metrics"] == first["metrics"]
+    assert "4 groups were measured before and kept" in again["out"]
+    [damage] = (tmp_path / "cache" / "sensitivity").glob(f"*/{DAMAGE_FILE}")
+    lines = damage.read_text().splitlines()
+    damage.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])  # the last group torn mid-write
+    resumed = run_once()
+    assert resumed["computed"] == "1" and resumed["metrics"] == first["metrics"]
+
+
+def test_by_module_refuses_a_method_that_rescaled_norms_outside_the_groups(tmp_path, tiny_llama):
+    """AWQ moves scales into the norms before each block's attention and MLP: those modules alone are not what AWQ
+    made, so --by module would measure something else. By block (norms inside) it works."""
+    recipe = write(tmp_path / "tiny.yaml", tiny_recipe(tiny_llama.path))
+    common = ["--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--cache-dir", str(tmp_path / "cache")]
+    by_module = _sensitivity(str(recipe), "--variant", "awq", "--by", "module", *common, cwd=tmp_path)
+    assert by_module.returncode == 2, by_module.stdout[-3000:] + by_module.stderr[-3000:]
+    [line] = by_module.stderr.strip().splitlines()
+    assert "--by: awq's method also changed model.layers.0.input_layernorm" in line and "use --by block" in line
+    by_block = _sensitivity(str(recipe), "--variant", "awq", *common, cwd=tmp_path)
+    assert by_block.returncode == 0, by_block.stdout[-3000:] + by_block.stderr[-3000:]
+    assert "awq_int4 itself, from the variant's own checkpoint" in by_block.stdout
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "expected"),
+    [
+        ({"a": 1, "b": 2, "c": 3}, {"a": 1, "b": 2, "c": 3}, 1.0),
+        ({"a": 1, "b": 2, "c": 3}, {"a": 3, "b": 2, "c": 1}, -1.0),
+        ({"a": 1, "b": 2, "c": 3, "d": 4}, {"a": 2, "b": 1, "c": 3, "d": 4}, 0.8),
+    ],
+)
+def test_rank_correlation(first, second, expected):
+    assert rank_correlation(first, second) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--variant", "fp9"], "--variant: 'fp9' is not a variant of"),
+        (["--variant", "bf16"], "'bf16' (bf16) quantizes nothing"),
+        (["--variant", "fp8", "--by", "layer"], "--by: 'layer' is not one of: block, module"),
+        (["--variant", "fp8", "--write-recipe", "/no/such/dir/x.yaml"], "--write-recipe: no such directory"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_no_run(tmp_path, tiny_llama, args, message):
+    recipe = write(tmp_path / "tiny.yaml", tiny_recipe(tiny_llama.path))
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    result = _sensitivity(
+        str(recipe), *args, "--tracking-uri", uri, "--cache-dir", str(tmp_path / "cache"), cwd=tmp_path
+    )
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert message in line
+    assert not (tmp_path / "cache" / "sensitivity").exists()
