@@ -244,3 +244,34 @@ def test_reviewer_sees_variants_metrics_and_frontier_in_a_browser(embedded, ui_s
         f"http://127.0.0.1:{port}/get-artifact?path=frontier.png&run_uuid={parent.info.run_id}", timeout=30
     ).read()
     assert png.startswith(b"\x89PNG")
+
+
+def test_sensitivity_by_block_ranks_awq_like_its_rounded_approximation(embedded):
+    """`quantlab sensitivity` after the sweep: the AWQ checkpoint and the baseline's reference pass come from the
+    sweep's cache (every block at once is exactly the sweep's AWQ variant), and `--rounded`'s quick ranking agrees
+    with AWQ's own as far as the README says (the same first block; rank correlation measured 0.67 there)."""
+    from quantlab.sensitivity.groups import rank_correlation
+
+    work, uri, _ = embedded
+    store = f"sqlite:///{work / 'sensitivity.db'}"
+    args = ["sensitivity", str(work / "recipe.yaml"), "--variant", "awq-int4-g64", "--cache-dir", str(work / "cache")]
+    rankings = {}
+    for flags in ((), ("--rounded",)):
+        result = quantlab(*args, *flags, "--tracking-uri", store, cwd=work, timeout=1200)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        client = MlflowClient(store)
+        [newest, *_] = client.search_runs(
+            [client.get_experiment_by_name("smollm2-135m").experiment_id], "tags.`quantlab.role` = 'sensitivity'"
+        )
+        path = client.download_artifacts(newest.info.run_id, "sensitivity.json", str(work))
+        rankings[flags] = json.loads(Path(path).read_text())
+    own, rounded = rankings[()], rankings[("--rounded",)]
+    assert len(own["ranking"]) == len(rounded["ranking"]) == 30
+    assert len(list((work / "cache" / "references").iterdir())) == 1  # the sweep's reference pass, not another
+    _, runs = _runs(uri)
+    assert own["every_group"]["quality/kld_mean"] == pytest.approx(
+        runs["awq-int4-g64"].data.metrics["quality/kld_mean"], rel=1e-3
+    )
+    ranks = [{item["group"]: item["rank"] for item in r["ranking"]} for r in (own, rounded)]
+    assert rounded["ranking"][0]["group"] == own["ranking"][0]["group"]
+    assert rank_correlation(*ranks) > 0.5
