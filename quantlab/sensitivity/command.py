@@ -98,7 +98,7 @@ def run_sensitivity(
                 [item.group.name for item in ranking],
                 [item.metrics[RANK_BY] for item in ranking],
                 result.whole[RANK_BY],
-                f"{loaded.recipe.name}: {variant} one group at a time\n{job.rounding}",
+                f"{loaded.recipe.name}: {variant}, one group (--by {options.by}) at a time, quantized by {job.rounding}",
             ),
         }
         if written is not None:
