@@ -138,10 +138,16 @@ def in_local_cache(source: ModelSource) -> bool:
 
 def widths_identity(source: ModelSource) -> dict[str, str]:
     """What decides `linear_input_widths`: the model's content and the transformers that builds it."""
+    return _config_fact_identity("widths_of", source)
+
+
+def _config_fact_identity(fact: str, source: ModelSource) -> dict[str, str]:
+    """A fact read from the model's config on the meta device, under its own key: the model's content and the
+    transformers that builds it."""
     from importlib.metadata import version
 
     return {
-        "widths_of": source.identity,
+        fact: source.identity,
         "trust_remote_code": str(source.trust_remote_code),
         "transformers": version("transformers"),
     }
@@ -174,13 +180,7 @@ def _meta_model(source: ModelSource) -> torch.nn.Module:
 
 def module_classes_identity(source: ModelSource) -> dict[str, str]:
     """What decides `module_classes`: as `widths_identity`, under a key of its own (another fact, another file)."""
-    from importlib.metadata import version
-
-    return {
-        "module_classes_of": source.identity,
-        "trust_remote_code": str(source.trust_remote_code),
-        "transformers": version("transformers"),
-    }
+    return _config_fact_identity("module_classes_of", source)
 
 
 def module_classes(source: ModelSource) -> dict[str, list[str]]:

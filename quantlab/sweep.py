@@ -310,11 +310,7 @@ class SweepRuns:
 
     def abandon(self, status: str) -> None:
         """The sweep is dying: no run of it may stay RUNNING (unless the store is what failed)."""
-        with suppress(*tracking.store_errors()):
-            for run_id in self.runs.values():
-                if self.store.run(run_id).status == "RUNNING":
-                    self.store.finish(run_id, status)
-            self.store.finish(self.parent_run_id, status)
+        tracking.end_unfinished(self.store, [*self.runs.values(), self.parent_run_id], status)
 
 
 def sweep_process_tags() -> dict[str, str]:

@@ -309,12 +309,14 @@ def start_sensitivity(
     return parent, store.start_run(experiment_id, f"{variant} by group", run_tags, parent=parent)
 
 
-def end_unfinished(store: TrackingStore, run_ids: Iterable[str], status: str, reason: str) -> None:
-    """Runs of work that is dying end with `status` and why, unless they already ended (or the store is down)."""
+def end_unfinished(store: TrackingStore, run_ids: Iterable[str], status: str, reason: str | None = None) -> None:
+    """Runs of work that is dying end with `status` (and why, when given), unless they already ended (or the store
+    is down)."""
     try:
         for run_id in run_ids:
             if store.run(run_id).status == "RUNNING":
-                store.log_values(run_id, tags={FAILURE: reason[:5000]})
+                if reason is not None:
+                    store.log_values(run_id, tags={FAILURE: reason[:5000]})
                 store.finish(run_id, status)
     except store_errors():
         pass

@@ -57,17 +57,18 @@ class Sensitivity:
 def sensitivity_key(job: SensitivityJob) -> str:
     """Content hash of everything that decides the figures."""
     from quantlab.models import resolve_source
-    from quantlab.stages.quantize import checkpoint_identity
+    from quantlab.stages.quantize import checkpoint_identity, rounded_identity
 
     recipe = job.loaded.recipe
     source = resolve_source(recipe.model, job.loaded.path.parent)
     variant = recipe.variant(job.variant)
-    calibrated = not job.rounded or METHODS[variant.method].rounding_is_the_method
+    quantized = (
+        rounded_identity(source, variant) if job.rounded else checkpoint_identity(source, variant, recipe.calibration)
+    )
     return cache.cache_key(
         {
             "format": FORMAT,
-            "quantized": checkpoint_identity(source, variant, recipe.calibration if calibrated else None)
-            | ({} if calibrated else {"rounded": True}),
+            "quantized": quantized,
             "baseline": checkpoint_identity(source, recipe.variant(recipe.baseline), recipe.calibration),
             "quality": recipe.quality.model_dump(),
             "runtime": recipe.runtime.model_dump(),
@@ -131,8 +132,8 @@ def _load_models(job: SensitivityJob, progress: Progress):
     base_checkpoint = quantize_variant(source, base, recipe.calibration, recipe_dir, job.cache_root, device)
     baseline, tokenizer = load_checkpoint(base_checkpoint.path, dtype, device)
     as_baseline = VariantJob(job.loaded, recipe.baseline, job.cache_root, None)
-    reference_dir = token_damage(baseline, tokenizer, recipe.quality, recipe_dir, as_baseline, base_checkpoint.key)
-    if reference_dir.reference_dir is None:  # quality.enabled is false: validated before, said here too
+    baseline_pass = token_damage(baseline, tokenizer, recipe.quality, recipe_dir, as_baseline, base_checkpoint.key)
+    if baseline_pass.reference_dir is None:  # quality.enabled is false: validated before, said here too
         raise ValueError("sensitivity compares against the baseline's reference pass: quality.enabled must be true")
     variant = recipe.variant(job.variant)
     progress(f"quantized checkpoint ({job.rounding})", 0, 0)
@@ -145,7 +146,7 @@ def _load_models(job: SensitivityJob, progress: Progress):
     # its modules swapped into the baseline one by one would never fire it, and would meet compressed weights.
     with torch.inference_mode():
         quantized(input_ids=torch.zeros((1, 2), dtype=torch.int64, device=quantized.device), use_cache=False)
-    return baseline, quantized, Path(reference_dir.reference_dir)
+    return baseline, quantized, Path(baseline_pass.reference_dir)
 
 
 class _swapped_in:  # noqa: N801 - used as a context manager, named as one

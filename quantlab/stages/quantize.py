@@ -58,6 +58,12 @@ def quantize_variant(
     return _cached_checkpoint(source, variant, identity, variant.name, apply, cache_root, device, force)
 
 
+def rounded_identity(source: ModelSource, variant: VariantSpec) -> dict:
+    """What decides `rounded_variant`'s bytes: the variant's own identity when rounding is all its method does."""
+    identity = checkpoint_identity(source, variant, None)
+    return identity if METHODS[variant.method].rounding_is_the_method else identity | {"rounded": True}
+
+
 def rounded_variant(source: ModelSource, variant: VariantSpec, cache_root: Path, device: str) -> QuantizedCheckpoint:
     """The variant's format by round-to-nearest, without its calibration or smoothing (`Method.rounded`): the
     variant's own checkpoint when that is all its method does."""
@@ -73,7 +79,7 @@ def rounded_variant(source: ModelSource, variant: VariantSpec, cache_root: Path,
 
         oneshot(model=model, recipe=modifiers)
 
-    identity = checkpoint_identity(source, variant, None) | {"rounded": True}
+    identity = rounded_identity(source, variant)
     return _cached_checkpoint(source, variant, identity, f"{variant.name}-rounded", apply, cache_root, device, False)
 
 
