@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import importlib.util
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -26,7 +27,9 @@ from quantlab.models import (
     widths_identity,
 )
 from quantlab.quantize import METHODS
-from quantlab.recipe import LoadedRecipe, parse_recipe, read_recipe, section
+from quantlab.recipe import LoadedRecipe, Recipe, parse_recipe, read_recipe, section
+from quantlab.serving.launcher import chosen_engine, engine_problem
+from quantlab.serving.load import PROMPT_FILE_SUFFIXES
 
 RECIPE_CHECKS_DIR = "recipe-checks"  # under the cache root: what `check_recipe` looked up
 # Every quantizing method targets the Linear layers (quantlab/quantize: targets "Linear"): a pattern of
@@ -127,9 +130,34 @@ def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None, hub_optio
                 f"evals.tasks: the data of {', '.join(hub_tasks)} (lm-eval downloads it when a sweep runs, "
                 "unless the Hugging Face datasets cache has it)"
             )
+    problems += serving_problems(recipe, loaded.path.parent, shown)
     if problems:
         raise BadInput(problems)
     return replace(loaded, lookups=tuple(lookups), needs_hub=tuple(needs_hub))
+
+
+def serving_problems(recipe: Recipe, base_dir: Path, shown: str) -> list[Problem]:
+    """What stops the serve stage on this machine: its engine or guidellm missing, a prompts file absent."""
+    settings = recipe.serving
+    if not settings.enabled:
+        return []
+    import torch
+
+    gpu_visible = recipe.runtime.device != "cpu" and torch.cuda.is_available()
+    engine = chosen_engine(settings.engine, gpu_visible)
+    problems = []
+    if (problem := engine_problem(engine, gpu_visible)) is not None:
+        problems.append(Problem(shown, "serving.engine", problem))
+    if importlib.util.find_spec("guidellm") is None:
+        problems.append(Problem(shown, "serving", "guidellm is not installed: pip install guidellm==0.8.1"))
+    if settings.prompts is not None:
+        path = (base_dir / settings.prompts).resolve()
+        if path.suffix.lower() not in PROMPT_FILE_SUFFIXES:
+            kinds = ", ".join(PROMPT_FILE_SUFFIXES)
+            problems.append(Problem(shown, "serving.prompts", f"{path.name}: not a prompts file ({kinds})"))
+        elif not path.is_file():
+            problems.append(Problem(shown, "serving.prompts", f"no such file: {path}"))
+    return problems
 
 
 def ignore_problems(patterns: Sequence[str], modules: Mapping[str, Sequence[str]]) -> list[tuple[str, str]]:

@@ -141,7 +141,7 @@ class AxisPair:
         return f"{metric_spec(self.quality.metric).label} vs {metric_spec(self.cost.metric).label}"
 
 
-DEFAULT_COST_METRICS: tuple[str, ...] = ("cost/weight_bytes", "cost/decode_tokens_per_s")
+DEFAULT_COST_METRICS: tuple[str, ...] = ("cost/weight_bytes", "cost/decode_tokens_per_s", "cost/serving/usd_per_mtok")
 # Token-level figures shown beside the task scores (paired noise for them comes later, per token).
 DAMAGE_METRICS: tuple[str, ...] = ("quality/kld_mean", "quality/top1_agreement", "quality/ppl")
 

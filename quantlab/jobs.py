@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from quantlab.evaluate.lm_eval_runner import TaskDataset
 
 StageReporter = Callable[[str], None]
+# Processes a variant runs beside itself, whose logs go next to its own (`<variant>.<process>.log`) and are kept
+# as its run's artifacts, whether it succeeds or fails.
+SIDE_PROCESSES = ("server", "guidellm")
 SAMPLES_FORMAT = 2  # version of the per-document record a variant run keeps (samples.json)
 
 
@@ -67,10 +70,16 @@ class VariantJob:
     cache_root: Path
     baseline: BaselineOutputs | None  # None for the baseline itself
     force: bool = False  # rebuild the checkpoint and the baseline's reference pass even when cached
+    log_dir: Path | None = None  # where the variant's log is written: its server's and load generator's go beside it
 
     @property
     def is_baseline(self) -> bool:
         return self.variant == self.loaded.recipe.baseline
+
+
+def side_log(log_dir: Path, variant: str, process: str) -> Path:
+    """Where the log of a process the variant started (one of SIDE_PROCESSES) goes."""
+    return log_dir / f"{variant}.{process}.log"
 
 
 @dataclass(frozen=True)
@@ -83,5 +92,5 @@ class VariantResult:
     params: dict[str, str]
     tags: dict[str, str]
     baseline_outputs: BaselineOutputs
-    artifacts: dict[str, str] = field(default_factory=dict)
+    artifacts: dict[str, str | bytes] = field(default_factory=dict)
     datasets: tuple[TaskDataset, ...] = ()  # the lm-eval tasks scored, as MLflow dataset inputs

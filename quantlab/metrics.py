@@ -24,6 +24,7 @@ class Scale(str, Enum):
     BITS = "bits"
     BYTES = "bytes"
     TOKENS_PER_S = "tokens_per_s"
+    REQUESTS_PER_S = "requests_per_s"
     MILLISECONDS = "ms"
     SECONDS = "s"
     JOULES = "J"
@@ -155,6 +156,28 @@ _FIXED: dict[str, tuple[bool | None, Scale, str]] = {
     "cost/serving_decode_tokens_per_s": (True, Scale.TOKENS_PER_S, "serving decode on target (modeled)"),
     "cost/usd_per_million_output_tokens": (False, Scale.USD, "USD per million output tokens"),  # modeled, on the target
     "cost/load_seconds": (False, Scale.SECONDS, "load time"),  # seconds to load the checkpoint
+    # Served behind a real server under guidellm's load (quantlab.serving), on this machine. The best load level
+    # meeting the recipe's service levels (serving.slo) gives goodput and the dollar figure.
+    "cost/serving/usd_per_mtok": (False, Scale.USD, "USD per million output tokens (served, at goodput)"),
+    "cost/serving/goodput_tokens_per_s": (True, Scale.TOKENS_PER_S, "served output tokens/s within SLO"),
+    "cost/serving/goodput_requests_per_s": (True, Scale.REQUESTS_PER_S, "served requests/s within SLO"),
+    "cost/serving/goodput_concurrency": (True, Scale.COUNT, "concurrent requests within SLO"),
+    "cost/serving/peak_tokens_per_s": (True, Scale.TOKENS_PER_S, "served output tokens/s at peak"),
+    # the memory-bound decode ceiling on the serving hardware at the peak level's concurrency, and peak / it
+    "cost/serving/modeled_tokens_per_s": (True, Scale.TOKENS_PER_S, "modeled decode ceiling (serving hardware)"),
+    "cost/serving/peak_vs_modeled": (True, Scale.RATIO, "served peak / modeled ceiling"),
+    # One load level (c4: 4 concurrent streams; sync, max, r<rate>: guidellm's sweep levels), over its requests.
+    "cost/serving/<level>/output_tokens_per_s": (True, Scale.TOKENS_PER_S, "served output tokens/s at {level}"),
+    "cost/serving/<level>/requests_per_s": (True, Scale.REQUESTS_PER_S, "served requests/s at {level}"),
+    "cost/serving/<level>/ttft_ms_p50": (False, Scale.MILLISECONDS, "served TTFT p50 at {level}"),
+    "cost/serving/<level>/ttft_ms_p99": (False, Scale.MILLISECONDS, "served TTFT p99 at {level}"),
+    "cost/serving/<level>/itl_ms_p50": (False, Scale.MILLISECONDS, "served ITL p50 at {level}"),
+    "cost/serving/<level>/itl_ms_p99": (False, Scale.MILLISECONDS, "served ITL p99 at {level}"),
+    "cost/serving/<level>/tpot_ms_p50": (False, Scale.MILLISECONDS, "served TPOT p50 at {level}"),
+    "cost/serving/<level>/tpot_ms_p99": (False, Scale.MILLISECONDS, "served TPOT p99 at {level}"),
+    "cost/serving/<level>/errors": (False, Scale.COUNT, "failed requests at {level}"),
+    "cost/serving/<level>/slo_attainment": (True, Scale.FRACTION, "requests within SLO at {level}"),
+    "cost/serving/<level>/concurrency": (None, Scale.COUNT, "mean requests in flight at {level}"),
     # Documents whose 0/1 score differs from the baseline's (a group: the sum of its leaves), then by direction.
     "quality/flips/<task>": (False, Scale.COUNT, "{task} answer flips"),
     "quality/flips/<task>/correct_to_wrong": (False, Scale.COUNT, "{task} right-to-wrong flips"),

@@ -296,6 +296,10 @@ def format_value(metric: MetricSpec, value: float | None) -> str:
         return f"{value:,.1f} tok/s" if value < 100 else f"{value:,.0f} tok/s"
     if metric.scale is Scale.MILLISECONDS:
         return f"{value:,.1f} ms"
+    if metric.scale is Scale.REQUESTS_PER_S:
+        return f"{value:.3g} req/s"
+    if metric.scale is Scale.USD:
+        return f"${value:.3g}" if abs(value) < 1000 else f"${value:,.0f}"
     return f"{value:.4g}" if abs(value) < 1000 else f"{value:,.0f}"
 
 

@@ -33,7 +33,7 @@ from quantlab.jobs import BaselineOutputs
 from quantlab.metrics import declared_from_tags
 from quantlab.paired import DocumentScores
 from quantlab.policy import Policy, PolicyError
-from quantlab.report import render_html, render_markdown, render_plots
+from quantlab.report import SERVING_CHART, render_html, render_markdown, render_plots, render_serving_chart
 
 
 @dataclass(frozen=True)
@@ -132,9 +132,12 @@ def render_artifacts(view: SweepView, out_dir: Path) -> list[Path]:
     (out_dir / "frontier.json").write_text(frontier_json(found, indent=2))
     render_html(found, plots, out_dir / "frontier.html", variants=view.variants, model=view.model)
     (out_dir / "report.md").write_text(render_markdown(view.variants, found, decision, view.notes, model=view.model))
-    return [out_dir / name for name in ("frontier.json", "frontier.png", "frontier.html", "report.md")] + [
-        path for plot in plots for path in (plot.png, plot.svg)
-    ]
+    serving = render_serving_chart(view.variants, out_dir / SERVING_CHART, view.model)
+    return (
+        [out_dir / name for name in ("frontier.json", "frontier.png", "frontier.html", "report.md")]
+        + [path for plot in plots for path in (plot.png, plot.svg)]
+        + ([serving] if serving else [])
+    )
 
 
 def frontier_json(found: Frontiers, indent: int | None = None) -> str:

@@ -27,6 +27,7 @@ from quantlab.errors import BadInput, Problem, bad_input, did_you_mean
 from quantlab.frontier import FrontierSettings
 from quantlab.measure.settings import MeasureSettings
 from quantlab.quantize import METHODS
+from quantlab.serving.settings import ServingSettings
 
 # A name becomes a directory and an MLflow tag: no separators, cannot be "." or "..".
 SafeName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
@@ -147,6 +148,7 @@ class Recipe(StrictModel):
     evals: EvalSettings = Field(default_factory=EvalSettings)
     quality: QualitySettings = Field(default_factory=QualitySettings)
     measure: MeasureSettings = Field(default_factory=MeasureSettings)
+    serving: ServingSettings = Field(default_factory=ServingSettings)
     frontier: FrontierSettings = Field(default_factory=FrontierSettings)
     runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)
 

@@ -25,8 +25,26 @@ from quantlab.frontier import (
 from quantlab.metrics import Scale
 from quantlab.metrics import spec as metric_spec
 from quantlab.policy import format_change, format_value
+from quantlab.serving.chart import throughput_latency_chart
+from quantlab.serving.goodput import SERVING_TAG, UNAVAILABLE_TAG
+from quantlab.serving.levels import levels_from_metrics
 
-KEY_COST_METRICS = ("cost/weight_bytes", "cost/decode_tokens_per_s", "cost/peak_memory_bytes")
+KEY_COST_METRICS = (
+    "cost/weight_bytes",
+    "cost/decode_tokens_per_s",
+    "cost/peak_memory_bytes",
+    "cost/serving/goodput_tokens_per_s",
+    "cost/serving/usd_per_mtok",
+)
+# The serving section of the report: each variant's figures under load, beside what they were measured on.
+SERVING_FIGURES = (
+    "cost/serving/goodput_tokens_per_s",
+    "cost/serving/goodput_concurrency",
+    "cost/serving/usd_per_mtok",
+    "cost/serving/peak_tokens_per_s",
+    "cost/serving/peak_vs_modeled",
+)
+SERVING_CHART = "serving.png"
 SETUP_TAGS = (
     ("quantlab.cost.engine", "engine"),
     ("quantlab.cost.kernel_path", "kernel path"),
@@ -143,7 +161,7 @@ def _formatter(scale: Scale):
         return PercentFormatter(xmax=1.0)
     if scale is Scale.BYTES:
         return EngFormatter(unit="B")
-    suffix = {Scale.TOKENS_PER_S: " tok/s", Scale.MILLISECONDS: " ms"}.get(scale, "")
+    suffix = {Scale.TOKENS_PER_S: " tok/s", Scale.REQUESTS_PER_S: " req/s", Scale.MILLISECONDS: " ms"}.get(scale, "")
     return FuncFormatter(lambda value, _: f"{value:g}{suffix}")
 
 
@@ -311,7 +329,33 @@ def render_markdown(
         unrecorded=_setup({}),
         notes=notes,
         failed=[v.name for v in variants if not v.succeeded],
+        serving=serving_table(variants),
+        serving_chart=SERVING_CHART,
     )
+
+
+def serving_table(variants: Sequence[VariantSummary]) -> Table | None:
+    """Each variant's serving figures, its goodput level and engine, or why it has none; None if none was served."""
+    served = [v for v in variants if v.succeeded and any(key.startswith("cost/serving/") for key in v.metrics)]
+    if not served:
+        return None
+    rows = []
+    for variant in served:
+        cells = [format_value(metric_spec(key), variant.value(key)) for key in SERVING_FIGURES]
+        tags = variant.tags
+        level = tags.get(SERVING_TAG + "goodput_level") or "none: " + tags.get(UNAVAILABLE_TAG + "goodput", "?")
+        rows.append((variant.name, tags.get(SERVING_TAG + "engine", "?"), level, *cells))
+    labels = tuple(metric_spec(key).label for key in SERVING_FIGURES)
+    return Table(("variant", "engine", "goodput level", *labels), tuple(rows))
+
+
+def render_serving_chart(variants: Sequence[VariantSummary], path: Path, model: str) -> Path | None:
+    """Every served variant's throughput-latency curve on one chart; None when no variant was served."""
+    curves = {v.name: levels for v in variants if v.succeeded and (levels := levels_from_metrics(v.metrics))}
+    if not curves:
+        return None
+    path.write_bytes(throughput_latency_chart(curves, f"{model}: served under load, every variant"))
+    return path
 
 
 def sensitivity_chart(names: Sequence[str], kld: Sequence[float], whole: float, title: str) -> bytes:

@@ -1,4 +1,4 @@
-"""Run one variant top to bottom: quantize -> load -> evaluate -> damage -> measure -> result.
+"""Run one variant top to bottom: quantize -> load -> evaluate -> damage -> measure -> serve -> result.
 
 It never talks to MLflow: the sweep logs the `VariantResult`, so any executor can run it anywhere.
 """
@@ -27,6 +27,7 @@ def run_variant(job: VariantJob, report: StageReporter = lambda stage: None) -> 
     from quantlab.stages.evaluate import answer_damage, evaluate_tasks, token_damage
     from quantlab.stages.measure import measure
     from quantlab.stages.quantize import quantize_variant
+    from quantlab.stages.serve import serve
 
     recipe = job.loaded.recipe
     variant = recipe.variant(job.variant)
@@ -60,19 +61,32 @@ def run_variant(job: VariantJob, report: StageReporter = lambda stage: None) -> 
         answers = answer_damage(scores, job.baseline)
     with stage("measure"):
         cost_metrics, cost_tags = measure(model, tokenizer, recipe.measure, checkpoint.path, seconds["load"])
+    del model, tokenizer  # the server loads its own copy
+    with stage("serve"):
+        serving = serve(
+            checkpoint.path,
+            variant.name,
+            recipe.serving,
+            recipe.measure,
+            recipe_dir,
+            device,
+            dtype,
+            cost_metrics,
+            job.log_dir,
+        )
 
     return VariantResult(
         checkpoint=str(checkpoint.path),
         content_key=checkpoint.key,
         reused_checkpoint=checkpoint.reused,
         stage_seconds=seconds,
-        metrics={**scores.metrics, **tokens.metrics, **answers.metrics, **cost_metrics},
-        params={**variant_params(job.loaded, variant, source, device, dtype), **scores.params},
-        tags={**cost_tags, **tokens.tags, **scores.tags, **answers.tags},
+        metrics={**scores.metrics, **tokens.metrics, **answers.metrics, **cost_metrics, **serving.metrics},
+        params={**variant_params(job.loaded, variant, source, device, dtype), **scores.params, **serving.params},
+        tags={**cost_tags, **tokens.tags, **scores.tags, **answers.tags, **serving.tags},
         baseline_outputs=BaselineOutputs(
             tokens.reference_dir, scores.documents | tokens.documents, scores.groups, scores.scores, scores.primary
         ),
-        artifacts=answers.artifacts,
+        artifacts={**answers.artifacts, **serving.artifacts},
         datasets=scores.datasets,
     )
 
@@ -96,6 +110,7 @@ def variant_params(
         "evals": recipe.evals.model_dump(),
         "quality": recipe.quality.model_dump(),
         "measure": recipe.measure.model_dump(),
+        "serving_settings": recipe.serving.model_dump(),
         "runtime": {
             "device": device,
             "compute_dtype": str(dtype).removeprefix("torch."),

@@ -22,7 +22,7 @@ from quantlab import cache, disk, kept_results, tracking
 from quantlab.checks import remember_lookups
 from quantlab.errors import BadInput, Problem, first_line
 from quantlab.executors import EXECUTORS, VariantFailed, stop_variant_processes
-from quantlab.jobs import SAMPLES_FORMAT, BaselineOutputs, VariantJob, VariantResult
+from quantlab.jobs import SAMPLES_FORMAT, SIDE_PROCESSES, BaselineOutputs, VariantJob, VariantResult, side_log
 from quantlab.kept_results import KeptResult
 from quantlab.recipe import LoadedRecipe
 from quantlab.tracking import SAMPLES_ARTIFACT
@@ -76,6 +76,7 @@ def run_keys(loaded: LoadedRecipe, names: list[str]) -> dict[str, str]:
         "tasks_files": cache.tasks_digest(loaded.include_path),
         "quality": recipe.quality.model_dump(),
         "measure": recipe.measure.model_dump(),
+        "serving": recipe.serving.model_dump(),
         "runtime": recipe.runtime.model_dump(),
         "baseline": checkpoint_identity(source, recipe.variant(recipe.baseline), recipe.calibration),
         # A run whose samples.json this version cannot read is not reused (its baseline could not be compared against).
@@ -160,7 +161,8 @@ class SweepRuns:
             elif not self.options.force and (kept := kept_results.recall(self.options.cache_root, self.keys[name])):
                 self._log_kept_result(name, kept)
             else:
-                to_run.append(VariantJob(self.loaded, name, self.options.cache_root, self.baseline, self.options.force))
+                job = VariantJob(self.loaded, name, self.options.cache_root, self.baseline, self.options.force, logs)
+                to_run.append(job)
         if not to_run:  # every variant copied: no executor (a Ray cluster) to start
             return
         executor = EXECUTORS[self.options.executor](self.options.ray_address, self.options.parallel)
@@ -349,4 +351,7 @@ def _usable_reference(reference_dir: str | None) -> str | None:
 
 
 def _log_artifact(log_path: Path) -> dict[str, str]:
-    return {"logs/variant.log": log_path.read_text(encoding="utf-8", errors="replace")} if log_path.is_file() else {}
+    """The variant's log, and those of the processes it ran beside it (its server, its load generator)."""
+    beside = {f"logs/{name}.log": side_log(log_path.parent, log_path.stem, name) for name in SIDE_PROCESSES}
+    logs = {"logs/variant.log": log_path, **beside}
+    return {name: path.read_text(encoding="utf-8", errors="replace") for name, path in logs.items() if path.is_file()}

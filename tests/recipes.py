@@ -30,6 +30,7 @@ def tiny_recipe(model_dir: Path, **overrides: Any) -> dict[str, Any]:
         },
         "quality": {"max_tokens": 96, "window": 32},
         "measure": {"prompt_tokens": 8, "output_tokens": 4, "repeats": 1, "warmup": 0},
+        "serving": {"enabled": False},  # a server per variant costs ~30 s: tests/test_serving.py turns it on
     }
     recipe.update(copy.deepcopy(overrides))
     return recipe

@@ -59,14 +59,14 @@ BUILTIN_ACCELERATORS: Mapping[str, AcceleratorSpec] = {
 }
 
 
-def _normalized(name: str) -> str:
+def normalized_name(name: str) -> str:
     return re.sub(r"[\s_\-]", "", name).lower()
 
 
 def accelerator_table(overrides: Mapping[str, AcceleratorSpec] | None = None) -> dict[str, AcceleratorSpec]:
     """The built-in table with a recipe's entries added; an entry with a built-in's name replaces it."""
-    replaced = {_normalized(name) for name in overrides or {}}
-    kept = {name: spec for name, spec in BUILTIN_ACCELERATORS.items() if _normalized(name) not in replaced}
+    replaced = {normalized_name(name) for name in overrides or {}}
+    kept = {name: spec for name, spec in BUILTIN_ACCELERATORS.items() if normalized_name(name) not in replaced}
     return {**kept, **(overrides or {})}
 
 
@@ -74,7 +74,7 @@ def find_accelerator(name: str, overrides: Mapping[str, AcceleratorSpec] | None 
     """The table's own spelling of `name` and its spec; ValueError, with a suggestion, when absent."""
     table = accelerator_table(overrides)
     for known, spec in table.items():
-        if _normalized(known) == _normalized(name):
+        if normalized_name(known) == normalized_name(name):
             return known, spec
     hint = did_you_mean(name, table, cutoff=0.5)
     raise ValueError(f"unknown accelerator {name!r}{hint}; known: {', '.join(sorted(table))}")

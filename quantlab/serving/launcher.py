@@ -1,0 +1,203 @@
+"""A real OpenAI-compatible server for one checkpoint: its command line per engine, started on a free loopback
+port in a process group of its own, health-checked, and stopped with its whole group.
+
+However the stage ends (done, failed, interrupted) the `with` block stops the group; when the variant's process
+dies outright (SIGKILL, or the sweep's death killing it), the kernel kills the server (PR_SET_PDEATHSIG), so no
+server outlives the variant that started it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from quantlab.serving.settings import ENGINES
+
+HOST = "127.0.0.1"
+STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL for what still runs
+LOG_TAIL_LINES = 40
+
+
+class ServerFailed(RuntimeError):
+    """The server did not start, did not become healthy, or died; the message ends with its log's tail."""
+
+
+def engine_problem(engine: str, gpu_visible: bool) -> str | None:
+    """Why `engine` cannot serve on this machine (missing package or GPU), or None: for `validate`, before work."""
+    if engine == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            return "vLLM is not installed: pip install vllm (or serving.engine: transformers)"
+        if not gpu_visible:
+            return "vLLM serves on CUDA GPUs and none is visible here (serving.engine: transformers serves on CPU)"
+        return None
+    missing = [name for name in ("fastapi", "uvicorn", "openai") if importlib.util.find_spec(name) is None]
+    if missing:
+        return f"transformers serve needs {', '.join(missing)}: pip install 'transformers[serving]'"
+    return None
+
+
+def chosen_engine(engine: str, gpu_visible: bool) -> str:
+    """`auto`: vLLM where it can serve here, else transformers."""
+    if engine != "auto":
+        return engine
+    return "vllm" if engine_problem("vllm", gpu_visible) is None else "transformers"
+
+
+def server_command(
+    engine: str, checkpoint: Path, port: int, device: str, dtype: str, extra: Sequence[str] = ()
+) -> list[str]:
+    """The engine's own command line, from this Python's environment."""
+    if engine == "vllm":
+        # `vllm serve`, vLLM's own entry point; it reads compressed-tensors checkpoints natively.
+        vllm = Path(sys.executable).with_name("vllm")
+        command = [str(vllm) if vllm.exists() else "vllm", "serve", str(checkpoint)]
+        return [*command, "--host", HOST, "--port", str(port), "--dtype", dtype, *extra]
+    if engine == "transformers":
+        # `transformers serve` (transformers.cli.transformers) with continuous batching: concurrent requests are
+        # decoded together, as a production server does. The checkpoint is loaded before /health answers.
+        command = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(checkpoint)]
+        command += ["--continuous-batching", "--host", HOST, "--port", str(port), "--device", device]
+        return [*command, "--dtype", dtype, "--log-level", "warning", *extra]
+    raise ValueError(f"unknown serving engine {engine!r}; known: {', '.join(ENGINES)}")
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((HOST, 0))
+        return probe.getsockname()[1]
+
+
+def port_taken(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        return probe.connect_ex((HOST, port)) == 0
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    if not path.is_file():
+        return "(no log)"
+    return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:]) or "(empty log)"
+
+
+def die_with_parent() -> None:
+    """preexec_fn: a session of its own (its group is stopped as one), and SIGKILL when its parent dies."""
+    os.setsid()
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def start_group(
+    command: Sequence[str], log_path: Path, env: Mapping[str, str], cwd: Path | None = None
+) -> subprocess.Popen:
+    """`command` in its own process group, output to `log_path`, killed by the kernel if this process dies."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            list(command),
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(env),
+            preexec_fn=die_with_parent,  # noqa: PLW1509 - the only way to set the death signal of a child
+        )
+
+
+def stop_group(process: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM the process's group, SIGKILL what is left after `grace_s`; reaps the leader."""
+    for sent in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, sent)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and _group_alive(process.pid):
+            process.poll()
+            time.sleep(0.1)
+        if not _group_alive(process.pid):
+            break
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=grace_s)
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass(frozen=True)
+class RunningServer:
+    engine: str
+    url: str
+    port: int
+    command: tuple[str, ...]
+    process: subprocess.Popen
+    log_path: Path
+
+    def died(self) -> str | None:
+        """Why the server is gone (with its log's tail), or None while it runs."""
+        code = self.process.poll()
+        if code is None:
+            return None
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        return f"the {self.engine} server {how}; its log ends:\n{log_tail(self.log_path)}"
+
+
+@contextlib.contextmanager
+def running_server(
+    command_for: Callable[[int], list[str]],
+    engine: str,
+    log_path: Path,
+    env: Mapping[str, str],
+    startup_timeout_s: float,
+    port: int | None = None,
+) -> Iterator[RunningServer]:
+    """A started, healthy server (GET /health answers 200) on `port` (default: a free one); stopped on exit."""
+    port = port or free_port()
+    if port_taken(port):
+        raise ServerFailed(f"port {port} on {HOST} is taken by another process: the {engine} server cannot listen")
+    command = command_for(port)
+    if shutil.which(command[0]) is None and not Path(command[0]).exists():
+        raise ServerFailed(f"cannot run {command[0]}")
+    process = start_group(command, log_path, env)
+    server = RunningServer(engine, f"http://{HOST}:{port}", port, tuple(command), process, log_path)
+    try:
+        _wait_healthy(server, startup_timeout_s)
+        yield server
+    finally:
+        stop_group(process)
+
+
+def _wait_healthy(server: RunningServer, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (why := server.died()) is not None:
+            raise ServerFailed(f"the server stopped before it was healthy: {why}")
+        with (
+            contextlib.suppress(OSError, urllib.error.URLError),
+            urllib.request.urlopen(f"{server.url}/health", timeout=2) as answer,
+        ):
+            if answer.status == 200:
+                return
+        time.sleep(0.25)
+    raise ServerFailed(
+        f"the {server.engine} server did not answer {server.url}/health within {timeout_s:g} s "
+        f"(serving.startup_timeout_s); its log ends:\n{log_tail(server.log_path)}"
+    )

@@ -1,0 +1,150 @@
+"""guidellm, the load generator: a scenario per variant (pure), and its run as a subprocess against a running server.
+
+guidellm runs as its own process (`guidellm run --scenario`), not imported: it sets the process-wide asyncio policy
+to uvloop on import and spawns workers that re-import the caller's __main__.
+
+Fixed output lengths without `ignore_eos`: guidellm adds vLLM's `ignore_eos: true` when the data fixes output
+lengths, and `transformers serve` rejects unknown fields (HTTP 422). guidellm drops every body field whose value is
+null after merging the backend's `extras`, so `ignore_eos: null` there removes it; the server's own extension
+`generation_config` with `eos_token_id: -1` makes each request generate exactly `max_tokens` tokens instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from quantlab.serving.launcher import RunningServer, ServerFailed, log_tail, start_group, stop_group
+from quantlab.serving.settings import ServingSettings
+
+# What `transformers serve` needs instead of ignore_eos; a JSON string, as its request schema types it.
+TRANSFORMERS_FIXED_LENGTH = json.dumps({"eos_token_id": -1})
+_FILE_KINDS = {".txt": "text_file", ".csv": "csv_file", ".json": "json_file", ".jsonl": "json_file"}
+PROMPT_FILE_SUFFIXES = tuple(_FILE_KINDS)
+
+
+class LoadFailed(RuntimeError):
+    """guidellm did not produce a report; the message ends with its log's tail."""
+
+
+def request_body(engine: str, output_tokens: int) -> dict[str, Any]:
+    """The fields every request carries beyond guidellm's own, so that each generates exactly `output_tokens`."""
+    if engine == "transformers":
+        fixed = {"ignore_eos": None, "stream_options": None, "generation_config": TRANSFORMERS_FIXED_LENGTH}
+        return {"max_tokens": output_tokens, **fixed}
+    return {"max_tokens": output_tokens, "ignore_eos": True}  # vLLM's own extension
+
+
+def scenario(
+    settings: ServingSettings, engine: str, url: str, checkpoint: Path, prompts: Path | None, report_path: Path
+) -> dict[str, Any]:
+    """guidellm's scenario file (`guidellm run --scenario`): the server, the workload, the load levels, the SLOs."""
+    backend = {
+        "kind": "openai_http",
+        "target": url,
+        "model": str(checkpoint),
+        # Plain completions: exact prompt lengths (no chat template), and `max_tokens` honoured by both engines.
+        "request_format": "/v1/completions",
+        "timeout": settings.request_timeout_s,
+        "extras": {"body": request_body(engine, settings.output_tokens)},
+    }
+    if prompts is None:
+        data = {"kind": "synthetic_text", "prompt_tokens": settings.prompt_tokens}
+        data["output_tokens"] = settings.output_tokens
+    else:
+        data = {"kind": _FILE_KINDS[prompts.suffix.lower()], "path": str(prompts)}
+    constraints: list[dict[str, Any]] = [
+        {"kind": "max_requests", "count": settings.requests_per_level},
+        # A level whose requests all fail ends there, not after every timeout.
+        {"kind": "max_errors", "count": settings.requests_per_level},
+    ]
+    if settings.seconds_per_level:
+        constraints.append({"kind": "max_duration", "seconds": settings.seconds_per_level})
+    levels = settings.concurrency
+    profile, benchmarks = _profile(settings)
+    spec = {
+        "backend": backend,
+        "profile": profile,
+        "constraints": constraints,
+        "tokenizer": {"kind": "huggingface_auto", "model": str(checkpoint)},
+        "data": [data],
+        "seed": {"kind": "static", "value": settings.seed},
+        # guidellm's per-request SLO (ITL checked as its `tpot_ms`): its attainment is logged beside quantlab's p99s.
+        "metrics": {
+            "kind": "generative",
+            "sample_size": max(levels) * 2,
+            "slo": {"ttft_ms": settings.slo.ttft_p99_ms, "tpot_ms": settings.slo.itl_p99_ms},
+        },
+        "outputs": [{"kind": "json", "path": str(report_path)}],
+    }
+    return {"metadata": {"labels": {"quantlab": "serving"}}, "spec": spec, "benchmarks": benchmarks}
+
+
+def _profile(settings: ServingSettings) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    levels = settings.concurrency
+    if settings.profile == "sweep":
+        # guidellm's sweep: synchronous, then everything at once, then constant rates between the two.
+        return {"kind": "sweep", "sweep_size": settings.levels, "strategy_type": "constant"}, []
+    if settings.profile == "goodput":
+        search = {"kind": "goodput", "target_attainment": 0.99, "initial_streams": min(levels)}
+        return search | {"max_streams": max(max(levels), min(levels) * 2)}, []
+    return {"kind": "concurrent", "streams": levels[0]}, [{"profile.streams": level} for level in levels]
+
+
+def warm_up(server: RunningServer, checkpoint: Path, settings: ServingSettings) -> None:
+    """One request with the measured requests' settings before guidellm starts: the server's first request pays
+    its one-time set-up (continuous batching takes its shared generation settings from it), not a measured one."""
+    body = {"model": str(checkpoint), "prompt": "Hello", **request_body(server.engine, settings.output_tokens)}
+    body = {key: value for key, value in body.items() if value is not None}
+    request = urllib.request.Request(
+        f"{server.url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=settings.request_timeout_s) as answer:
+            answer.read()
+    except OSError as error:
+        why = server.died() or f"its log ends:\n{log_tail(server.log_path)}"
+        raise ServerFailed(f"the server's first completion failed ({error}); {why}") from None
+
+
+def run_load(
+    scenario_spec: Mapping[str, Any],
+    work_dir: Path,
+    log_path: Path,
+    server: RunningServer,
+    timeout_s: float,
+    worker_processes: int | None = None,
+) -> dict[str, Any]:
+    """Run guidellm on `scenario_spec` while watching the server; its JSON report. ServerFailed if the server
+    dies under load (guidellm is stopped), LoadFailed if guidellm fails or runs past `timeout_s`."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    scenario_path = work_dir / "scenario.json"
+    scenario_path.write_text(json.dumps(scenario_spec, indent=2))
+    report_path = Path(scenario_spec["spec"]["outputs"][0]["path"])
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    if worker_processes:  # guidellm's default, up to 10 worker processes, would crowd a CPU server's cores
+        env["GUIDELLM__MAX_WORKER_PROCESSES"] = str(worker_processes)
+    command = [sys.executable, "-m", "guidellm", "run", "--scenario", str(scenario_path)]
+    # guidellm reads a .env file from its working directory: run it where there is none.
+    process = start_group([*command, "--disable-console-interactive"], log_path, env, cwd=work_dir)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while process.poll() is None:
+            if (why := server.died()) is not None:
+                raise ServerFailed(f"the server died under load: {why}")
+            if time.monotonic() > deadline:
+                raise LoadFailed(f"guidellm ran past {timeout_s:.0f} s; its log ends:\n{log_tail(log_path)}")
+            time.sleep(0.25)
+    finally:
+        stop_group(process)
+    if (why := server.died()) is not None:
+        raise ServerFailed(f"the server died under load: {why}")
+    if process.returncode != 0 or not report_path.is_file():
+        raise LoadFailed(f"guidellm exited with code {process.returncode}; its log ends:\n{log_tail(log_path)}")
+    return json.loads(report_path.read_text())
