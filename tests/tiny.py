@@ -27,8 +27,9 @@ def tiny_llama_config(**overrides):
     return LlamaConfig(**{**shape, **overrides})
 
 
-def save_tiny_llama(target: Path, max_position_embeddings: int = 1024, seed: int = 0) -> Path:
-    """Random weights with SmolLM2's real tokenizer (from the packaged GGUF), so lm-eval tokenizes real text."""
+def save_tiny_llama(target: Path, max_position_embeddings: int = 1024, seed: int = 0, **shape) -> Path:
+    """Random weights with SmolLM2's real tokenizer (from the packaged GGUF), so lm-eval tokenizes real text;
+    `shape` overrides the tiny sizes."""
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
@@ -40,6 +41,7 @@ def save_tiny_llama(target: Path, max_position_embeddings: int = 1024, seed: int
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        **shape,
     )
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(target)

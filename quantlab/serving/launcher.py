@@ -2,8 +2,8 @@
 port in a process group of its own, health-checked, and stopped with its whole group.
 
 However the stage ends (done, failed, interrupted) the `with` block stops the group; when the variant's process
-dies outright (SIGKILL, or the sweep's death killing it), the kernel kills the server (PR_SET_PDEATHSIG), so no
-server outlives the variant that started it.
+dies outright (SIGKILL, or the sweep's death killing it), the group's guard (quantlab.serving.guard) kills it, so
+no server, nor any process it forked, outlives the variant that started it.
 """
 
 from __future__ import annotations
@@ -91,29 +91,22 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:]) or "(empty log)"
 
 
-def die_with_parent() -> None:
-    """preexec_fn: a session of its own (its group is stopped as one), and SIGKILL when its parent dies."""
-    os.setsid()
-    if sys.platform == "linux":
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
 def start_group(
     command: Sequence[str], log_path: Path, env: Mapping[str, str], cwd: Path | None = None
 ) -> subprocess.Popen:
-    """`command` in its own process group, output to `log_path`, killed by the kernel if this process dies."""
+    """`command` in a new process group under a guard (quantlab.serving.guard) that kills the group if this process
+    dies; output to `log_path`. The returned process is the guard: it exits as the command does."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    guarded = [sys.executable, "-m", "quantlab.serving.guard", str(os.getpid()), "--", *command]
     with open(log_path, "wb") as log:
         return subprocess.Popen(
-            list(command),
+            guarded,
             cwd=cwd,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             env=dict(env),
-            preexec_fn=die_with_parent,  # noqa: PLW1509 - the only way to set the death signal of a child
+            start_new_session=True,
         )
 
 

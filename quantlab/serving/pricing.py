@@ -3,6 +3,8 @@ throughput is set against. Pure functions."""
 
 from __future__ import annotations
 
+import re
+
 from quantlab.measure.modeled import (
     ModelShape,
     decode_roofline_tokens_per_s,
@@ -20,10 +22,11 @@ CPU_PRICE_SOURCE = "AWS EC2 c7i on-demand, us-east-1 ($0.08925/h for 2 vCPUs)"
 
 
 def table_entry_for(gpu_name: str, measure: MeasureSettings) -> str | None:
-    """The accelerator table's entry a device name (e.g. "NVIDIA H100 80GB HBM3") is, by the longest match."""
-    found = [
-        name for name in accelerator_table(measure.accelerators) if normalized_name(name) in normalized_name(gpu_name)
-    ]
+    """The accelerator table's entry that a device name is ("NVIDIA H100 NVL" is H100-NVL): an entry spelled by
+    consecutive words of the name, the longest such; None rather than a guess ("A100-SXM4-80GB" is not A10)."""
+    words = [word for word in re.split(r"[\s_\-]+", gpu_name.lower()) if word]
+    runs = {"".join(words[start:end]) for start in range(len(words)) for end in range(start + 1, len(words) + 1)}
+    found = [name for name in accelerator_table(measure.accelerators) if normalized_name(name) in runs]
     return max(found, key=len, default=None)
 
 

@@ -62,6 +62,9 @@ class ServingSettings(_Strict):
         description="USD per hour of the machine serving; unset: measure.target.price_per_hour when serving on that "
         "accelerator, else the accelerator table's price of the GPU found, else the CPU price per core-hour.",
     )
+    port: int | None = Field(
+        None, ge=1024, le=65535, description="The server's loopback port; unset: a free one for each variant."
+    )
     startup_timeout_s: float = Field(300, gt=0, description="How long the server may take to answer /health.")
     request_timeout_s: float = Field(120, gt=0, description="How long one request may take before it is an error.")
 

@@ -72,7 +72,7 @@ def serve(
     dtype_name = str(dtype).removeprefix("torch.")
     prompts = (recipe_dir / settings.prompts).resolve() if settings.prompts else None
 
-    with tempfile.TemporaryDirectory(prefix="quantlab-serve-") as scratch:
+    with tempfile.TemporaryDirectory(prefix=f"quantlab-serve-{variant}-") as scratch:
         logs = log_dir or Path(scratch)
         env = _server_environment(threads)
 
@@ -80,7 +80,7 @@ def serve(
             return server_command(engine, checkpoint, port, device, dtype_name, settings.server_args)
 
         server_log = side_log(logs, variant, "server")
-        with running_server(command_for, engine, server_log, env, settings.startup_timeout_s) as server:
+        with running_server(command_for, engine, server_log, env, settings.startup_timeout_s, settings.port) as server:
             warm_up(server, checkpoint, settings)
             report_path = Path(scratch) / "guidellm.json"
             spec = scenario(settings, engine, server.url, checkpoint, prompts, report_path)

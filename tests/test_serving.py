@@ -1,0 +1,452 @@
+"""The serve stage: guidellm's report read into load levels, goodput and dollars (tables); the scenario and server
+command lines; then a real `transformers serve` of the tiny Llama under real guidellm load: figures present and
+consistent, and no server left after success, after failures, or after the sweep is SIGKILLed."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from test_resilience import Sweep, _init_store, _sweep_args, _wait_until, sweeps  # noqa: F401 - sweeps: a fixture
+from test_sweep import quantlab
+from tiny import save_tiny_llama
+
+from quantlab.measure.settings import MeasureSettings
+from quantlab.metrics import Scale, spec
+from quantlab.serving.goodput import Price, goodput_level, misses, summarize, usd_per_million_tokens
+from quantlab.serving.launcher import (
+    ServerFailed,
+    engine_problem,
+    running_server,
+    server_command,
+)
+from quantlab.serving.levels import LoadLevel, ReportError, level_label, levels_from_metrics, load_levels
+from quantlab.serving.load import TRANSFORMERS_FIXED_LENGTH, run_load, scenario
+from quantlab.serving.pricing import CPU_USD_PER_CORE_HOUR, serving_price, table_entry_for
+from quantlab.serving.settings import ServiceLevels, ServingSettings
+from quantlab.stages.serve import CHART_ARTIFACT, REPORT_ARTIFACT, serve
+from recipes import REPO, tiny_recipe, write
+
+REPORT = Path(__file__).parent / "data" / "guidellm-report-c1-c4.json"  # a real guidellm 0.8.1 run, trimmed
+SLO = ServiceLevels(ttft_p99_ms=500, itl_p99_ms=100)
+
+
+def _level(label: str, tokens: float, ttft: float = 100, itl: float = 50, errors: int = 0, ok: int = 8) -> LoadLevel:
+    return LoadLevel(
+        label, "concurrent", 1, tokens, tokens / 16, ttft / 2, ttft, itl / 2, itl, itl, itl, ok, errors, 0, 16, 1.0
+    )
+
+
+# --- guidellm's report, goodput, dollars: pure ---------------------------------------------------------------
+
+
+def test_a_real_report_reads_into_one_level_per_benchmark():
+    c1, c4 = load_levels(json.loads(REPORT.read_text()))
+    assert (c1.label, c4.label) == ("c1", "c4")
+    assert c1.succeeded == c4.succeeded == 8 and c1.errors == c4.errors == 0
+    assert c1.output_tokens_min == 16  # the fixed length reached the server
+    for level in (c1, c4):
+        assert level.ttft_ms_p99 >= level.ttft_ms_p50 > 0 and level.itl_ms_p99 >= level.itl_ms_p50 > 0
+        assert all(math.isfinite(value) for value in level.figures().values())
+    assert c4.output_tokens_per_s > c1.output_tokens_per_s
+
+
+@pytest.mark.parametrize(
+    ("report", "message"),
+    [
+        ({"metadata": {"version": 1}, "benchmarks": [{}]}, "format 1"),
+        ({"metadata": {"version": 2}, "benchmarks": []}, "no benchmark"),
+    ],
+)
+def test_a_report_this_version_cannot_read_is_refused(report, message):
+    with pytest.raises(ReportError, match=message):
+        load_levels(report)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "label"),
+    [
+        ({"type_": "concurrent", "streams": 4}, "c4"),
+        ({"type_": "synchronous"}, "sync"),
+        ({"type_": "throughput", "max_concurrency": 512}, "max"),
+        ({"type_": "constant", "rate": 2.5}, "r2.5"),
+        ({"type_": "poisson", "rate": 0.123456}, "r0.123"),
+    ],
+)
+def test_level_labels(strategy, label):
+    assert level_label(strategy) == label
+
+
+@pytest.mark.parametrize(
+    ("levels", "best"),
+    [
+        ([_level("c1", 10), _level("c4", 30)], "c4"),  # both meet: the faster
+        ([_level("c1", 10), _level("c4", 30, ttft=900)], "c1"),  # c4 misses TTFT
+        ([_level("c1", 10), _level("c4", 30, itl=150)], "c1"),  # c4 misses ITL
+        ([_level("c1", 10), _level("c4", 30, errors=1)], "c1"),  # one failed request disqualifies
+        ([_level("c1", 10, ttft=600), _level("c4", 30, ttft=900)], None),
+        ([_level("c1", 10, ok=0, ttft=math.nan, itl=math.nan)], None),  # nothing succeeded: no latency at all
+    ],
+)
+def test_goodput_is_the_fastest_level_meeting_every_service_level(levels, best):
+    found = goodput_level(levels, SLO)
+    assert (found.label if found else None) == best
+
+
+def test_a_missed_level_says_why():
+    assert misses(_level("c4", 30, ttft=900, itl=150, errors=2), SLO) == [
+        "2 errored and 0 incomplete requests",
+        "TTFT p99 900 ms > 500 ms",
+        "ITL p99 150.0 ms > 100 ms",
+    ]
+
+
+@pytest.mark.parametrize(("price", "tokens", "usd"), [(3.6, 1000, 1.0), (2.0, 50, 2.0 / (50 * 3600) * 1e6)])
+def test_usd_per_million_tokens(price, tokens, usd):
+    assert usd_per_million_tokens(price, tokens) == pytest.approx(usd)
+
+
+def test_no_dollar_figure_at_zero_throughput():
+    with pytest.raises(ValueError, match="no dollar figure"):
+        usd_per_million_tokens(1.0, 0.0)
+
+
+def test_summary_metrics_and_what_is_absent():
+    levels = [_level("c1", 10), _level("c4", 30, ttft=900)]
+    summary = summarize(levels, SLO, Price(3.6, "test"), modeled_tokens_per_s=60)
+    metrics = summary.to_metrics()
+    assert metrics["cost/serving/goodput_tokens_per_s"] == 10  # c1: c4 misses TTFT
+    assert metrics["cost/serving/usd_per_mtok"] == pytest.approx(usd_per_million_tokens(3.6, 10))
+    assert metrics["cost/serving/peak_tokens_per_s"] == 30
+    assert metrics["cost/serving/peak_vs_modeled"] == pytest.approx(0.5)
+    assert metrics["cost/serving/c4/ttft_ms_p99"] == 900
+    assert summary.to_tags("transformers")["quantlab.serving.goodput_level"] == "c1"
+    none = summarize([_level("c4", 30, ttft=900)], SLO, Price(3.6, "test"), None)
+    assert "cost/serving/usd_per_mtok" not in none.to_metrics()
+    assert none.unavailable()["goodput"] == "c4: TTFT p99 900 ms > 500 ms"
+    assert "peak_vs_modeled" in none.unavailable()
+
+
+def test_logged_levels_read_back_as_levels():
+    levels = [_level("c1", 10), _level("c4", 30, ttft=900)]
+    metrics = summarize(levels, SLO, None, None).to_metrics()
+    back = levels_from_metrics(metrics | {"cost/weight_bytes": 1.0})
+    assert [level.label for level in back] == ["c1", "c4"]
+    assert [level.figures() for level in back] == [level.figures() for level in levels]
+
+
+@pytest.mark.parametrize(
+    ("key", "higher", "scale"),
+    [
+        ("cost/serving/usd_per_mtok", False, Scale.USD),
+        ("cost/serving/goodput_tokens_per_s", True, Scale.TOKENS_PER_S),
+        ("cost/serving/c4/ttft_ms_p99", False, Scale.MILLISECONDS),
+        ("cost/serving/r2.5/output_tokens_per_s", True, Scale.TOKENS_PER_S),
+        ("cost/serving/sync/errors", False, Scale.COUNT),
+        ("cost/serving/c1/slo_attainment", True, Scale.FRACTION),
+    ],
+)
+def test_serving_keys_are_in_the_metric_contract(key, higher, scale):
+    found = spec(key)
+    assert found.entry and (found.higher_is_better, found.scale) == (higher, scale)
+
+
+@pytest.mark.parametrize(
+    ("serving", "measure", "gpu", "cores", "expected"),
+    [
+        ({"price_per_hour": 5.0}, {}, None, 2, 5.0),  # the recipe's own price wins
+        ({}, {}, None, 2, 2 * CPU_USD_PER_CORE_HOUR),  # CPU: per core-hour
+        ({}, {"target": {"price_per_hour": 4.0}}, "NVIDIA H100 80GB HBM3", 1, None),  # H100 is not the SXM target
+        ({}, {"target": {"accelerator": "H200", "price_per_hour": 4.0}}, "NVIDIA H200", 1, 4.0),
+        ({}, {"target": {"accelerator": "H200"}}, "NVIDIA H200", 1, None),  # no price anywhere: no dollar figure
+    ],
+)
+def test_serving_price(serving, measure, gpu, cores, expected):
+    price = serving_price(ServingSettings(**serving), MeasureSettings(**measure), gpu, cores)
+    assert (price.usd_per_hour if price else None) == (pytest.approx(expected) if expected else None)
+
+
+def test_a_gpu_name_finds_its_table_entry_by_the_longest_match():
+    assert table_entry_for("NVIDIA H100 NVL", MeasureSettings()) == "H100-NVL"
+    assert table_entry_for("NVIDIA H200", MeasureSettings()) == "H200"
+    assert table_entry_for("NVIDIA A100-SXM4-80GB", MeasureSettings()) is None  # spelled otherwise: not guessed
+    assert table_entry_for("NVIDIA H100 80GB HBM3", MeasureSettings()) is None  # which H100 it is, it does not say
+
+
+# --- what is sent: the scenario and the command lines ------------------------------------------------------
+
+
+def test_transformers_scenario_removes_ignore_eos_and_fixes_the_length(tmp_path):
+    settings = ServingSettings(concurrency=[4, 1], requests_per_level=6, seconds_per_level=30)
+    found = scenario(settings, "transformers", "http://127.0.0.1:9", tmp_path / "ckpt", None, tmp_path / "r.json")
+    body = found["spec"]["backend"]["extras"]["body"]
+    # null: guidellm drops the field it would add (transformers serve answers it with HTTP 422)
+    assert body["ignore_eos"] is None and body["max_tokens"] == 16
+    assert (
+        json.loads(body["generation_config"]) == {"eos_token_id": -1}
+        and body["generation_config"] == TRANSFORMERS_FIXED_LENGTH
+    )
+    assert found["spec"]["backend"]["request_format"] == "/v1/completions"
+    assert found["benchmarks"] == [{"profile.streams": 1}, {"profile.streams": 4}]  # sorted levels
+    assert {"kind": "max_requests", "count": 6} in found["spec"]["constraints"]
+    assert {"kind": "max_duration", "seconds": 30} in found["spec"]["constraints"]
+    assert found["spec"]["data"] == [{"kind": "synthetic_text", "prompt_tokens": 32, "output_tokens": 16}]
+    assert found["spec"]["tokenizer"]["model"] == str(tmp_path / "ckpt")  # local: no hub
+
+
+def test_vllm_scenario_keeps_its_ignore_eos_and_other_profiles(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    settings = ServingSettings(profile="sweep", levels=4)
+    found = scenario(settings, "vllm", "http://127.0.0.1:9", tmp_path, prompts, tmp_path / "r.json")
+    assert found["spec"]["backend"]["extras"]["body"] == {"max_tokens": 16, "ignore_eos": True}
+    assert found["spec"]["profile"] == {"kind": "sweep", "sweep_size": 4, "strategy_type": "constant"}
+    assert found["spec"]["data"] == [{"kind": "json_file", "path": str(prompts)}]
+    goodput = scenario(ServingSettings(profile="goodput"), "vllm", "u", tmp_path, None, tmp_path / "r.json")
+    assert goodput["spec"]["profile"]["kind"] == "goodput" and goodput["spec"]["metrics"]["slo"]["ttft_ms"] == 2000
+
+
+def test_server_command_lines(tmp_path):
+    vllm = server_command("vllm", tmp_path / "ckpt", 8123, "cuda", "bfloat16", ["--max-model-len", "4096"])
+    assert Path(vllm[0]).name == "vllm" and vllm[1:3] == ["serve", str(tmp_path / "ckpt")]
+    assert vllm[3:] == ["--host", "127.0.0.1", "--port", "8123", "--dtype", "bfloat16", "--max-model-len", "4096"]
+    hf = server_command("transformers", tmp_path / "ckpt", 8124, "cpu", "float32")
+    assert hf[:5] == [sys.executable, "-m", "transformers.cli.transformers", "serve", str(tmp_path / "ckpt")]
+    assert (
+        "--continuous-batching" in hf and hf[hf.index("--port") + 1] == "8124" and hf[hf.index("--device") + 1] == "cpu"
+    )
+    with pytest.raises(ValueError, match="unknown serving engine 'tgi'"):
+        server_command("tgi", tmp_path, 1, "cpu", "float32")
+
+
+@pytest.mark.skipif(engine_problem("vllm", gpu_visible=True) is None, reason="vLLM is installed here")
+def test_validate_names_a_missing_vllm_before_any_work(tmp_path, tiny_llama):
+    assert (
+        engine_problem("vllm", gpu_visible=True)
+        == "vLLM is not installed: pip install vllm (or serving.engine: transformers)"
+    )
+    recipe = write(tmp_path / "r.yaml", tiny_recipe(tiny_llama.path, serving={"engine": "vllm"}))
+    for command in (["validate", str(recipe)], _sweep_args(recipe, f"sqlite:///{tmp_path / 's.db'}", tmp_path / "c")):
+        done = quantlab(*command, cwd=tmp_path)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert (
+            done.stderr.strip()
+            == f"error: {recipe}: serving.engine: vLLM is not installed: pip install vllm (or serving.engine: transformers)"
+        )
+    assert not (tmp_path / "c" / "checkpoints").exists()  # refused before any work
+
+
+def test_validate_names_a_missing_prompts_file(tmp_path, tiny_llama):
+    recipe = write(tmp_path / "r.yaml", tiny_recipe(tiny_llama.path, serving={"prompts": "nowhere.jsonl"}))
+    done = quantlab("validate", str(recipe), cwd=tmp_path)
+    assert done.returncode == 2
+    assert f"serving.prompts: no such file: {tmp_path / 'nowhere.jsonl'}" in done.stderr
+
+
+# --- a real server under real load -------------------------------------------------------------------------
+
+
+def _served_processes(marker: str) -> list[psutil.Process]:
+    """Live servers, guards and guidellm runs whose command line names `marker` (a checkpoint path, or the variant's
+    scratch directory `quantlab-serve-<variant>-`), with every process they started."""
+    found = set()
+    for process in psutil.process_iter(["cmdline"]):
+        line = " ".join(process.info["cmdline"] or [])
+        if marker in line and any(word in line for word in ("transformers.cli", "guidellm", "serving.guard")):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                found |= {process, *process.children(recursive=True)}
+    return list(found)
+
+
+def _all_gone(processes: list[psutil.Process], timeout: float = 15) -> bool:
+    deadline = time.monotonic() + timeout
+    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in processes):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def _gone(marker: str, timeout: float = 15) -> bool:
+    return _all_gone(_served_processes(marker), timeout) and not _served_processes(marker)
+
+
+FAST = ServingSettings(prompt_tokens=16, output_tokens=16, concurrency=[1, 4], requests_per_level=8)
+
+
+# Big enough that a decode step costs more than streaming its token (the tiny Llama's does not: 4 streams there
+# are no faster than 1), small enough to serve in seconds: 38M parameters.
+SMALL_SHAPE = dict(
+    hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4
+)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    model = save_tiny_llama(tmp_path_factory.mktemp("small-llama"), **SMALL_SHAPE)
+    logs = tmp_path_factory.mktemp("serve-logs")
+    cost = {"cost/measured_bandwidth_bytes_per_s": 5e9, "cost/loaded_weight_bytes": 1.5e8}
+    outcome = serve(model, "small", FAST, MeasureSettings(), REPO, "cpu", torch.float32, cost, logs)
+    return outcome, logs, model
+
+
+def test_a_served_variant_logs_consistent_figures(served):
+    outcome, logs, model = served
+    metrics = outcome.metrics
+    for level in ("c1", "c4"):
+        for figure in (
+            "output_tokens_per_s",
+            "requests_per_s",
+            "ttft_ms_p50",
+            "ttft_ms_p99",
+            "itl_ms_p50",
+            "itl_ms_p99",
+        ):
+            assert (
+                math.isfinite(metrics[f"cost/serving/{level}/{figure}"])
+                and metrics[f"cost/serving/{level}/{figure}"] > 0
+            )
+        assert metrics[f"cost/serving/{level}/errors"] == 0
+        for figure in ("ttft_ms", "itl_ms", "tpot_ms"):
+            assert metrics[f"cost/serving/{level}/{figure}_p99"] >= metrics[f"cost/serving/{level}/{figure}_p50"]
+    # Continuous batching: four streams on the same server decode together.
+    assert metrics["cost/serving/c4/output_tokens_per_s"] > metrics["cost/serving/c1/output_tokens_per_s"]
+    assert metrics["cost/serving/peak_tokens_per_s"] == metrics["cost/serving/c4/output_tokens_per_s"]
+    assert metrics["cost/serving/usd_per_mtok"] > 0 and metrics["cost/serving/peak_vs_modeled"] > 0
+    assert (
+        outcome.params["serving.engine"] == "transformers"
+        and "--continuous-batching" in outcome.params["serving.command"]
+    )
+    assert outcome.params["serving.price_source"].startswith(f"{torch.get_num_threads()} CPU cores")
+    report = json.loads(outcome.artifacts[REPORT_ARTIFACT])
+    assert report["benchmarks"][0]["metrics"]["output_token_count"]["successful"]["min"] == 16  # fixed length
+    assert outcome.artifacts[CHART_ARTIFACT][:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Uvicorn running" in (logs / "small.server.log").read_text()
+    assert (logs / "small.guidellm.log").is_file()
+    assert _gone(str(model), timeout=5) and _gone("quantlab-serve-small-", timeout=5)  # went with the stage
+
+
+def test_a_server_that_never_becomes_healthy_fails_with_its_log_and_is_stopped(tmp_path, tiny_llama):
+    def command_for(port: int) -> list[str]:
+        return server_command("transformers", tiny_llama.path, port, "cpu", "float32")
+
+    started = time.monotonic()
+    healthy_within = r"did not answer http://127.0.0.1:\d+/health within 0.5 s"
+    log = tmp_path / "server.log"
+    with (
+        pytest.raises(ServerFailed, match=healthy_within) as failure,
+        running_server(command_for, "transformers", log, os.environ, startup_timeout_s=0.5),
+    ):
+        pass
+    assert "serving.startup_timeout_s" in str(failure.value) and "its log ends" in str(failure.value)
+    assert time.monotonic() - started < 30
+    assert _gone(str(tiny_llama.path), timeout=5)
+
+
+def test_a_taken_port_is_named(tmp_path, tiny_llama):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        never_started = [sys.executable, "-c", "raise SystemExit('must not start')"]
+        with (
+            pytest.raises(ServerFailed, match=f"port {port} on 127.0.0.1 is taken"),
+            running_server(lambda _: never_started, "transformers", tmp_path / "log", os.environ, 5, port),
+        ):
+            pass
+
+
+def test_a_server_killed_under_load_fails_the_stage_and_guidellm_is_stopped(tmp_path, tiny_llama):
+    def command_for(port: int) -> list[str]:
+        return server_command("transformers", tiny_llama.path, port, "cpu", "float32")
+
+    settings = ServingSettings(output_tokens=64, concurrency=[2], requests_per_level=200)
+    with running_server(command_for, "transformers", tmp_path / "server.log", os.environ, 120) as server:
+        spec = scenario(settings, "transformers", server.url, tiny_llama.path, None, tmp_path / "report.json")
+        load_log = tmp_path / "guidellm.log"
+        server_process = psutil.Process(server.process.pid).children()[0]  # under its guard
+
+        def kill_when_loaded() -> None:  # a real fault: the engine process dies while requests are in flight
+            _wait_for(lambda: "concurrent@2" in load_log.read_text() if load_log.exists() else False, 60)
+            server_process.send_signal(signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_when_loaded, daemon=True)
+        killer.start()
+        with pytest.raises(ServerFailed, match="the server died under load: the transformers server killed by SIGKILL"):
+            run_load(spec, tmp_path, load_log, server, timeout_s=300, worker_processes=1)
+    assert _gone(str(tiny_llama.path), timeout=10)
+
+
+def _wait_for(condition, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def test_sigkill_of_the_sweep_leaves_no_server(tmp_path, tiny_llama, sweeps):  # noqa: F811 - the fixture
+    recipe = tiny_recipe(
+        tiny_llama.path,
+        variants=[{"name": "bf16", "method": "bf16"}],
+        evals={"tasks": []},
+        serving=FAST.model_dump(include={"prompt_tokens", "output_tokens"}) | {"requests_per_level": 200},
+    )
+    path = write(tmp_path / "recipe.yaml", recipe)
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    _init_store(uri)
+    cache = tmp_path / "cache"
+    sweep = Sweep(_sweep_args(path, uri, cache), tmp_path)
+    sweeps.append(sweep)
+    # The bf16 checkpoint lives in the sweep's cache: its server and guidellm name it.
+    _wait_until(lambda: _served_processes("quantlab-serve-bf16-"), sweep, "guidellm's load")
+    running = _served_processes(str(cache)) + _served_processes("quantlab-serve-bf16-")  # with guidellm's workers
+    assert len(running) >= 4  # the server and guidellm, each under its guard
+    sweep.kill_group()  # the sweep and its variant process, SIGKILL: no teardown code runs
+    assert _all_gone(running, timeout=10), [p.cmdline() for p in running if p.is_running()]
+
+
+def test_a_variant_whose_server_dies_fails_alone_with_its_server_log(tmp_path, tiny_llama, sweeps):  # noqa: F811
+    recipe = tiny_recipe(
+        tiny_llama.path,
+        variants=[{"name": "bf16", "method": "bf16"}, {"name": "fp8", "method": "fp8"}],
+        evals={"tasks": []},
+        serving=FAST.model_dump(include={"prompt_tokens", "concurrency"}) | {"output_tokens": 32},
+    )
+    path = write(tmp_path / "recipe.yaml", recipe)
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    _init_store(uri)
+    sweep = Sweep(_sweep_args(path, uri, tmp_path / "cache"), tmp_path)
+    sweeps.append(sweep)
+
+    def fp8_server() -> psutil.Process | None:
+        return next((p for p in _served_processes("/fp8-") if "transformers.cli" in p.cmdline()[2]), None)
+
+    server = _wait_until(fp8_server, sweep, "fp8's server")
+    _wait_until(lambda: _served_processes("quantlab-serve-fp8-"), sweep, "guidellm's load on fp8")
+    server.send_signal(signal.SIGKILL)
+    code, _ = sweep.wait()
+    assert code == 1, sweep.text()[-3000:]
+    client = MlflowClient(uri)
+    (experiment,) = [e for e in client.search_experiments() if e.name == "tiny"]
+    runs = {
+        r.data.tags["quantlab.variant"]: r
+        for r in client.search_runs([experiment.experiment_id], "tags.`quantlab.role` = 'variant'")
+    }
+    assert (
+        runs["bf16"].info.status == "FINISHED" and runs["bf16"].data.metrics["cost/serving/c4/output_tokens_per_s"] > 0
+    )
+    assert runs["fp8"].info.status == "FAILED"
+    assert "the server died under load" in runs["fp8"].data.tags["quantlab.failure"]
+    logs = {item.path for item in client.list_artifacts(runs["fp8"].info.run_id, "logs")}
+    assert {"logs/variant.log", "logs/server.log", "logs/guidellm.log"} <= logs
+    assert _gone("/fp8-", timeout=5) and _gone("quantlab-serve-fp8-", timeout=5)
