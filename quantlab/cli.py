@@ -126,7 +126,11 @@ def sweep(
         ),
     ] = 1,
 ) -> None:
-    """Quantize, evaluate, measure and log every variant of RECIPE; then publish the frontier.
+    """Quantize, evaluate, measure, serve and log every variant of RECIPE; then publish the frontier.
+
+    Each variant runs: quantize (cached checkpoint), load, evaluate (lm-eval), damage (against the baseline),
+    measure (batch loop, modeled cost), serve (its checkpoint behind a real server under guidellm's load; the
+    recipe's `serving:` section, `enabled: false` to skip).
 
     Exit 0 when every variant is computed and logged; 1 when a variant failed or the tracking store
     could not take a result (kept in the cache, logged by the next sweep); 2 on bad input.
@@ -629,7 +633,7 @@ def pick_command(
     objective: Annotated[
         str | None,
         typer.Option(
-            help="Cost metric to optimise, e.g. cost/weight_bytes (default: the recipe's frontier.objective)."
+            help="Cost metric to optimise, e.g. cost/weight_bytes, or cost/serving/usd_per_mtok (dollars per million output tokens served at the SLOs) (default: the recipe's frontier.objective)."
         ),
     ] = None,
     register: Annotated[

@@ -110,7 +110,7 @@ def variant_params(
         "evals": recipe.evals.model_dump(),
         "quality": recipe.quality.model_dump(),
         "measure": recipe.measure.model_dump(),
-        "serving_settings": recipe.serving.model_dump(),
+        "serving": recipe.serving.model_dump(),
         "runtime": {
             "device": device,
             "compute_dtype": str(dtype).removeprefix("torch."),

@@ -4,6 +4,7 @@ then picked and registered, then browsed in the MLflow UI with a real headless C
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -13,6 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 from conftest import free_port
@@ -110,14 +112,40 @@ def test_cost_keys_carry_their_provenance(embedded):
         assert any(key.startswith("quantlab.cost.") and "kernel" in key for key in tags), tags
 
 
+def test_every_variant_was_served_under_load(embedded):
+    """The recipe's default serving: transformers serve of each checkpoint, guidellm at 1 and 4 streams."""
+    work, uri, _ = embedded
+    _, runs = _runs(uri)
+    client = MlflowClient(uri)
+    for name, run in runs.items():
+        metrics = run.data.metrics
+        for level in ("c1", "c4"):
+            assert metrics[f"cost/serving/{level}/errors"] == 0, name
+            for figure in ("ttft_ms", "itl_ms", "tpot_ms"):
+                p50, p99 = (metrics[f"cost/serving/{level}/{figure}_p{q}"] for q in (50, 99))
+                assert 0 < p50 <= p99 < math.inf, (name, level, figure)
+        assert metrics["cost/serving/c4/output_tokens_per_s"] > metrics["cost/serving/c1/output_tokens_per_s"], name
+        assert metrics["cost/serving/usd_per_mtok"] > 0 and metrics["cost/serving/peak_vs_modeled"] > 0, name
+        assert run.data.params["served.engine"] == "transformers"
+        artifacts = {item.path for item in client.list_artifacts(run.info.run_id, "serving")}
+        assert artifacts == {"serving/guidellm.json", "serving/throughput_latency.png"}
+        logs = {item.path for item in client.list_artifacts(run.info.run_id, "logs")}
+        assert {"logs/server.log", "logs/guidellm.log"} <= logs
+    leftover = [
+        p.info["cmdline"] for p in psutil.process_iter(["cmdline"]) if str(work) in " ".join(p.info["cmdline"] or [])
+    ]
+    assert not leftover  # every server went with its variant
+
+
 def test_parent_run_has_the_report(embedded):
     _, uri, _ = embedded
     parent, _ = _runs(uri)
     client = MlflowClient(uri)
     artifacts = {item.path for item in client.list_artifacts(parent.info.run_id)}
-    assert {"recipe.yaml", "frontier.json", "frontier.png", "frontier.html", "report.md"} <= artifacts
+    assert {"recipe.yaml", "frontier.json", "frontier.png", "frontier.html", "report.md", "serving.png"} <= artifacts
     report = Path(client.download_artifacts(parent.info.run_id, "report.md")).read_text()
     assert all(name in report for name in VARIANTS)
+    assert "## Serving under load" in report and "USD per million output tokens (served, at goodput)" in report
     assert parent.data.tags["mlflow.note.content"].startswith(report[:200])
 
 

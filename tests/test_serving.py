@@ -325,10 +325,10 @@ def test_a_served_variant_logs_consistent_figures(served):
     assert metrics["cost/serving/peak_tokens_per_s"] == metrics["cost/serving/c4/output_tokens_per_s"]
     assert metrics["cost/serving/usd_per_mtok"] > 0 and metrics["cost/serving/peak_vs_modeled"] > 0
     assert (
-        outcome.params["serving.engine"] == "transformers"
-        and "--continuous-batching" in outcome.params["serving.command"]
+        outcome.params["served.engine"] == "transformers"
+        and "--continuous-batching" in outcome.params["served.command"]
     )
-    assert outcome.params["serving.price_source"].startswith(f"{torch.get_num_threads()} CPU cores")
+    assert outcome.params["served.price_source"].startswith(f"{torch.get_num_threads()} CPU cores")
     report = json.loads(outcome.artifacts[REPORT_ARTIFACT])
     assert report["benchmarks"][0]["metrics"]["output_token_count"]["successful"]["min"] == 16  # fixed length
     assert outcome.artifacts[CHART_ARTIFACT][:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,5 +1,6 @@
 """The runner's serve stage: the variant's checkpoint behind a real server, under guidellm's load, as `cost/serving/*`
-metrics, `serving.*` params, tags for what is absent, and artifacts (guidellm's report, the throughput-latency chart).
+metrics, `served.*` params (what served it: engine, version, command line, hardware, price; the recipe's section is
+`serving.*`), tags for what is absent, and artifacts (guidellm's report, the throughput-latency chart).
 
 It runs after the measure stage, whose measured copy bandwidth and loaded weight size give the modeled ceiling
 the measured peak is set against. The server's and guidellm's logs go beside the variant's own log, so they are
@@ -168,17 +169,17 @@ def _params(
     package = "vllm" if engine == "vllm" else "transformers"
     hardware = gpu_name or f"CPU: {cpu_model_name()}, {threads} of {visible_cores()} cores"
     found = {
-        "serving.engine": engine,
-        "serving.engine_version": _version(package),
-        "serving.command": command,
-        "serving.hardware": hardware,
-        "serving.guidellm_version": _version("guidellm"),
-        "serving.levels": json.dumps([level.label for level in summary.levels]),
+        "served.engine": engine,
+        "served.engine_version": _version(package),
+        "served.command": command,
+        "served.hardware": hardware,
+        "served.guidellm_version": _version("guidellm"),
+        "served.levels": json.dumps([level.label for level in summary.levels]),
     }
     if summary.price is not None:
         found |= {
-            "serving.price_per_hour": f"{summary.price.usd_per_hour:.6g}",
-            "serving.price_source": summary.price.source,
+            "served.price_per_hour": f"{summary.price.usd_per_hour:.6g}",
+            "served.price_source": summary.price.source,
         }
     return found
 
