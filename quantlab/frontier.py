@@ -367,7 +367,8 @@ class FrontierSettings(_Directed):
 
     def axis_pairs(self, variants: Sequence[VariantSummary], declared: Mapping[str, Declared]) -> tuple[AxisPair, ...]:
         """The pairs to draw, less explicit axes of a still unknown direction (`compute_frontiers` names them).
-        By default every lm-eval score of known direction, and mean KL, against weight size and decode speed:
+        By default every lm-eval score of known direction, and mean KL, against weight size, decode speed and served
+        dollars per million tokens:
         only pairs some succeeded variant can be placed on (a CPU sweep has no speed plots)."""
         if self.axes is None:
             succeeded = [variant for variant in variants if variant.succeeded]

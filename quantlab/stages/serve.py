@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import shlex
 import tempfile
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from quantlab.jobs import side_log
-from quantlab.measure.contention import visible_cores
+from quantlab.measure.contention import timing_alone, visible_cores
 from quantlab.measure.modeled import ModelShape, config_dict
 from quantlab.measure.provenance import cpu_model_name
 from quantlab.serving.chart import throughput_latency_chart
@@ -82,18 +83,15 @@ def serve(
 
         server_log = side_log(logs, variant, "server")
         with running_server(command_for, engine, server_log, env, settings.startup_timeout_s, settings.port) as server:
-            warm_up(server, checkpoint, settings)
             report_path = Path(scratch) / "guidellm.json"
             spec = scenario(settings, engine, server.url, checkpoint, prompts, report_path)
-            budget = (
-                max(len(settings.concurrency), settings.levels)
-                * settings.requests_per_level
-                * settings.request_timeout_s
-                + 300
-            )
-            report = run_load(
-                spec, Path(scratch), side_log(logs, variant, "guidellm"), server, budget, _workers(device)
-            )
+            levels = max(len(settings.concurrency), settings.levels)
+            budget = levels * settings.requests_per_level * settings.request_timeout_s + 300
+            load_log = side_log(logs, variant, "guidellm")
+            # Timed as the measure stage times: the host's other variants pause at their next forward pass meanwhile.
+            with timing_alone():
+                warm_up(server, checkpoint, settings)
+                report = run_load(spec, Path(scratch), load_log, server, budget, _workers(device))
             command = shlex.join(server.command)
         artifacts: dict[str, str | bytes] = {REPORT_ARTIFACT: report_path.read_text()}
         if log_dir is None:  # no sweep log directory to keep them: they travel with the result
@@ -113,15 +111,13 @@ def serve(
     artifacts[CHART_ARTIFACT] = throughput_latency_chart({variant: levels}, title, settings.slo)
     return ServingOutcome(
         metrics=summary.to_metrics(),
-        params=_params(engine, command, summary, settings, gpu_name, threads),
+        params=_params(engine, command, summary, gpu_name, threads),
         tags=summary.to_tags(engine),
         artifacts=artifacts,
     )
 
 
 def _server_environment(threads: int) -> dict[str, str]:
-    import os
-
     # The variant's share of the cores (measure.contention) for the server's torch pool; the checkpoint is local.
     return {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -163,9 +159,7 @@ def _modeled(
     return modeled_decode_tokens_per_s(shape, weights, element, bandwidth, context, peak.concurrency)
 
 
-def _params(
-    engine: str, command: str, summary: ServingSummary, settings: ServingSettings, gpu_name: str | None, threads: int
-) -> dict[str, str]:
+def _params(engine: str, command: str, summary: ServingSummary, gpu_name: str | None, threads: int) -> dict[str, str]:
     package = "vllm" if engine == "vllm" else "transformers"
     hardware = gpu_name or f"CPU: {cpu_model_name()}, {threads} of {visible_cores()} cores"
     found = {
