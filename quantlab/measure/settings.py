@@ -59,6 +59,14 @@ BUILTIN_ACCELERATORS: Mapping[str, AcceleratorSpec] = {
 }
 
 
+def distinct(values: list[int], what: str) -> list[int]:
+    """`values` unchanged; ValueError naming the repeated ones (a pydantic field validator's message)."""
+    repeated = sorted({value for value in values if values.count(value) > 1})
+    if repeated:
+        raise ValueError(f"{what} must be distinct; repeated: {repeated}")
+    return values
+
+
 def normalized_name(name: str) -> str:
     return re.sub(r"[\s_\-]", "", name).lower()
 
@@ -129,10 +137,7 @@ class MeasureSettings(_Strict):
     @field_validator("batch_sizes")
     @classmethod
     def _distinct(cls, batch_sizes: list[int]) -> list[int]:
-        repeated = sorted({size for size in batch_sizes if batch_sizes.count(size) > 1})
-        if repeated:
-            raise ValueError(f"batch sizes must be distinct; repeated: {repeated}")
-        return batch_sizes
+        return distinct(batch_sizes, "batch sizes")
 
     @field_validator("target")
     @classmethod

@@ -9,6 +9,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from quantlab.measure.settings import distinct
+
 Concurrency = Annotated[int, Field(gt=0, le=100_000)]
 ENGINES = ("transformers", "vllm")
 
@@ -71,7 +73,4 @@ class ServingSettings(_Strict):
     @field_validator("concurrency")
     @classmethod
     def _distinct(cls, levels: list[int]) -> list[int]:
-        repeated = sorted({level for level in levels if levels.count(level) > 1})
-        if repeated:
-            raise ValueError(f"concurrency levels must be distinct; repeated: {repeated}")
-        return sorted(levels)
+        return sorted(distinct(levels, "concurrency levels"))
