@@ -79,7 +79,8 @@ def serve(
         env = _server_environment(threads)
 
         def command_for(port: int) -> list[str]:
-            return server_command(engine, checkpoint, port, device, dtype_name, settings.server_args)
+            extra = [*_cpu_cache_args(engine, device, settings), *settings.server_args]
+            return server_command(engine, checkpoint, port, device, dtype_name, extra)
 
         server_log = side_log(logs, variant, "server")
         with running_server(command_for, engine, server_log, env, settings.startup_timeout_s, settings.port) as server:
@@ -115,6 +116,28 @@ def serve(
         tags=summary.to_tags(engine),
         artifacts=artifacts,
     )
+
+
+CACHE_BLOCK_TOKENS = 32
+
+
+def _cpu_cache_args(engine: str, device: str, settings: ServingSettings) -> list[str]:
+    """transformers serve sizes its continuous-batching KV cache from the host's whole RAM on CPU (most of it, touched:
+    20 GB of a 23 GB VM for a tiny model); sized instead for the most streams the load can have in flight."""
+    if engine != "transformers" or device != "cpu":
+        return []
+    streams = max(max(settings.concurrency), settings.requests_per_level if settings.profile == "sweep" else 0)
+    per_stream = -(-(settings.prompt_tokens + settings.output_tokens) // CACHE_BLOCK_TOKENS) + 1
+    blocks = streams * per_stream + 16
+    batch_tokens = max(512, settings.prompt_tokens + streams)
+    return [
+        "--cb-block-size",
+        str(CACHE_BLOCK_TOKENS),
+        "--cb-num-blocks",
+        str(blocks),
+        "--cb-max-batch-tokens",
+        str(batch_tokens),
+    ]
 
 
 def _server_environment(threads: int) -> dict[str, str]:
