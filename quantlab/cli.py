@@ -650,11 +650,16 @@ def pick_command(
 ) -> None:
     """Choose the variant to ship: the best by the objective among those shown within every limit.
 
-    A drop passes when the one-sided 95% upper bound of its paired drop is within the limit
-    ("shown within the limit"); when the interval straddles the limit the variant is undecided
-    ("not enough evidence", with about how many documents would settle it), which is not a pass.
-    With no limit flags the recipe's default policy applies (by default: at most 1 point lost on
-    any 0-1 lm-eval score). Exit 1 when no variant is shown within every limit.
+    A drop passes when the one-sided 97.5% upper bound of its paired drop is within the limit
+    ("shown within the limit"; the level is the policy's one_sided_alpha, 2.5% by default). A variant
+    must pass every limit: an intersection-union test, whose error rate is that level however many
+    limits there are, so it needs no correction. "Shown over the limit" (the lower bound beyond it)
+    is Holm-corrected over the variant's drop checks. Otherwise the variant is undecided ("not
+    enough evidence", with the documents that would settle it at the policy's power, 80% by
+    default), which is not a pass. Each verdict says how many checks it rests on. With no limit
+    flags the recipe's default policy applies (by default: at most 1 point lost on any 0-1 lm-eval
+    score, a group such as mmlu checked as one score, its subjects only when named with
+    --max-drop). Exit 1 when no variant is shown within every limit.
     """
     from quantlab.publish import decide, record_pick
 
@@ -722,7 +727,10 @@ def _print_decision(decision) -> None:
     out.print(decision.summary)
     for verdict in decision.verdicts:
         lines = [check.detail for check in verdict.checks] if verdict.name == decision.chosen else list(verdict.reasons)
-        out.print(f"  {verdict.name} ({verdict.status.words}): {'; '.join(lines) or 'no limits to check'}")
+        shown = f"{verdict.status.words}; {verdict.basis}" if verdict.checks else verdict.status.words
+        out.print(f"  {verdict.name} ({shown}): {'; '.join(lines) or 'no limits to check'}")
+    if decision.grouped:
+        out.print(f"  checked as one score: {'; '.join(decision.grouped)}")
     if decision.unchecked:
         out.print(f"  not checked by the any-task limit: {', '.join(decision.unchecked)}")
     for warning in decision.warnings:

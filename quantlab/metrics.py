@@ -107,6 +107,9 @@ PAIRED_STATISTICS: dict[str, Scale | None] = {
     # z on the per-document log ratio for perplexities.
     "p_value": Scale.P_VALUE,
     "n": Scale.COUNT,  # documents (or tokens) paired
+    # Degrees of freedom of se where the intervals use Student's t (continuous scores: documents - 1; per-token
+    # figures: scoring windows - 1; groups: Welch-Satterthwaite); absent for 0/1 scores (normal quantile).
+    "df": Scale.COUNT,
     "correct_to_wrong": Scale.COUNT,  # 0/1 scores only: documents right for the baseline, wrong for the variant
     "wrong_to_correct": Scale.COUNT,  # 0/1 scores only: documents wrong for the baseline, right for the variant
 }

@@ -3,7 +3,10 @@
 Baseline and variant answer the same documents, so their difference is judged from the per-document
 pairs, never from two independent standard errors (25 right-to-wrong and 5 wrong-to-right flips in
 1,000 questions: paired se 0.54 points, McNemar p = 3e-4, where unpaired noise would say 2.2 points).
-Intervals, verdicts and sample sizes all use the normal approximation, so the three agree.
+Intervals, verdicts and sample sizes use one quantile per comparison: Student's t on the degrees of freedom
+of its standard error (documents or clusters less one) where the scores are continuous, the normal one for 0/1
+scores (judged on Agresti and Min's adjusted standard error), so the logged interval and a verdict at the
+default level (2.5% one-sided, the non-inferiority convention) agree.
 """
 
 from __future__ import annotations
@@ -12,13 +15,13 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from statistics import NormalDist
 
 import numpy as np
 from pydantic import TypeAdapter
 from scipy import stats
 
 Z_TWO_SIDED_95 = float(stats.norm.ppf(0.975))
-Z_ONE_SIDED_95 = float(stats.norm.ppf(0.95))
 
 
 class Aggregation(str, Enum):
@@ -32,11 +35,14 @@ class Aggregation(str, Enum):
 @dataclass(frozen=True)
 class DocumentScores:
     """One metric of one task, per document: the score (MEAN) or the loglikelihood (ratio
-    shapes, with the document's words or bytes in `weights`)."""
+    shapes, with the document's words or bytes in `weights`). `clusters`: document -> the cluster it
+    was drawn in (per-token figures: the scoring window), when documents of one cluster are correlated;
+    empty when each document is its own."""
 
     aggregation: Aggregation
     values: Mapping[int, float]
     weights: Mapping[int, float] = field(default_factory=dict)
+    clusters: Mapping[int, int] = field(default_factory=dict)
 
     def aggregate(self) -> float:
         """The task-level figure, computed as lm-eval computes it."""
@@ -59,9 +65,12 @@ class PairedComparison:
     ci95_low: float
     ci95_high: float
     p_value: float
-    test: str  # "mcnemar_exact", "paired_t", "ratio_z", "combined_z" or "none"
-    correct_to_wrong: int | None = None  # 0/1 scores only
+    test: str  # "mcnemar_exact", "paired_t", "cluster_t", "ratio_t", "combined_t" or "none"
+    correct_to_wrong: int | None = None  # 0/1 scores of independent documents only
     wrong_to_correct: int | None = None
+    df: float = math.inf  # degrees of freedom of se (Student's t); inf: the normal quantile (0/1 scores)
+    # se^2 over what it would be were every document its own cluster (clustered documents only; 1: no correlation).
+    design_effect: float | None = None
 
     def statistics(self) -> dict[str, float]:
         """The finite figures, by the statistic names of `quantlab.metrics.PAIRED_STATISTICS`."""
@@ -74,8 +83,8 @@ class PairedComparison:
         if None in (figures["diff"], figures["ci95_low"], figures["ci95_high"]):
             return None
         found = {name: math.nan if value is None else value for name, value in figures.items()}
-        counts = {name: None if figures[name] is None else int(figures[name]) for name in STATISTICS[-2:]}
-        found |= counts | {"n": int(figures["n"] or 0)}
+        counts = {name: None if figures[name] is None else int(figures[name]) for name in _FLIPS}
+        found |= counts | {"n": int(figures["n"] or 0), "df": math.inf if figures["df"] is None else figures["df"]}
         return cls(baseline=variant - found["diff"], variant=variant, test="logged", **found)
 
     def reversed(self) -> PairedComparison:
@@ -92,7 +101,8 @@ class PairedComparison:
         )
 
 
-STATISTICS = ("diff", "se", "ci95_low", "ci95_high", "p_value", "n", "correct_to_wrong", "wrong_to_correct")
+_FLIPS = ("correct_to_wrong", "wrong_to_correct")
+STATISTICS = ("diff", "se", "ci95_low", "ci95_high", "p_value", "n", "df", *_FLIPS)
 
 
 class NotPaired(ValueError):
@@ -104,7 +114,9 @@ def compare(task: str, baseline: DocumentScores, variant: DocumentScores) -> Pai
 
     MEAN: the mean of per-document differences, se from their spread; p from the exact McNemar
     test on 0/1 scores, else a paired t-test. Ratio shapes rest on D = sum(ll_b - ll_v) / sum w
-    (documents as the sampled units); perplexity maps D's interval through exp, p is a z test on D.
+    (documents as the sampled units); perplexity maps D's interval through exp, p is a t test on D.
+    With `clusters` the clusters are the sampled units: se is cluster-robust, t has clusters - 1 degrees
+    of freedom, and 0/1 scores get no McNemar test (it assumes independent documents).
     """
     if baseline.values.keys() != variant.values.keys() or baseline.aggregation is not variant.aggregation:
         only_base = len(baseline.values.keys() - variant.values.keys())
@@ -113,25 +125,71 @@ def compare(task: str, baseline: DocumentScores, variant: DocumentScores) -> Pai
             f"task {task!r}: baseline and variant scored different documents "
             f"({only_base} only in baseline, {only_variant} only in variant)"
         )
+    if baseline.clusters != variant.clusters:
+        raise NotPaired(f"task {task!r}: baseline and variant were scored in different clusters (windows)")
     docs = sorted(baseline.values)
     b, v = (np.array([scores.values[d] for d in docs], dtype=np.float64) for scores in (baseline, variant))
+    clusters = _cluster_codes([baseline.clusters[d] for d in docs]) if baseline.clusters else None
     if baseline.aggregation is Aggregation.MEAN:
-        return _compare_means(b, v)
+        return _compare_means(b, v, clusters)
     w = np.array([baseline.weights[d] for d in docs], dtype=np.float64)
-    return _compare_ratio(b, v, w, baseline.aggregation, baseline.aggregate(), variant.aggregate())
+    return _compare_ratio(b, v, w, baseline.aggregation, baseline.aggregate(), variant.aggregate(), clusters)
 
 
-def _compare_means(b: np.ndarray, v: np.ndarray) -> PairedComparison:
+def cluster_robust_se(residuals: np.ndarray, total: float, clusters: np.ndarray | None = None) -> float:
+    """Standard error of sum(residuals) / total with clusters as the sampled units (CR1):
+    sqrt(G / (G - 1) * sum over clusters g of (sum of g's residuals)^2) / total, G clusters; without
+    `clusters` (cluster index per residual, 0..G-1) every residual is its own cluster. For a mean
+    (residuals x - mean, total n, no clusters) it is scipy's sem; for a ratio estimator sum x / sum w
+    (residuals x - D w, total sum w) its usual linearised se. Hand-rolled: scipy has no clustered
+    variance, and statsmodels' (cov_type="cluster") is not a dependency; the test checks it against the
+    closed-form standard error of AR(1) data. nan with fewer than two clusters."""
+    sums = residuals if clusters is None else np.bincount(clusters, weights=residuals)
+    if sums.size < 2:
+        return math.nan
+    return math.sqrt(sums.size / (sums.size - 1) * float(np.sum(sums**2))) / total
+
+
+def _cluster_codes(labels: Sequence[int]) -> np.ndarray:
+    return np.unique(np.asarray(labels), return_inverse=True)[1].reshape(-1)
+
+
+def _clustered(residuals: np.ndarray, total: float, clusters: np.ndarray) -> tuple[float, float, float | None]:
+    """(cluster-robust se, its degrees of freedom, design effect against independent documents)."""
+    se = cluster_robust_se(residuals, total, clusters)
+    independent = cluster_robust_se(residuals, total)
+    effect = (se / independent) ** 2 if independent > 0 and math.isfinite(se) else None
+    return se, float(clusters.max()), effect  # clusters are numbered 0..G-1: G - 1 degrees of freedom
+
+
+def _compare_means(b: np.ndarray, v: np.ndarray, clusters: np.ndarray | None = None) -> PairedComparison:
     d = v - b
     diff = float(d.mean())
+    if clusters is not None:
+        se, df, effect = _clustered(d - diff, d.size, clusters)
+        low, high = _interval(diff, se, df)
+        p_value = _t_p(diff, se, df)
+        return PairedComparison(
+            d.size,
+            float(b.mean()),
+            float(v.mean()),
+            diff,
+            se,
+            low,
+            high,
+            p_value,
+            "cluster_t",
+            df=df,
+            design_effect=effect,
+        )
     se = float(stats.sem(d)) if d.size > 1 else math.nan
-    low, high = _interval(diff, se)
     if np.isin(b, (0.0, 1.0)).all() and np.isin(v, (0.0, 1.0)).all():
         flips = (int(np.sum((b == 1) & (v == 0))), int(np.sum((b == 0) & (v == 1))))
-        p_value, test = mcnemar_exact_p(*flips), "mcnemar_exact"
+        p_value, test, df = mcnemar_exact_p(*flips), "mcnemar_exact", math.inf
     else:
-        flips, p_value, test = (None, None), _paired_t_p(d), "paired_t"
-    return PairedComparison(d.size, float(b.mean()), float(v.mean()), diff, se, low, high, p_value, test, *flips)
+        flips, p_value, test, df = (None, None), _paired_t_p(d), "paired_t", float(d.size - 1)
+    low, high = _interval(diff, se, df)
+    return PairedComparison(d.size, float(b.mean()), float(v.mean()), diff, se, low, high, p_value, test, *flips, df=df)
 
 
 def _paired_t_p(d: np.ndarray) -> float:
@@ -143,21 +201,34 @@ def _paired_t_p(d: np.ndarray) -> float:
 
 
 def _compare_ratio(
-    b_ll: np.ndarray, v_ll: np.ndarray, w: np.ndarray, aggregation: Aggregation, baseline: float, variant: float
+    b_ll: np.ndarray,
+    v_ll: np.ndarray,
+    w: np.ndarray,
+    aggregation: Aggregation,
+    baseline: float,
+    variant: float,
+    clusters: np.ndarray | None = None,
 ) -> PairedComparison:
     n = int(b_ll.size)
     total = float(w.sum())
     x = b_ll - v_ll  # per document: how much more negative loglikelihood the variant has
     shift = float(x.sum()) / total  # D: difference of mean NLL per word (or byte)
     residual = x - shift * w  # ratio estimator
-    se_shift = float(math.sqrt(n / (n - 1) * float(np.sum(residual**2))) / total) if n > 1 else math.nan
+    if clusters is not None:
+        se_shift, df, effect = _clustered(residual, total, clusters)
+    else:
+        se_shift, df, effect = cluster_robust_se(residual, total), float(n - 1), None
     if aggregation is Aggregation.BITS_PER_BYTE:
         se = se_shift / math.log(2)
-        low, high = _interval(shift / math.log(2), se)
+        low, high = _interval(shift / math.log(2), se, df)
     else:  # perplexity: the delta method for se, D's interval mapped through exp
         se = variant * se_shift
-        low, high = (baseline * math.expm1(end) for end in _interval(shift, se_shift))
-    return PairedComparison(n, baseline, variant, variant - baseline, se, low, high, _z_p(shift, se_shift), "ratio_z")
+        low, high = (baseline * math.expm1(end) for end in _interval(shift, se_shift, df))
+    test = "cluster_t" if clusters is not None else "ratio_t"
+    p_value = _t_p(shift, se_shift, df)
+    return PairedComparison(
+        n, baseline, variant, variant - baseline, se, low, high, p_value, test, df=df, design_effect=effect
+    )
 
 
 @dataclass(frozen=True)
@@ -171,25 +242,47 @@ class Group:
 def combine(parts: Sequence[PairedComparison], weights: Sequence[float]) -> PairedComparison:
     """A group's comparison from its leaves', for a group score = sum(weight * leaf score).
 
-    Leaves are disjoint documents, so their differences are independent: se = sqrt(sum w^2 se^2).
-    Flips add up. With size weights over 0/1 leaves the group is one pool of documents and the
-    exact McNemar test on the summed flips applies; otherwise p is a z test.
+    Leaves are disjoint documents, so their differences are independent: se = sqrt(sum w^2 se^2), with
+    Welch-Satterthwaite's degrees of freedom. Only size weights over 0/1 leaves make the group one pool of
+    documents: then flips add up, the exact McNemar test on the summed flips applies, and a verdict may
+    judge the pool by its flips. With other weights (e.g. lm-eval's plain mean of its leaves) no flips are
+    summed (a pool's flips would weigh a 50-document leaf like 1/40 of a 2,000-document one, where the group
+    weighs them alike), 0/1 leaves contribute Agresti and Min's se (never 0, as a leaf without flips would
+    otherwise be), and p is a z (or t) test.
     """
     if not parts or len(parts) != len(weights):
         raise ValueError("combine needs one weight per part, and at least one part")
     w = np.array(weights, dtype=np.float64)
-    figures = np.array([(p.baseline, p.variant, p.diff, p.se) for p in parts], dtype=np.float64)
-    baseline, variant, diff = (float(figure) for figure in w @ figures[:, :3])
-    se = float(np.linalg.norm(w * figures[:, 3]))
+    figures = np.array([(p.baseline, p.variant, p.diff) for p in parts], dtype=np.float64)
+    baseline, variant, diff = (float(figure) for figure in w @ figures)
     n = sum(p.n for p in parts)
-    flips = [(p.correct_to_wrong, p.wrong_to_correct) for p in parts]
-    summed, p_value, test = (None, None), _z_p(diff, se), "combined_z"
-    if all(None not in pair for pair in flips):
-        summed = tuple(sum(column) for column in zip(*flips))
-        if np.allclose(w, [p.n / n for p in parts]):
-            p_value, test = mcnemar_exact_p(*summed), "mcnemar_exact"
-    low, high = _interval(diff, se)
-    return PairedComparison(n, baseline, variant, diff, se, low, high, p_value, test, *summed)
+    zero_one = all(p.correct_to_wrong is not None and p.wrong_to_correct is not None for p in parts)
+    by_size = bool(np.allclose(w, [p.n / n for p in parts])) if n else False
+    if zero_one and not by_size:
+        ses = np.array([agresti_min_se(p.n, p.correct_to_wrong, p.wrong_to_correct) for p in parts])  # type: ignore[arg-type]
+    else:
+        ses = np.array([p.se for p in parts], dtype=np.float64)
+    se = float(np.linalg.norm(w * ses))
+    df = satterthwaite_df(w * ses, [p.df for p in parts])
+    low, high = _interval(diff, se, df)
+    if zero_one and by_size:
+        summed = (sum(p.correct_to_wrong for p in parts), sum(p.wrong_to_correct for p in parts))  # type: ignore[misc]
+        return PairedComparison(
+            n, baseline, variant, diff, se, low, high, mcnemar_exact_p(*summed), "mcnemar_exact", *summed
+        )
+    test = "combined_z" if math.isinf(df) else "combined_t"
+    return PairedComparison(n, baseline, variant, diff, se, low, high, _t_p(diff, se, df), test, df=df)
+
+
+def satterthwaite_df(scaled_ses: np.ndarray, dfs: Sequence[float]) -> float:
+    """Welch-Satterthwaite degrees of freedom of sqrt(sum s_i^2), s_i = w_i se_i with df_i each:
+    (sum s_i^2)^2 / sum(s_i^4 / df_i); an infinite df_i (a normal part) adds nothing below the line."""
+    variances = np.asarray(scaled_ses, dtype=np.float64) ** 2
+    finite = np.isfinite(np.asarray(dfs, dtype=np.float64))
+    below = float(np.sum(variances[finite] ** 2 / np.asarray(dfs, dtype=np.float64)[finite]))
+    if not math.isfinite(float(variances.sum())) or below <= 0:
+        return math.inf
+    return float(variances.sum()) ** 2 / below
 
 
 def agresti_min_se(n: int, correct_to_wrong: int, wrong_to_correct: int) -> float:
@@ -210,18 +303,29 @@ def mcnemar_exact_p(correct_to_wrong: int, wrong_to_correct: int) -> float:
     return float(stats.binomtest(correct_to_wrong, discordant, 0.5, alternative="two-sided").pvalue)
 
 
-def _interval(center: float, se: float) -> tuple[float, float]:  # scipy's norm.interval has no se = 0
-    if not math.isfinite(se):
+_NORMAL = NormalDist()  # the standard library's normal quantile: exact to double precision, 50x faster than scipy's
+
+
+def quantile(probability: float, df: float = math.inf) -> float:
+    """The standard normal quantile, or Student's t with `df` degrees of freedom when finite."""
+    return _NORMAL.inv_cdf(probability) if math.isinf(df) else float(stats.t.ppf(probability, df))
+
+
+def _interval(center: float, se: float, df: float = math.inf) -> tuple[float, float]:
+    if not math.isfinite(se):  # scipy's t.interval has no se = 0
         return math.nan, math.nan
-    return center - Z_TWO_SIDED_95 * se, center + Z_TWO_SIDED_95 * se
+    half = (Z_TWO_SIDED_95 if math.isinf(df) else quantile(0.975, df)) * se
+    return center - half, center + half
 
 
-def _z_p(center: float, se: float) -> float:
+def _t_p(center: float, se: float, df: float = math.inf) -> float:
+    """Two-sided p of no difference: normal when df is infinite, Student's t otherwise."""
     if not math.isfinite(se):
         return math.nan
     if se == 0:
         return 1.0 if center == 0 else 0.0
-    return float(2 * stats.norm.sf(abs(center) / se))
+    tail = stats.norm.sf(abs(center) / se) if math.isinf(df) else stats.t.sf(abs(center) / se, df)
+    return float(2 * tail)
 
 
 # --- Non-inferiority: is the drop shown to be within a limit? ---
@@ -239,10 +343,16 @@ class NonInferiority:
 
     outcome: Outcome
     drop: float
-    lower: float  # one-sided 95% bounds of the drop
-    upper: float
+    lower: float  # one-sided bound at 1 - over_alpha: "shown over" when above the limit
+    upper: float  # one-sided bound at 1 - alpha: "shown within" when at or below the limit
     limit: float
-    documents_needed: int | None  # UNSURE only: about how many documents would settle it
+    documents_needed: int | None  # UNSURE only: documents that settle it with the stated power
+    alpha: float = 0.025  # one-sided error rate of "shown within"
+    over_alpha: float = 0.025  # of "shown over": alpha, or less where the claim is corrected for several checks
+    df: float = math.inf  # of the standard error: Student's t when finite
+    # UNSURE with more documents needed than the task has: the tightest limit its documents can settle
+    # (shown within, or, for a drop beyond the limit, shown exceeded) with the stated power.
+    best_limit: float | None = None
 
 
 def float_slack(limit: float) -> float:
@@ -250,18 +360,78 @@ def float_slack(limit: float) -> float:
     return 1e-9 * max(1.0, abs(limit))
 
 
-def non_inferiority(drop: float, se: float, n: int, limit: float) -> NonInferiority:
-    """WITHIN when the one-sided 95% upper bound of the drop is within `limit`, OVER when even
-    the lower bound exceeds it, UNSURE otherwise, with the documents that would settle it."""
+def non_inferiority(
+    drop: float,
+    se: float,
+    n: int,
+    limit: float,
+    *,
+    alpha: float = 0.025,
+    over_alpha: float | None = None,
+    df: float = math.inf,
+    power: float = 0.8,
+    available: int | None = None,
+) -> NonInferiority:
+    """WITHIN when the one-sided (1 - alpha) upper bound of the drop is within `limit`, OVER when even the
+    (1 - over_alpha) lower bound exceeds it (over_alpha defaults to alpha; several checks lower it: see
+    `holm_alphas`), UNSURE otherwise, with the documents that would settle it with probability `power`.
+
+    Documents needed, at the same spread sd = se sqrt(n) and the same drop (the usual non-inferiority
+    sample size): n = ((z_(1-a) + z_power) sd / |limit - drop|)^2, a = alpha towards WITHIN, over_alpha
+    towards OVER (power 0.5 gives the n at which the bound merely reaches the limit). When that exceeds
+    the `available` documents, `best_limit` is the limit they can settle: drop +- (z_(1-a) + z_power) sd / sqrt(available).
+    """
+    over_alpha = alpha if over_alpha is None else over_alpha
+    settings = {"alpha": alpha, "over_alpha": over_alpha, "df": df}
     if not math.isfinite(se):
-        return NonInferiority(Outcome.UNSURE, drop, math.nan, math.nan, limit, None)
-    lower, upper = drop - Z_ONE_SIDED_95 * se, drop + Z_ONE_SIDED_95 * se
+        return NonInferiority(Outcome.UNSURE, drop, math.nan, math.nan, limit, None, **settings)
+    lower, upper = drop - quantile(1 - over_alpha, df) * se, drop + quantile(1 - alpha, df) * se
     edge = limit + float_slack(limit)
     outcome = Outcome.WITHIN if upper <= edge else Outcome.OVER if lower > edge else Outcome.UNSURE
-    needed = None  # UNSURE: n such that z * sd / sqrt(n) = |limit - drop| at the same spread and drop
-    if outcome is Outcome.UNSURE and drop != limit and n >= 1:
-        needed = max(n + 1, math.ceil((Z_ONE_SIDED_95 * se * math.sqrt(n) / abs(limit - drop)) ** 2))
-    return NonInferiority(outcome, drop, lower, upper, limit, needed)
+    if outcome is not Outcome.UNSURE or drop == limit or n < 1:
+        return NonInferiority(outcome, drop, lower, upper, limit, None, **settings)
+    towards_within = drop < limit
+    z = quantile(1 - (alpha if towards_within else over_alpha)) + quantile(power)
+    spread = se * math.sqrt(n)
+    needed = max(n + 1, math.ceil((z * spread / abs(limit - drop)) ** 2))
+    best = None
+    if available is not None and needed > available:
+        reach = z * spread / math.sqrt(available)
+        best = drop + reach if towards_within else drop - reach
+    return NonInferiority(outcome, drop, lower, upper, limit, needed, **settings, best_limit=best)
+
+
+def over_p(drop: float, se: float, limit: float, df: float = math.inf) -> float:
+    """One-sided p of "the drop is within the limit" (small: shown over it), the p-value `holm_alphas` orders."""
+    if not math.isfinite(se):
+        return math.nan
+    if se == 0:
+        return 0.0 if drop > limit + float_slack(limit) else 1.0
+    z = (drop - limit) / se
+    return _NORMAL.cdf(-z) if math.isinf(df) else float(stats.t.sf(z, df))
+
+
+def holm_alphas(p_values: Sequence[float], alpha: float) -> list[float]:
+    """The one-sided level each of m "shown over" claims is tested at, Holm's (1979) step-down for a
+    family-wise error rate of `alpha`: by ascending p, rank r (1-based) at alpha / (m - r + 1), while
+    every smaller p was rejected; from the first rank that is not, all later ones at that rank's level
+    (their p, no smaller, fails it too, so none is rejected: Holm stops there). nan p-values (no test)
+    are left out of m and get the strictest level, alpha / m.
+
+    By hand, alpha 0.025 and p = (0.001, 0.02, 0.004): ranks 0.001 (1), 0.004 (2), 0.02 (3); 0.001 <=
+    0.025/3, 0.004 <= 0.025/2, 0.02 <= 0.025/1: levels (0.00833, 0.025, 0.0125), all rejected (Holm's
+    adjusted p: 0.003, 0.02, 0.008). With p = (0.013, 0.014): 0.013 > 0.025/2 stops at rank 1, both at 0.0125.
+    """
+    tested = [i for i, p in enumerate(p_values) if math.isfinite(p)]
+    m = len(tested)
+    levels = [alpha / max(m, 1)] * len(p_values)
+    stopped: float | None = None
+    for rank, i in enumerate(sorted(tested, key=lambda i: p_values[i]), start=1):
+        level = stopped if stopped is not None else alpha / (m - rank + 1)
+        levels[i] = level
+        if stopped is None and p_values[i] > level:
+            stopped = level
+    return levels
 
 
 # --- Per-document scores as JSON (the variant run's samples.json carries them) ---

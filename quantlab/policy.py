@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidat
 from pydantic_core import PydanticCustomError
 
 from quantlab.metrics import PAIRED_PREFIX, STDERR_SUFFIX, Declared, EvalKey, MetricSpec, Scale, is_eval_score, spec
+from quantlab.paired import Group
 
 KLD_MEAN = "quality/kld_mean"
 
@@ -118,9 +119,17 @@ class Policy(BaseModel):
     # METRIC -> largest allowed drop against the baseline (units: see LimitKind),
     # e.g. {"eval/mmlu_dev/acc": 1, "quality/ppl": "+2%"}.
     max_drop: dict[str, DropLimit] = Field(default_factory=dict)
-    # Percentage points; applies to every 0-1 lm-eval score of known direction the baseline
-    # logged that `max_drop` does not name.
+    # Percentage points; applies to every 0-1 lm-eval score of known direction the baseline logged that
+    # `max_drop` does not name and that is not part of a group: a group (e.g. mmlu) is checked as one score,
+    # its lm-eval aggregate, and its subjects only where `max_drop` names them.
     max_drop_any_task: float | None = Field(default=1.0, ge=0, allow_inf_nan=False)
+    # The one-sided error rate of each drop claim (2.5%: the non-inferiority convention). "Shown within" is
+    # claimed per limit at this level, and a variant needs every limit shown within (an intersection-union
+    # test: its error rate is this level, whatever the number of limits). "Shown over" is claimed at this
+    # family-wise rate over the variant's drop checks (Holm's step-down).
+    one_sided_alpha: float = Field(default=0.025, gt=0, lt=0.5)
+    # The power "about N documents would settle it" is given at.
+    power: float = Field(default=0.8, ge=0.5, lt=1)
     max_kld: float | None = Field(default=None, ge=0, allow_inf_nan=False)  # bounds quality/kld_mean
     min_top1_agreement: float | None = Field(default=None, ge=0, le=1)  # 0-1, bounds quality/top1_agreement
     max_peak_memory_bytes: float | None = Field(default=None, gt=0, allow_inf_nan=False)
@@ -139,24 +148,28 @@ class Policy(BaseModel):
                 )
         return drops
 
-    def drop_rules(self, baseline: Mapping[str, float], declared: Mapping[str, Declared]) -> tuple[DropRule, ...]:
+    def drop_rules(
+        self, baseline: Mapping[str, float], declared: Mapping[str, Declared], groups: Mapping[str, Group] | None = None
+    ) -> tuple[DropRule, ...]:
         """The drop limits made concrete against the baseline's logged metrics: `max_drop_any_task`
-        expands to its 0-1 lm-eval scores of known direction that `max_drop` does not name. Raises
-        PolicyError for a named limit that does not fit its metric as the sweep declared it."""
+        expands to its 0-1 lm-eval scores of known direction that `max_drop` does not name and that are not
+        part of one of `groups` (group score key -> its leaves). Raises PolicyError for a named limit that
+        does not fit its metric as the sweep declared it, or that is relative to a baseline value of 0."""
         rules = []
         for key, limit in self.max_drop.items():
             metric = spec(key, declared)
             value = finite(baseline.get(key))
             # A metric the baseline lacks is reported per variant, not bad input.
-            if value is not None and (problem := limit_problem(key, limit, metric)):
+            if value is not None and (problem := limit_problem(key, limit, metric) or _relative_to_zero(limit, value)):
                 raise PolicyError(f"{key}={limit.text}: {problem}")
             rules.append(DropRule(key, metric, limit, value))
         if self.max_drop_any_task is not None:
             limit = Limit(self.max_drop_any_task, LimitKind.POINTS, f"{self.max_drop_any_task:g}")
+            inside = grouped_scores(groups or {})
             rules += [
                 DropRule(key, spec(key, declared), limit, value)
                 for key, value in sorted(baseline.items())
-                if is_eval_score(key) and key not in self.max_drop and finite(value) is not None
+                if is_eval_score(key) and key not in self.max_drop and key not in inside and finite(value) is not None
                 if not _any_task_problem(spec(key, declared))
             ]
         return tuple(rules)
@@ -240,9 +253,33 @@ class PolicyError(ValueError):
     recipe_field = "frontier.default_policy.max_drop"
 
 
-def unchecked_by_any_task(baseline: Mapping[str, float], declared: Mapping[str, Declared]) -> list[str]:
-    """The baseline's lm-eval scores that `max_drop_any_task` cannot check, with why: to be named."""
-    problems = {key: _any_task_problem(spec(key, declared)) for key in sorted(baseline) if is_eval_score(key)}
+def grouped_scores(groups: Mapping[str, Group]) -> set[str]:
+    """The scores that are part of a group: every group's leaves, and each group whose leaves all lie in
+    a larger one (mmlu_stem within mmlu). What is left is checked by `max_drop_any_task`."""
+    leaves = {key: set(group.leaves) for key, group in groups.items()}
+    nested = {key for key, mine in leaves.items() if any(mine < theirs for theirs in leaves.values())}
+    return {leaf for mine in leaves.values() for leaf in mine} | nested
+
+
+def _relative_to_zero(limit: Limit, baseline_value: float) -> str | None:
+    if limit.kind is LimitKind.RELATIVE and baseline_value == 0:
+        return (
+            "is relative to the baseline, whose value is 0, so it would allow no change at all: "
+            "give the limit in the metric's own unit"
+        )
+    return None
+
+
+def unchecked_by_any_task(
+    baseline: Mapping[str, float], declared: Mapping[str, Declared], groups: Mapping[str, Group] | None = None
+) -> list[str]:
+    """The baseline's lm-eval scores outside `groups` that `max_drop_any_task` cannot check, with why: to be named."""
+    inside = grouped_scores(groups or {})
+    problems = {
+        key: _any_task_problem(spec(key, declared))
+        for key in sorted(baseline)
+        if is_eval_score(key) and key not in inside
+    }
     return [f"{key} ({problem})" for key, problem in problems.items() if problem]
 
 

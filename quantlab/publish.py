@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from collections.abc import Mapping
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -46,6 +47,8 @@ class SweepView:
     notes: tuple[str, ...]
     model: str  # the recipe's model.source, as figures and the report name it
     noise: Noise  # paired comparisons between variants, from their runs' per-document scores
+    groups: dict[str, Group] = field(default_factory=dict)  # lm-eval group score key -> its leaves and weights
+    documents: dict[str, int] = field(default_factory=dict)  # lm-eval leaf task -> the documents it has, where known
 
 
 def read_sweep(store: tracking.TrackingStore, parent_run_id: str) -> SweepView:
@@ -56,16 +59,44 @@ def read_sweep(store: tracking.TrackingStore, parent_run_id: str) -> SweepView:
     variants = [_summary(run) for run in runs]
     documents: dict[str, dict[str, DocumentScores]] = {}
     groups: dict[str, Group] = {}
+    task_sizes: dict[str, int] = {}
     for run, variant in zip(runs, variants):
         if variant.succeeded and (samples := _samples(store, run.run_id)) is not None:
             documents[variant.name] = samples.documents
             groups |= samples.groups
+        if variant.succeeded:
+            task_sizes |= task_documents(run.params)
     variants.sort(key=lambda v: (not v.is_baseline, v.name))
     settings = FrontierSettings.model_validate(recipe.get("frontier") or {})
     baseline = recipe.get("baseline") or next((v.name for v in variants if v.is_baseline), "")
     source = str((recipe.get("model") or {}).get("source", ""))
     model, noise = model_label(source or parent.experiment_id), paired_noise(variants, documents, groups)
-    return SweepView(parent_run_id, parent.experiment_id, variants, settings, baseline, _notes(source), model, noise)
+    return SweepView(
+        parent_run_id,
+        parent.experiment_id,
+        variants,
+        settings,
+        baseline,
+        _notes(source),
+        model,
+        noise,
+        groups,
+        task_sizes,
+    )
+
+
+def task_documents(params: Mapping[str, str]) -> dict[str, int]:
+    """lm-eval leaf task -> the documents it has, from a variant run's `eval.<task>.limit` and
+    `eval.<task>.documents` params: known when it ran whole (no limit), or scored fewer than its limit."""
+    found = {}
+    for name, value in params.items():
+        task, dot, setting = name.removeprefix("eval.").rpartition(".")
+        if not name.startswith("eval.") or not dot or setting != "documents" or not value.isdigit():
+            continue
+        limit = params.get(f"eval.{task}.limit", "None")
+        if limit == "None" or (limit.isdigit() and int(value) < int(limit)):
+            found[task] = int(value)
+    return found
 
 
 def model_label(source: str) -> str:
@@ -109,11 +140,18 @@ def frontiers(view: SweepView) -> Frontiers:
 
 
 def decide(view: SweepView, policy: Policy | None = None, objective: str | None = None) -> Decision:
-    """`quantlab pick`: an explicit policy (the CLI's flags), or the recipe's default policy."""
+    """`quantlab pick`: an explicit policy (the CLI's flags), or the recipe's default policy. Flags name limits
+    only: a one-sided level or power the explicit policy does not set comes from the recipe's policy."""
     declared = merged_declared(view.variants)
+    recipe_policy = view.settings.default_policy
+    if policy is not None:
+        inherited = {"one_sided_alpha", "power"} - policy.model_fields_set
+        policy = policy.model_copy(update={name: getattr(recipe_policy, name) for name in inherited})
     try:
         axis = Axis.of(objective, declared=declared) if objective else view.settings.objective_axis(declared)
-        return pick(view.variants, view.baseline, policy or view.settings.default_policy, axis)
+        return pick(
+            view.variants, view.baseline, policy or recipe_policy, axis, groups=view.groups, documents=view.documents
+        )
     except PolicyError as error:  # names the recipe's field, or the policy field behind a CLI flag
         where = ("recipe", error.recipe_field) if policy is None else ("policy", error.field)
         raise bad_input(*where, str(error)) from None

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jinja2
 
-from quantlab.decision import Decision, cost_warnings
+from quantlab.decision import Decision, confidence, cost_warnings
 from quantlab.frontier import (
     DAMAGE_METRICS,
     FrontierResult,
@@ -323,6 +323,7 @@ def render_markdown(
         show=lambda metric, value: format_value(metric_spec(metric, frontiers.declared), value),
         describe=lambda comparison, metric: describe_comparison(comparison, metric_spec(metric, frontiers.declared)),
         decision=decision,
+        confidence=confidence(decision.policy.one_sided_alpha) if decision is not None else "",
         # Speed timed while other work competed for the cores: the decision's (which knows its objective), or each variant's.
         cost_warnings=decision.warnings if decision is not None else cost_warnings(variants),
         setups=setups,

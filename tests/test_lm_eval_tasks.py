@@ -31,8 +31,8 @@ from quantlab.evaluate.lm_eval_runner import (
     task_names,
 )
 from quantlab.jobs import BaselineOutputs
-from quantlab.paired import Aggregation
-from quantlab.stages.evaluate import answer_damage, eval_outcome
+from quantlab.paired import Aggregation, DocumentScores, Group
+from quantlab.stages.evaluate import EvalOutcome, answer_damage, eval_outcome
 from recipes import tiny_recipe, write
 
 # --------------------------------------------------------------------------------------
@@ -256,6 +256,31 @@ def test_a_group_s_flips_are_the_sum_of_its_leaves():
         and own["quality/paired/eval/top/acc/diff"] == 0
         and own["quality/mcnemar_p/top"] == 1
     )
+
+
+def test_a_group_averaged_without_size_weights_logs_no_pooled_flips():
+    """Issue 28: a plain mean of a 2-document and a 6-document leaf is not one pool of 8 documents. The small leaf
+    loses both its documents (-100 pts), the large one gains 3 of 6 (+50 pts): the group loses 25 points, where
+    pooled flips (2 lost, 3 gained) and their McNemar p would read as a gain."""
+    base = {"eval/s/acc": [1.0, 1.0], "eval/l/acc": [0.0] * 6}
+    moved = {"eval/s/acc": [0.0, 0.0], "eval/l/acc": [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]}
+
+    def outcome(values):
+        documents = {key: DocumentScores(Aggregation.MEAN, dict(enumerate(v))) for key, v in values.items()}
+        scores = {key: d.aggregate() for key, d in documents.items()}
+        scores["eval/g/acc"] = (scores["eval/s/acc"] + scores["eval/l/acc"]) / 2
+        groups = {"eval/g/acc": Group(("eval/s/acc", "eval/l/acc"), (0.5, 0.5))}
+        primary = {"s": "eval/s/acc", "l": "eval/l/acc", "g": "eval/g/acc"}
+        return EvalOutcome(scores=scores, documents=documents, groups=groups, primary=primary)
+
+    baseline = outcome(base)
+    stored = BaselineOutputs(None, baseline.documents, baseline.groups, baseline.scores, baseline.primary)
+    damage = answer_damage(outcome(moved), stored).metrics
+
+    assert damage["quality/paired/eval/g/acc/diff"] == pytest.approx(-0.25)
+    assert "quality/paired/eval/g/acc/correct_to_wrong" not in damage and "quality/flips/g" not in damage
+    assert "quality/mcnemar_p/g" not in damage
+    assert damage["quality/flips/s/correct_to_wrong"] == 2 and damage["quality/flips/l/wrong_to_correct"] == 3
 
 
 def test_undeclared_directions_and_unanalysable_shapes_are_named_not_dropped(capsys):

@@ -64,6 +64,7 @@ def test_non_eval_keys_do_not_parse(key: str) -> None:
         ("quality/paired/quality/ppl/diff", False, Scale.PERPLEXITY),
         ("quality/paired/quality/ppl/n", None, Scale.COUNT),
         ("quality/paired/eval/wikitext/word_perplexity/p_value", None, Scale.P_VALUE),
+        ("quality/paired/quality/kld_mean/df", None, Scale.COUNT),  # t's degrees of freedom (issue 28)
     ],
 )
 def test_contract_directions_and_scales(key: str, higher_is_better: bool | None, scale: Scale) -> None:

@@ -11,11 +11,13 @@ from pydantic import ValidationError
 
 from quantlab.errors import BadInput
 from quantlab.metrics import Declared, Scale
+from quantlab.paired import Group
 from quantlab.policy import (
     Limit,
     LimitKind,
     Policy,
     PolicyError,
+    grouped_scores,
     parse_limit,
     parse_max_drops,
     unchecked_by_any_task,
@@ -309,3 +311,63 @@ def test_parse_max_drops_rejects_repeats():
 def test_a_metric_no_run_logged_is_named(metric, message):
     with pytest.raises(PolicyError, match=message):
         Policy(max_drop={metric: 1}).check_logged(set(BASELINE))
+
+
+# --------------------------------------------------------------------------------------
+# Groups, levels, and limits relative to a baseline of 0 (issue 28)
+# --------------------------------------------------------------------------------------
+
+MMLU, STEM = "eval/mmlu/acc", "eval/mmlu_stem/acc"
+LEAVES = ("eval/mmlu_anatomy/acc", "eval/mmlu_astronomy/acc", "eval/mmlu_law/acc")
+GROUPS = {
+    MMLU: Group(LEAVES, (0.3, 0.3, 0.4)),
+    STEM: Group(LEAVES[:2], (0.5, 0.5)),  # nested: its leaves lie within mmlu's
+}
+
+
+def test_a_group_and_everything_inside_it_is_one_score_for_the_any_task_limit():
+    declared = DECLARED | {key: Declared(True, Scale.FRACTION) for key in (MMLU, STEM, *LEAVES)}
+    baseline = BASELINE | dict.fromkeys((MMLU, STEM, *LEAVES), 0.5)
+
+    assert grouped_scores(GROUPS) == {STEM, *LEAVES}
+    rules = Policy().drop_rules(baseline, declared, GROUPS)
+    assert [r.metric for r in rules] == [GSM, MMLU, ACC]
+    named = Policy(max_drop={LEAVES[0]: 2}).drop_rules(baseline, declared, GROUPS)
+    assert [r.metric for r in named] == [LEAVES[0], GSM, MMLU, ACC]  # a named leaf is checked, beside its group
+    assert Policy().drop_rules(baseline, declared) != rules  # without the groups, every score as before
+
+
+@pytest.mark.parametrize(
+    ("section", "field"),
+    [
+        ({"one_sided_alpha": 0}, "one_sided_alpha"),
+        ({"one_sided_alpha": 0.5}, "one_sided_alpha"),
+        ({"power": 0.4}, "power"),
+        ({"power": 1}, "power"),
+    ],
+)
+def test_bad_levels_are_located(section, field):
+    with pytest.raises(ValidationError) as raised:
+        Policy.model_validate(section)
+
+    assert raised.value.errors()[0]["loc"][0] == field
+
+
+def test_the_default_level_is_the_non_inferiority_convention():
+    policy = Policy()
+    assert (policy.one_sided_alpha, policy.power) == (0.025, 0.8)
+    assert Policy.model_validate(policy.model_dump(mode="json")) == policy
+
+
+def test_a_relative_limit_on_a_metric_whose_baseline_is_0_is_refused():
+    policy = Policy(max_drop={"quality/kld_mean": "+5%"}, max_drop_any_task=None)
+
+    with pytest.raises(PolicyError) as raised:
+        policy.drop_rules(BASELINE, DECLARED)  # the baseline's KL from itself: 0
+
+    assert str(raised.value) == (
+        "quality/kld_mean=+5%: is relative to the baseline, whose value is 0, so it would allow no change at all: "
+        "give the limit in the metric's own unit"
+    )
+    (rule,) = Policy(max_drop={"quality/kld_mean": 0.05}, max_drop_any_task=None).drop_rules(BASELINE, DECLARED)
+    assert rule.allowed == 0.05

@@ -272,9 +272,15 @@ def test_markdown_explains_quality_with_paired_intervals_ties_and_the_decision(s
         assert heading in report
     assert f"**Recommendation: ship `{decision.chosen}`.**" in report
     for verdict in decision.verdicts[1:]:
-        assert f"| {verdict.name} | {verdict.status.words} |" in report
+        # Each verdict says how many checks it rests on (issue 28).
+        assert f"| {verdict.name} | {verdict.status.words} | {verdict.basis} |" in report
         assert all(reason.replace("|", "\\|") in report for reason in verdict.reasons)
     assert decision.verdict("awq-int4-g64").status is Status.REJECTED  # 10 points of mmlu, far over 1 point
+    # The level the verdicts used, why "within every limit" needs no correction, and what "over" is corrected for.
+    assert "the one-sided 97.5% upper bound of the paired drop" in report
+    assert "an intersection-union test whose error rate stays 2.5% however many limits there are" in report
+    assert "with Holm's correction over the variant's drop checks" in report
+    assert f"Why it qualifies ({decision.verdict(decision.chosen).basis};" in report
     # awq loses 20 mmlu answers and gains 4: a loss beyond the noise, explained by its flips.
     assert "**awq-int4-g64**, mmlu_dev acc: -8.00 pts [" in report
     assert "20 right→wrong / 4 wrong→right" in report
@@ -375,3 +381,35 @@ def test_publish_reads_per_document_scores_from_the_runs_and_writes_every_artifa
         "HuggingFaceTB/SmolLM2-135M"
         in (tmp_path / "out" / "plots" / "eval-mmlu-dev-acc-vs-cost-weight-bytes.svg").read_text()
     )
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        ({"eval.mmlu_anatomy.limit": "None", "eval.mmlu_anatomy.documents": "135"}, {"mmlu_anatomy": 135}),
+        ({"eval.arc.limit": "50", "eval.arc.documents": "50"}, {}),  # cut at its limit: how many it has is unknown
+        ({"eval.gsm.limit": "500", "eval.gsm.documents": "62"}, {"gsm": 62}),  # ran out before its limit
+        ({"eval.x.documents": "7"}, {"x": 7}),  # no limit recorded: none was set
+        ({"eval.x.num_fewshot": "5", "quality.window": "512"}, {}),
+    ],
+)
+def test_the_documents_each_task_has_come_from_its_params(params, expected):
+    from quantlab.publish import task_documents
+
+    assert task_documents(params) == expected
+
+
+def test_flags_take_the_recipes_level_and_power():
+    from quantlab.frontier import FrontierSettings, no_noise
+    from quantlab.publish import SweepView, decide
+
+    settings = FrontierSettings.model_validate({"default_policy": {"one_sided_alpha": 0.05, "power": 0.9}})
+    variants = [
+        VariantSummary("bf16", "bf16", True, {MMLU: 0.5, "cost/weight_bytes": 2.0}, is_baseline=True, declared=DECLARED)
+    ]
+    view = SweepView("run", "exp", variants, settings, "bf16", (), "m", no_noise)
+
+    flags = decide(view, Policy(max_drop={MMLU: 1}, max_drop_any_task=None)).policy
+    assert (flags.one_sided_alpha, flags.power) == (0.05, 0.9)
+    explicit = decide(view, Policy(max_drop={MMLU: 1}, max_drop_any_task=None, power=0.95)).policy
+    assert (explicit.one_sided_alpha, explicit.power) == (0.05, 0.95)
