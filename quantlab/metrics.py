@@ -127,7 +127,8 @@ _FIXED: dict[str, tuple[bool | None, Scale, str]] = {
     "quality/ppl": (False, Scale.PERPLEXITY, "perplexity"),  # token perplexity on the quality corpus
     "quality/ppl_tokens": (None, Scale.COUNT, "scored tokens"),  # tokens scored for quality/ppl: a count, not a quality
     "quality/kld_mean": (False, Scale.NATS, "mean KL divergence"),  # mean per-token KL(baseline || variant)
-    "quality/kld_mean_stderr": (None, Scale.NATS, "mean KL stderr"),  # standard error of quality/kld_mean over tokens
+    # standard error of quality/kld_mean, cluster-robust over the scoring windows
+    "quality/kld_mean_stderr": (None, Scale.NATS, "mean KL stderr"),
     "quality/kld_median": (False, Scale.NATS, "median KL divergence"),  # median per-token KL
     "quality/kld_p90": (False, Scale.NATS, "p90 KL divergence"),  # 90th percentile of per-token KL
     "quality/kld_p95": (False, Scale.NATS, "p95 KL divergence"),  # 95th percentile of per-token KL
@@ -140,6 +141,12 @@ _FIXED: dict[str, tuple[bool | None, Scale, str]] = {
     "quality/delta_p_mean": (None, Scale.FRACTION, "mean change in p(correct)"),
     "quality/delta_p_rms": (False, Scale.FRACTION, "RMS change in p(correct)"),  # RMS of p_variant - p_baseline
     "quality/ln_ppl_ratio": (False, Scale.NATS, "ln(PPL ratio)"),  # difference of mean token NLLs
+    # Tokens of one scoring window are correlated: the variance of the paired difference's mean with windows as
+    # the sampled units (cluster-robust, what se and the verdicts use) over its variance were tokens independent.
+    # A property of the corpus and the variant's damage, not a quality; absent for the baseline (no difference).
+    "quality/ppl_design_effect": (None, Scale.RATIO, "perplexity design effect (windows)"),
+    "quality/kld_mean_design_effect": (None, Scale.RATIO, "mean KL design effect (windows)"),
+    "quality/top1_agreement_design_effect": (None, Scale.RATIO, "top-1 agreement design effect (windows)"),
     "cost/weight_bytes": (False, Scale.BYTES, "weight size"),  # *.safetensors files of the checkpoint on disk
     "cost/weight_bytes_in_memory": (False, Scale.BYTES, "weights in memory"),  # tensor payload in its stored format
     "cost/loaded_weight_bytes": (False, Scale.BYTES, "weights as loaded here"),  # parameters as loaded for measuring

@@ -59,6 +59,17 @@ def test_kld_stats_on_a_known_grid():
     assert stats["mean_stderr"] == pytest.approx(expected_stderr, rel=1e-12)
 
 
+def test_kld_stderr_is_cluster_robust_over_windows():
+    # Two windows of two tokens: x = (1, 3 | 2, 6), mean 3; window sums of x - mean: (-2, 2);
+    # se = sqrt(2 / 1 * (4 + 4)) / 4 = 1.0 (independent tokens: stdev 2.16 / 2 = 1.08).
+    stats = kld_stats(np.array([1.0, 3.0, 2.0, 6.0]), clusters=np.array([0, 0, 1, 1]))
+    assert stats["mean_stderr"] == pytest.approx(1.0)
+    # Window sums that cancel: no spread between windows, se 0 (not the 1.08 of independent tokens).
+    assert kld_stats(np.array([1.0, 5.0, 5.0, 1.0]), clusters=np.array([0, 0, 1, 1]))["mean_stderr"] == 0.0
+    with pytest.raises(ValueError, match="clusters has 3 entries for 4 tokens"):
+        kld_stats(np.ones(4), clusters=np.zeros(3))
+
+
 def test_kld_percentiles_interpolate_linearly_like_llama_cpp():
     # llama.cpp: p = q·(n-1), value = (1-frac)·v[floor p] + frac·v[floor p + 1]
     stats = kld_stats(np.array([0.0, 1.0, 10.0]))

@@ -65,6 +65,9 @@ def test_non_eval_keys_do_not_parse(key: str) -> None:
         ("quality/paired/quality/ppl/n", None, Scale.COUNT),
         ("quality/paired/eval/wikitext/word_perplexity/p_value", None, Scale.P_VALUE),
         ("quality/paired/quality/kld_mean/df", None, Scale.COUNT),  # t's degrees of freedom (issue 28)
+        ("quality/kld_mean_design_effect", None, Scale.RATIO),  # correlated tokens: a fact, not a quality
+        ("quality/ppl_design_effect", None, Scale.RATIO),
+        ("quality/top1_agreement_design_effect", None, Scale.RATIO),
     ],
 )
 def test_contract_directions_and_scales(key: str, higher_is_better: bool | None, scale: Scale) -> None:

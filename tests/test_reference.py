@@ -13,6 +13,7 @@ from tiny import tiny_llama_config
 from transformers import LlamaForCausalLM
 
 from quantlab.evaluate.reference import (
+    TokenComparison,
     Window,
     baseline_comparison,
     compare_tokens,
@@ -22,6 +23,7 @@ from quantlab.evaluate.reference import (
     reference_bytes_bound,
     scoring_windows,
     stored_kld,
+    window_index,
     write_reference,
 )
 
@@ -285,3 +287,32 @@ def test_corpus_token_ids_takes_the_first_tokens():
 def test_corpus_token_ids_needs_two_tokens():
     with pytest.raises(ValueError, match="at least 2"):
         corpus_token_ids(_WordTokenizer(), "lonely", max_tokens=10)
+
+
+def test_a_comparison_carries_the_window_of_every_scored_token(variant, reference):
+    """Tokens of one window share their context: the windows are the clusters of the standard errors."""
+    comparison = compare_tokens(variant, reference.path)
+    windows = scoring_windows(reference.n_tokens, reference.window, reference.stride)
+    expected = np.concatenate([np.full(w.n_scored, i) for i, w in enumerate(windows)])
+    np.testing.assert_array_equal(comparison.windows, expected)
+    np.testing.assert_array_equal(baseline_comparison(reference.path).windows, expected)
+    assert len(windows) > 1
+
+    documents = comparison.documents()
+    assert all(scores.clusters == dict(enumerate(expected.tolist())) for scores in documents.values())
+    # kld_mean_stderr: cluster-robust by hand, sqrt(G / (G - 1) * sum over windows of (sum of x - mean)^2) / N.
+    kld = comparison.kld.astype(np.float64)
+    sums = np.array([np.sum(kld[expected == g] - kld.mean()) for g in range(len(windows))])
+    by_hand = math.sqrt(len(windows) / (len(windows) - 1) * np.sum(sums**2)) / kld.size
+    assert comparison.metrics()["quality/kld_mean_stderr"] == pytest.approx(by_hand, rel=1e-9)
+
+
+def test_window_index_by_hand():
+    windows = scoring_windows(10, 4, 4)  # scores tokens 1-3, 5-7 and 9 (a window's first token is only context)
+    np.testing.assert_array_equal(window_index(windows), [0, 0, 0, 1, 1, 1, 2])
+
+
+def test_a_comparison_without_a_window_per_token_is_refused():
+    nll = np.ones(4)
+    with pytest.raises(ValueError, match="windows has shape"):
+        TokenComparison.of_baseline(nll, np.zeros(3))

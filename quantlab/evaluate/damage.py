@@ -11,7 +11,10 @@ from collections.abc import Mapping
 import numpy as np
 
 from quantlab.metrics import EVAL_PREFIX, is_eval_score
-from quantlab.paired import mcnemar_exact_p  # re-exported: the one exact McNemar test
+from quantlab.paired import (
+    cluster_robust_se,
+    mcnemar_exact_p,  # re-exported: the one exact McNemar test
+)
 
 # quality/kld_<name> -> the percentile of the per-token KL it reports
 KLD_PERCENTILES = {"median": 50.0, "p90": 90.0, "p95": 95.0, "p99": 99.0, "p999": 99.9}
@@ -22,13 +25,22 @@ def perplexity(nll: np.ndarray) -> float:
     return math.exp(float(_as_1d_float64(nll, "nll").mean()))
 
 
-def kld_stats(per_token_kld: np.ndarray) -> dict[str, float]:
-    """Distribution of per-token KL values, in nats; the standard error uses the sample deviation (ddof=1).
-    Percentiles interpolate linearly between order statistics, as llama.cpp and numpy do."""
+def kld_stats(per_token_kld: np.ndarray, clusters: np.ndarray | None = None) -> dict[str, float]:
+    """Distribution of per-token KL values, in nats. The standard error of the mean takes `clusters` (the
+    scoring window of each token: neighbouring tokens' KL is correlated) as the sampled units, cluster-robust;
+    without them, the sample deviation (ddof=1) over independent tokens. Percentiles interpolate linearly
+    between order statistics, as llama.cpp and numpy do."""
     kld = _as_1d_float64(per_token_kld, "per_token_kld")
     percentiles = np.percentile(kld, list(KLD_PERCENTILES.values()))
-    # One token has no spread to estimate: 0 keeps the column numeric (exact for the baseline's KL of 0).
-    stderr = float(kld.std(ddof=1) / math.sqrt(kld.size)) if kld.size > 1 else 0.0
+    if clusters is not None:
+        codes = np.unique(np.asarray(clusters).reshape(-1), return_inverse=True)[1].reshape(-1)
+        if codes.size != kld.size:
+            raise ValueError(f"clusters has {codes.size} entries for {kld.size} tokens")
+        stderr = cluster_robust_se(kld - kld.mean(), kld.size, codes)
+    else:
+        stderr = float(kld.std(ddof=1) / math.sqrt(kld.size)) if kld.size > 1 else 0.0
+    # One token (or window) has no spread to estimate: 0 keeps the column numeric (exact for the baseline's KL of 0).
+    stderr = stderr if math.isfinite(stderr) else 0.0
     return {
         "mean": float(kld.mean()),
         "mean_stderr": stderr,
@@ -38,10 +50,14 @@ def kld_stats(per_token_kld: np.ndarray) -> dict[str, float]:
 
 
 def token_damage(
-    kld: np.ndarray, baseline_nll: np.ndarray, variant_nll: np.ndarray, top1_match: np.ndarray
+    kld: np.ndarray,
+    baseline_nll: np.ndarray,
+    variant_nll: np.ndarray,
+    top1_match: np.ndarray,
+    clusters: np.ndarray | None = None,
 ) -> dict[str, float]:
     """quality/<figure> of one variant over the perplexity corpus, from per-token arrays all aligned on the
-    same scored tokens (the KL statistics as quality/kld_<statistic>)."""
+    same scored tokens (the KL statistics as quality/kld_<statistic>; `clusters`: see kld_stats)."""
     kld = _as_1d_float64(kld, "kld")
     baseline_nll = _as_1d_float64(baseline_nll, "baseline_nll")
     variant_nll = _as_1d_float64(variant_nll, "variant_nll")
@@ -58,7 +74,7 @@ def token_damage(
         "delta_p_rms": np.sqrt(np.mean(delta_p**2)),
         # Difference of mean NLLs rather than log of a ratio of rounded perplexities.
         "ln_ppl_ratio": variant_nll.mean() - baseline_nll.mean(),
-    } | {f"kld_{name}": value for name, value in kld_stats(kld).items()}
+    } | {f"kld_{name}": value for name, value in kld_stats(kld, clusters).items()}
     return {f"quality/{name}": float(value) for name, value in figures.items()}
 
 

@@ -176,37 +176,57 @@ def read_reference(ref_dir: Path) -> ReferenceInfo:
 
 @dataclass(frozen=True, eq=False)
 class TokenComparison:
-    """Per scored token: the variant against the stored baseline (arrays of length n_scored)."""
+    """Per scored token: the variant against the stored baseline (arrays of length n_scored). `windows`: the
+    scoring window (or document) each token was scored in, numbered from 0 (`window_index`): tokens of one
+    window share their context and are correlated, so the windows are the sampled units of every standard
+    error (cluster-robust). Whoever produces a comparison knows its windows and must give them."""
 
     kld: np.ndarray
     kld_error_bound: np.ndarray
     baseline_nll: np.ndarray
     variant_nll: np.ndarray
     top1_match: np.ndarray
+    windows: np.ndarray
+
+    def __post_init__(self) -> None:
+        if np.shape(self.windows) != np.shape(self.variant_nll):
+            raise ValueError(
+                f"windows has shape {np.shape(self.windows)}, the scored tokens {np.shape(self.variant_nll)}"
+            )
 
     @classmethod
-    def of_baseline(cls, nll: np.ndarray) -> TokenComparison:
+    def of_baseline(cls, nll: np.ndarray, windows: np.ndarray) -> TokenComparison:
         """The baseline against itself: its own NLL, no KL from itself, always its own top-1."""
-        return cls(np.zeros_like(nll), np.zeros_like(nll), nll, nll, np.ones(nll.shape, dtype=bool))
+        return cls(np.zeros_like(nll), np.zeros_like(nll), nll, nll, np.ones(nll.shape, dtype=bool), windows)
 
     def metrics(self) -> dict[str, float]:
-        return token_damage(self.kld, self.baseline_nll, self.variant_nll, self.top1_match)
+        return token_damage(self.kld, self.baseline_nll, self.variant_nll, self.top1_match, self.windows)
 
     def documents(self) -> dict[str, DocumentScores]:
         """Per token, as `quantlab.paired` compares: perplexity as a weighted perplexity of one token
-        each (the paired difference is the ratio of perplexities), KL and top-1 agreement as means.
-        Neighbouring tokens are correlated, so these standard errors are on the small side."""
+        each (the paired difference is the ratio of perplexities), KL and top-1 agreement as means; each
+        token in the cluster of its window, so the paired standard errors are cluster-robust over windows."""
         ones = dict.fromkeys(range(len(self.variant_nll)), 1.0)
+        clusters = _per_token(self.windows, int)
         return {
-            "quality/ppl": DocumentScores(Aggregation.WEIGHTED_PERPLEXITY, _per_token(-self.variant_nll), ones),
-            "quality/kld_mean": DocumentScores(Aggregation.MEAN, _per_token(self.kld)),
-            "quality/top1_agreement": DocumentScores(Aggregation.MEAN, _per_token(self.top1_match)),
+            "quality/ppl": DocumentScores(
+                Aggregation.WEIGHTED_PERPLEXITY, _per_token(-self.variant_nll), ones, clusters
+            ),
+            "quality/kld_mean": DocumentScores(Aggregation.MEAN, _per_token(self.kld), clusters=clusters),
+            "quality/top1_agreement": DocumentScores(Aggregation.MEAN, _per_token(self.top1_match), clusters=clusters),
         }
+
+
+def window_index(windows: Sequence[Window]) -> np.ndarray:
+    """Per scored token, in scoring order, the index of the window that scored it."""
+    return np.repeat(np.arange(len(windows)), [w.n_scored for w in windows])
 
 
 def baseline_comparison(ref_dir: Path) -> TokenComparison:
     """The baseline's own row: its stored values compared with themselves (no forward pass)."""
-    return TokenComparison.of_baseline(np.load(read_reference(ref_dir).path / NLL_FILE))
+    info = read_reference(ref_dir)
+    windows = window_index(scoring_windows(info.n_tokens, info.window, info.stride))
+    return TokenComparison.of_baseline(np.load(info.path / NLL_FILE), windows)
 
 
 def compare_tokens(model: torch.nn.Module, ref_dir: Path) -> TokenComparison:
@@ -225,7 +245,7 @@ def compare_tokens(model: torch.nn.Module, ref_dir: Path) -> TokenComparison:
         block_kld, block_bound = stored_kld(torch.from_numpy(np.array(stored[rows])).to(block.device), block)
         kld[rows], bound[rows] = block_kld.cpu().numpy(), block_bound.cpu().numpy()
         variant_nll[rows], top1_match[rows] = block_nll, block_top1 == baseline_top1[rows]
-    return TokenComparison(kld, bound, np.load(info.path / NLL_FILE), variant_nll, top1_match)
+    return TokenComparison(kld, bound, np.load(info.path / NLL_FILE), variant_nll, top1_match, window_index(windows))
 
 
 def encode_logprobs(logprobs: torch.Tensor) -> torch.Tensor:
@@ -318,5 +338,5 @@ def _check_vocab(model_vocab: int | None, info: ReferenceInfo) -> None:
         )
 
 
-def _per_token(values: np.ndarray) -> dict[int, float]:
-    return dict(enumerate(np.asarray(values, dtype=np.float64).tolist()))
+def _per_token(values: np.ndarray, kind: type = float) -> dict[int, Any]:
+    return dict(enumerate(np.asarray(values, dtype=np.int64 if kind is int else np.float64).tolist()))

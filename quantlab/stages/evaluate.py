@@ -130,10 +130,12 @@ def token_damage(
     else:
         reference_dir = Path(job.baseline.reference_dir)
         tokens = reference.compare_tokens(model, reference_dir)
-    # Paired per token against the baseline's own pass (the baseline against itself: zeros).
-    documents, baseline = tokens.documents(), reference.TokenComparison.of_baseline(tokens.baseline_nll).documents()
+    # Paired per token against the baseline's own pass (the baseline against itself: zeros), windows as clusters.
+    baseline = reference.TokenComparison.of_baseline(tokens.baseline_nll, tokens.windows).documents()
+    documents = tokens.documents()
     paired = {key: compare(key, baseline[key], docs) for key, docs in documents.items()}
-    return DamageOutcome(tokens.metrics() | _paired_metrics(paired), {}, str(reference_dir), documents)
+    effects = {f"{key}_design_effect": c.design_effect for key, c in paired.items() if c.design_effect is not None}
+    return DamageOutcome(tokens.metrics() | _paired_metrics(paired) | effects, {}, str(reference_dir), documents)
 
 
 def answer_damage(scores: EvalOutcome, baseline: BaselineOutputs | None) -> DamageOutcome:
