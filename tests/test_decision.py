@@ -638,8 +638,8 @@ def test_the_default_policy_passes_an_unharmed_variant_on_mmlu(flip_rate):
     assert passed / runs >= 0.95
 
 
-@pytest.mark.parametrize("flip_rate", [0.02, 0.06])
-def test_named_mmlu_subjects_are_held_to_holms_family_wise_rate(flip_rate):
+@pytest.mark.parametrize(("flip_rate", "uncorrected_at_least"), [(0.02, 0.0), (0.06, 0.10)])
+def test_named_mmlu_subjects_are_held_to_holms_family_wise_rate(flip_rate, uncorrected_at_least):
     """Every subject named: 57 checks. "Shown over" on any subject rejects the variant, so without a correction
     an unharmed variant is rejected by chance on some subject; Holm holds that to the policy's 2.5%. (Passing
     needs every subject shown within a point, which the small ones cannot: not enough evidence, never a pass.)"""
@@ -659,7 +659,8 @@ def test_named_mmlu_subjects_are_held_to_holms_family_wise_rate(flip_rate):
     assert verdict.basis == '57 checks: 57 drop limits ("over" Holm-corrected for 57)'
     assert verdict.status is not Status.COSTS_MORE
     assert rejected / runs <= 0.025
-    assert uncorrected >= rejected
+    # Uncorrected, 57 chances at 2.5% each: about 19% of unharmed variants shown over at a 6% flip rate.
+    assert uncorrected >= rejected and uncorrected / runs >= uncorrected_at_least
 
 
 def test_a_named_leaf_is_checked_beside_its_group():
