@@ -30,11 +30,18 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # the tests' tiny random Llama: one definition for both
+sys.path.insert(0, str(REPO / "tests"))  # the tests' tiny random Llama and tiny recipe: one definition each
 from tiny import save_tiny_llama  # noqa: E402
+
+from recipes import tiny_recipe  # noqa: E402
 
 SUBJECTS = ("abstract_algebra", "anatomy", "astronomy", "high_school_psychology")
 GROUP = "ql_mmlu_shaped"
+VARIANTS = [
+    {"name": "bf16", "method": "bf16"},
+    {"name": "fp8", "method": "fp8"},
+    {"name": "awq-int4-g32", "method": "awq_int4", "params": {"group_size": 32}},
+]
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -88,21 +95,9 @@ def write_tasks(target: Path, sizes: dict[str, int]) -> Path:
 
 
 def recipe(model: Path, tasks: Path) -> dict:
-    return {
-        "name": "mmlu-shaped",
-        "model": {"source": str(model)},
-        "baseline": "bf16",
-        "variants": [
-            {"name": "bf16", "method": "bf16"},
-            {"name": "fp8", "method": "fp8"},
-            {"name": "awq-int4-g32", "method": "awq_int4", "params": {"group_size": 32}},
-        ],
-        "calibration": {"num_samples": 4, "seq_len": 32},
-        "evals": {"include_path": str(tasks), "batch_size": 16, "tasks": [{"name": GROUP}]},
-        "quality": {"max_tokens": 96, "window": 32},
-        "measure": {"prompt_tokens": 8, "output_tokens": 4, "repeats": 1, "warmup": 0},
-        "serving": {"enabled": False},
-    }
+    """The tests' tiny recipe (calibration, quality, measure, no serving), with the MMLU-shaped group as its task."""
+    evals = {"include_path": str(tasks), "batch_size": 16, "tasks": [{"name": GROUP}]}
+    return tiny_recipe(model, name="mmlu-shaped", evals=evals, variants=VARIANTS)
 
 
 def quantlab(*args: str, cwd: Path) -> subprocess.CompletedProcess:
