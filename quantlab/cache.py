@@ -2,7 +2,8 @@
 written beside its final place and renamed into it once complete, so a crash leaves only a
 `.partial-*` directory, never taken for a result and removed by the next writer on that host.
 The completion marker records each file's size and SHA-256: reuse checks sizes and safetensors
-headers, `quantlab cache verify` the hashes; a checkpoint that fails is set aside, never loaded.
+headers before loading, then the hashes in the background while the variant loads and evaluates it (`PayloadCheck`);
+`quantlab cache verify` checks the hashes of all. A checkpoint that fails is set aside.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import os
 import shutil
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
@@ -159,6 +161,46 @@ def set_aside(checkpoint: Path) -> Path:
     with suppress(FileNotFoundError):  # another process set it aside first
         os.replace(checkpoint, aside)
     return aside
+
+
+class CheckpointChanged(RuntimeError):
+    """A reused checkpoint whose payload differs from what its writer recorded (one line: the variant's failure)."""
+
+
+class PayloadCheck:
+    """A reused checkpoint's files hashed against the SHA-256s its writer recorded, in a background thread while
+    the variant loads and evaluates it (reuse itself checks sizes and headers only: `is_complete`). The thread runs
+    at the lowest CPU priority, and SHA-256 releases the GIL: it takes what the variant leaves idle. None: nothing
+    to check (a checkpoint just written was hashed as it was written)."""
+
+    def __init__(self, checkpoint: Path | None):
+        self.checkpoint = checkpoint
+        self._problems: list[str] = []
+        self._thread = None
+        if checkpoint is not None:
+            self._thread = threading.Thread(target=self._hash, name=f"sha256 {checkpoint.name}", daemon=True)
+            self._thread.start()
+
+    def _hash(self) -> None:
+        with suppress(OSError, AttributeError):  # Linux gives each thread its own nice value
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        try:
+            self._problems = check_checkpoint(self.checkpoint, deep=True)
+        except OSError as error:  # a file gone or unreadable meanwhile
+            self._problems = [f"reading it failed ({error})"]
+
+    def confirm(self) -> None:
+        """Wait for the hashes; when they differ from the record, set the checkpoint aside (the next sweep rebuilds
+        it) and raise CheckpointChanged: nothing measured on it may be logged."""
+        if self._thread is None:
+            return
+        self._thread.join()
+        if self._problems:
+            aside = set_aside(self.checkpoint)
+            raise CheckpointChanged(
+                f"the cached checkpoint {self.checkpoint.name} changed on disk since it was written "
+                f"({'; '.join(self._problems)}); set aside as {aside.name}, the next sweep rebuilds it"
+            )
 
 
 def complete_checkpoints(cache_root: Path) -> list[Path]:

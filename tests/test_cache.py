@@ -18,7 +18,7 @@ from test_quantize import _variant
 from quantlab import cache
 from quantlab.models import load_checkpoint, resolve_source
 from quantlab.recipe import CalibrationSettings, ModelSpec
-from quantlab.stages.quantize import quantize_variant
+from quantlab.stages.quantize import QuantizedCheckpoint, quantize_variant
 
 
 def _write(cache_root: Path, name: str = "w") -> Path:
@@ -141,3 +141,43 @@ def test_cache_verify_of_a_missing_directory_is_bad_input(tmp_path):
     missing = _verify(tmp_path / "nowhere")
     assert missing.returncode == 2
     assert missing.stderr.strip().splitlines() == [f"error: --cache-dir: no cache directory at {tmp_path / 'nowhere'}"]
+
+
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        (None, None),
+        (_flip_a_data_bit, "model.safetensors: SHA-256 differs from the record"),
+        (lambda c: (c / "config.json").unlink(), "config.json: missing"),
+    ],
+)
+def test_a_reused_checkpoint_is_hashed_in_the_background_and_set_aside_when_changed(tmp_path, damage, said):
+    checkpoint = _write(tmp_path)
+    if damage is not None:
+        damage(checkpoint)
+    check = cache.PayloadCheck(checkpoint)  # started now; the caller goes on meanwhile
+    if said is None:
+        check.confirm()
+        assert checkpoint.exists()
+        return
+    with pytest.raises(cache.CheckpointChanged) as changed:
+        check.confirm()
+    message = str(changed.value)
+    assert "\n" not in message and said in message and "the next sweep rebuilds it" in message
+    assert not checkpoint.exists()
+    [aside] = checkpoint.parent.glob(f"{checkpoint.name}.corrupt-*")
+    assert aside.name in message
+
+
+@pytest.mark.parametrize(("reused", "fails"), [(True, True), (False, False)])
+def test_only_a_reused_checkpoint_is_hashed_again(tmp_path, reused, fails):
+    """A checkpoint the stage just wrote was hashed as it was written (its marker's records)."""
+    checkpoint = _write(tmp_path)
+    _flip_a_data_bit(checkpoint)
+    check = QuantizedCheckpoint(checkpoint, "0123", reused=reused).check_payload()
+    if fails:
+        with pytest.raises(cache.CheckpointChanged):
+            check.confirm()
+    else:
+        check.confirm()
+    assert checkpoint.exists() != fails
