@@ -1,6 +1,12 @@
-"""From measured load levels to what a release manager pays: the best level meeting the service levels
-(goodput), dollars per million output tokens there, and measured peak throughput against the modeled ceiling.
-Pure functions."""
+"""From measured load levels to what a release manager pays: goodput, dollars per million output tokens there,
+and measured peak throughput against the modeled ceiling. Pure functions.
+
+Goodput as DistServe (Zhong et al., OSDI 2024) and vLLM's benchmarks define it: the highest load a server sustains
+while at least a stated share of its requests (serving.slo.attainment, default 90%) meets every per-request latency
+limit. A level's share is guidellm's own per-request count (`slo_attainment`: errored requests miss; requests cut
+off by the level's time limit are left out, as guidellm leaves them out of every figure), so no percentile of a
+small sample stands in for it; "highest load" is the level's measured requests/s.
+"""
 
 from __future__ import annotations
 
@@ -15,24 +21,31 @@ SERVING_TAG = "quantlab.serving."  # facts the report shows beside the figures
 UNAVAILABLE_TAG = SERVING_TAG + "unavailable."  # + figure: why it was not logged
 
 
-def misses(level: LoadLevel, slo: ServiceLevels) -> list[str]:
-    """Why `level` does not meet the service levels (empty when it does)."""
-    found = []
-    if level.errors or level.incomplete:
-        found.append(f"{level.errors} errored and {level.incomplete} incomplete requests")
-    if not level.succeeded:
-        found.append("no successful request")
-    if not level.ttft_ms_p99 <= slo.ttft_p99_ms:  # NaN (no figure) misses too
-        found.append(f"TTFT p99 {level.ttft_ms_p99:.0f} ms > {slo.ttft_p99_ms:g} ms")
-    if not level.itl_ms_p99 <= slo.itl_p99_ms:
-        found.append(f"ITL p99 {level.itl_ms_p99:.1f} ms > {slo.itl_p99_ms:g} ms")
-    return found
+def describe(slo: ServiceLevels) -> str:
+    return (
+        f"at least {_percent(slo.attainment)} of requests with TTFT <= {slo.ttft_ms:g} ms and ITL <= {slo.itl_ms:g} ms"
+    )
+
+
+def misses(level: LoadLevel, slo: ServiceLevels) -> str | None:
+    """Why `level` does not count toward goodput; None when it does."""
+    if level.slo_attainment is None:
+        return "guidellm judged no request against the SLOs"
+    if level.slo_attainment < slo.attainment:
+        errored = f" ({level.errors} errored)" if level.errors else ""
+        return f"{_percent(level.slo_attainment)} of requests within every SLO{errored} < {_percent(slo.attainment)}"
+    return None
 
 
 def goodput_level(levels: Sequence[LoadLevel], slo: ServiceLevels) -> LoadLevel | None:
-    """The level with the most output tokens/s among those meeting every service level; None if none does."""
-    meeting = [level for level in levels if not misses(level, slo)]
-    return max(meeting, key=lambda level: level.output_tokens_per_s, default=None)
+    """The highest load (measured requests/s) among the levels whose SLO attainment reaches `slo.attainment`; None
+    if none does."""
+    meeting = [level for level in levels if misses(level, slo) is None]
+    return max(meeting, key=lambda level: level.requests_per_s, default=None)
+
+
+def _percent(share: float) -> str:
+    return f"{100 * share:.3g}%"
 
 
 def usd_per_million_tokens(price_per_hour: float, tokens_per_s: float) -> float:
@@ -53,10 +66,11 @@ class ServingSummary:
     """A variant's serving figures as the metric contract names them (`cost/serving/...`)."""
 
     levels: tuple[LoadLevel, ...]
+    slo: ServiceLevels
     goodput: LoadLevel | None
     why_no_goodput: str
     price: Price | None
-    modeled_tokens_per_s: float | None  # decode ceiling on the serving hardware at the peak level's concurrency
+    modeled_tokens_per_s: float | None  # prefill + decode ceiling on the serving hardware at the peak's concurrency
 
     @property
     def peak(self) -> LoadLevel:
@@ -82,21 +96,26 @@ class ServingSummary:
         return {key: value for key, value in metrics.items() if math.isfinite(value)}
 
     def to_tags(self, engine: str) -> dict[str, str]:
-        found = {SERVING_TAG + "engine": engine}
+        found = {SERVING_TAG + "engine": engine, SERVING_TAG + "goodput_definition": self.definition()}
         if self.goodput is not None:
             found[SERVING_TAG + "goodput_level"] = self.goodput.label
         return found | {UNAVAILABLE_TAG + name: why for name, why in self.unavailable().items()}
+
+    def definition(self) -> str:
+        return f"the highest load level (by requests/s) with {describe(self.slo)}"
 
     def unavailable(self) -> dict[str, str]:
         """Figures left out, and why (logged as tags: never a silent gap)."""
         why: dict[str, str] = {}
         if self.goodput is None:
             why["goodput"] = self.why_no_goodput
-            why["usd_per_mtok"] = "no load level met the service levels"
+            why["usd_per_mtok"] = "no load level reached the SLO attainment"
         elif self.price is None:
             why["usd_per_mtok"] = "no price per hour for this hardware: set serving.price_per_hour"
         if not self.modeled_tokens_per_s:
-            why["peak_vs_modeled"] = "no modeled decode ceiling (the measure stage's bandwidth and weights are needed)"
+            why["peak_vs_modeled"] = "no modeled ceiling (the measure stage's bandwidth and weights are needed)"
+        for level in self.levels:
+            why |= {f"{level.label}/{name}": reason for name, reason in level.left_out().items()}
         return why
 
 
@@ -104,5 +123,5 @@ def summarize(
     levels: Sequence[LoadLevel], slo: ServiceLevels, price: Price | None, modeled_tokens_per_s: float | None
 ) -> ServingSummary:
     best = goodput_level(levels, slo)
-    why = "; ".join(f"{level.label}: {', '.join(misses(level, slo))}" for level in levels) if best is None else ""
-    return ServingSummary(tuple(levels), best, why, price, modeled_tokens_per_s)
+    why = "; ".join(f"{level.label}: {misses(level, slo)}" for level in levels) if best is None else ""
+    return ServingSummary(tuple(levels), slo, best, why, price, modeled_tokens_per_s)

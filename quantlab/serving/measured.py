@@ -1,0 +1,67 @@
+"""What guidellm measures at each load level and how it judges each request, set on its scenario: a warm-up that
+it leaves out of every figure, the recipe's per-request SLOs for its attainment count, and the recipe's share for
+its own goodput search. Pure.
+
+guidellm's warm-up of W requests (a profile's `warmup`, counted in requests) ends when W + 1 requests have
+completed, and its measured window opens then: the W + 1 requests that completed first are left out of every
+figure, and requests still in flight are measured (windows overlap). At a concurrent level of c streams the first
+c requests are batched together and end nearly at once, so with W = c some of them would be measured, by a race.
+With W >= 2c every one of them is left out: a second-wave request starts when its own stream's first one ends and
+takes a whole generation, so the first wave has ended before 2c + 1 requests have (seen on transformers serve, 4
+streams, W = 8: the first 9 to complete, two whole waves, left out; 23 of 32 measured).
+
+guidellm takes one warm-up setting for all levels of a run, but each level's own request count: the warm-up is a
+share of each level's requests (WARMUP_SHARE), and a level sends enough that its share covers two waves of its
+streams and leaves at least serving.requests_per_level measured, TTFT included (guidellm windows TTFT by first
+tokens: requests in flight when the window opens count in the other figures, not in TTFT's). guidellm's count of
+what it measured is logged (`cost/serving/<level>/succeeded`).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from fractions import Fraction
+from typing import Any
+
+from quantlab.serving.settings import ServiceLevels, ServingSettings
+
+# A quarter: exact in binary, so guidellm's int(share * requests) is the warm-up asked for.
+WARMUP_SHARE = Fraction(1, 4)
+WARMUP_WAVES = 2
+
+
+def level_requests(settings: ServingSettings, streams: int | None) -> tuple[int, int]:
+    """(requests a level sends, the first of them guidellm leaves out as its warm-up): the warm-up is WARMUP_SHARE
+    of the requests, at least two waves of the level's `streams` (None: guidellm's sweep and goodput search, whose
+    levels have no fixed streams), and leaves at least serving.requests_per_level measured."""
+    # Left out besides the warm-up: the one more that completes before the window opens, and for TTFT (windowed by
+    # first tokens) the up to streams - 1 others in flight then.
+    extra = max(1, streams or 0)
+    measured_per_warmup = (1 - WARMUP_SHARE) / WARMUP_SHARE
+    warmup = max(WARMUP_WAVES * (streams or 0), math.ceil((settings.requests_per_level + extra) / measured_per_warmup))
+    return int(warmup / WARMUP_SHARE), warmup
+
+
+def guidellm_slo(slo: ServiceLevels) -> dict[str, float]:
+    """guidellm's per-request objectives: its `tpot_ms` is compared with each request's inter-token latency."""
+    return {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.itl_ms}
+
+
+def measured_as_stated(settings: ServingSettings, document: dict[str, Any]) -> dict[str, Any]:
+    """guidellm's scenario `document` (load.scenario) with the warm-up, each level's requests (`level_requests`),
+    the recipe's SLOs and, for guidellm's goodput search, the recipe's share."""
+    found = copy.deepcopy(document)
+    spec = found["spec"]
+    spec["metrics"]["slo"] = guidellm_slo(settings.slo)
+    profile = spec["profile"]
+    if profile["kind"] == "goodput":
+        profile["target_attainment"] = settings.slo.attainment
+    profile["warmup"] = {"percent": float(WARMUP_SHARE), "mode": "requests"}
+    [limit] = [i for i, constraint in enumerate(spec["constraints"]) if constraint["kind"] == "max_requests"]
+    if profile["kind"] == "concurrent":  # guidellm's list-capable override: one request count per level
+        for level in found["benchmarks"]:
+            level[f"constraints[{limit}].count"] = level_requests(settings, level["profile.streams"])[0]
+    else:
+        spec["constraints"][limit]["count"] = level_requests(settings, None)[0]
+    return found
