@@ -121,9 +121,9 @@ def test_every_variant_was_served_under_load(embedded):
         metrics = run.data.metrics
         for level in ("c1", "c4"):
             assert metrics[f"cost/serving/{level}/errors"] == 0, name
-            for figure in ("ttft_ms", "itl_ms", "tpot_ms"):
-                p50, p99 = (metrics[f"cost/serving/{level}/{figure}_p{q}"] for q in (50, 99))
-                assert 0 < p50 <= p99 < math.inf, (name, level, figure)
+            for figure in ("ttft_ms", "itl_ms", "tpot_ms"):  # 8 requests: a p50, no p99, the maximum
+                p50, top = (metrics[f"cost/serving/{level}/{figure}_{q}"] for q in ("p50", "max"))
+                assert 0 < p50 <= top < math.inf and f"cost/serving/{level}/{figure}_p99" not in metrics, name
         assert metrics["cost/serving/c4/output_tokens_per_s"] > metrics["cost/serving/c1/output_tokens_per_s"], name
         assert metrics["cost/serving/usd_per_mtok"] > 0 and metrics["cost/serving/peak_vs_modeled"] > 0, name
         assert run.data.params["served.engine"] == "transformers"
