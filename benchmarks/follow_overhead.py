@@ -1,4 +1,4 @@
-"""What a variant pays for following the host's core share (quantlab.measure.contention.follow_share): a forward
+"""What a variant pays for following the host's core share (quantlab.host_share.HostShare.follow): a forward
 pre-hook on the model and on each decoder block, which checks the host's timing lock (a shared flock, released at
 once) and counts the seats again at most once a second.
 
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny import EMBEDDED_GGUF  # noqa: E402
 
 from quantlab.cache import default_root  # noqa: E402
-from quantlab.measure.contention import TIMING_LOCK, Seats, local_share, use_threads  # noqa: E402
+from quantlab.host_share import TIMING_LOCK, HostShare  # noqa: E402
 from quantlab.models import load_source_model, materialize, resolve_source  # noqa: E402
 from quantlab.recipe import ModelSpec  # noqa: E402
 
@@ -51,10 +51,11 @@ def main() -> None:
 
     source = materialize(resolve_source(ModelSpec(source=EMBEDDED_GGUF), Path.cwd()), args.cache_dir)
     plain, _ = load_source_model(source, torch.float32, "cpu")
-    seat = Seats(Path(tempfile.mkdtemp(prefix="quantlab-seats-"))).take()  # a host of its own: always alone
-    (seat.directory / TIMING_LOCK).touch()  # as after any measure stage: each hook then checks the timing lock
-    use_threads(local_share(seats=seat), follow=seat)
+    seats = Path(tempfile.mkdtemp(prefix="quantlab-seats-"))  # a host of its own: always alone
+    (seats / TIMING_LOCK).touch()  # as after any measure stage: each hook then checks the timing lock
+    host = HostShare.seated(directory=seats)
     hooked, _ = load_source_model(source, torch.float32, "cpu")
+    host.follow(hooked)
     hooks = sum(len(module._forward_pre_hooks) for module in hooked.modules())  # noqa: SLF001
 
     load = os.getloadavg()[0]

@@ -54,12 +54,17 @@ class _SweepProgress(Progress):
 
     order: list[str]
 
-    def sweep_started(self, experiment: str, run_id: str, variants: list[str]) -> None:
-        self.order = variants
-        out.print(
-            f"Sweep of [bold]{experiment}[/]: {len(variants)} variants ({', '.join(variants)}); MLflow run {run_id}"
-        )
-        self.add_task("starting", total=len(variants))
+    def sweep_started(self, experiment: str, run_id: str, plan) -> None:
+        """What will run: the plan's variants, and (unless every one is computed) what happens to each."""
+        self.order = plan.names
+        happens: dict[str, list[str]] = {}
+        for variant in plan.variants:
+            happens.setdefault(variant.action.value, []).append(variant.name)
+        variants = f"{len(self.order)} variants ({', '.join(self.order)})"
+        if list(happens) != ["computed"]:
+            variants += " - " + "; ".join(f"{how}: {', '.join(names)}" for how, names in happens.items())
+        out.print(f"Sweep of [bold]{experiment}[/]: {variants}; MLflow run {run_id}")
+        self.add_task("starting", total=len(self.order))
 
     def stage(self, variant: str, stage: str) -> None:
         index = self.order.index(variant) + 1

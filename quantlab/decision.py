@@ -15,7 +15,7 @@ from functools import partial
 from typing import Any
 
 from quantlab.frontier import Axis, VariantSummary, ensure_unique_names
-from quantlab.measure.contention import CONTENDED_TAG, CONTENTION_TAG, is_timing_metric
+from quantlab.measure.contention import CONTENDED_TAG, CONTENTION_TAG
 from quantlab.metrics import EvalKey, paired_key, spec
 from quantlab.paired import (
     Group,
@@ -362,7 +362,7 @@ def cost_warnings(variants: Sequence[VariantSummary], rests_on: Sequence[str] = 
         f"({variant.tags.get(CONTENTION_TAG, 'no details recorded').removeprefix('contended: ')})"
         for variant in flagged
     ]
-    timings = list(dict.fromkeys(metric for metric in rests_on if is_timing_metric(metric)))
+    timings = list(dict.fromkeys(metric for metric in rests_on if spec(metric).timed))
     if flagged and timings:
         names = ", ".join(variant.name for variant in flagged)
         lines.insert(

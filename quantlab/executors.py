@@ -4,10 +4,13 @@
 A process per variant keeps memory figures clean and contains crashes (a segfault or the OOM
 killer takes one variant, not the sweep); its stdout and stderr go to a log file kept as an artifact.
 
-Each variant sizes torch's thread pool to its share of the CPUs (measure.contention.thread_share): under
-Ray the CPUs its task reserved, locally the visible cores divided by the quantlab variants running on the
-host (this sweep runs one at a time; other sweeps may run theirs), QUANTLAB_THREADS if set. Without it every process runs one thread per core, and
-variants side by side oversubscribe the cores.
+Each executor makes the variant's share of the host's cores (host_share.HostShare) in the process that runs it,
+and hands it to the runner with the job: under Ray the CPUs its task reserved, locally the visible cores divided
+by the quantlab variants running on the host (a seat each; other sweeps may run theirs), QUANTLAB_THREADS if set.
+Without it every process runs one thread per core, and variants side by side oversubscribe the cores.
+
+One module-level variable, set with `global`: what the running fork server preloaded (`start_variant_processes`).
+The stdlib keeps one fork server per process, so what it preloaded is the process's too.
 """
 
 from __future__ import annotations
@@ -30,17 +33,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from quantlab.errors import BadInput
+from quantlab.host_share import THREADS_ENV, HostShare, ThreadShare, local_share, thread_share, visible_cores
 from quantlab.jobs import VariantJob, VariantResult
-from quantlab.measure.contention import (
-    THREADS_ENV,
-    ThreadShare,
-    leave_host_share,
-    local_share,
-    thread_share,
-    use_host_share,
-    use_threads,
-    visible_cores,
-)
 from quantlab.preload import ENV as PRELOAD_ENV
 from quantlab.preload import output_to
 from quantlab.runner import run_variant
@@ -67,8 +61,8 @@ def _child_main(
     try:
         job = pickle.loads(Path(job_path).read_bytes())
         Path(job_path).unlink()
-        use_threads(share) if share else use_host_share()
-        result = run_variant(job, lambda stage: messages.put(("stage", stage)))
+        host = HostShare.fixed(share) if share else HostShare.seated()
+        result = run_variant(job, lambda stage: messages.put(("stage", stage)), host)
         messages.put(("result", result))
     except BaseException as error:  # noqa: BLE001 - everything must reach the parent as a failure
         messages.put(("error", (failure_reason(error), traceback.format_exc())))
@@ -235,7 +229,7 @@ def _log_tail(log_path: Path) -> str:
 class LocalExecutor:
     """One process per variant, `parallel` at a time (default one: the machine is the variant's alone). Side by
     side they share the cores through their seats on the host, and each measure stage times alone: the others
-    pause at their next forward pass until it is done (measure.contention.timing_alone)."""
+    pause at their next forward pass until it is done (host_share.HostShare.timing)."""
 
     parallel: int = 1
 
@@ -281,14 +275,14 @@ class InProcessExecutor:
     def run_one(job: VariantJob, log_path: Path, on_stage: StageCallback) -> VariantResult:
         from quantlab.stages.quantize import release_quantizer_memory
 
+        # The sweep's own process: torch's pool only, the environment (and so the fork server's) left alone.
+        host = HostShare.seated(environment=False)
         try:
-            # The sweep's own process: torch's pool only, the environment (and so the fork server's) left alone.
-            use_host_share(environment=False)
-            return run_variant(job, lambda stage: on_stage(job.variant, stage))
+            return run_variant(job, lambda stage: on_stage(job.variant, stage), host)
         except Exception as error:  # noqa: BLE001 - one variant's error must not end the sweep; Ctrl-C still does
             raise VariantFailed(failure_reason(error), traceback.format_exc()) from None
         finally:
-            leave_host_share()  # the sweep's process lives on: its seat must not count once the variant is done
+            host.leave()  # the sweep's process lives on: its seat must not count once the variant is done
             release_quantizer_memory()  # so that the next variant's peak memory is its own
 
 
@@ -335,8 +329,7 @@ class RayExecutor:
 
 def _ray_task(job: VariantJob, log_path: str, share: ThreadShare) -> VariantResult:
     output_to(log_path)
-    use_threads(share)
-    return run_variant(job)
+    return run_variant(job, host=HostShare.fixed(share))
 
 
 # --executor's choices, each made from the sweep's --ray-address and --parallel.

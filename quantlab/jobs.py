@@ -13,6 +13,7 @@ from quantlab.recipe import LoadedRecipe
 
 if TYPE_CHECKING:
     from quantlab.evaluate.lm_eval_runner import TaskDataset
+    from quantlab.models import ModelSource
 
 StageReporter = Callable[[str], None]
 # Processes a variant runs beside itself, whose logs go next to its own (`<variant>.<process>.log`) and are kept
@@ -71,6 +72,8 @@ class VariantJob:
     baseline: BaselineOutputs | None  # None for the baseline itself
     force: bool = False  # rebuild the checkpoint and the baseline's reference pass even when cached
     log_dir: Path | None = None  # where the variant's log is written: its server's and load generator's go beside it
+    # The recipe's model as the sweep's plan resolved it (a GGUF file is hashed once per sweep); None: the runner does.
+    source: ModelSource | None = None
 
     @property
     def is_baseline(self) -> bool:

@@ -47,6 +47,12 @@ class MetricSpec:
     def direction_known(self) -> bool:
         return self.higher_is_better is not None
 
+    @property
+    def timed(self) -> bool:
+        """A figure timed on this machine, or derived from one: other work on the variant's cores distorts it
+        (a busy host's warnings name it). The contract's column `TIMED`, by entry."""
+        return self.entry in TIMED or any(self.entry.startswith(prefix) for prefix in TIMED_PREFIXES)
+
 
 @dataclass(frozen=True)
 class Declared:
@@ -201,6 +207,15 @@ _FIXED: dict[str, tuple[bool | None, Scale, str]] = {
     "measure/threads": (None, Scale.COUNT, "torch threads while timing"),
 }
 _PATTERNS = {re.compile(re.sub(r"<(\w+)>", r"(?P<\1>[^/]+)", re.escape(entry))): entry for entry in _FIXED}
+
+# The entries timed on this machine (MetricSpec.timed): the measure stage's batch figures, the load and copy timings,
+# the stages' wall seconds, and every served figure (under load, against the clock: throughputs, latencies, goodput
+# and its price, requests cut off or failed). Not timed: sizes, memory, modeled figures, quality, measure/* (facts
+# about the machine while timing).
+TIMED = frozenset(
+    {"cost/<figure>[_bs<N>]", "cost/load_seconds", "cost/measured_bandwidth_bytes_per_s", "time/<stage>_seconds"}
+)
+TIMED_PREFIXES = ("cost/serving/",)
 
 # Figures the measure stage measured on this machine (see the run's quantlab.cost.* tags), once per batch
 # size: `cost/<figure>` and `cost/<figure>_bs<N>`.

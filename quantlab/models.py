@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Literal
 
 from quantlab import cache
 from quantlab.errors import bad_input
-from quantlab.measure.contention import follow_share
 
 if TYPE_CHECKING:
     import torch
@@ -80,11 +79,23 @@ def resolve_source(spec: ModelSpec, base_dir: Path) -> ModelSource:
     path = _local_path(spec.source, base_dir)
     common = dict(revision=spec.revision, trust_remote_code=spec.trust_remote_code)
     if path.suffix == ".gguf":
-        identity = f"gguf:{path.name}:sha256={cache.file_sha256(path)}"
-        return ModelSource("gguf", str(path.parent), path.name, identity=identity, **common)
+        return ModelSource("gguf", str(path.parent), path.name, identity=_gguf_identity(path), **common)
     if path.is_dir():
         return ModelSource("local_dir", str(path), None, identity=f"dir:{_directory_fingerprint(path)}", **common)
     return ModelSource("hub", spec.source, None, identity=f"hub:{spec.source}@{spec.revision or 'main'}", **common)
+
+
+def _gguf_identity(path: Path) -> str:
+    """The GGUF file's name and content hash, computed once per process while the file is unchanged (same size,
+    modification time and inode): a sweep resolves its source when it checks the recipe and when it plans, and
+    hashing takes minutes for a 40 GB file."""
+    status = path.stat()
+    return _hashed_gguf(path, status.st_size, status.st_mtime_ns, status.st_ino)
+
+
+@functools.lru_cache(maxsize=16)
+def _hashed_gguf(path: Path, size: int, modified_ns: int, inode: int) -> str:
+    return f"gguf:{path.name}:sha256={cache.file_sha256(path)}"
 
 
 @functools.lru_cache(maxsize=16)
@@ -288,5 +299,4 @@ def _load(location: str | Path, dtype: torch.dtype, device: str, tokenizer_args:
     # device_map="auto" lets Accelerate spread a model larger than one GPU over several.
     placement = {"device_map": "auto"} if device == "cuda" else {}
     model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **placement, **model_args)
-    follow_share(model)  # its threads follow this host's other variants as they start and end
     return model.eval(), tokenizer

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from importlib.metadata import version
 from typing import TYPE_CHECKING
 
+from quantlab.host_share import HostShare
 from quantlab.jobs import BaselineOutputs, StageReporter, VariantJob, VariantResult
 
 if TYPE_CHECKING:
@@ -20,7 +21,11 @@ if TYPE_CHECKING:
     from quantlab.recipe import LoadedRecipe, VariantSpec
 
 
-def run_variant(job: VariantJob, report: StageReporter = lambda stage: None) -> VariantResult:
+def run_variant(
+    job: VariantJob, report: StageReporter = lambda stage: None, host: HostShare | None = None
+) -> VariantResult:
+    """`host`: the share of the host's cores the executor gave this process (None: torch's default, no seat). Its
+    threads follow the models the variant loads; the timed stages (measure, serve) hold its timing lock."""
     # The stages load torch, transformers and lm-eval: imported here, in the variant's process,
     # so that the sweep's own process (which imports this module for its executors) stays light.
     from quantlab.models import load_checkpoint, materialize, pick_device, pick_dtype, resolve_source
@@ -43,26 +48,28 @@ def run_variant(job: VariantJob, report: StageReporter = lambda stage: None) -> 
         finally:
             seconds[name] = round(time.perf_counter() - started, 3)
 
+    host = host or HostShare()
     device = pick_device(recipe.runtime)
     dtype = pick_dtype(recipe.runtime, device)
 
     with stage("prepare model"):
-        source = materialize(resolve_source(recipe.model, recipe_dir), job.cache_root)
+        source = materialize(job.source or resolve_source(recipe.model, recipe_dir), job.cache_root)
     with stage("quantize"):
         checkpoint = quantize_variant(
-            source, variant, recipe.calibration, recipe_dir, job.cache_root, device, job.force
+            source, variant, recipe.calibration, recipe_dir, job.cache_root, device, job.force, host.follow
         )
     with stage("load"):
         model, tokenizer = load_checkpoint(checkpoint.path, dtype, device)
+        host.follow(model)
     with stage("evaluate"):
         scores = evaluate_tasks(model, tokenizer, recipe.evals, job.loaded.include_path, report)
     with stage("damage"):
         tokens = token_damage(model, tokenizer, recipe.quality, recipe_dir, job, checkpoint.key)
         answers = answer_damage(scores, job.baseline)
-    with stage("measure"):
+    with stage("measure"), host.timing():
         cost_metrics, cost_tags = measure(model, tokenizer, recipe.measure, checkpoint.path, seconds["load"])
     del model, tokenizer  # the server loads its own copy
-    with stage("serve"):
+    with stage("serve"), host.timing():
         serving = serve(
             checkpoint.path,
             variant.name,
@@ -81,7 +88,7 @@ def run_variant(job: VariantJob, report: StageReporter = lambda stage: None) -> 
         reused_checkpoint=checkpoint.reused,
         stage_seconds=seconds,
         metrics={**scores.metrics, **tokens.metrics, **answers.metrics, **cost_metrics, **serving.metrics},
-        params={**variant_params(job.loaded, variant, source, device, dtype), **scores.params, **serving.params},
+        params={**variant_params(job.loaded, variant, source, device, dtype, host), **scores.params, **serving.params},
         tags={**cost_tags, **tokens.tags, **scores.tags, **answers.tags, **serving.tags},
         baseline_outputs=BaselineOutputs(
             tokens.reference_dir, scores.documents | tokens.documents, scores.groups, scores.scores, scores.primary
@@ -92,13 +99,12 @@ def run_variant(job: VariantJob, report: StageReporter = lambda stage: None) -> 
 
 
 def variant_params(
-    loaded: LoadedRecipe, variant: VariantSpec, source: ModelSource, device: str, dtype: torch.dtype
+    loaded: LoadedRecipe, variant: VariantSpec, source: ModelSource, device: str, dtype: torch.dtype, host: HostShare
 ) -> dict[str, str]:
     """A variant's full resolved configuration as flat MLflow params: what exactly produced these numbers."""
     import torch
 
     from quantlab.cache import library_versions
-    from quantlab.measure.contention import applied_share
     from quantlab.measure.provenance import hardware
     from quantlab.quantize import METHODS
 
@@ -114,9 +120,9 @@ def variant_params(
         "runtime": {
             "device": device,
             "compute_dtype": str(dtype).removeprefix("torch."),
-            # torch's intra-op threads in this process, as the executor sized them (measure.contention).
+            # torch's intra-op threads in this process, as the executor sized them (host_share).
             "threads": torch.get_num_threads(),
-            "threads_from": share.source if (share := applied_share()) else "torch's default (not sized by quantlab)",
+            "threads_from": host.threads_from,
         },
         "versions": library_versions() | {"lm-eval": version("lm_eval"), "mlflow": version("mlflow")},
         "hardware": hardware(),

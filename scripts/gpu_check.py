@@ -93,8 +93,8 @@ def say(line: str) -> None:
 class StderrDisplay:
     """quantlab's SweepDisplay, as plain progress lines on stderr (stdout keeps only the table)."""
 
-    def sweep_started(self, experiment: str, run_id: str, variants: list[str]) -> None:
-        say(f"sweep {experiment}: {', '.join(variants)}")
+    def sweep_started(self, experiment: str, run_id: str, plan) -> None:
+        say(f"sweep {experiment}: {', '.join(plan.names)}")
 
     def stage(self, variant: str, stage: str) -> None:
         say(f"{variant}: {stage}")

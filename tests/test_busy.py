@@ -16,25 +16,14 @@ import yaml
 from mlflow.tracking import MlflowClient
 from test_sweep import quantlab
 
-from quantlab import tracking
+from quantlab import host_share, tracking
 from quantlab.decision import cost_warnings, pick
 from quantlab.errors import BadInput
 from quantlab.executors import LocalExecutor
 from quantlab.frontier import Axis, VariantSummary
-from quantlab.measure import contention
-from quantlab.measure.contention import (
-    CONTENDED_TAG,
-    CONTENTION_TAG,
-    SEATS_ENV,
-    THREADS_ENV,
-    LoadMonitor,
-    LoadReading,
-    Seats,
-    is_timing_metric,
-    judge_contention,
-    local_share,
-    thread_share,
-)
+from quantlab.host_share import SEATS_ENV, THREADS_ENV, HostShare, Seats, local_share, thread_share
+from quantlab.measure.contention import CONTENDED_TAG, CONTENTION_TAG, LoadMonitor, LoadReading, judge_contention
+from quantlab.metrics import spec
 from quantlab.policy import Policy
 from recipes import tiny_recipe, write
 
@@ -83,7 +72,7 @@ def test_local_share_reads_the_override(monkeypatch):
 SEAT_HOLDER = """
 import sys
 from pathlib import Path
-from quantlab.measure.contention import Seats
+from quantlab.host_share import Seats
 Seats(Path(sys.argv[1])).take()
 print("seated", flush=True)
 sys.stdin.read()
@@ -130,7 +119,7 @@ def test_seats_count_the_variant_processes_alive_on_the_host(tmp_path):
 )
 def test_the_local_share_divides_the_cores_by_the_seats(tmp_path, monkeypatch, others, cores, threads, source):
     monkeypatch.delenv(THREADS_ENV, raising=False)
-    monkeypatch.setattr(contention, "visible_cores", lambda: cores)
+    monkeypatch.setattr(host_share, "visible_cores", lambda: cores)
     holders = [hold_seat(tmp_path) for _ in range(others)]
     seat = Seats(tmp_path).take()
     try:
@@ -143,19 +132,21 @@ def test_the_local_share_divides_the_cores_by_the_seats(tmp_path, monkeypatch, o
     assert (share.threads, share.source) == (threads, source)
 
 
-# A variant's process in miniature: its host share, the tiny model loaded the way a variant loads it, and a
-# forward pass per line read, answering with torch's threads after it.
+# A variant's process in miniature: its host share, the tiny model loaded and followed the way the runner loads and
+# follows it, and a forward pass per line read, answering with torch's threads after it.
 FOLLOWER = """
-import sys
+import contextlib, sys
 from pathlib import Path
 import torch
-from quantlab.measure.contention import pinned_threads, use_host_share
+from quantlab.host_share import HostShare
 from quantlab.models import load_checkpoint
-print(use_host_share().threads, flush=True)
+host = HostShare.seated()
+print(host.share.threads, flush=True)
 model, _ = load_checkpoint(Path(sys.argv[1]), torch.float32, "cpu")
+host.follow(model)
 for line in sys.stdin:
-    pinned = line.split()[1:]  # "pinned N": the pass runs pinned to N threads
-    with pinned_threads(int(pinned[0]) if pinned else None):
+    timed = line.strip() == "timed"  # "timed": the pass runs inside the variant's own timed stage
+    with host.timing() if timed else contextlib.nullcontext():
         model(torch.tensor([[1, 2, 3]]))
         print(torch.get_num_threads(), flush=True)
 """
@@ -164,7 +155,8 @@ for line in sys.stdin:
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="dividing the cores needs at least two")
 def test_a_running_variant_gives_cores_back_while_another_runs(tmp_path, monkeypatch, tiny_llama):
     """A variant alone takes every core; when another variant takes a seat it drops to its share at its next
-    forward pass (but not inside a pinned block: measure.cpu_threads), and takes them back once it has gone."""
+    forward pass (but not inside its own timed stage: what is timed runs with one count), and takes them back once
+    it has gone."""
     cores = len(os.sched_getaffinity(0))
     monkeypatch.delenv(THREADS_ENV, raising=False)
     monkeypatch.setenv(SEATS_ENV, str(tmp_path / "seats"))
@@ -173,7 +165,7 @@ def test_a_running_variant_gives_cores_back_while_another_runs(tmp_path, monkeyp
     )
 
     def threads_after_a_forward_pass(line="forward") -> int:
-        time.sleep(contention.RECOUNT_SECONDS + 0.2)
+        time.sleep(host_share.RECOUNT_SECONDS + 0.2)
         variant.stdin.write(line + "\n")
         variant.stdin.flush()
         return int(variant.stdout.readline())
@@ -182,7 +174,7 @@ def test_a_running_variant_gives_cores_back_while_another_runs(tmp_path, monkeyp
         assert int(variant.stdout.readline()) == cores
         assert threads_after_a_forward_pass() == cores
         other = hold_seat(tmp_path / "seats")
-        assert threads_after_a_forward_pass(f"pinned {cores}") == cores
+        assert threads_after_a_forward_pass("timed") == cores
         assert threads_after_a_forward_pass() == cores // 2
         other.kill()
         other.wait()
@@ -192,12 +184,11 @@ def test_a_running_variant_gives_cores_back_while_another_runs(tmp_path, monkeyp
         variant.wait()
 
 
-# A measure stage in miniature: a seat, then the host's timing lock held until stdin closes.
+# A timed stage in miniature: a seat, then the host's timing lock held until stdin closes.
 TIMER = """
 import sys
-from quantlab.measure.contention import timing_alone, use_host_share
-use_host_share()
-with timing_alone():
+from quantlab.host_share import HostShare
+with HostShare.seated().timing():
     print("timing", flush=True)
     sys.stdin.read()
 """
@@ -240,23 +231,22 @@ def test_a_timer_stuck_on_the_lock_does_not_stop_the_others_for_ever(tmp_path, m
     """Past TIMING_WAIT_SECONDS a variant goes on, says so once, and stops waiting for that lock."""
     monkeypatch.delenv(THREADS_ENV, raising=False)
     monkeypatch.setenv(SEATS_ENV, str(tmp_path))
-    monkeypatch.setattr(contention, "TIMING_WAIT_SECONDS", 1.0)
-    monkeypatch.setattr(contention, "_gave_up_waiting", False)
+    monkeypatch.setattr(host_share, "TIMING_WAIT_SECONDS", 1.0)
+    host = HostShare(seats=Seats(tmp_path))  # a variant of this host, seated beside the stuck timer
     timer = subprocess.Popen([sys.executable, "-c", TIMER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert timer.stdout.readline().strip() == "timing"
         started = time.monotonic()
-        contention._wait_while_another_variant_times(tmp_path)
+        host._wait_while_another_variant_times()
         assert 1.0 <= time.monotonic() - started < 10
         assert "going on without it from now on" in caplog.text
         started = time.monotonic()
-        contention._wait_while_another_variant_times(tmp_path)
+        host._wait_while_another_variant_times()
         assert time.monotonic() - started < 0.5
-        # A measure stage of its own does not wait for the stuck one either (and does not claim the lock).
-        monkeypatch.setattr(contention, "_following", contention.Seats(tmp_path))
+        # A timed stage of its own does not wait for the stuck one either.
         started = time.monotonic()
-        with contention.timing_alone():
-            assert not contention._timing
+        with host.timing():
+            pass
         assert time.monotonic() - started < 0.5
     finally:
         timer.kill()
@@ -410,10 +400,20 @@ def test_the_monitor_counts_this_process_within_its_cores():
         ("cost/peak_memory_bytes", False),
         ("cost/roofline_decode_tokens_per_s", False),  # modeled on the target, not timed here
         ("eval/mmlu_dev/acc", False),
+        ("cost/load_seconds", True),
+        ("cost/measured_bandwidth_bytes_per_s", True),
+        # Served under load, against the clock (issue 28, item 11: the old pattern named none of them).
+        ("cost/serving/usd_per_mtok", True),
+        ("cost/serving/goodput_tokens_per_s", True),
+        ("cost/serving/c4/ttft_ms_p99", True),
+        ("cost/serving/sync/requests_per_s", True),
+        ("measure/load_1m", False),  # a fact about the machine while timing, not a timing
+        ("quality/ppl", False),
     ],
 )
 def test_which_figures_contention_distorts(key, timing):
-    assert is_timing_metric(key) is timing
+    """A column of the metric contract: whether other work on the variant's cores distorts a figure."""
+    assert spec(key).timed is timing
 
 
 # --- A real variant process sizes its threads --------------------------------------------------------------
@@ -491,6 +491,16 @@ def _summary(name: str, tag: str | None, succeeded: bool = True) -> VariantSumma
                 "b: speed figures measured while other work competed for its cores (load 5.00)",
             ),
             id="a-timing-bound-decides",
+        ),
+        pytest.param(
+            [_summary("a", "true"), _summary("b", "false")],
+            ["cost/serving/usd_per_mtok"],
+            (
+                "the decision rests on cost/serving/usd_per_mtok, timed under contention for a: rerun the sweep with "
+                "--force on a quiet machine before a release rests on this choice",
+                "a: speed figures measured while other work competed for its cores (load 5.00)",
+            ),
+            id="a-served-figure-decides",
         ),
     ],
 )

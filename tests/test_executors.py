@@ -10,8 +10,8 @@ from mlflow.tracking import MlflowClient
 
 from quantlab.checks import validate
 from quantlab.executors import InProcessExecutor, VariantFailed
+from quantlab.host_share import seats_dir
 from quantlab.jobs import VariantResult
-from quantlab.measure.contention import seats_dir
 from quantlab.recipe import load_recipe
 from quantlab.sweep import SweepOptions, run_sweep
 from recipes import REPO, tiny_recipe, write
@@ -24,7 +24,7 @@ class RecordingDisplay:
         self.stages: list[tuple[str, str, int]] = []  # variant, stage, pid of the process that reported it
         self.finished: dict[str, str | None] = {}
 
-    def sweep_started(self, experiment, run_id, variants):
+    def sweep_started(self, experiment, run_id, plan):
         pass
 
     def stage(self, variant, stage):
@@ -199,7 +199,7 @@ class _Job:
 def test_a_keyboard_interrupt_is_not_a_variant_failure(monkeypatch, tmp_path):
     """An exception fails its variant; Ctrl-C ends the sweep (which marks its runs KILLED)."""
 
-    def run_variant(job, report):
+    def run_variant(job, report, host):
         report("quantize")
         if job.variant == "interrupted":
             raise KeyboardInterrupt
@@ -336,3 +336,32 @@ def test_one_fork_server_per_sweep_replaced_when_the_environment_changes(tmp_pat
         stop_variant_processes()
     assert server() is None
     assert not psutil.pid_exists(replaced)
+
+
+def test_a_failed_baseline_leaves_the_variants_to_compute_not_run_saying_why(tmp_path, tiny_llama):
+    """Nothing to compare against: fp8 is not run (a FAILED run that says why, which the next sweep computes), not
+    compared against itself and logged as if quantizing had cost nothing."""
+    (tmp_path / "short.txt").write_text("Far too short to calibrate on.\n")
+    recipe = tiny_recipe(
+        tiny_llama.path,
+        baseline="awq",
+        variants=[
+            {"name": "awq", "method": "awq_int4", "params": {"group_size": 32}},
+            {"name": "fp8", "method": "fp8"},
+        ],
+        calibration={"source": "short.txt", "num_samples": 4, "seq_len": 32},
+        evals={"tasks": []},
+        quality={"enabled": False},
+    )
+    loaded = validate(write(tmp_path / "recipe.yaml", recipe), tmp_path / "cache")
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    display = RecordingDisplay()
+    outcome = run_sweep(loaded, SweepOptions(uri, tmp_path / "cache", "inprocess"), display)
+
+    assert outcome.exit_code == 1 and outcome.finished == [] and not outcome.unlogged
+    assert "calibration.num_samples" in outcome.failures["awq"]
+    assert outcome.failures["fp8"].startswith("not run: the baseline awq failed, and every variant is compared against")
+    assert display.finished["fp8"] == outcome.failures["fp8"]
+    assert not [stage for variant, stage, _ in display.stages if variant == "fp8"]  # it never started
+    run = MlflowClient(uri).search_runs([outcome.experiment_id], "tags.`quantlab.variant` = 'fp8'")[0]
+    assert run.info.status == "FAILED" and run.data.tags["quantlab.failure"] == outcome.failures["fp8"]

@@ -98,3 +98,13 @@ def test_declarations_travel_as_tags() -> None:
     tags = declared_tags(declared)
     assert tags["quantlab.metric/eval/gsm8k/exact_match:strict-match"] == "higher fraction"
     assert declared_from_tags({**tags, "quantlab.variant": "fp8"}) == declared
+
+
+def test_every_timed_entry_is_an_entry_of_the_contract() -> None:
+    """The `timed` column names entries by their contract spelling: a misspelt one would quietly time nothing."""
+    from quantlab import metrics
+
+    entries = set(metrics._FIXED) | {"cost/<figure>[_bs<N>]"}
+    assert not metrics.TIMED - entries, metrics.TIMED - entries
+    for prefix in metrics.TIMED_PREFIXES:
+        assert any(entry.startswith(prefix) for entry in metrics._FIXED), prefix

@@ -20,19 +20,14 @@ from memory_store import MemoryStore
 
 from quantlab import publish, tracking
 from quantlab.jobs import BaselineOutputs
+from quantlab.logbook import HOST, PID, PID_STARTED, REFERENCE_DIR, Logbook, mark_dead_sweeps
 from quantlab.metrics import Declared, Scale, declared_tags, paired_key
+from quantlab.models import ModelSource
 from quantlab.paired import Aggregation, DocumentScores, compare
+from quantlab.plan import Action, PlannedVariant, SweepPlan
 from quantlab.recipe import LoadedRecipe, Recipe
-from quantlab.sweep import (
-    HOST,
-    PID,
-    PID_STARTED,
-    REFERENCE_DIR,
-    SAMPLES_ARTIFACT,
-    SweepOptions,
-    SweepRuns,
-    mark_dead_sweeps,
-)
+from quantlab.sweep import Dispatch, SweepOptions, SweepOutcome
+from quantlab.tracking import SAMPLES_ARTIFACT
 from recipes import tiny_recipe
 
 MMLU = "eval/mmlu_dev/acc"
@@ -51,7 +46,7 @@ class Recorder:
     def __init__(self):
         self.finished: list[tuple[str, bool]] = []
 
-    def sweep_started(self, experiment, run_id, variants):
+    def sweep_started(self, experiment, run_id, plan):
         pass
 
     def stage(self, variant, stage):
@@ -69,10 +64,20 @@ def _loaded(tmp_path: Path, variants: list[dict]) -> LoadedRecipe:
     return LoadedRecipe(tmp_path / "recipe.yaml", Recipe.model_validate(recipe), yaml.safe_dump(recipe))
 
 
-def _sweep_runs(store, tmp_path, experiment, variants, keys) -> SweepRuns:
+def _copying(store, tmp_path, experiment, variants, keys) -> Dispatch:
+    """A sweep whose plan copies every variant from the finished run of its run key (`keys`: variant -> run key)."""
+    finished = tracking.finished_runs(store, experiment, set(keys.values()))
+    planned = tuple(
+        PlannedVariant(name, key, f"checkpoint-{key}", tmp_path / name, Action.COPY, finished[key])
+        for name, key in keys.items()
+    )
+    source = ModelSource("local_dir", str(tmp_path), None, None, False, "dir:tiny")
+    plan = SweepPlan(_loaded(tmp_path, variants), source, tmp_path / "cache", False, planned)
     parent = tracking.start_sweep(store, experiment, "sweep tiny", {})
+    display = Recorder()
+    log = Logbook(store, plan, 300.0, display.note, experiment, parent)
     options = SweepOptions(tracking_uri=store.uri, cache_root=tmp_path / "cache")
-    return SweepRuns(store, experiment, parent, _loaded(tmp_path, variants), options, Recorder(), keys)
+    return Dispatch(plan, options, log, display, SweepOutcome(experiment, parent), tmp_path)
 
 
 def _finished_variant(store, experiment, parent, name, key, status="FINISHED") -> str:
@@ -129,32 +134,33 @@ def test_a_renamed_variant_is_copied_under_its_new_name_with_its_numbers_and_fil
     before = _previous_sweep(store, experiment, tmp_path)
     keys = {"bf16": "K-bf16", "fp8-dynamic": "K-fp8"}  # fp8 renamed; same content, same run key
     variants = [{"name": "bf16", "method": "bf16"}, {"name": "fp8-dynamic", "method": "fp8"}]
-    sweep = _sweep_runs(store, tmp_path, experiment, variants, keys)
+    sweep = _copying(store, tmp_path, experiment, variants, keys)
 
-    reusable = tracking.finished_runs(store, experiment, set(keys.values()))
-    sweep.run_batch(["bf16"], reusable, tmp_path)
-    sweep.run_batch(["fp8-dynamic"], reusable, tmp_path)
+    baseline = sweep.baseline()
+    sweep.others(baseline)
 
-    assert sweep.reused == ["bf16", "fp8-dynamic"] and not sweep.failures
+    assert sweep.outcome.reused == ["bf16", "fp8-dynamic"] and not sweep.outcome.failures
     assert sweep.display.finished == [("bf16", True), ("fp8-dynamic", True)]
     # The baseline's per-document outputs come back from its samples.json; its reference dir is gone.
-    assert sweep.baseline == BaselineOutputs(None, scores={MMLU: 0.6}, primary={"mmlu_dev": MMLU})
-    original, copy = store.run(before["fp8"]), store.run(sweep.runs["fp8-dynamic"])
+    assert baseline == BaselineOutputs(None, scores={MMLU: 0.6}, primary={"mmlu_dev": MMLU})
+    original, copy = store.run(before["fp8"]), store.run(sweep.log.runs["fp8-dynamic"])
     assert copy.status == "FINISHED" and copy.run_id != original.run_id
-    assert copy.variant == copy.name == "fp8-dynamic" and copy.tags[tracking.PARENT] == sweep.parent_run_id
+    assert copy.variant == copy.name == "fp8-dynamic" and copy.tags[tracking.PARENT] == sweep.log.parent_run_id
     assert copy.params == original.params | {"variant.name": "fp8-dynamic"}
     assert copy.metrics == original.metrics and copy.datasets == original.datasets
     assert copy.tags[tracking.REUSED_FROM] == original.run_id
     assert copy.tags[tracking.CHECKPOINT] == original.tags[tracking.CHECKPOINT]
     assert tracking.ON_FRONTIER not in copy.tags
-    assert store.run(sweep.runs["bf16"]).tags[tracking.BASELINE] == "true" and copy.tags[tracking.BASELINE] == "false"
+    assert (
+        store.run(sweep.log.runs["bf16"]).tags[tracking.BASELINE] == "true" and copy.tags[tracking.BASELINE] == "false"
+    )
     for name in (SAMPLES_ARTIFACT, "logs/variant.log"):
         assert store.read_artifact(copy.run_id, name) == store.read_artifact(original.run_id, name)
 
     # A copy of a copy names the run that computed the numbers.
-    again = _sweep_runs(store, tmp_path, experiment, variants, keys)
-    again.run_batch(["fp8-dynamic"], tracking.finished_runs(store, experiment, {"K-fp8"}), tmp_path)
-    assert store.run(again.runs["fp8-dynamic"]).tags[tracking.REUSED_FROM] == original.run_id
+    again = _copying(store, tmp_path, experiment, variants, keys)
+    again.others(again.baseline())
+    assert store.run(again.log.runs["fp8-dynamic"]).tags[tracking.REUSED_FROM] == original.run_id
 
 
 def _dead_pid() -> int:

@@ -20,14 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from quantlab.measure.contention import (
-    Contention,
-    LoadMonitor,
-    LoadReading,
-    judge_contention,
-    pinned_threads,
-    timing_alone,
-)
+from quantlab.measure.contention import Contention, LoadMonitor, LoadReading, judge_contention
 from quantlab.measure.modeled import (
     ModeledCost,
     ModelShape,
@@ -44,6 +37,7 @@ from quantlab.measure.timing import (
     GenerationTiming,
     clock_for,
     measure_copy_bandwidth,
+    pinned_threads,
     random_prompt_ids,
     time_generation,
 )
@@ -232,7 +226,7 @@ def measure_loaded_model(model: Any, tokenizer: Any, settings: MeasureSettings) 
             timings = [time_generation(model, prompt, settings.output_tokens, clock) for _ in range(settings.repeats)]
         return batch_size, timings, energy.reading
 
-    with timing_alone(), LoadMonitor(torch.get_num_threads()) as load, MemoryTracker(devices) as memory:
+    with LoadMonitor(torch.get_num_threads()) as load, MemoryTracker(devices) as memory:
         timed = [time_batch(batch_size) for batch_size in settings.batch_sizes]
     bandwidth = measure_copy_bandwidth(
         input_weight.device, settings.bandwidth_probe_bytes, settings.bandwidth_probe_repeats

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from quantlab.measure.contention import visible_cores
+from quantlab.host_share import visible_cores
 
 
 def describe_engine(model: torch.nn.Module) -> str:

@@ -8,13 +8,30 @@ Prompts are seeded random token ids: the content does not change the work of a d
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+
+@contextlib.contextmanager
+def pinned_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with `threads` torch threads (measure.cpu_threads), then go back to the threads before it.
+    None: the threads as they are. The host's share does not resize them meanwhile: the runner times the measure
+    stage inside the host's timing lock (`host_share.HostShare.timing`)."""
+    if threads is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class CpuClock:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from quantlab import tracking
 from quantlab.errors import BadInput, Problem, bad_input, did_you_mean
+from quantlab.logbook import mark_dead_sweeps, sweep_process_tags
 from quantlab.quantize import METHODS
 from quantlab.recipe import LoadedRecipe
 from quantlab.report import sensitivity_chart
@@ -23,7 +24,6 @@ from quantlab.sensitivity.groups import (
     recipe_keeping,
 )
 from quantlab.sensitivity.probe import Progress, Sensitivity, SensitivityJob, measure_sensitivity, sensitivity_key
-from quantlab.sweep import mark_dead_sweeps, sweep_process_tags
 
 LOGGED_FIGURES = ("kld_mean", "kld_p99", "top1_agreement", "ppl")  # per group, of the quality/* a group gets
 RANKING_ARTIFACT = "sensitivity.json"

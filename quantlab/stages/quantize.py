@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from quantlab import cache, disk
-from quantlab.models import ModelSource, load_source_model, materialized, resolve_source
+from quantlab.models import ModelSource, load_source_model
 from quantlab.quantize import METHODS
 from quantlab.stages.calibration import calibration_dataset
 
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from quantlab.recipe import CalibrationSettings, LoadedRecipe, VariantSpec
+    from quantlab.recipe import CalibrationSettings, VariantSpec
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,14 @@ def quantize_variant(
     cache_root: Path,
     device: str,
     force: bool = False,
+    follow: Callable[[PreTrainedModel], None] = lambda model: None,
 ) -> QuantizedCheckpoint:
+    """The variant's checkpoint, reused from the cache or made; `follow` is given the model it calibrates (the
+    runner's: its forward passes share the host's cores, `host_share.HostShare.follow`)."""
     method = METHODS[variant.method]
 
     def apply(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+        follow(model)
         samples = calibration_dataset(calibration, tokenizer, recipe_dir) if method.needs_calibration else None
         method.apply(model, variant.params, samples)
 
@@ -130,36 +134,6 @@ def _build(
     with cache.writing(target, identity) as scratch:
         model.save_pretrained(scratch)
         tokenizer.save_pretrained(scratch)
-
-
-def sweep_space_needs(loaded: LoadedRecipe, names: list[str], cache_root: Path, force: bool) -> list[disk.Need]:
-    """What the variants `names` will write into the cache: the checkpoints it lacks (with `force`, each one,
-    less the copy it replaces) and a GGUF model's conversion when it lacks that. Nothing when the model's shape
-    is not at hand (a hub model not in the local Hugging Face cache)."""
-    recipe = loaded.recipe
-    source = resolve_source(recipe.model, loaded.path.parent)
-    shape_from = materialized(source, cache_root)
-    if (shape := disk.model_shape(shape_from)) is None:
-        return []
-    needs = []
-    if shape_from.kind == "gguf":
-        conversion = disk.with_margin(disk.conversion_bytes(shape))
-        needs.append(disk.Need(cache_root, conversion, f"the float32 conversion of {source.gguf_file}"))
-    to_build, needed = [], 0
-    for name in names:
-        variant = recipe.variant(name)
-        target = cache.checkpoint_dir(
-            cache_root, name, cache.cache_key(checkpoint_identity(source, variant, recipe.calibration))
-        )
-        if force or not (target / cache.COMPLETE_MARKER).is_file():  # the marker alone: reading is not using
-            to_build.append(name)
-            replaced = sum(p.stat().st_size for p in target.rglob("*") if p.is_file()) if force else 0
-            tensor_bytes = disk.checkpoint_bytes(shape, variant.method, variant.params.model_dump())
-            needed += disk.with_margin(tensor_bytes) - replaced
-    if to_build:
-        what = f"{len(to_build)} checkpoint{'s' if len(to_build) > 1 else ''} to build ({', '.join(to_build)})"
-        needs.append(disk.Need(cache_root / "checkpoints", max(needed, 0), what))
-    return needs
 
 
 def release_quantizer_memory() -> None:

@@ -19,8 +19,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from quantlab.host_share import visible_cores
 from quantlab.jobs import side_log
-from quantlab.measure.contention import timing_alone, visible_cores
 from quantlab.measure.modeled import ModelShape, config_dict
 from quantlab.measure.provenance import cpu_model_name
 from quantlab.serving.chart import throughput_latency_chart
@@ -89,10 +89,9 @@ def serve(
             levels = max(len(settings.concurrency), settings.levels)
             budget = levels * settings.requests_per_level * settings.request_timeout_s + 300
             load_log = side_log(logs, variant, "guidellm")
-            # Timed as the measure stage times: the host's other variants pause at their next forward pass meanwhile.
-            with timing_alone():
-                warm_up(server, checkpoint, settings)
-                report = run_load(spec, Path(scratch), load_log, server, budget, _workers(device))
+            # The runner holds the host's timing lock around this stage: the host's other variants pause meanwhile.
+            warm_up(server, checkpoint, settings)
+            report = run_load(spec, Path(scratch), load_log, server, budget, _workers(device))
             command = shlex.join(server.command)
         artifacts: dict[str, str | bytes] = {REPORT_ARTIFACT: report_path.read_text()}
         if log_dir is None:  # no sweep log directory to keep them: they travel with the result

@@ -1,0 +1,167 @@
+"""A sweep's plan, made once before any work (`make_plan`): the recipe's model resolved once (a GGUF file hashed
+once), and per variant, in run order (the baseline first: the others compare against it), its run key, its
+checkpoint's key and folder, what happens to it (copied from a finished run, logged from the cache, computed)
+and the cache bytes computing it writes. The disk check (`space_needs`), the sweep's dispatcher and the
+command line's "what will run" line read it; nothing recomputes it.
+
+Resuming is by content: a finished run with the same run key is copied, not recomputed (`--force` recomputes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from quantlab import cache, disk, kept_results
+from quantlab.errors import BadInput, Problem
+from quantlab.jobs import SAMPLES_FORMAT, BaselineOutputs, VariantJob
+from quantlab.kept_results import KeptResult
+from quantlab.models import ModelSource, materialized, resolve_source
+from quantlab.recipe import LoadedRecipe
+from quantlab.stages.quantize import checkpoint_identity
+from quantlab.tracking import RunRecord
+
+
+class Action(str, Enum):
+    COPY = "copied"  # a finished run with the same run key: its numbers hold, copied under this sweep
+    LOG_KEPT = "logged from the cache"  # computed by an earlier sweep that could not log it
+    COMPUTE = "computed"
+
+
+@dataclass(frozen=True)
+class PlannedVariant:
+    name: str
+    run_key: str  # content hash of everything that decides its logged numbers
+    checkpoint_key: str  # content hash of everything that decides its checkpoint's bytes
+    checkpoint_dir: Path
+    action: Action
+    finished_run: RunRecord | None = None  # COPY: the run copied
+    kept: KeptResult | None = None  # LOG_KEPT: the result logged
+    builds_checkpoint: bool = False  # computed, and the cache lacks its checkpoint (or --force rebuilds it)
+    checkpoint_bytes: int = 0  # the checkpoint it builds, modeled with a margin (0: none, or the shape is unknown)
+    replaced_bytes: int = 0  # what --force removes first: the cached copy it rebuilds
+
+    @property
+    def cache_bytes(self) -> int:
+        """What computing it adds to the cache."""
+        return self.checkpoint_bytes - self.replaced_bytes
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    loaded: LoadedRecipe
+    source: ModelSource  # the recipe's model, resolved once
+    cache_root: Path
+    force: bool
+    variants: tuple[PlannedVariant, ...]  # run order: the baseline first
+    estimated: bool = False  # bytes estimated: a variant is computed and the model's shape is at hand
+    conversion_bytes: int = 0  # a GGUF model's float32 conversion, when a variant is computed and the cache lacks it
+
+    @property
+    def baseline(self) -> PlannedVariant:
+        return self.variants[0]
+
+    @property
+    def others(self) -> tuple[PlannedVariant, ...]:
+        return self.variants[1:]
+
+    @property
+    def names(self) -> list[str]:
+        return [variant.name for variant in self.variants]
+
+    def variant(self, name: str) -> PlannedVariant:
+        return next(variant for variant in self.variants if variant.name == name)
+
+    @property
+    def computes(self) -> bool:
+        return any(variant.action is Action.COMPUTE for variant in self.variants)
+
+    def job(self, variant: PlannedVariant, baseline: BaselineOutputs | None, log_dir: Path) -> VariantJob:
+        """What the executor runs for a computed variant; `baseline`: the baseline's outputs (None for itself)."""
+        return VariantJob(self.loaded, variant.name, self.cache_root, baseline, self.force, log_dir, self.source)
+
+    def space_needs(self) -> list[disk.Need]:
+        """What the computed variants will write into the cache: a GGUF model's conversion when the cache lacks it,
+        and the checkpoints it lacks (with --force, each one, less the copy it replaces). Nothing when the model's
+        shape is not at hand."""
+        if not self.estimated:
+            return []
+        needs = []
+        if self.conversion_bytes:
+            what = f"the float32 conversion of {self.source.gguf_file}"
+            needs.append(disk.Need(self.cache_root, self.conversion_bytes, what))
+        if building := [variant for variant in self.variants if variant.builds_checkpoint]:
+            names = ", ".join(variant.name for variant in building)
+            what = f"{len(building)} checkpoint{'s' if len(building) > 1 else ''} to build ({names})"
+            needed = sum(variant.cache_bytes for variant in building)
+            needs.append(disk.Need(self.cache_root / "checkpoints", max(needed, 0), what))
+        return needs
+
+
+# (experiment, run keys) -> the newest finished variant run of each key there: what the plan asks the store
+FinishedRuns = Callable[[str, Collection[str]], Mapping[str, RunRecord]]
+
+
+def make_plan(
+    loaded: LoadedRecipe, cache_root: Path, only: tuple[str, ...], force: bool, finished_runs: FinishedRuns
+) -> SweepPlan:
+    """The plan of a sweep of `loaded` (`only`: --only's variants, with the baseline). BadInput for an --only name
+    that is no variant, before anything is looked up. `finished_runs` is asked once, unless `force`."""
+    recipe = loaded.recipe
+    names = run_order(loaded, only)
+    source = resolve_source(recipe.model, loaded.path.parent)
+    shape_from = materialized(source, cache_root)  # a GGUF model's conversion, once the cache holds it
+    identities = {name: checkpoint_identity(source, recipe.variant(name), recipe.calibration) for name in names}
+    # A variant's run key hashes everything that decides its logged numbers: its checkpoint's identity and what it
+    # shares with the others (samples_format: a run whose samples.json this version cannot read is not reused).
+    shared = {
+        "evals": recipe.evals.model_dump(exclude={"include_path"}),
+        "tasks_files": cache.tasks_digest(loaded.include_path),
+        "quality": recipe.quality.model_dump(),
+        "measure": recipe.measure.model_dump(),
+        "serving": recipe.serving.model_dump(),
+        "runtime": recipe.runtime.model_dump(),
+        "baseline": identities[recipe.baseline],
+        "samples_format": SAMPLES_FORMAT,
+    }
+    run_keys = {name: cache.cache_key({"checkpoint": identity, **shared}) for name, identity in identities.items()}
+    # What earlier sweeps left: finished runs, and results they computed but could not log (kept in the cache; one
+    # this version cannot read counts as none). A finished run wins.
+    finished = {} if force else finished_runs(recipe.name, set(run_keys.values()))
+    unlogged = [name for name in names if run_keys[name] not in finished and not force]
+    kept = {name: found for name in unlogged if (found := kept_results.recall(cache_root, run_keys[name]))}
+    computed = [name for name in names if run_keys[name] not in finished and name not in kept]
+    # The model's shape (a directory's config.json, a cached hub config, or a GGUF file's metadata: about 3 s for the
+    # embedded model), read only when a variant is computed; None when it is not at hand: no bytes estimated.
+    shape = disk.model_shape(shape_from) if computed else None
+    variants = []
+    for name in names:
+        key = cache.cache_key(identities[name])
+        target = cache.checkpoint_dir(cache_root, name, key)
+        previous, result = finished.get(run_keys[name]), kept.get(name)
+        action = Action.COPY if previous else Action.LOG_KEPT if result else Action.COMPUTE
+        # The marker alone: reading a checkpoint is not using it (the cache inventory's last use).
+        builds = action is Action.COMPUTE and (force or not (target / cache.COMPLETE_MARKER).is_file())
+        modeled, replaced = 0, 0
+        if builds and shape is not None:
+            spec = recipe.variant(name)
+            modeled = disk.with_margin(disk.checkpoint_bytes(shape, spec.method, spec.params.model_dump()))
+            replaced = sum(path.stat().st_size for path in target.rglob("*") if path.is_file()) if force else 0
+        variants.append(
+            PlannedVariant(name, run_keys[name], key, target, action, previous, result, builds, modeled, replaced)
+        )
+    converting = shape is not None and shape_from.kind == "gguf"
+    conversion = disk.with_margin(disk.conversion_bytes(shape)) if converting else 0
+    return SweepPlan(loaded, source, cache_root, force, tuple(variants), shape is not None, conversion)
+
+
+def run_order(loaded: LoadedRecipe, only: tuple[str, ...]) -> list[str]:
+    """Variant names in run order: the baseline first, since the others compare against it."""
+    recipe = loaded.recipe
+    names = [variant.name for variant in recipe.variants]
+    if unknown := [name for name in only if name not in names]:
+        known = f"is not a variant of {loaded.path.name}; variants: {', '.join(names)}"
+        raise BadInput([Problem("--only", "", f"'{name}' {known}") for name in unknown])
+    return [recipe.baseline] + [name for name in names if name != recipe.baseline and (not only or name in only)]

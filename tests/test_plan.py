@@ -1,0 +1,120 @@
+"""A sweep's plan (quantlab.plan), made once: the source resolved and a GGUF file hashed once per sweep, what happens
+to each variant (copied, logged from the cache, computed), and the cache bytes the computed ones write."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tiny import EMBEDDED_GGUF
+
+from quantlab import cache, disk, kept_results
+from quantlab.checks import validate
+from quantlab.errors import BadInput
+from quantlab.kept_results import KeptResult
+from quantlab.plan import Action, make_plan
+from quantlab.recipe import load_recipe
+from quantlab.tracking import RunRecord
+from recipes import tiny_recipe, write
+
+
+def _no_runs(experiment, keys):
+    return {}
+
+
+def _finished(run_key: str) -> RunRecord:
+    return RunRecord("run-1", "0", "fp8", "FINISHED", 0, {}, {}, {"quantlab.run_key": run_key})
+
+
+def test_a_gguf_source_is_hashed_once_per_sweep(tmp_path, monkeypatch):
+    """What a sweep does before any variant runs: check the recipe, plan it, make every job. The GGUF file is hashed
+    once (it was hashed 3 times here, then once more in each variant's process); every job carries its identity."""
+    hashed: list[Path] = []
+    real = cache.file_sha256
+
+    def counted(path, *args, **kwargs):
+        hashed.append(Path(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(cache, "file_sha256", counted)
+    recipe = tiny_recipe(Path("unused"), model={"source": EMBEDDED_GGUF}, evals={"tasks": []})
+    recipe["variants"] = [{"name": "bf16", "method": "bf16"}, {"name": "fp8", "method": "fp8"}]
+    loaded = validate(write(tmp_path / "recipe.yaml", recipe), tmp_path / "cache")
+    plan = make_plan(loaded, tmp_path / "cache", (), False, _no_runs)
+    jobs = [plan.job(variant, None, tmp_path) for variant in plan.variants]
+
+    assert [path.name for path in hashed] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
+    assert plan.source.kind == "gguf" and plan.source.identity.startswith(
+        "gguf:SmolLM2-135M-Instruct.Q4_1.gguf:sha256="
+    )
+    assert all(job.source == plan.source for job in jobs)
+
+
+def test_each_variant_is_copied_logged_from_the_cache_or_computed(tmp_path, tiny_llama):
+    loaded = load_recipe(write(tmp_path / "recipe.yaml", tiny_recipe(tiny_llama.path)))
+    first = make_plan(loaded, tmp_path / "cache", (), False, _no_runs)
+    keys = {variant.name: variant.run_key for variant in first.variants}
+    kept_results.keep(tmp_path / "cache", KeptResult("awq", keys["awq"], {}, {}, {}))
+    asked: list[set[str]] = []
+
+    def finished(experiment, run_keys):
+        asked.append((experiment, set(run_keys)))
+        return {keys["fp8"]: _finished(keys["fp8"])}
+
+    plan = make_plan(loaded, tmp_path / "cache", (), False, finished)
+
+    assert asked == [("tiny", set(keys.values()))]  # the store is asked once
+    assert [(variant.name, variant.action) for variant in plan.variants] == [
+        ("bf16", Action.COMPUTE),
+        ("fp8", Action.COPY),
+        ("awq", Action.LOG_KEPT),
+    ]
+    assert plan.variant("fp8").finished_run.run_id == "run-1" and plan.variant("awq").kept.run_key == keys["awq"]
+    assert plan.variant("bf16").checkpoint_dir == cache.checkpoint_dir(
+        tmp_path / "cache", "bf16", plan.variant("bf16").checkpoint_key
+    )
+    forced = make_plan(loaded, tmp_path / "cache", (), True, lambda *asked: pytest.fail("--force asks no store"))
+    assert {variant.action for variant in forced.variants} == {Action.COMPUTE}
+    assert [variant.run_key for variant in forced.variants] == list(keys.values())  # the keys do not move
+
+
+def test_the_bytes_a_plan_needs_are_the_checkpoints_it_builds(tmp_path, tiny_llama):
+    """Only computed variants whose checkpoint the cache lacks write one; each as disk.py models it, with its margin."""
+    loaded = load_recipe(write(tmp_path / "recipe.yaml", tiny_recipe(tiny_llama.path)))
+    first = make_plan(loaded, tmp_path / "cache", (), False, _no_runs)
+    fp8 = first.variant("fp8")
+    cache.checkpoint_dir(tmp_path / "cache", "bf16", first.variant("bf16").checkpoint_key).mkdir(parents=True)
+    (first.variant("bf16").checkpoint_dir / cache.COMPLETE_MARKER).write_text("{}")  # bf16's checkpoint is cached
+    plan = make_plan(
+        loaded, tmp_path / "cache", (), False, lambda experiment, keys: {fp8.run_key: _finished(fp8.run_key)}
+    )
+
+    shape = disk.model_shape(plan.source)
+    awq = disk.with_margin(disk.checkpoint_bytes(shape, "awq_int4", {"group_size": 32}))
+    assert [(v.name, v.builds_checkpoint, v.cache_bytes) for v in plan.variants] == [
+        ("bf16", False, 0),  # computed, its checkpoint reused
+        ("fp8", False, 0),  # copied
+        ("awq", True, awq),
+    ]
+    [need] = plan.space_needs()
+    assert (need.directory, need.bytes, need.what) == (
+        tmp_path / "cache" / "checkpoints",
+        awq,
+        "1 checkpoint to build (awq)",
+    )
+
+
+def test_a_plan_that_computes_nothing_estimates_nothing(tmp_path, tiny_llama):
+    loaded = load_recipe(write(tmp_path / "recipe.yaml", tiny_recipe(tiny_llama.path)))
+    keys = [variant.run_key for variant in make_plan(loaded, tmp_path / "cache", (), False, _no_runs).variants]
+    plan = make_plan(
+        loaded, tmp_path / "cache", (), False, lambda experiment, asked: {key: _finished(key) for key in keys}
+    )
+    assert not plan.computes and not plan.estimated and plan.space_needs() == []
+
+
+def test_only_names_variants_and_keeps_the_baseline_first(tmp_path, tiny_llama):
+    loaded = load_recipe(write(tmp_path / "recipe.yaml", tiny_recipe(tiny_llama.path)))
+    assert make_plan(loaded, tmp_path / "cache", ("awq",), False, _no_runs).names == ["bf16", "awq"]
+    with pytest.raises(BadInput, match="'fp9' is not a variant of recipe.yaml; variants: bf16, fp8, awq"):
+        make_plan(loaded, tmp_path / "cache", ("fp9",), False, lambda *asked: pytest.fail("asked before --only"))
