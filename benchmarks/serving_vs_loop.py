@@ -34,10 +34,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     from quantlab.models import load_checkpoint, materialize, pick_device, pick_dtype, resolve_source
+    from quantlab.quantize import METHODS
     from quantlab.recipe import load_recipe
     from quantlab.stages.measure import measure
     from quantlab.stages.quantize import quantize_variant
-    from quantlab.stages.serve import serve
+    from quantlab.stages.serve import serve_load, serving_variant
 
     args = parse_args(argv)
     loaded = load_recipe(args.recipe)
@@ -59,10 +60,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         model, tokenizer = load_checkpoint(checkpoint.path, dtype, device)
         cost, _ = measure(model, tokenizer, loop_settings, checkpoint.path, None)
         del model, tokenizer
-        with tempfile.TemporaryDirectory() as logs:
-            served = serve(
-                checkpoint.path, variant.name, serving, recipe.measure, recipe_dir, device, dtype, cost, Path(logs)
-            )
+        stored = METHODS[variant.method].stored_format
+        with (
+            tempfile.TemporaryDirectory() as logs,
+            serving_variant(
+                checkpoint.path, variant.name, stored, recipe, device, dtype, args.cache_dir, Path(logs)
+            ) as on,
+        ):
+            served = serve_load(on, serving, recipe.measure, recipe_dir, dtype, cost, Path(logs))
         rows.append((variant.name, cost, served.metrics))
         print(f"{variant.name}: done", flush=True)
 

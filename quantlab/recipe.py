@@ -118,6 +118,17 @@ class EvalSettings(StrictModel):
     include_path: str | None = Field(None, description="Directory of extra lm-eval task YAMLs, relative to the recipe.")
     tasks: list[EvalTaskSpec] = Field(default_factory=list)
     batch_size: int = Field(8, gt=0, le=4096)
+    engine: Literal["reference", "served", "both"] = Field(
+        "reference",
+        description="Where lm-eval scores each variant. reference: the checkpoint loaded in transformers here. "
+        "served: lm-eval's local-completions against the variant's own server (serving.engine; vLLM), the kernels "
+        "that ship. both: each, plus the paired difference of the engine's scores from the reference's "
+        "(quality/engine_vs_reference/...), the check that catches kernel bugs; the served scores are the ones logged "
+        "as eval/... and compared with the baseline.",
+    )
+    served_concurrency: int = Field(
+        4, gt=0, le=4096, description="Requests lm-eval keeps in flight against the server (served, both)."
+    )
 
 
 class QualitySettings(StrictModel):
@@ -151,6 +162,11 @@ class Recipe(StrictModel):
     serving: ServingSettings = Field(default_factory=ServingSettings)
     frontier: FrontierSettings = Field(default_factory=FrontierSettings)
     runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)
+
+    @property
+    def needs_server(self) -> bool:
+        """Whether a variant's checkpoint goes behind a server: to be put under load, or scored through it."""
+        return self.serving.enabled or self.evals.engine != "reference"
 
     def variant(self, name: str) -> VariantSpec:
         return next(variant for variant in self.variants if variant.name == name)

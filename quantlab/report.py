@@ -345,9 +345,12 @@ def serving_table(variants: Sequence[VariantSummary]) -> Table | None:
         cells = [format_value(metric_spec(key), variant.value(key)) for key in SERVING_FIGURES]
         tags = variant.tags
         level = tags.get(SERVING_TAG + "goodput_level") or "none: " + tags.get(UNAVAILABLE_TAG + "goodput", "?")
-        rows.append((variant.name, tags.get(SERVING_TAG + "engine", "?"), level, *cells))
+        kernel = tags.get(SERVING_TAG + "kernel", "?")
+        if served_as := tags.get(SERVING_TAG + "served_as"):
+            kernel += f" (served as {served_as})"
+        rows.append((variant.name, tags.get(SERVING_TAG + "engine", "?"), kernel, level, *cells))
     labels = tuple(metric_spec(key).label for key in SERVING_FIGURES)
-    return Table(("variant", "engine", "goodput level", *labels), tuple(rows))
+    return Table(("variant", "engine", "kernel", "goodput level", *labels), tuple(rows))
 
 
 def render_serving_chart(variants: Sequence[VariantSummary], path: Path, model: str) -> Path | None:

@@ -1,4 +1,5 @@
-"""Run one variant top to bottom: quantize -> load -> evaluate -> damage -> measure -> serve -> result.
+"""Run one variant top to bottom: quantize -> load -> evaluate -> damage -> measure -> (its server:) evaluate on the
+engine -> damage on the engine -> serve -> result.
 
 It never talks to MLflow: the sweep logs the `VariantResult`, so any executor can run it anywhere.
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from importlib.metadata import version
 from typing import TYPE_CHECKING
 
@@ -29,10 +30,18 @@ def run_variant(
     # The stages load torch, transformers and lm-eval: imported here, in the variant's process,
     # so that the sweep's own process (which imports this module for its executors) stays light.
     from quantlab.models import load_checkpoint, materialize, pick_device, pick_dtype, resolve_source
-    from quantlab.stages.evaluate import answer_damage, evaluate_tasks, token_damage
+    from quantlab.quantize import METHODS
+    from quantlab.stages.evaluate import (
+        answer_damage,
+        engine_vs_reference,
+        evaluate_served,
+        evaluate_tasks,
+        served_token_damage,
+        token_damage,
+    )
     from quantlab.stages.measure import measure
     from quantlab.stages.quantize import quantize_variant
-    from quantlab.stages.serve import serve
+    from quantlab.stages.serve import serve_load, serving_variant
 
     recipe = job.loaded.recipe
     variant = recipe.variant(job.variant)
@@ -58,38 +67,57 @@ def run_variant(
         checkpoint = quantize_variant(
             source, variant, recipe.calibration, recipe_dir, job.cache_root, device, job.force, host.follow
         )
+    payload = checkpoint.check_payload()  # a reused one's hashes, in the background while it loads and is scored
     with stage("load"):
         model, tokenizer = load_checkpoint(checkpoint.path, dtype, device)
         host.follow(model)
     with stage("evaluate"):
-        scores = evaluate_tasks(model, tokenizer, recipe.evals, job.loaded.include_path, report)
+        reference_scores = evaluate_tasks(model, tokenizer, recipe.evals, job.loaded.include_path, report)
     with stage("damage"):
         tokens = token_damage(model, tokenizer, recipe.quality, recipe_dir, job, checkpoint.key)
-        answers = answer_damage(scores, job.baseline)
+    payload.confirm()  # a payload changed on disk fails the variant here: nothing scored on it is logged
     with stage("measure"), host.timing():
-        cost_metrics, cost_tags = measure(model, tokenizer, recipe.measure, checkpoint.path, seconds["load"])
-    del model, tokenizer  # the server loads its own copy
-    with stage("serve"), host.timing():
-        serving = serve(
-            checkpoint.path,
-            variant.name,
-            recipe.serving,
-            recipe.measure,
-            recipe_dir,
-            device,
-            dtype,
-            cost_metrics,
-            job.log_dir,
+        cost_metrics, cost_tags = measure(
+            model, tokenizer, recipe.measure, checkpoint.path, seconds["load"], job.log_dir
         )
+    del model, tokenizer  # the server loads its own copy
 
+    # One server per variant, for every stage that goes through the engine that ships.
+    with ExitStack() as server:
+        with stage("start server"):
+            served = server.enter_context(
+                serving_variant(
+                    checkpoint.path,
+                    variant.name,
+                    METHODS[variant.method].stored_format,
+                    recipe,
+                    device,
+                    dtype,
+                    job.cache_root,
+                    job.log_dir,
+                )
+            )
+        with stage("evaluate on engine"):
+            served_scores = evaluate_served(served, recipe.evals, job.loaded.include_path, report)
+        with stage("damage on engine"):
+            served_tokens = served_token_damage(served, recipe.quality, tokens.reference_dir)
+        with stage("serve"), host.timing():
+            serving = serve_load(served, recipe.serving, recipe.measure, recipe_dir, dtype, cost_metrics, job.log_dir)
+
+    # The scores of record come from the engine that ships when the recipe scores through it.
+    scores = served_scores if recipe.evals.engine != "reference" else reference_scores
+    answers = answer_damage(scores, job.baseline)
+    agreement = engine_vs_reference(reference_scores, served_scores)
+    quality = {**tokens.metrics, **served_tokens.metrics, **answers.metrics, **agreement.metrics}
     return VariantResult(
         checkpoint=str(checkpoint.path),
         content_key=checkpoint.key,
         reused_checkpoint=checkpoint.reused,
         stage_seconds=seconds,
-        metrics={**scores.metrics, **tokens.metrics, **answers.metrics, **cost_metrics, **serving.metrics},
+        metrics={**scores.metrics, **quality, **cost_metrics, **serving.metrics},
         params={**variant_params(job.loaded, variant, source, device, dtype, host), **scores.params, **serving.params},
-        tags={**cost_tags, **tokens.tags, **scores.tags, **answers.tags, **serving.tags},
+        tags={**cost_tags, **tokens.tags, **served_tokens.tags, **scores.tags, **answers.tags, **agreement.tags}
+        | serving.tags,
         baseline_outputs=BaselineOutputs(
             tokens.reference_dir, scores.documents | tokens.documents, scores.groups, scores.scores, scores.primary
         ),

@@ -19,33 +19,48 @@ import psutil
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from test_engines import launch
 from test_resilience import Sweep, _init_store, _sweep_args, _wait_until, sweeps  # noqa: F401 - sweeps: a fixture
 from test_sweep import quantlab
 from tiny import save_tiny_llama
 
 from quantlab.measure.settings import MeasureSettings
 from quantlab.metrics import Scale, spec
+from quantlab.recipe import Recipe
+from quantlab.serving.engines import ENGINES
+from quantlab.serving.engines.transformers_serve import FIXED_LENGTH
 from quantlab.serving.goodput import Price, goodput_level, misses, summarize, usd_per_million_tokens
-from quantlab.serving.launcher import (
-    ServerFailed,
-    engine_problem,
-    running_server,
-    server_command,
-)
+from quantlab.serving.launcher import ServerFailed, running_server
 from quantlab.serving.levels import LoadLevel, ReportError, level_label, levels_from_metrics, load_levels
-from quantlab.serving.load import TRANSFORMERS_FIXED_LENGTH, run_load, scenario
+from quantlab.serving.load import run_load, scenario
 from quantlab.serving.pricing import CPU_USD_PER_CORE_HOUR, serving_price, table_entry_for
 from quantlab.serving.settings import ServiceLevels, ServingSettings
-from quantlab.stages.serve import CHART_ARTIFACT, REPORT_ARTIFACT, serve
+from quantlab.stages.serve import CHART_ARTIFACT, REPORT_ARTIFACT, serve_load, serving_variant
 from recipes import REPO, tiny_recipe, write
 
 REPORT = Path(__file__).parent / "data" / "guidellm-report-c1-c4.json"  # a real guidellm 0.8.1 run, trimmed
-SLO = ServiceLevels(ttft_p99_ms=500, itl_p99_ms=100)
+SLO = ServiceLevels(ttft_ms=500, itl_ms=100)
 
 
 def _level(label: str, tokens: float, ttft: float = 100, itl: float = 50, errors: int = 0, ok: int = 8) -> LoadLevel:
+    """A level of `ok` requests whose latencies are at most `ttft` and `itl`; all within SLO when they meet it."""
+    met = 1.0 if ttft <= SLO.ttft_ms and itl <= SLO.itl_ms else 0.0
+    attainment = None if not ok and not errors else ok * met / (ok + errors)
+    latencies = {"ttft_ms_p50": ttft / 2, "ttft_ms_p99": math.nan, "ttft_ms_max": ttft, "itl_ms_p50": itl / 2}
+    latencies |= {"itl_ms_p99": math.nan, "itl_ms_max": itl, "tpot_ms_p50": itl, "tpot_ms_p99": math.nan}
     return LoadLevel(
-        label, "concurrent", 1, tokens, tokens / 16, ttft / 2, ttft, itl / 2, itl, itl, itl, ok, errors, 0, 16, 1.0
+        label,
+        "concurrent",
+        1,
+        tokens,
+        tokens / 16,
+        **latencies,
+        tpot_ms_max=itl,
+        succeeded=ok,
+        errors=errors,
+        incomplete=0,
+        output_tokens_min=16,
+        slo_attainment=attainment,
     )
 
 
@@ -57,8 +72,9 @@ def test_a_real_report_reads_into_one_level_per_benchmark():
     assert (c1.label, c4.label) == ("c1", "c4")
     assert c1.succeeded == c4.succeeded == 8 and c1.errors == c4.errors == 0
     assert c1.output_tokens_min == 16  # the fixed length reached the server
-    for level in (c1, c4):
-        assert level.ttft_ms_p99 >= level.ttft_ms_p50 > 0 and level.itl_ms_p99 >= level.itl_ms_p50 > 0
+    for level in (c1, c4):  # 8 requests: p50s, and maxima for the p99s they cannot support
+        assert level.ttft_ms_max >= level.ttft_ms_p50 > 0 and level.itl_ms_max >= level.itl_ms_p50 > 0
+        assert math.isnan(level.ttft_ms_p99) and list(level.left_out()) == ["p99"]
         assert all(math.isfinite(value) for value in level.figures().values())
     assert c4.output_tokens_per_s > c1.output_tokens_per_s
 
@@ -95,22 +111,22 @@ def test_level_labels(strategy, label):
         ([_level("c1", 10), _level("c4", 30)], "c4"),  # both meet: the faster
         ([_level("c1", 10), _level("c4", 30, ttft=900)], "c1"),  # c4 misses TTFT
         ([_level("c1", 10), _level("c4", 30, itl=150)], "c1"),  # c4 misses ITL
-        ([_level("c1", 10), _level("c4", 30, errors=1)], "c1"),  # one failed request disqualifies
+        ([_level("c1", 10), _level("c4", 30, errors=1)], "c1"),  # one failed of 9: 89% < 90%
+        ([_level("c1", 10), _level("c4", 30, errors=1, ok=9)], "c4"),  # one failed of 10: 90% reached
         ([_level("c1", 10, ttft=600), _level("c4", 30, ttft=900)], None),
         ([_level("c1", 10, ok=0, ttft=math.nan, itl=math.nan)], None),  # nothing succeeded: no latency at all
     ],
 )
-def test_goodput_is_the_fastest_level_meeting_every_service_level(levels, best):
+def test_goodput_is_the_highest_load_whose_share_of_requests_meets_every_slo(levels, best):
     found = goodput_level(levels, SLO)
     assert (found.label if found else None) == best
 
 
 def test_a_missed_level_says_why():
-    assert misses(_level("c4", 30, ttft=900, itl=150, errors=2), SLO) == [
-        "2 errored and 0 incomplete requests",
-        "TTFT p99 900 ms > 500 ms",
-        "ITL p99 150.0 ms > 100 ms",
-    ]
+    assert (
+        misses(_level("c4", 30, ttft=900, itl=150, errors=2), SLO)
+        == "0% of requests within every SLO (2 errored) < 90%"
+    )
 
 
 @pytest.mark.parametrize(("price", "tokens", "usd"), [(3.6, 1000, 1.0), (2.0, 50, 2.0 / (50 * 3600) * 1e6)])
@@ -131,11 +147,11 @@ def test_summary_metrics_and_what_is_absent():
     assert metrics["cost/serving/usd_per_mtok"] == pytest.approx(usd_per_million_tokens(3.6, 10))
     assert metrics["cost/serving/peak_tokens_per_s"] == 30
     assert metrics["cost/serving/peak_vs_modeled"] == pytest.approx(0.5)
-    assert metrics["cost/serving/c4/ttft_ms_p99"] == 900
+    assert metrics["cost/serving/c4/ttft_ms_max"] == 900 and "cost/serving/c4/ttft_ms_p99" not in metrics
     assert summary.to_tags("transformers")["quantlab.serving.goodput_level"] == "c1"
     none = summarize([_level("c4", 30, ttft=900)], SLO, Price(3.6, "test"), None)
     assert "cost/serving/usd_per_mtok" not in none.to_metrics()
-    assert none.unavailable()["goodput"] == "c4: TTFT p99 900 ms > 500 ms"
+    assert none.unavailable()["goodput"] == "c4: 0% of requests within every SLO < 90%"
     assert "peak_vs_modeled" in none.unavailable()
 
 
@@ -153,6 +169,8 @@ def test_logged_levels_read_back_as_levels():
         ("cost/serving/usd_per_mtok", False, Scale.USD),
         ("cost/serving/goodput_tokens_per_s", True, Scale.TOKENS_PER_S),
         ("cost/serving/c4/ttft_ms_p99", False, Scale.MILLISECONDS),
+        ("cost/serving/c4/ttft_ms_max", False, Scale.MILLISECONDS),
+        ("cost/serving/c4/incomplete", None, Scale.COUNT),
         ("cost/serving/r2.5/output_tokens_per_s", True, Scale.TOKENS_PER_S),
         ("cost/serving/sync/errors", False, Scale.COUNT),
         ("cost/serving/c1/slo_attainment", True, Scale.FRACTION),
@@ -194,12 +212,9 @@ def test_transformers_scenario_removes_ignore_eos_and_fixes_the_length(tmp_path)
     body = found["spec"]["backend"]["extras"]["body"]
     # null: guidellm drops the field it would add (transformers serve answers it with HTTP 422)
     assert body["ignore_eos"] is None and body["max_tokens"] == 16
-    assert (
-        json.loads(body["generation_config"]) == {"eos_token_id": -1}
-        and body["generation_config"] == TRANSFORMERS_FIXED_LENGTH
-    )
+    assert json.loads(body["generation_config"]) == {"eos_token_id": -1} and body["generation_config"] == FIXED_LENGTH
     assert found["spec"]["backend"]["request_format"] == "/v1/completions"
-    assert found["benchmarks"] == [{"profile.streams": 1}, {"profile.streams": 4}]  # sorted levels
+    assert [level["profile.streams"] for level in found["benchmarks"]] == [1, 4]  # sorted levels
     assert {"kind": "max_requests", "count": 6} in found["spec"]["constraints"]
     assert {"kind": "max_duration", "seconds": 30} in found["spec"]["constraints"]
     assert found["spec"]["data"] == [{"kind": "synthetic_text", "prompt_tokens": 32, "output_tokens": 16}]
@@ -211,40 +226,20 @@ def test_vllm_scenario_keeps_its_ignore_eos_and_other_profiles(tmp_path):
     settings = ServingSettings(profile="sweep", levels=4)
     found = scenario(settings, "vllm", "http://127.0.0.1:9", tmp_path, prompts, tmp_path / "r.json")
     assert found["spec"]["backend"]["extras"]["body"] == {"max_tokens": 16, "ignore_eos": True}
-    assert found["spec"]["profile"] == {"kind": "sweep", "sweep_size": 4, "strategy_type": "constant"}
+    assert found["spec"]["profile"] == {
+        "kind": "sweep",
+        "sweep_size": 4,
+        "strategy_type": "constant",
+        "warmup": {"percent": 0.25, "mode": "requests"},  # guidellm's own warm-up (serving.measured)
+    }
     assert found["spec"]["data"] == [{"kind": "json_file", "path": str(prompts)}]
     goodput = scenario(ServingSettings(profile="goodput"), "vllm", "u", tmp_path, None, tmp_path / "r.json")
     assert goodput["spec"]["profile"]["kind"] == "goodput" and goodput["spec"]["metrics"]["slo"]["ttft_ms"] == 2000
+    assert goodput["spec"]["profile"]["target_attainment"] == 0.9  # serving.slo.attainment
 
 
-def test_server_command_lines(tmp_path):
-    vllm = server_command("vllm", tmp_path / "ckpt", 8123, "cuda", "bfloat16", ["--max-model-len", "4096"])
-    assert Path(vllm[0]).name == "vllm" and vllm[1:3] == ["serve", str(tmp_path / "ckpt")]
-    assert vllm[3:] == ["--host", "127.0.0.1", "--port", "8123", "--dtype", "bfloat16", "--max-model-len", "4096"]
-    hf = server_command("transformers", tmp_path / "ckpt", 8124, "cpu", "float32")
-    assert hf[:5] == [sys.executable, "-m", "transformers.cli.transformers", "serve", str(tmp_path / "ckpt")]
-    assert (
-        "--continuous-batching" in hf and hf[hf.index("--port") + 1] == "8124" and hf[hf.index("--device") + 1] == "cpu"
-    )
-    with pytest.raises(ValueError, match="unknown serving engine 'tgi'"):
-        server_command("tgi", tmp_path, 1, "cpu", "float32")
-
-
-@pytest.mark.skipif(engine_problem("vllm", gpu_visible=True) is None, reason="vLLM is installed here")
-def test_validate_names_a_missing_vllm_before_any_work(tmp_path, tiny_llama):
-    assert (
-        engine_problem("vllm", gpu_visible=True)
-        == "vLLM is not installed: pip install vllm (or serving.engine: transformers)"
-    )
-    recipe = write(tmp_path / "r.yaml", tiny_recipe(tiny_llama.path, serving={"engine": "vllm"}))
-    for command in (["validate", str(recipe)], _sweep_args(recipe, f"sqlite:///{tmp_path / 's.db'}", tmp_path / "c")):
-        done = quantlab(*command, cwd=tmp_path)
-        assert done.returncode == 2, done.stdout + done.stderr
-        assert (
-            done.stderr.strip()
-            == f"error: {recipe}: serving.engine: vLLM is not installed: pip install vllm (or serving.engine: transformers)"
-        )
-    assert not (tmp_path / "c" / "checkpoints").exists()  # refused before any work
+def _transformers_serve(checkpoint: Path, port: int) -> list[str]:
+    return ENGINES["transformers"].command(Path(sys.executable), launch(checkpoint, port))
 
 
 def test_validate_names_a_missing_prompts_file(tmp_path, tiny_llama):
@@ -282,7 +277,14 @@ def _gone(marker: str, timeout: float = 15) -> bool:
     return _all_gone(_served_processes(marker), timeout) and not _served_processes(marker)
 
 
-FAST = ServingSettings(prompt_tokens=16, output_tokens=16, concurrency=[1, 4], requests_per_level=8)
+# SLOs a busy 2-core host meets (its ITL spikes past 200 ms): these tests check the figures, not the machine.
+FAST = ServingSettings(
+    prompt_tokens=16,
+    output_tokens=16,
+    concurrency=[1, 4],
+    requests_per_level=8,
+    slo={"ttft_ms": 10_000, "itl_ms": 2_000},
+)
 
 
 # Big enough that a decode step costs more than streaming its token (the tiny Llama's does not: 4 streams there
@@ -297,7 +299,9 @@ def served(tmp_path_factory):
     model = save_tiny_llama(tmp_path_factory.mktemp("small-llama"), **SMALL_SHAPE)
     logs = tmp_path_factory.mktemp("serve-logs")
     cost = {"cost/measured_bandwidth_bytes_per_s": 5e9, "cost/loaded_weight_bytes": 1.5e8}
-    outcome = serve(model, "small", FAST, MeasureSettings(), REPO, "cpu", torch.float32, cost, logs)
+    recipe = Recipe.model_validate(tiny_recipe(model, serving=FAST.model_dump()))
+    with serving_variant(model, "small", None, recipe, "cpu", torch.float32, logs / "cache", logs) as served:
+        outcome = serve_load(served, FAST, MeasureSettings(), REPO, torch.float32, cost, logs)
     return outcome, logs, model
 
 
@@ -309,17 +313,17 @@ def test_a_served_variant_logs_consistent_figures(served):
             "output_tokens_per_s",
             "requests_per_s",
             "ttft_ms_p50",
-            "ttft_ms_p99",
+            "ttft_ms_max",
             "itl_ms_p50",
-            "itl_ms_p99",
+            "itl_ms_max",
         ):
             assert (
                 math.isfinite(metrics[f"cost/serving/{level}/{figure}"])
                 and metrics[f"cost/serving/{level}/{figure}"] > 0
             )
         assert metrics[f"cost/serving/{level}/errors"] == 0
-        for figure in ("ttft_ms", "itl_ms", "tpot_ms"):
-            assert metrics[f"cost/serving/{level}/{figure}_p99"] >= metrics[f"cost/serving/{level}/{figure}_p50"]
+        for figure in ("ttft_ms", "itl_ms", "tpot_ms"):  # at least 8 requests: p50s and maxima, p99 from 100
+            assert metrics[f"cost/serving/{level}/{figure}_max"] >= metrics[f"cost/serving/{level}/{figure}_p50"]
     # Continuous batching: four streams on the same server decode together.
     assert metrics["cost/serving/c4/output_tokens_per_s"] > metrics["cost/serving/c1/output_tokens_per_s"]
     assert metrics["cost/serving/peak_tokens_per_s"] == metrics["cost/serving/c4/output_tokens_per_s"]
@@ -339,7 +343,7 @@ def test_a_served_variant_logs_consistent_figures(served):
 
 def test_a_server_that_never_becomes_healthy_fails_with_its_log_and_is_stopped(tmp_path, tiny_llama):
     def command_for(port: int) -> list[str]:
-        return server_command("transformers", tiny_llama.path, port, "cpu", "float32")
+        return _transformers_serve(tiny_llama.path, port)
 
     started = time.monotonic()
     healthy_within = r"did not answer http://127.0.0.1:\d+/health within 0.5 s"
@@ -369,7 +373,7 @@ def test_a_taken_port_is_named(tmp_path, tiny_llama):
 
 def test_a_server_killed_under_load_fails_the_stage_and_guidellm_is_stopped(tmp_path, tiny_llama):
     def command_for(port: int) -> list[str]:
-        return server_command("transformers", tiny_llama.path, port, "cpu", "float32")
+        return _transformers_serve(tiny_llama.path, port)
 
     settings = ServingSettings(output_tokens=64, concurrency=[2], requests_per_level=200)
     with running_server(command_for, "transformers", tmp_path / "server.log", os.environ, 120) as server:

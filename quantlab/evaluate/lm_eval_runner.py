@@ -163,14 +163,46 @@ def task_manager_for(names: Sequence[str], include_path: Path | None) -> TaskMan
 def run_tasks(
     model, tokenizer, tasks: list[TaskRequest], include_path: Path | None, batch_size: int, progress=lambda step: None
 ) -> list[TaskScores]:
-    """Score `model` on each requested task, in order, each with its own settings.
+    """Score an already loaded Hugging Face `model` on each requested task (see `score_tasks`)."""
+    from lm_eval.models.huggingface import HFLM
+
+    language_model = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    return score_tasks(language_model, tasks, include_path, progress)
+
+
+def served_language_model(
+    url: str, model_name: str, tokenizer_path: Path, concurrency: int, max_length: int, batch_size: int
+):
+    """lm-eval's `local-completions` against a running OpenAI-compatible server: loglikelihood requests go as
+    `echo: true, logprobs: 1` completions, `batch_size` prompts per request and `concurrency` requests in flight
+    (the engine batches them), generation as plain ones; tokens are counted with the checkpoint's own tokenizer,
+    read locally (no hub, no remote tokenizer endpoint)."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    return LocalCompletionsAPI(
+        base_url=f"{url}/v1/completions",
+        model=model_name,
+        tokenizer_backend="huggingface",
+        tokenizer=str(tokenizer_path),
+        num_concurrent=concurrency,
+        batch_size=batch_size,
+        max_length=max_length,
+        max_retries=3,
+        timeout=600,
+    )
+
+
+def score_tasks(
+    language_model, tasks: list[TaskRequest], include_path: Path | None, progress=lambda step: None
+) -> list[TaskScores]:
+    """Score `language_model` (an lm-eval LM: the loaded model, or a served one) on each requested task, in order,
+    each with its own settings.
 
     A group (e.g. "mmlu") yields its aggregate scores under its own name (when its YAML asks
     lm-eval to aggregate), then one entry per leaf task; a tag yields its leaf tasks only.
     Requests with the same settings and no task in common share one lm-eval call (`batches`).
     """
     from lm_eval.evaluator import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
 
     manager = task_manager_for([request.name for request in tasks], include_path)
     scored: dict[int, list[TaskScores]] = {}
@@ -179,7 +211,6 @@ def run_tasks(
         for logger in map(logging.getLogger, ("lm_eval", "lm-eval")):
             restore.callback(logger.setLevel, logger.level)
             logger.setLevel(logging.WARNING)
-        language_model = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
         for batch in batches(tasks, [task_names(r.name, manager.task_index) for r in tasks]):
             first = tasks[batch[0]]  # the requests of a batch have the same settings
             progress(_describe(first, [tasks[i].name for i in batch]))

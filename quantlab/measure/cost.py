@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from quantlab.measure.bandwidth import sweep_bandwidth
 from quantlab.measure.contention import Contention, LoadMonitor, LoadReading, judge_contention
 from quantlab.measure.modeled import (
     ModeledCost,
@@ -36,7 +37,6 @@ from quantlab.measure.timing import (
     BandwidthReading,
     GenerationTiming,
     clock_for,
-    measure_copy_bandwidth,
     pinned_threads,
     random_prompt_ids,
     time_generation,
@@ -186,21 +186,26 @@ def measure_cost(
     settings: MeasureSettings,
     checkpoint_dir: Path | None,
     load_seconds: float | None = None,
+    probe_dir: Path | None = None,
 ) -> CostReport:
     """Measured figures of `model` (loaded by the caller, in this process) and modeled figures
     of the checkpoint it was loaded from. `tokenizer` only names the special tokens that random
-    prompts avoid; `load_seconds` is the caller's timing of the load."""
+    prompts avoid; `load_seconds` is the caller's timing of the load; `probe_dir` keeps the sweep's bandwidth
+    probe (`measure.bandwidth`)."""
     # The checkpoint's own config (None: its config.json): its dtype and KV scheme are what a server would run.
     saved_config = checkpoint_dir is not None and (Path(checkpoint_dir) / "config.json").exists()
     modeled = modeled_cost(None if saved_config else model.config, checkpoint_dir, settings)
     if not settings.enabled:
         return CostReport(modeled, None, load_seconds)
     with pinned_threads(settings.cpu_threads):
-        return CostReport(modeled, measure_loaded_model(model, tokenizer, settings), load_seconds)
+        return CostReport(modeled, measure_loaded_model(model, tokenizer, settings, probe_dir), load_seconds)
 
 
-def measure_loaded_model(model: Any, tokenizer: Any, settings: MeasureSettings) -> MeasuredCost:
-    """The measured figures alone, and what produced them."""
+def measure_loaded_model(
+    model: Any, tokenizer: Any, settings: MeasureSettings, probe_dir: Path | None = None
+) -> MeasuredCost:
+    """The measured figures alone, and what produced them. `probe_dir`: where the sweep keeps its bandwidth probe
+    (`measure.bandwidth`); None: probed here, for this variant alone."""
     config = config_dict(model.config)
     needed = settings.prompt_tokens + settings.output_tokens
     limit = config.get("max_position_embeddings")
@@ -228,9 +233,9 @@ def measure_loaded_model(model: Any, tokenizer: Any, settings: MeasureSettings) 
 
     with LoadMonitor(torch.get_num_threads()) as load, MemoryTracker(devices) as memory:
         timed = [time_batch(batch_size) for batch_size in settings.batch_sizes]
-    bandwidth = measure_copy_bandwidth(
-        input_weight.device, settings.bandwidth_probe_bytes, settings.bandwidth_probe_repeats
-    )
+    # After the memory window (two large buffers): one probe per sweep and host, which every variant's ceiling shares.
+    probe = settings.bandwidth_probe_bytes, settings.bandwidth_probe_repeats
+    bandwidth = sweep_bandwidth(probe_dir, input_weight.device, *probe)
 
     # Parameters as loaded (a tied embedding once): on CPU, compressed checkpoints show up here decompressed.
     loaded_bytes = sum(parameter.nbytes for parameter in model.parameters())

@@ -32,6 +32,9 @@ class Method:
     needs_calibration: ClassVar[bool] = False
     # Whether `rounded` is all that `apply` does (a data-free method): then its own checkpoint serves both.
     rounding_is_the_method: ClassVar[bool] = False
+    # The compressed-tensors format of the stored weights (its preset's name), None when nothing is quantized:
+    # what a serving engine looks up to say which kernel runs the checkpoint (quantlab.serving.engines).
+    stored_format: ClassVar[str | None] = None
 
     @staticmethod
     def check_model(params: MethodParams, linear_widths: dict[str, int]) -> list[tuple[str, str]]:
@@ -61,6 +64,7 @@ class GroupwiseInt4(Method):
         ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="Modules kept in BF16.")
 
     needs_calibration: ClassVar[bool] = True
+    stored_format: ClassVar[str | None] = "W4A16"
 
     @staticmethod
     def check_model(params: Params, linear_widths: dict[str, int]) -> list[tuple[str, str]]:

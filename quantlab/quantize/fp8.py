@@ -14,6 +14,7 @@ class Fp8(Method):
         ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="Modules kept in BF16.")
 
     rounding_is_the_method: ClassVar[bool] = True
+    stored_format: ClassVar[str | None] = "FP8_DYNAMIC"
 
     @staticmethod
     def rounded(params: Params) -> list:

@@ -22,6 +22,7 @@ class Int8(Method):
         ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="Modules kept in BF16.")
 
     needs_calibration: ClassVar[bool] = True
+    stored_format: ClassVar[str | None] = "W8A8"
 
     @staticmethod
     def rounded(params: Params) -> list:

@@ -1,5 +1,5 @@
-"""A real OpenAI-compatible server for one checkpoint: its command line per engine, started on a free loopback
-port in a process group of its own, health-checked, and stopped with its whole group.
+"""A real OpenAI-compatible server for one checkpoint (its command line comes from quantlab.serving.engines), started
+on a free loopback port in a process group of its own, health-checked, and stopped with its whole group.
 
 However the stage ends (done, failed, interrupted) the `with` block stops the group; when the variant's process
 dies outright (SIGKILL, or the sweep's death killing it), the group's guard (quantlab.serving.guard) kills it, so
@@ -9,7 +9,6 @@ no server, nor any process it forked, outlives the variant that started it.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import shutil
 import signal
@@ -23,54 +22,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from quantlab.serving.settings import ENGINES
+from quantlab.serving.engines.base import HOST
 
-HOST = "127.0.0.1"
 STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL for what still runs
 LOG_TAIL_LINES = 40
 
 
 class ServerFailed(RuntimeError):
     """The server did not start, did not become healthy, or died; the message ends with its log's tail."""
-
-
-def engine_problem(engine: str, gpu_visible: bool) -> str | None:
-    """Why `engine` cannot serve on this machine (missing package or GPU), or None: for `validate`, before work."""
-    if engine == "vllm":
-        if importlib.util.find_spec("vllm") is None:
-            return "vLLM is not installed: pip install vllm (or serving.engine: transformers)"
-        if not gpu_visible:
-            return "vLLM serves on CUDA GPUs and none is visible here (serving.engine: transformers serves on CPU)"
-        return None
-    missing = [name for name in ("fastapi", "uvicorn", "openai") if importlib.util.find_spec(name) is None]
-    if missing:
-        return f"transformers serve needs {', '.join(missing)}: pip install 'transformers[serving]'"
-    return None
-
-
-def chosen_engine(engine: str, gpu_visible: bool) -> str:
-    """`auto`: vLLM where it can serve here, else transformers."""
-    if engine != "auto":
-        return engine
-    return "vllm" if engine_problem("vllm", gpu_visible) is None else "transformers"
-
-
-def server_command(
-    engine: str, checkpoint: Path, port: int, device: str, dtype: str, extra: Sequence[str] = ()
-) -> list[str]:
-    """The engine's own command line, from this Python's environment."""
-    if engine == "vllm":
-        # `vllm serve`, vLLM's own entry point; it reads compressed-tensors checkpoints natively.
-        vllm = Path(sys.executable).with_name("vllm")
-        command = [str(vllm) if vllm.exists() else "vllm", "serve", str(checkpoint)]
-        return [*command, "--host", HOST, "--port", str(port), "--dtype", dtype, *extra]
-    if engine == "transformers":
-        # `transformers serve` (transformers.cli.transformers) with continuous batching: concurrent requests are
-        # decoded together, as a production server does. The checkpoint is loaded before /health answers.
-        command = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(checkpoint)]
-        command += ["--continuous-batching", "--host", HOST, "--port", str(port), "--device", device]
-        return [*command, "--dtype", dtype, "--log-level", "warning", *extra]
-    raise ValueError(f"unknown serving engine {engine!r}; known: {', '.join(ENGINES)}")
 
 
 def free_port() -> int:

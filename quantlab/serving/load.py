@@ -3,10 +3,8 @@
 guidellm runs as its own process (`guidellm run --scenario`), not imported: it sets the process-wide asyncio policy
 to uvloop on import and spawns workers that re-import the caller's __main__.
 
-Fixed output lengths without `ignore_eos`: guidellm adds vLLM's `ignore_eos: true` when the data fixes output
-lengths, and `transformers serve` rejects unknown fields (HTTP 422). guidellm drops every body field whose value is
-null after merging the backend's `extras`, so `ignore_eos: null` there removes it; the server's own extension
-`generation_config` with `eos_token_id: -1` makes each request generate exactly `max_tokens` tokens instead.
+Fixed output lengths: each engine says what a request must carry (`Engine.request_body`). guidellm drops every body
+field whose value is null after merging the backend's `extras`, so an engine can remove a field guidellm adds.
 """
 
 from __future__ import annotations
@@ -20,11 +18,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from quantlab.serving.engines import ENGINES
 from quantlab.serving.launcher import RunningServer, ServerFailed, log_tail, start_group, stop_group
+from quantlab.serving.measured import measured_as_stated
 from quantlab.serving.settings import ServingSettings
 
-# What `transformers serve` needs instead of ignore_eos; a JSON string, as its request schema types it.
-TRANSFORMERS_FIXED_LENGTH = json.dumps({"eos_token_id": -1})
 _FILE_KINDS = {".txt": "text_file", ".csv": "csv_file", ".json": "json_file", ".jsonl": "json_file"}
 PROMPT_FILE_SUFFIXES = tuple(_FILE_KINDS)
 
@@ -35,10 +33,7 @@ class LoadFailed(RuntimeError):
 
 def request_body(engine: str, output_tokens: int) -> dict[str, Any]:
     """The fields every request carries beyond guidellm's own, so that each generates exactly `output_tokens`."""
-    if engine == "transformers":
-        fixed = {"ignore_eos": None, "stream_options": None, "generation_config": TRANSFORMERS_FIXED_LENGTH}
-        return {"max_tokens": output_tokens, **fixed}
-    return {"max_tokens": output_tokens, "ignore_eos": True}  # vLLM's own extension
+    return ENGINES[engine].request_body(output_tokens)
 
 
 def scenario(
@@ -75,15 +70,11 @@ def scenario(
         "tokenizer": {"kind": "huggingface_auto", "model": str(checkpoint)},
         "data": [data],
         "seed": {"kind": "static", "value": settings.seed},
-        # guidellm's per-request SLO (ITL checked as its `tpot_ms`): its attainment is logged beside quantlab's p99s.
-        "metrics": {
-            "kind": "generative",
-            "sample_size": max(levels) * 2,
-            "slo": {"ttft_ms": settings.slo.ttft_p99_ms, "tpot_ms": settings.slo.itl_p99_ms},
-        },
+        "metrics": {"kind": "generative", "sample_size": max(levels) * 2},
         "outputs": [{"kind": "json", "path": str(report_path)}],
     }
-    return {"metadata": {"labels": {"quantlab": "serving"}}, "spec": spec, "benchmarks": benchmarks}
+    document = {"metadata": {"labels": {"quantlab": "serving"}}, "spec": spec, "benchmarks": benchmarks}
+    return measured_as_stated(settings, document)  # warm-up, SLOs, goodput share: quantlab.serving.measured
 
 
 def _profile(settings: ServingSettings) -> tuple[dict[str, Any], list[dict[str, Any]]]:

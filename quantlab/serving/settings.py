@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from quantlab.measure.settings import distinct
+from quantlab.serving.engines import ENGINES
 
 Concurrency = Annotated[int, Field(gt=0, le=100_000)]
-ENGINES = ("transformers", "vllm")
 
 
 class _Strict(BaseModel):
@@ -20,18 +20,57 @@ class _Strict(BaseModel):
 
 
 class ServiceLevels(_Strict):
-    """What a load level must meet to count for goodput: p99s over its successful requests, no error."""
+    """Service levels as DistServe and vLLM state them: a limit on each request's latencies, and the share of a load
+    level's requests that must meet every limit (its SLO attainment, which guidellm counts request by request) for
+    the level to count toward goodput."""
 
-    ttft_p99_ms: float = Field(2000, gt=0, description="Time to first token, 99th percentile, in ms.")
-    itl_p99_ms: float = Field(200, gt=0, description="Inter-token latency (per-request mean), 99th percentile, ms.")
+    ttft_ms: float = Field(2000, gt=0, description="A request's time to first token, at most, in ms.")
+    itl_ms: float = Field(
+        200, gt=0, description="A request's inter-token latency (its mean gap between tokens), at most, in ms."
+    )
+    attainment: float = Field(
+        0.9,
+        gt=0,
+        lt=1,
+        description="Share of a level's requests that must meet every limit (errored ones count as missing; those "
+        "cut off by seconds_per_level do not count). Below 1: a finite sample cannot show that no request misses.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: object) -> object:
+        old = [key for key in ("ttft_p99_ms", "itl_p99_ms") if isinstance(data, dict) and key in data]
+        if old:  # the old keys held a level's p99 to the limit; the limit is now each request's
+            new = old[0].replace("_p99", "")
+            raise ValueError(f"{old[0]} is now {new}: a limit on each request, met by a share of them (attainment)")
+        return data
 
 
 class ServingSettings(_Strict):
     enabled: bool = Field(True, description="Serve each variant's checkpoint and drive it with guidellm.")
-    engine: Literal["auto", "transformers", "vllm"] = Field(
+    engine: str = Field(
         "auto",
-        description="auto: vLLM where it is installed and a CUDA GPU is visible, else `transformers serve` "
-        "(continuous batching; on CPU it dequantizes the weights, so variants differ little there).",
+        description="auto: vLLM where its environment is found and a CUDA GPU is visible, else `transformers serve` "
+        f"(continuous batching; on CPU it dequantizes the weights, so variants differ little there). One of: auto, "
+        f"{', '.join(ENGINES)}. vLLM runs on CPU too (its CPU build: `quantlab engine install vllm --cpu`).",
+    )
+    python: str | None = Field(
+        None,
+        description="The engine's Python interpreter (vLLM lives in an environment of its own). Unset: "
+        "QUANTLAB_<ENGINE>_PYTHON, else the one `quantlab engine install` made under the cache, else quantlab's own.",
+    )
+    max_model_len: int | None = Field(
+        None,
+        gt=1,
+        description="The longest sequence the server accepts (vLLM's --max-model-len). Unset: the model's own, at "
+        "most 4096: a served evaluation's longest request must fit.",
+    )
+    top_logprobs: int = Field(
+        100,
+        ge=1,
+        le=1000,
+        description="Log-probabilities per token the served token damage asks the engine for: its KL is a lower "
+        "bound that tightens with them (on the embedded model 0.65-0.69 of the exact KL at 20, 0.81-0.85 at 100).",
     )
     server_args: list[str] = Field(
         default_factory=list, description="Extra arguments for the server's command line (e.g. vLLM's --max-model-len)."
@@ -55,8 +94,19 @@ class ServingSettings(_Strict):
         default_factory=lambda: [1, 4], min_length=1, description="Concurrent streams of each load level."
     )
     levels: int = Field(5, ge=2, le=100, description="Load levels of the sweep profile.")
-    requests_per_level: int = Field(8, gt=0, le=10_000_000, description="Requests measured at each load level.")
-    seconds_per_level: float | None = Field(None, gt=0, description="Also end a level after this many seconds.")
+    requests_per_level: int = Field(
+        8,
+        gt=0,
+        le=10_000_000,
+        description="Requests measured at each load level, at least: each also sends guidellm's warm-up (its first "
+        "two waves of streams, at least a quarter of what it sends), left out of every figure. A p99 needs 100.",
+    )
+    seconds_per_level: float | None = Field(
+        None,
+        gt=0,
+        description="Also end a level after this many seconds; requests cut off then are left out of its figures, "
+        "as guidellm leaves them out.",
+    )
     slo: ServiceLevels = Field(default_factory=ServiceLevels)
     price_per_hour: float | None = Field(
         None,
@@ -69,6 +119,13 @@ class ServingSettings(_Strict):
     )
     startup_timeout_s: float = Field(300, gt=0, description="How long the server may take to answer /health.")
     request_timeout_s: float = Field(120, gt=0, description="How long one request may take before it is an error.")
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, engine: str) -> str:
+        if engine != "auto" and engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}; known: auto, {', '.join(ENGINES)}")
+        return engine
 
     @field_validator("concurrency")
     @classmethod

@@ -12,13 +12,21 @@ from typing import TYPE_CHECKING
 from quantlab import cache
 from quantlab.corpora import load_texts
 from quantlab.evaluate.damage import flip_metrics, paired_flips, recovery
-from quantlab.metrics import Declared, declared_tags, paired_key, unknown_directions
+from quantlab.metrics import (
+    ENGINE_VS_REFERENCE_PREFIX,
+    PAIRED_PREFIX,
+    Declared,
+    declared_tags,
+    paired_key,
+    unknown_directions,
+)
 from quantlab.paired import DocumentScores, Group, NotPaired, PairedComparison, combine, compare
 
 if TYPE_CHECKING:
     from quantlab.evaluate.lm_eval_runner import TaskDataset, TaskScores
     from quantlab.jobs import BaselineOutputs, StageReporter, VariantJob
     from quantlab.recipe import EvalSettings, QualitySettings
+    from quantlab.stages.serve import ServedVariant
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,7 @@ class DamageOutcome:
 NOTE_TAG = "quantlab.eval_note/"  # + score key: why a score has no per-document analysis or pairing
 UNKNOWN_DIRECTION_TAG = "quantlab.direction_unknown"  # scores lm-eval declared no direction for
 SKIPPED_TAG = "quantlab.quality.skipped"
+SERVED_DAMAGE_TAG = "quantlab.quality.served_kld"  # how quality/served/kld_topk_* was computed
 
 
 def evaluate_tasks(
@@ -55,7 +64,7 @@ def evaluate_tasks(
 ) -> EvalOutcome:
     from quantlab.evaluate.lm_eval_runner import TaskRequest, run_tasks
 
-    if not settings.tasks:
+    if not settings.tasks or settings.engine == "served":
         return EvalOutcome()
     # The recipe's task fields are TaskRequest's; an unset one (None) keeps TaskRequest's default.
     requests = [TaskRequest(**task.model_dump(exclude_none=True)) for task in settings.tasks]
@@ -63,6 +72,61 @@ def evaluate_tasks(
         model, tokenizer, requests, include_path, settings.batch_size, progress=lambda step: report(f"evaluate: {step}")
     )
     return eval_outcome(scores)
+
+
+def evaluate_served(
+    served: ServedVariant | None, settings: EvalSettings, include_path: Path | None, report: StageReporter
+) -> EvalOutcome:
+    """The recipe's tasks scored through the variant's own server (evals.engine: served or both): lm-eval's
+    local-completions, the engine's kernels; per-document scores as from the reference."""
+    from quantlab.evaluate.lm_eval_runner import TaskRequest, score_tasks, served_language_model
+
+    if served is None or settings.engine == "reference" or not settings.tasks:
+        return EvalOutcome()
+    requests = [TaskRequest(**task.model_dump(exclude_none=True)) for task in settings.tasks]
+    model = served_language_model(
+        served.server.url,
+        str(served.checkpoint),
+        served.checkpoint,
+        settings.served_concurrency,
+        served.launch.max_model_len,
+        settings.batch_size,
+    )
+    return eval_outcome(
+        score_tasks(model, requests, include_path, progress=lambda step: report(f"evaluate on engine: {step}"))
+    )
+
+
+def engine_vs_reference(reference: EvalOutcome, served: EvalOutcome) -> DamageOutcome:
+    """The same variant's served scores against its reference scores, paired per document
+    (quality/engine_vs_reference/<score>/<statistic>): a kernel bug shows as a difference here."""
+    comparisons: dict[str, PairedComparison] = {}
+    notes: dict[str, str] = {}
+    for key, served_docs in served.documents.items():
+        if key not in reference.documents:
+            continue
+        try:
+            comparisons[key] = compare(key, reference.documents[key], served_docs)
+        except NotPaired as error:
+            notes[key] = f"engine vs reference not paired: {error}"
+    metrics = _paired_metrics(comparisons, ENGINE_VS_REFERENCE_PREFIX)
+    return DamageOutcome(metrics, {NOTE_TAG + key: note for key, note in notes.items()})
+
+
+def served_token_damage(
+    served: ServedVariant | None, settings: QualitySettings, baseline_reference: str | None
+) -> DamageOutcome:
+    """Perplexity, top-1 agreement and a top-k KL through the engine's prompt log-probabilities, against the
+    baseline's stored pass (quality/served/...)."""
+    from quantlab.evaluate.served_damage import served_token_comparison
+
+    if served is None or not served.engine.scores_prompts or not settings.enabled or baseline_reference is None:
+        return DamageOutcome({})
+    tokens = served_token_comparison(
+        served.server.url, str(served.checkpoint), Path(baseline_reference), served.launch.top_logprobs, 4
+    )
+    method = f"KL over the engine's top {served.launch.top_logprobs} tokens plus one bucket for the rest: a lower bound"
+    return DamageOutcome(tokens.metrics(), {SERVED_DAMAGE_TAG: method})
 
 
 def eval_outcome(tasks: list[TaskScores]) -> EvalOutcome:
@@ -175,8 +239,10 @@ def answer_damage(scores: EvalOutcome, baseline: BaselineOutputs | None) -> Dama
     return DamageOutcome(metrics, tags, artifacts=artifacts)
 
 
-def _paired_metrics(comparisons: Mapping[str, PairedComparison]) -> dict[str, float]:
-    return {paired_key(key, name): value for key, c in comparisons.items() for name, value in c.statistics().items()}
+def _paired_metrics(comparisons: Mapping[str, PairedComparison], prefix: str = PAIRED_PREFIX) -> dict[str, float]:
+    return {
+        paired_key(key, name, prefix): value for key, c in comparisons.items() for name, value in c.statistics().items()
+    }
 
 
 def _flips_jsonl(task: str, baseline: Mapping[int, float], variant: Mapping[int, float], labels: dict[int, str]) -> str:

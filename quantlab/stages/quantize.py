@@ -26,6 +26,11 @@ class QuantizedCheckpoint:
     key: str
     reused: bool
 
+    def check_payload(self) -> cache.PayloadCheck:
+        """A reused checkpoint's files hashed against their record in the background (`cache.PayloadCheck`);
+        `confirm()` before anything measured on it is used. A checkpoint just made needs none."""
+        return cache.PayloadCheck(self.path if self.reused else None)
+
 
 def checkpoint_identity(source: ModelSource, variant: VariantSpec, calibration: CalibrationSettings | None) -> dict:
     """Everything that decides the checkpoint's bytes, and nothing that does not (e.g. its name)."""

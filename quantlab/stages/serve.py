@@ -1,19 +1,22 @@
-"""The runner's serve stage: the variant's checkpoint behind a real server, under guidellm's load, as `cost/serving/*`
-metrics, `served.*` params (what served it: engine, version, command line, hardware, price; the recipe's section is
-`serving.*`), tags for what is absent, and artifacts (guidellm's report, the throughput-latency chart).
+"""The runner's serving stages: the variant's checkpoint behind its engine's real server (`serving_variant`), which
+the served evaluation, the served token damage and the load stage (`serve_load`) all use, one server per variant.
 
-It runs after the measure stage, whose measured copy bandwidth and loaded weight size give the modeled ceiling
-the measured peak is set against. The server's and guidellm's logs go beside the variant's own log, so they are
-kept as artifacts whether the stage succeeds or fails.
+`serve_load` puts guidellm's load on it and returns `cost/serving/*` metrics, `served.*` params (what served it:
+engine, version, interpreter, command line, the kernels it chose, hardware, price; the recipe's section is
+`serving.*`), tags for what is absent, and artifacts (guidellm's report, the throughput-latency chart).
+The measure stage's copy bandwidth and weight sizes give the modeled ceiling the measured peak is set against.
+The server's and guidellm's logs go beside the variant's own log, kept as artifacts whether the stage succeeds or
+fails.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
-import shlex
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -21,20 +24,24 @@ from typing import TYPE_CHECKING
 
 from quantlab.host_share import visible_cores
 from quantlab.jobs import side_log
-from quantlab.measure.modeled import ModelShape, config_dict
+from quantlab.measure.modeled import ModelShape, config_dict, kv_cache_bytes_per_token
 from quantlab.measure.provenance import cpu_model_name
 from quantlab.serving.chart import throughput_latency_chart
-from quantlab.serving.goodput import UNAVAILABLE_TAG, ServingSummary, summarize
-from quantlab.serving.launcher import chosen_engine, engine_problem, running_server, server_command
+from quantlab.serving.engines import Engine, Launch, Support
+from quantlab.serving.engines.base import shown_command
+from quantlab.serving.environments import chosen_engine, engine_python, installed_version, python_problem
+from quantlab.serving.goodput import SERVING_TAG, UNAVAILABLE_TAG, ServingSummary, summarize
+from quantlab.serving.launcher import RunningServer, running_server
 from quantlab.serving.levels import LoadLevel, load_levels
 from quantlab.serving.load import run_load, scenario, warm_up
-from quantlab.serving.pricing import modeled_decode_tokens_per_s, serving_price
+from quantlab.serving.pricing import fastest_prefill, modeled_served_tokens_per_s, serving_price
 from quantlab.serving.settings import ServingSettings
 
 if TYPE_CHECKING:
     import torch
 
     from quantlab.measure.settings import MeasureSettings
+    from quantlab.recipe import Recipe
 
 REPORT_ARTIFACT = "serving/guidellm.json"
 CHART_ARTIFACT = "serving/throughput_latency.png"
@@ -47,101 +54,232 @@ class ServingOutcome:
     tags: dict[str, str] = field(default_factory=dict)
     artifacts: dict[str, str | bytes] = field(default_factory=dict)
 
+    def __or__(self, other: ServingOutcome) -> ServingOutcome:
+        return ServingOutcome(
+            self.metrics | other.metrics,
+            self.params | other.params,
+            self.tags | other.tags,
+            self.artifacts | other.artifacts,
+        )
 
-def serve(
+
+CACHE_BLOCK_TOKENS = 32
+MAX_DEFAULT_MODEL_LEN = 4096  # the longest sequence a served evaluation needs by default; the KV cache is sized for it
+
+
+@dataclass(frozen=True)
+class ServedVariant:
+    """A variant's checkpoint behind its engine's running server, and what started it."""
+
+    variant: str
+    engine: Engine
+    python: Path
+    launch: Launch
+    server: RunningServer
+    stored_format: str | None
+    support: Support
+    kernels: dict[str, str]  # layer type -> the kernel the engine chose (from its log)
+    command: str  # as a shell would read it, with the variables it was started with
+    hardware: str
+    gpu_name: str | None
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.launch.checkpoint
+
+    def params(self) -> dict[str, str]:
+        found = {
+            "served.engine": self.engine.name,
+            "served.engine_version": installed_version(str(self.python), self.engine.distributions),
+            "served.python": str(self.python),
+            "served.command": self.command,
+            "served.hardware": self.hardware,
+            "served.expected_kernel": self.support.kernel,
+        }
+        found |= {f"served.kernel.{layer}": kernel for layer, kernel in sorted(self.kernels.items())}
+        if self.support.note:
+            found["served.kernel_note"] = self.support.note
+        if self.support.served_as:
+            found["served.served_as"] = self.support.served_as
+        return found
+
+    def tags(self) -> dict[str, str]:
+        kernel = "; ".join(f"{kernel} for {layer}" for layer, kernel in sorted(self.kernels.items()))
+        found = {SERVING_TAG + "engine": self.engine.name, SERVING_TAG + "kernel": kernel or self.support.kernel}
+        if self.support.served_as:
+            found[SERVING_TAG + "served_as"] = self.support.served_as
+        return found
+
+
+@contextlib.contextmanager
+def serving_variant(
     checkpoint: Path,
     variant: str,
+    stored_format: str | None,
+    recipe: Recipe,
+    device: str,
+    dtype: torch.dtype,
+    cache_root: Path,
+    log_dir: Path | None,
+) -> Iterator[ServedVariant | None]:
+    """The checkpoint behind a started, healthy server for the stages that need one (None when none does); the
+    server and every process it started are stopped on exit."""
+    if not recipe.needs_server:
+        yield None
+        return
+    import torch
+
+    settings = recipe.serving
+    gc.collect()  # the caller dropped its model: free its memory before the server loads its own copy
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    engine = chosen_engine(settings, device, cache_root)
+    python = engine_python(engine, settings.python, cache_root, device)
+    if (problem := python_problem(engine, python)) is not None:
+        raise RuntimeError(f"serving.python: {problem}")
+    support = engine.supports(stored_format, device)
+    if support is None:
+        raise RuntimeError(f"serving.engine: {engine.label} cannot serve {stored_format} checkpoints on {device}")
+    gpu_name = torch.cuda.get_device_name(0) if device == "cuda" else None
+    threads = torch.get_num_threads()
+    shape = ModelShape.from_config(config_dict(checkpoint / "config.json"))
+    engine_dtype = "bfloat16" if engine.name == "vllm" else str(dtype).removeprefix("torch.")
+    launch = server_launch(checkpoint, settings, recipe, shape, device, engine_dtype, threads)
+    environment = engine.environment(launch)
+
+    with tempfile.TemporaryDirectory(prefix=f"quantlab-serve-{variant}-") as scratch:
+        server_log = side_log(log_dir or Path(scratch), variant, "server")
+
+        def command_for(port: int) -> list[str]:
+            return engine.command(python, _with_port(launch, port))
+
+        started = running_server(
+            command_for,
+            engine.name,
+            server_log,
+            {**os.environ, **environment, **_QUIET},
+            settings.startup_timeout_s,
+            settings.port,
+        )
+        with started as server:
+            hardware = gpu_name or f"CPU: {cpu_model_name()}, {threads} of {visible_cores()} cores"
+            yield ServedVariant(
+                variant,
+                engine,
+                python,
+                _with_port(launch, server.port),
+                server,
+                stored_format,
+                support,
+                engine.kernels(server_log.read_text(errors="replace"), stored_format, device),
+                shown_command(server.command, environment),
+                hardware,
+                gpu_name,
+            )
+
+
+# The server reads the local checkpoint only, and writes its log as it goes.
+_QUIET = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def server_launch(
+    checkpoint: Path,
+    settings: ServingSettings,
+    recipe: Recipe,
+    shape: ModelShape,
+    device: str,
+    dtype: str,
+    threads: int,
+) -> Launch:
+    """How the variant's server is started: sized for the load's streams and the served evaluation's requests."""
+    import torch
+
+    positions = int(config_dict(checkpoint / "config.json").get("max_position_embeddings") or MAX_DEFAULT_MODEL_LEN)
+    max_model_len = settings.max_model_len or min(positions, MAX_DEFAULT_MODEL_LEN)
+    streams = max(max(settings.concurrency), settings.requests_per_level if settings.profile == "sweep" else 0)
+    per_stream = (-(-(settings.prompt_tokens + settings.output_tokens) // CACHE_BLOCK_TOKENS) + 1) * CACHE_BLOCK_TOKENS
+    tokens = streams * per_stream if settings.enabled else 0
+    if recipe.evals.engine != "reference":
+        tokens = max(tokens, recipe.evals.served_concurrency * max_model_len)
+    element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return Launch(
+        checkpoint=checkpoint,
+        port=0,
+        device=device,
+        dtype=dtype,
+        threads=threads,
+        bind_cpus=tuple(cores[:threads]) if threads >= len(cores) else (),  # a whole host's share binds its cores
+        gpus=max(1, round(recipe.runtime.gpus)) if device == "cuda" else 0,
+        kv_cache_tokens=tokens,
+        kv_bytes_per_token=int(kv_cache_bytes_per_token(shape, element)),
+        batch_tokens=max(512, settings.prompt_tokens + streams),
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization(*torch.cuda.mem_get_info()) if device == "cuda" else None,
+        top_logprobs=settings.top_logprobs,
+        extra=tuple(settings.server_args),
+    )
+
+
+def gpu_memory_utilization(free_bytes: int, total_bytes: int, margin: float = 0.05) -> float:
+    """The share of the GPU vLLM may take: what is free now less a margin. vLLM's own default (0.92 in 0.32) fails
+    its start-up check when anything else is resident, e.g. the variant's own process, which holds a CUDA context."""
+    return max(0.05, round(free_bytes / total_bytes - margin, 3))
+
+
+def _with_port(launch: Launch, port: int) -> Launch:
+    from dataclasses import replace
+
+    return replace(launch, port=port)
+
+
+def serve_load(
+    served: ServedVariant | None,
     settings: ServingSettings,
     measure: MeasureSettings,
     recipe_dir: Path,
-    device: str,
     dtype: torch.dtype,
     cost_metrics: dict[str, float],
     log_dir: Path | None,
 ) -> ServingOutcome:
-    if not settings.enabled:
+    """guidellm's load on the running server, summarized; with what served it (the server's own facts)."""
+    if served is None:
         return ServingOutcome(tags={UNAVAILABLE_TAG + "serving": "serving.enabled is false in the recipe"})
-    import torch
-
-    gc.collect()  # the caller dropped its model: free its memory before the server loads its own copy
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    gpu_name = torch.cuda.get_device_name(0) if device == "cuda" else None
-    engine = chosen_engine(settings.engine, gpu_visible=gpu_name is not None)
-    if (problem := engine_problem(engine, gpu_visible=gpu_name is not None)) is not None:
-        raise RuntimeError(f"serving.engine: {problem}")
-    threads = torch.get_num_threads()
-    dtype_name = str(dtype).removeprefix("torch.")
+    facts = ServingOutcome(params=served.params(), tags=served.tags())
+    if not settings.enabled:
+        return facts | ServingOutcome(tags={UNAVAILABLE_TAG + "serving": "serving.enabled is false in the recipe"})
     prompts = (recipe_dir / settings.prompts).resolve() if settings.prompts else None
-
-    with tempfile.TemporaryDirectory(prefix=f"quantlab-serve-{variant}-") as scratch:
-        logs = log_dir or Path(scratch)
-        env = _server_environment(threads)
-
-        def command_for(port: int) -> list[str]:
-            extra = [*_cpu_cache_args(engine, device, settings), *settings.server_args]
-            return server_command(engine, checkpoint, port, device, dtype_name, extra)
-
-        server_log = side_log(logs, variant, "server")
-        with running_server(command_for, engine, server_log, env, settings.startup_timeout_s, settings.port) as server:
-            report_path = Path(scratch) / "guidellm.json"
-            spec = scenario(settings, engine, server.url, checkpoint, prompts, report_path)
-            levels = max(len(settings.concurrency), settings.levels)
-            budget = levels * settings.requests_per_level * settings.request_timeout_s + 300
-            load_log = side_log(logs, variant, "guidellm")
-            # The runner holds the host's timing lock around this stage: the host's other variants pause meanwhile.
-            warm_up(server, checkpoint, settings)
-            report = run_load(spec, Path(scratch), load_log, server, budget, _workers(device))
-            command = shlex.join(server.command)
+    with tempfile.TemporaryDirectory(prefix=f"quantlab-load-{served.variant}-") as scratch:
+        report_path = Path(scratch) / "guidellm.json"
+        spec = scenario(settings, served.engine.name, served.server.url, served.checkpoint, prompts, report_path)
+        levels = max(len(settings.concurrency), settings.levels)
+        budget = levels * settings.requests_per_level * settings.request_timeout_s + 300
+        load_log = side_log(log_dir or Path(scratch), served.variant, "guidellm")
+        # The runner holds the host's timing lock around this stage: the host's other variants pause meanwhile.
+        warm_up(served.server, served.checkpoint, settings)
+        report = run_load(spec, Path(scratch), load_log, served.server, budget, _workers(served.launch.device))
         artifacts: dict[str, str | bytes] = {REPORT_ARTIFACT: report_path.read_text()}
-        if log_dir is None:  # no sweep log directory to keep them: they travel with the result
-            artifacts |= {"logs/server.log": server_log.read_text(errors="replace")}
+    if log_dir is None:  # no sweep log directory to keep it: it travels with the result
+        artifacts |= {"logs/server.log": served.server.log_path.read_text(errors="replace")}
 
     levels = load_levels(report)
     _check_output_lengths(levels, settings)
-    shape = ModelShape.from_config(config_dict(checkpoint / "config.json"))
+    shape = ModelShape.from_config(config_dict(served.checkpoint / "config.json"))
     peak = max(levels, key=lambda level: level.output_tokens_per_s)
     summary = summarize(
         levels,
         settings.slo,
-        serving_price(settings, measure, gpu_name, threads),
-        _modeled(shape, engine, cost_metrics, dtype, settings, peak),
+        serving_price(settings, measure, served.gpu_name, served.launch.threads),
+        _modeled(shape, served.engine, cost_metrics, dtype, settings, peak),
     )
-    title = f"{variant}: {engine} serve, {settings.prompt_tokens} prompt + {settings.output_tokens} output tokens"
-    artifacts[CHART_ARTIFACT] = throughput_latency_chart({variant: levels}, title, settings.slo)
-    return ServingOutcome(
+    title = f"{served.variant}: {served.engine.label}, {settings.prompt_tokens} prompt + {settings.output_tokens} output tokens"
+    artifacts[CHART_ARTIFACT] = throughput_latency_chart({served.variant: levels}, title, settings.slo)
+    return facts | ServingOutcome(
         metrics=summary.to_metrics(),
-        params=_params(engine, command, summary, gpu_name, threads),
-        tags=summary.to_tags(engine),
+        params=_load_params(summary),
+        tags=summary.to_tags(served.engine.name),
         artifacts=artifacts,
     )
-
-
-CACHE_BLOCK_TOKENS = 32
-
-
-def _cpu_cache_args(engine: str, device: str, settings: ServingSettings) -> list[str]:
-    """transformers serve sizes its continuous-batching KV cache from the host's whole RAM on CPU (most of it, touched:
-    20 GB of a 23 GB VM for a tiny model); sized instead for the most streams the load can have in flight."""
-    if engine != "transformers" or device != "cpu":
-        return []
-    streams = max(max(settings.concurrency), settings.requests_per_level if settings.profile == "sweep" else 0)
-    per_stream = -(-(settings.prompt_tokens + settings.output_tokens) // CACHE_BLOCK_TOKENS) + 1
-    blocks = streams * per_stream + 16
-    batch_tokens = max(512, settings.prompt_tokens + streams)
-    return [
-        "--cb-block-size",
-        str(CACHE_BLOCK_TOKENS),
-        "--cb-num-blocks",
-        str(blocks),
-        "--cb-max-batch-tokens",
-        str(batch_tokens),
-    ]
-
-
-def _server_environment(threads: int) -> dict[str, str]:
-    # The variant's share of the cores (measure.contention) for the server's torch pool; the checkpoint is local.
-    return {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def _workers(device: str) -> int | None:
@@ -161,34 +299,28 @@ def _check_output_lengths(levels: list[LoadLevel], settings: ServingSettings) ->
 
 def _modeled(
     shape: ModelShape,
-    engine: str,
+    engine: Engine,
     cost_metrics: dict[str, float],
     dtype: torch.dtype,
     settings: ServingSettings,
     peak: LoadLevel,
 ) -> float | None:
-    """The decode ceiling of the peak level on this hardware: the measure stage's copy bandwidth, and the weights
+    """The prefill + decode ceiling of the peak level on this hardware (`modeled_served_tokens_per_s`): the measure
+    stage's copy bandwidth and prefill rate, and the weights
     as the engine holds them (transformers: as loaded here, dequantized on CPU; vLLM: the stored payload)."""
     import torch
 
     bandwidth = cost_metrics.get("cost/measured_bandwidth_bytes_per_s")
-    weights_key = "cost/weight_bytes_in_memory" if engine == "vllm" else "cost/loaded_weight_bytes"
-    weights = cost_metrics.get(weights_key)
+    weights = cost_metrics.get(engine.weights_metric)
     if not bandwidth or not weights:
         return None
     element = torch.empty((), dtype=dtype).element_size()
-    context = settings.prompt_tokens + settings.output_tokens / 2
-    return modeled_decode_tokens_per_s(shape, weights, element, bandwidth, context, peak.concurrency)
+    prefill, prompt, output = fastest_prefill(cost_metrics), settings.prompt_tokens, settings.output_tokens
+    return modeled_served_tokens_per_s(shape, weights, element, bandwidth, prefill, prompt, output, peak.concurrency)
 
 
-def _params(engine: str, command: str, summary: ServingSummary, gpu_name: str | None, threads: int) -> dict[str, str]:
-    package = "vllm" if engine == "vllm" else "transformers"
-    hardware = gpu_name or f"CPU: {cpu_model_name()}, {threads} of {visible_cores()} cores"
+def _load_params(summary: ServingSummary) -> dict[str, str]:
     found = {
-        "served.engine": engine,
-        "served.engine_version": _version(package),
-        "served.command": command,
-        "served.hardware": hardware,
         "served.guidellm_version": _version("guidellm"),
         "served.levels": json.dumps([level.label for level in summary.levels]),
     }

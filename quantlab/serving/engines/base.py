@@ -1,0 +1,111 @@
+"""What a serving engine is to quantlab: where its Python lives, how its server starts on this machine, what a
+request must carry, which kernel it runs each stored format with, and what its log says it chose.
+
+One engine is one file beside this one plus one line in the registry (`quantlab.serving.engines.ENGINES`).
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How one variant's server starts here: the checkpoint, the port, and the share of the machine it gets."""
+
+    checkpoint: Path
+    port: int
+    device: str  # "cpu" or "cuda"
+    dtype: str  # the engine's compute dtype, e.g. "bfloat16"
+    threads: int  # the variant's share of the cores (its OpenMP threads on CPU)
+    bind_cpus: tuple[int, ...]  # cores to bind those threads to; empty: let the OS place them
+    gpus: int  # GPUs the variant was given (tensor parallel across them when > 1)
+    kv_cache_tokens: int  # sized for the load and the evaluation, never a fraction of the host's memory
+    kv_bytes_per_token: int  # the model's keys and values of one token, in the compute dtype
+    batch_tokens: int  # the most tokens one forward pass takes
+    max_model_len: int
+    gpu_memory_utilization: float | None  # from the GPU memory free at start; None on CPU
+    top_logprobs: int  # the most log-probabilities per token a request may ask for (token damage)
+    extra: tuple[str, ...] = ()  # serving.server_args
+
+
+@dataclass(frozen=True)
+class Support:
+    """How an engine runs one stored format on one kind of device: the kernel it is expected to choose (the one it
+    really chose is read from its log) and what a reviewer should know about it."""
+
+    kernel: str
+    note: str = ""
+    served_as: str | None = None  # the format it really computes, when not the stored one (weight-only fallback)
+
+
+@dataclass(frozen=True)
+class InstallSpec:
+    """An engine's own virtualenv: what pip installs there, then what it removes (wheels that break the engine)."""
+
+    folder: str
+    packages: tuple[str, ...]
+    remove: tuple[str, ...] = ()
+    module: str = ""  # what must import there afterwards
+
+
+# "Selected CPUWNA16LinearKernel for CompressedTensorsWNA16", "Using MarlinLinearKernel for CompressedTensorsWNA16"
+# A layer type is one identifier closing its line ("Using X for mixed-precision linear" names none).
+KERNEL_LINE = re.compile(
+    r"\b(?:Selected|Using) ([A-Za-z0-9_]+(?:Kernel|Method|Backend)[A-Za-z0-9_]*) for ([A-Za-z0-9_]+)[ \t]*$", re.M
+)
+
+
+def kernels_in_log(text: str) -> dict[str, str]:
+    """{layer type: kernel} from an engine log's "Selected X for Y" / "Using X for Y" lines (the last one wins)."""
+    return {layer: kernel for kernel, layer in KERNEL_LINE.findall(text)}
+
+
+class Engine(ABC):
+    name: ClassVar[str]  # the recipe's serving.engine
+    label: ClassVar[str]  # for people
+    distributions: ClassVar[tuple[str, ...]]  # whose installed version is the engine's version
+    module: ClassVar[str]  # what must import in its Python
+    scores_prompts: ClassVar[bool]  # answers echo + logprobs and prompt_logprobs: lm-eval and damage through it
+    weights_metric: ClassVar[str]  # the cost/* figure of the weights it holds in memory
+
+    @abstractmethod
+    def command(self, python: Path, launch: Launch) -> list[str]:
+        """The server's command line."""
+
+    def environment(self, launch: Launch) -> dict[str, str]:
+        """Variables the server needs beyond the sweep's own environment."""
+        return {"OMP_NUM_THREADS": str(launch.threads)}
+
+    @abstractmethod
+    def request_body(self, output_tokens: int) -> dict[str, Any]:
+        """Fields every load request carries so that it generates exactly `output_tokens` (None: field removed)."""
+
+    @abstractmethod
+    def supports(self, stored_format: str | None, device: str) -> Support | None:
+        """How this engine runs a checkpoint stored in `stored_format` (None: unquantized) on `device`; None: it
+        cannot."""
+
+    def kernels(self, log_text: str, stored_format: str | None, device: str) -> dict[str, str]:
+        """{layer type: kernel} the engine ran this checkpoint's quantized layers with."""
+        return kernels_in_log(log_text)
+
+    def install_spec(self, cpu: bool) -> InstallSpec | None:
+        """The environment `quantlab engine install` makes for it; None: it lives in quantlab's own."""
+        return None
+
+
+def shown_command(command: Sequence[str], environment: Mapping[str, str]) -> str:
+    """The command line with the variables the engine was started with, as a shell would read them."""
+    import shlex
+
+    return " ".join(
+        [*(f"{name}={shlex.quote(value)}" for name, value in sorted(environment.items())), shlex.join(command)]
+    )

