@@ -12,15 +12,18 @@ import math
 import os
 import shutil
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quantlab.cache import NotEnoughSpace
 from quantlab.errors import BadInput, Problem
-from quantlab.measure.modeled import ModelShape, linear_weight_count, parameter_count
+from quantlab.measure.modeled import ModelShape, WeightCounts, weight_counts
 from quantlab.models import ModelSource
+
+if TYPE_CHECKING:
+    from quantlab.recipe import VariantSpec
 
 logger = logging.getLogger(__name__)
 
@@ -38,30 +41,24 @@ FREE_CACHE = (
 FREE_STORE = "free space there or log to another store (--tracking-uri / MLFLOW_TRACKING_URI)"
 
 
-def _linear_rows(shape: ModelShape) -> int:
-    """Output channels of the decoder blocks' linear layers (q, k, v, o, gate, up, down)."""
-    heads = shape.num_attention_heads + 2 * shape.num_kv_heads
-    return shape.num_layers * (heads * shape.head_dim + 2 * shape.hidden_size + 2 * shape.intermediate_size)
-
-
-def _w4a16_packed(shape: ModelShape, params: Mapping[str, Any]) -> int:
+def _w4a16_packed(weights: WeightCounts, params: Mapping[str, Any]) -> int:
     """W4A16 pack-quantized, AWQ's and GPTQ's alike (neither GPTQ ordering left in compressed-tensors 0.19 stores
     a g_idx): eight INT4 weights per int32, a BF16 scale per group of inputs, with `symmetric: false` an INT4 zero
     point per group (packed along the outputs), a 2-element int64 shape per layer."""
-    weights, group = linear_weight_count(shape), params.get("group_size", 128)
-    zero_points = 0 if params.get("symmetric", True) else weights // (2 * group)
-    return weights // 2 + 2 * weights // group + zero_points + 16 * 7 * shape.num_layers
+    linear, group = weights.linear_weights, params.get("group_size", 128)
+    zero_points = 0 if params.get("symmetric", True) else linear // (2 * group)
+    return linear // 2 + 2 * linear // group + zero_points + 16 * 7 * weights.layers
 
 
-def _w8_per_channel(shape: ModelShape, params: Mapping[str, Any]) -> int:
+def _w8_per_channel(weights: WeightCounts, params: Mapping[str, Any]) -> int:
     """One byte per weight (FP8 E4M3 or INT8) and a BF16 scale per output channel; activations are quantized
     per token at run time, so nothing of theirs is stored."""
-    return linear_weight_count(shape) + 2 * _linear_rows(shape)
+    return weights.linear_weights + 2 * weights.linear_outputs
 
 
 # Stored bytes of the decoder blocks' linear weights, by method; everything else is kept in BF16.
-LINEAR_BYTES: dict[str, Callable[[ModelShape, Mapping[str, Any]], int]] = {
-    "bf16": lambda shape, params: 2 * linear_weight_count(shape),
+LINEAR_BYTES: dict[str, Callable[[WeightCounts, Mapping[str, Any]], int]] = {
+    "bf16": lambda weights, params: 2 * weights.linear_weights,
     "fp8": _w8_per_channel,
     "awq_int4": _w4a16_packed,
     "gptq_int4": _w4a16_packed,
@@ -70,17 +67,59 @@ LINEAR_BYTES: dict[str, Callable[[ModelShape, Mapping[str, Any]], int]] = {
 
 
 def checkpoint_bytes(shape: ModelShape, method: str, params: Mapping[str, Any]) -> int:
-    """Tensor bytes of the checkpoint the quantize stage writes. A method missing from the table, or one told
-    to keep more than lm_head unquantized (how much more the shape does not say), counts as BF16: an upper bound."""
-    bf16 = 2 * parameter_count(shape)
+    """Tensor bytes of the checkpoint the quantize stage writes."""
+    return _stored_bytes(weight_counts(shape), method, params)
+
+
+def _stored_bytes(weights: WeightCounts, method: str, params: Mapping[str, Any]) -> int:
+    """A method missing from the table, or one told to keep more than lm_head unquantized (how much more the
+    shape does not say), counts as BF16: an upper bound."""
+    bf16 = 2 * weights.parameters
     if method not in LINEAR_BYTES or set(params.get("ignore", ["lm_head"])) - {"lm_head"}:
         return bf16
-    return bf16 - 2 * linear_weight_count(shape) + LINEAR_BYTES[method](shape, params)
+    return bf16 - 2 * weights.linear_weights + LINEAR_BYTES[method](weights, params)
 
 
 def with_margin(tensor_bytes: int) -> int:
     """Bytes to have free for a checkpoint of `tensor_bytes` tensor data."""
     return math.ceil(tensor_bytes * (1 + MARGIN)) + FIXED_BYTES
+
+
+@dataclass(frozen=True)
+class CacheWrites:
+    """What computing a sweep's variants writes into the cache, modeled from one reading of the model's shape, with
+    margins: each checkpoint it builds, and a GGUF model's float32 conversion while the cache lacks it."""
+
+    checkpoints: dict[str, int]  # variant name -> its checkpoint
+    conversion: int  # 0: none to make
+    converted: str  # the GGUF file converted
+
+    def needs(self, cache_root: Path, replaced: int) -> list[Need]:
+        """What to have free under `cache_root`; `replaced`: the cached copies that --force removes first."""
+        needs = []
+        if self.conversion:
+            needs.append(Need(cache_root, self.conversion, f"the float32 conversion of {self.converted}"))
+        if self.checkpoints:
+            count, names = len(self.checkpoints), ", ".join(self.checkpoints)
+            what = f"{count} checkpoint{'s' if count > 1 else ''} to build ({names})"
+            needs.append(Need(cache_root / "checkpoints", max(sum(self.checkpoints.values()) - replaced, 0), what))
+        return needs
+
+
+def cache_writes(source: ModelSource, building: Iterable[VariantSpec]) -> CacheWrites | None:
+    """What computing variants writes into the cache; `building`: those whose checkpoint it lacks; `source`: the
+    model as the cache has it (`models.materialized`: a GGUF file until it is converted). The shape is read once;
+    None when it is not at hand (nothing is estimated)."""
+    shape = model_shape(source)
+    if shape is None:
+        return None
+    weights = weight_counts(shape)
+    checkpoints = {
+        variant.name: with_margin(_stored_bytes(weights, variant.method, variant.params.model_dump()))
+        for variant in building
+    }
+    conversion = with_margin(4 * weights.parameters) if source.kind == "gguf" else 0  # float32 (models.materialize)
+    return CacheWrites(checkpoints, conversion, str(source.gguf_file))
 
 
 def model_shape(source: ModelSource) -> ModelShape | None:
@@ -126,11 +165,6 @@ def _gguf_config(path: Path) -> dict[str, Any]:
         "vocab_size": value("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
         "tie_word_embeddings": not any(tensor.name == "output.weight" for tensor in reader.tensors),
     }
-
-
-def conversion_bytes(shape: ModelShape) -> int:
-    """The float32 checkpoint a GGUF model is dequantized into (`models.materialize`)."""
-    return 4 * parameter_count(shape)
 
 
 @dataclass(frozen=True)

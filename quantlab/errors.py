@@ -19,12 +19,15 @@ class Problem:
         return ": ".join(part for part in (self.file, self.field, self.message) if part)
 
 
+@dataclass(eq=False)  # eq=False: an exception stays hashable, compared by identity
 class BadInput(Exception):
-    """Input that no amount of compute would fix (exit 2). Carries every problem found at once."""
+    """Input that no amount of compute would fix (exit 2). Carries every problem found at once; its text is one
+    line per problem. (Its `args` are `(problems,)`, so a pickled copy rebuilds itself.)"""
 
-    def __init__(self, problems: list[Problem]):
-        self.problems = problems
-        super().__init__("\n".join(str(problem) for problem in problems))
+    problems: list[Problem]
+
+    def __str__(self) -> str:
+        return "\n".join(str(problem) for problem in self.problems)
 
 
 def bad_input(file: str, field: str, message: str) -> BadInput:

@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING, Literal
 
 from quantlab import cache
 from quantlab.errors import bad_input
+from quantlab.quantize import METHODS
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from quantlab.recipe import ModelSpec, RuntimeSettings
+    from quantlab.recipe import CalibrationSettings, ModelSpec, RuntimeSettings, VariantSpec
 
     LoadedModel = tuple[PreTrainedModel, PreTrainedTokenizerBase]
 
@@ -83,6 +84,20 @@ def resolve_source(spec: ModelSpec, base_dir: Path) -> ModelSource:
     if path.is_dir():
         return ModelSource("local_dir", str(path), None, identity=f"dir:{_directory_fingerprint(path)}", **common)
     return ModelSource("hub", spec.source, None, identity=f"hub:{spec.source}@{spec.revision or 'main'}", **common)
+
+
+def checkpoint_identity(source: ModelSource, variant: VariantSpec, calibration: CalibrationSettings | None) -> dict:
+    """Everything that decides a variant's checkpoint's bytes, and nothing that does not (e.g. its name): the
+    source's identity, the method and its params, the calibration when the method calibrates, the library versions.
+    The checkpoint cache keys on it (the plan, the quantize stage and the sensitivity probe alike)."""
+    calibrated = calibration is not None and METHODS[variant.method].needs_calibration
+    return {
+        "model": source.identity,
+        "method": variant.method,
+        "params": variant.params.model_dump(),
+        "calibration": calibration.model_dump() if calibrated else None,
+        "versions": cache.library_versions(),
+    }
 
 
 def _gguf_identity(path: Path) -> str:

@@ -4,6 +4,9 @@ checkpoint's key and folder, what happens to it (copied from a finished run, log
 and the cache bytes computing it writes. The disk check (`space_needs`), the sweep's dispatcher and the
 command line's "what will run" line read it; nothing recomputes it.
 
+It is made in one direction: the variants in run order, the model and each checkpoint's identity, the keys and
+folders, what earlier sweeps left (kept in the cache, finished in the store), then the bytes (`disk`).
+
 Resuming is by content: a finished run with the same run key is copied, not recomputed (`--force` recomputes).
 """
 
@@ -18,9 +21,8 @@ from quantlab import cache, disk, kept_results
 from quantlab.errors import BadInput, Problem
 from quantlab.jobs import SAMPLES_FORMAT, BaselineOutputs, VariantJob
 from quantlab.kept_results import KeptResult
-from quantlab.models import ModelSource, materialized, resolve_source
+from quantlab.models import ModelSource, checkpoint_identity, materialized, resolve_source
 from quantlab.recipe import LoadedRecipe
-from quantlab.stages.quantize import checkpoint_identity
 from quantlab.tracking import RunRecord
 
 
@@ -57,7 +59,9 @@ class SweepPlan:
     force: bool
     variants: tuple[PlannedVariant, ...]  # run order: the baseline first
     estimated: bool = False  # bytes estimated: a variant is computed and the model's shape is at hand
-    conversion_bytes: int = 0  # a GGUF model's float32 conversion, when a variant is computed and the cache lacks it
+    # What the computed variants will write into the cache: a GGUF model's conversion when the cache lacks it, and
+    # the checkpoints it lacks (with --force, each one, less the copy it replaces). Empty when nothing is estimated.
+    space_needs: tuple[disk.Need, ...] = ()
 
     @property
     def baseline(self) -> PlannedVariant:
@@ -82,23 +86,6 @@ class SweepPlan:
         """What the executor runs for a computed variant; `baseline`: the baseline's outputs (None for itself)."""
         return VariantJob(self.loaded, variant.name, self.cache_root, baseline, self.force, log_dir, self.source)
 
-    def space_needs(self) -> list[disk.Need]:
-        """What the computed variants will write into the cache: a GGUF model's conversion when the cache lacks it,
-        and the checkpoints it lacks (with --force, each one, less the copy it replaces). Nothing when the model's
-        shape is not at hand."""
-        if not self.estimated:
-            return []
-        needs = []
-        if self.conversion_bytes:
-            what = f"the float32 conversion of {self.source.gguf_file}"
-            needs.append(disk.Need(self.cache_root, self.conversion_bytes, what))
-        if building := [variant for variant in self.variants if variant.builds_checkpoint]:
-            names = ", ".join(variant.name for variant in building)
-            what = f"{len(building)} checkpoint{'s' if len(building) > 1 else ''} to build ({names})"
-            needed = sum(variant.cache_bytes for variant in building)
-            needs.append(disk.Need(self.cache_root / "checkpoints", max(needed, 0), what))
-        return needs
-
 
 # (experiment, run keys) -> the newest finished variant run of each key there: what the plan asks the store
 FinishedRuns = Callable[[str, Collection[str]], Mapping[str, RunRecord]]
@@ -108,11 +95,11 @@ def make_plan(
     loaded: LoadedRecipe, cache_root: Path, only: tuple[str, ...], force: bool, finished_runs: FinishedRuns
 ) -> SweepPlan:
     """The plan of a sweep of `loaded` (`only`: --only's variants, with the baseline). BadInput for an --only name
-    that is no variant, before anything is looked up. `finished_runs` is asked once, unless `force`."""
+    that is no variant, before anything is resolved or looked up. `finished_runs` is asked once, unless `force`."""
     recipe = loaded.recipe
     names = run_order(loaded, only)
     source = resolve_source(recipe.model, loaded.path.parent)
-    shape_from = materialized(source, cache_root)  # a GGUF model's conversion, once the cache holds it
+    shape_from = materialized(source, cache_root)  # the model as the cache has it: a GGUF file until it is converted
     identities = {name: checkpoint_identity(source, recipe.variant(name), recipe.calibration) for name in names}
     # A variant's run key hashes everything that decides its logged numbers: its checkpoint's identity and what it
     # shares with the others (samples_format: a run whose samples.json this version cannot read is not reused).
@@ -127,34 +114,45 @@ def make_plan(
         "samples_format": SAMPLES_FORMAT,
     }
     run_keys = {name: cache.cache_key({"checkpoint": identity, **shared}) for name, identity in identities.items()}
-    # What earlier sweeps left: finished runs, and results they computed but could not log (kept in the cache; one
-    # this version cannot read counts as none). A finished run wins.
-    finished = {} if force else finished_runs(recipe.name, set(run_keys.values()))
-    unlogged = [name for name in names if run_keys[name] not in finished and not force]
-    kept = {name: found for name in unlogged if (found := kept_results.recall(cache_root, run_keys[name]))}
-    computed = [name for name in names if run_keys[name] not in finished and name not in kept]
-    # The model's shape (a directory's config.json, a cached hub config, or a GGUF file's metadata: about 3 s for the
-    # embedded model), read only when a variant is computed; None when it is not at hand: no bytes estimated.
-    shape = disk.model_shape(shape_from) if computed else None
-    variants = []
-    for name in names:
-        key = cache.cache_key(identities[name])
-        target = cache.checkpoint_dir(cache_root, name, key)
-        previous, result = finished.get(run_keys[name]), kept.get(name)
-        action = Action.COPY if previous else Action.LOG_KEPT if result else Action.COMPUTE
-        # The marker alone: reading a checkpoint is not using it (the cache inventory's last use).
-        builds = action is Action.COMPUTE and (force or not (target / cache.COMPLETE_MARKER).is_file())
-        modeled, replaced = 0, 0
-        if builds and shape is not None:
-            spec = recipe.variant(name)
-            modeled = disk.with_margin(disk.checkpoint_bytes(shape, spec.method, spec.params.model_dump()))
-            replaced = sum(path.stat().st_size for path in target.rglob("*") if path.is_file()) if force else 0
-        variants.append(
-            PlannedVariant(name, run_keys[name], key, target, action, previous, result, builds, modeled, replaced)
+    keys = {name: cache.cache_key(identity) for name, identity in identities.items()}
+    targets = {name: cache.checkpoint_dir(cache_root, name, keys[name]) for name in names}
+    # What earlier sweeps left: results they computed but could not log (kept in the cache; one this version cannot
+    # read counts as none), and finished runs. A finished run wins (its kept copy, when its removal failed, is unused).
+    kept: dict[str, KeptResult] = {}
+    finished: Mapping[str, RunRecord] = {}
+    if not force:
+        kept = {name: found for name in names if (found := kept_results.recall(cache_root, run_keys[name]))}
+        finished = finished_runs(recipe.name, set(run_keys.values()))
+    previous = {name: finished[run_keys[name]] for name in names if run_keys[name] in finished}
+    logged = {name: result for name, result in kept.items() if name not in previous}
+    computed = [name for name in names if name not in previous and name not in logged]
+    # The marker alone: reading a checkpoint is not using it (the cache inventory's last use).
+    building = [name for name in computed if force or not (targets[name] / cache.COMPLETE_MARKER).is_file()]
+    # The bytes, from the model's shape (a directory's config.json, a cached hub config, or a GGUF file's metadata:
+    # about 3 s for the embedded model), read only when a variant is computed; None when it is not at hand.
+    writes = disk.cache_writes(shape_from, [recipe.variant(name) for name in building]) if computed else None
+    modeled = writes.checkpoints if writes is not None else {}
+    replaced = {  # what --force removes first: the cached copy it rebuilds
+        name: sum(path.stat().st_size for path in targets[name].rglob("*") if path.is_file()) if force else 0
+        for name in modeled
+    }
+    variants = tuple(
+        PlannedVariant(
+            name,
+            run_keys[name],
+            keys[name],
+            targets[name],
+            Action.COPY if name in previous else Action.LOG_KEPT if name in logged else Action.COMPUTE,
+            finished_run=previous.get(name),
+            kept=logged.get(name),
+            builds_checkpoint=name in building,
+            checkpoint_bytes=modeled.get(name, 0),
+            replaced_bytes=replaced.get(name, 0),
         )
-    converting = shape is not None and shape_from.kind == "gguf"
-    conversion = disk.with_margin(disk.conversion_bytes(shape)) if converting else 0
-    return SweepPlan(loaded, source, cache_root, force, tuple(variants), shape is not None, conversion)
+        for name in names
+    )
+    needs = tuple(writes.needs(cache_root, sum(replaced.values()))) if writes is not None else ()
+    return SweepPlan(loaded, source, cache_root, force, variants, writes is not None, needs)
 
 
 def run_order(loaded: LoadedRecipe, only: tuple[str, ...]) -> list[str]:

@@ -81,7 +81,7 @@ class NoBaseline:
 def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay) -> SweepOutcome:
     store = tracking.open_store(options.tracking_uri)
     plan = make_plan(loaded, options.cache_root, options.only, options.force, finished_runs_of(store))
-    needs = plan.space_needs() + disk.artifact_needs(store.uri, runs=len(plan.variants) + 1)  # + the parent run
+    needs = [*plan.space_needs, *disk.artifact_needs(store.uri, runs=len(plan.variants) + 1)]  # + the parent run
     disk.refuse_sweep(needs)  # bad input, before any run
     if not plan.computes:  # the fork server's imports would only compete
         stop_variant_processes()

@@ -31,11 +31,11 @@ from test_quantize import CALIBRATION, _variant
 from quantlab import cache, disk
 from quantlab.executors import failure_reason
 from quantlab.measure.checkpoint import CheckpointFacts
-from quantlab.measure.modeled import ModelShape
-from quantlab.models import resolve_source
+from quantlab.measure.modeled import ModelShape, WeightCounts, weight_counts
+from quantlab.models import checkpoint_identity, resolve_source
 from quantlab.recipe import ModelSpec
 from quantlab.stages import quantize as quantize_stage
-from quantlab.stages.quantize import checkpoint_identity, quantize_variant
+from quantlab.stages.quantize import quantize_variant
 from recipes import tiny_recipe, write
 
 MiB = 1 << 20
@@ -71,6 +71,11 @@ ESTIMATES = [  # method, params, tensor bytes of the checkpoint
     ("fp8", {"ignore": ["lm_head", "re:.*down_proj$"]}, 2 * (LINEAR + OTHERS)),
     ("some_new_method", {}, 2 * (LINEAR + OTHERS)),
 ]
+
+
+def test_weight_counts_by_hand():
+    """What every estimate above follows from, counted once from the shape."""
+    assert weight_counts(SHAPE) == WeightCounts(LINEAR + OTHERS, LINEAR, ROWS, layers=2)
 
 
 @pytest.mark.parametrize(("method", "params", "expected"), ESTIMATES, ids=[f"{m}{p}" for m, p, _ in ESTIMATES])

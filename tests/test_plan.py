@@ -48,6 +48,16 @@ def test_a_gguf_source_is_hashed_once_per_sweep(tmp_path, monkeypatch):
         "gguf:SmolLM2-135M-Instruct.Q4_1.gguf:sha256="
     )
     assert all(job.source == plan.source for job in jobs)
+    # The cache lacks the model's float32 conversion: 4 bytes for each of SmolLM2-135M's 134,515,008 parameters
+    # (tied embeddings 49,152 x 576; 30 blocks of q, o 576 x 576, k, v 576 x 192, MLP 3 x 576 x 1,536 and two
+    # norms; a final norm), with the margin. Then the two checkpoints.
+    conversion, checkpoints = plan.space_needs
+    assert (conversion.directory, conversion.bytes, conversion.what) == (
+        tmp_path / "cache",
+        disk.with_margin(4 * 134_515_008),
+        "the float32 conversion of SmolLM2-135M-Instruct.Q4_1.gguf",
+    )
+    assert checkpoints.what == "2 checkpoints to build (bf16, fp8)"
 
 
 def test_each_variant_is_copied_logged_from_the_cache_or_computed(tmp_path, tiny_llama):
@@ -96,7 +106,7 @@ def test_the_bytes_a_plan_needs_are_the_checkpoints_it_builds(tmp_path, tiny_lla
         ("fp8", False, 0),  # copied
         ("awq", True, awq),
     ]
-    [need] = plan.space_needs()
+    [need] = plan.space_needs
     assert (need.directory, need.bytes, need.what) == (
         tmp_path / "cache" / "checkpoints",
         awq,
@@ -110,7 +120,7 @@ def test_a_plan_that_computes_nothing_estimates_nothing(tmp_path, tiny_llama):
     plan = make_plan(
         loaded, tmp_path / "cache", (), False, lambda experiment, asked: {key: _finished(key) for key in keys}
     )
-    assert not plan.computes and not plan.estimated and plan.space_needs() == []
+    assert not plan.computes and not plan.estimated and plan.space_needs == ()
 
 
 def test_only_names_variants_and_keeps_the_baseline_first(tmp_path, tiny_llama):

@@ -91,7 +91,7 @@ def test_cached_checkpoint_is_reused_and_keyed_by_content(quantized):
     assert again.reused and again.path == made["fp8"].path
     other = _variant(name="fp8", method="fp8", params={"ignore": ["lm_head", "re:.*down_proj"]})
     assert cache.cache_key({"x": 1}) != cache.cache_key({"x": 2})
-    from quantlab.stages.quantize import checkpoint_identity
+    from quantlab.models import checkpoint_identity
 
     assert checkpoint_identity(source, other, CALIBRATION) != checkpoint_identity(
         source, _variant(name="fp8", method="fp8"), CALIBRATION

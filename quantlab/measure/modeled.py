@@ -91,6 +91,22 @@ def parameter_count(shape: ModelShape) -> int:
     return embeddings + linear_weight_count(shape) + shape.num_layers * per_layer_extras + shape.hidden_size
 
 
+@dataclass(frozen=True)
+class WeightCounts:
+    """What a checkpoint's size follows from (`quantlab.disk`), counted once from a shape."""
+
+    parameters: int  # every parameter (`parameter_count`)
+    linear_weights: int  # the decoder blocks' linear weights: what a quantization method stores otherwise
+    linear_outputs: int  # their output channels (q, k, v, o, gate, up, down): a per-channel scale each
+    layers: int
+
+
+def weight_counts(shape: ModelShape) -> WeightCounts:
+    heads = shape.num_attention_heads + 2 * shape.num_kv_heads
+    outputs = shape.num_layers * (heads * shape.head_dim + 2 * shape.hidden_size + 2 * shape.intermediate_size)
+    return WeightCounts(parameter_count(shape), linear_weight_count(shape), outputs, shape.num_layers)
+
+
 def kv_cache_element_bytes(config: Any, kv_cache_dtype: KvCacheDtype = "auto") -> float:
     """Bytes per cached K or V element: the explicit choice, else the checkpoint's KV cache
     scheme (compressed-tensors `kv_cache_scheme`), else its dtype, else BF16."""

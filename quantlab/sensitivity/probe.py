@@ -56,8 +56,8 @@ class Sensitivity:
 
 def sensitivity_key(job: SensitivityJob) -> str:
     """Content hash of everything that decides the figures."""
-    from quantlab.models import resolve_source
-    from quantlab.stages.quantize import checkpoint_identity, rounded_identity
+    from quantlab.models import checkpoint_identity, resolve_source
+    from quantlab.stages.quantize import rounded_identity
 
     recipe = job.loaded.recipe
     source = resolve_source(recipe.model, job.loaded.path.parent)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from quantlab import cache, disk
-from quantlab.models import ModelSource, load_source_model
+from quantlab.models import ModelSource, checkpoint_identity, load_source_model
 from quantlab.quantize import METHODS
 from quantlab.stages.calibration import calibration_dataset
 
@@ -30,18 +30,6 @@ class QuantizedCheckpoint:
         """A reused checkpoint's files hashed against their record in the background (`cache.PayloadCheck`);
         `confirm()` before anything measured on it is used. A checkpoint just made needs none."""
         return cache.PayloadCheck(self.path if self.reused else None)
-
-
-def checkpoint_identity(source: ModelSource, variant: VariantSpec, calibration: CalibrationSettings | None) -> dict:
-    """Everything that decides the checkpoint's bytes, and nothing that does not (e.g. its name)."""
-    calibrated = calibration is not None and METHODS[variant.method].needs_calibration
-    return {
-        "model": source.identity,
-        "method": variant.method,
-        "params": variant.params.model_dump(),
-        "calibration": calibration.model_dump() if calibrated else None,
-        "versions": cache.library_versions(),
-    }
 
 
 def quantize_variant(
