@@ -22,7 +22,6 @@ from quantlab.models import (
     materialized,
     module_classes,
     module_classes_identity,
-    pick_device,
     resolve_source,
     source_problem,
     widths_identity,
@@ -144,15 +143,20 @@ def serving_problems(recipe: Recipe, base_dir: Path, shown: str, cache_root: Pat
     settings = recipe.serving
     if not recipe.needs_server:
         return []
-    device = pick_device(recipe.runtime)
+    import torch
+
+    # A recipe for a GPU checked where none is (validate's offline check of the GPU recipe) is checked as for the
+    # GPU, but the engine's environment is that machine's to have, as the hub is: it is not looked for here.
+    elsewhere = recipe.runtime.device == "cuda" and not torch.cuda.is_available()
+    device = "cuda" if recipe.runtime.device != "cpu" and (elsewhere or torch.cuda.is_available()) else "cpu"
     engine = chosen_engine(settings, device, cache_root)
     problems = []
     try:
-        python = engine_python(engine, settings.python, cache_root, device)
+        python = None if elsewhere else engine_python(engine, settings.python, cache_root, device)
     except EngineMissing as missing:
         problems.append(Problem(shown, "serving.engine", str(missing)))
     else:
-        if (problem := python_problem(engine, python)) is not None:
+        if python is not None and (problem := python_problem(engine, python)) is not None:
             problems.append(Problem(shown, "serving.python", problem))
     for variant in recipe.variants:
         stored = METHODS[variant.method].stored_format

@@ -102,6 +102,9 @@ class StderrDisplay:
     def variant_finished(self, variant: str, result, failure: str | None, reused: bool = False) -> None:
         say(f"{variant}: {'FAILED: ' + failure if failure else 'done'}")
 
+    def note(self, variant: str, text: str) -> None:
+        say(f"{variant}: {text}")
+
 
 def usable_device(shape: str, requested: str) -> str:
     """quantlab's device rule (auto = CUDA when there is one), plus: the 8B shape runs on CUDA only."""

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tiny import EMBEDDED_GGUF
 
-from quantlab import cache, disk, kept_results
+from quantlab import cache, disk, kept_results, models
 from quantlab.checks import validate
 from quantlab.errors import BadInput
 from quantlab.kept_results import KeptResult
@@ -37,6 +37,7 @@ def test_a_gguf_source_is_hashed_once_per_sweep(tmp_path, monkeypatch):
         return real(path, *args, **kwargs)
 
     monkeypatch.setattr(cache, "file_sha256", counted)
+    models._hashed_gguf.cache_clear()  # an earlier test in this process may have hashed the same file
     recipe = tiny_recipe(Path("unused"), model={"source": EMBEDDED_GGUF}, evals={"tasks": []})
     recipe["variants"] = [{"name": "bf16", "method": "bf16"}, {"name": "fp8", "method": "fp8"}]
     loaded = validate(write(tmp_path / "recipe.yaml", recipe), tmp_path / "cache")

@@ -254,7 +254,7 @@ def test_validate_names_a_missing_prompts_file(tmp_path, tiny_llama):
 
 def _served_processes(marker: str) -> list[psutil.Process]:
     """Live servers, guards and guidellm runs whose command line names `marker` (a checkpoint path, or the variant's
-    scratch directory `quantlab-serve-<variant>-`), with every process they started."""
+    load's scratch directory `quantlab-load-<variant>-`), with every process they started."""
     found = set()
     for process in psutil.process_iter(["cmdline"]):
         line = " ".join(process.info["cmdline"] or [])
@@ -338,7 +338,7 @@ def test_a_served_variant_logs_consistent_figures(served):
     assert outcome.artifacts[CHART_ARTIFACT][:8] == b"\x89PNG\r\n\x1a\n"
     assert "Uvicorn running" in (logs / "small.server.log").read_text()
     assert (logs / "small.guidellm.log").is_file()
-    assert _gone(str(model), timeout=5) and _gone("quantlab-serve-small-", timeout=5)  # went with the stage
+    assert _gone(str(model), timeout=5) and _gone("quantlab-load-small-", timeout=5)  # went with the stage
 
 
 def test_a_server_that_never_becomes_healthy_fails_with_its_log_and_is_stopped(tmp_path, tiny_llama):
@@ -412,8 +412,8 @@ def test_sigkill_of_the_sweep_leaves_no_server(tmp_path, tiny_llama, sweeps):  #
     sweep = Sweep(_sweep_args(path, uri, cache), tmp_path)
     sweeps.append(sweep)
     # The bf16 checkpoint lives in the sweep's cache: its server and guidellm name it.
-    _wait_until(lambda: _served_processes("quantlab-serve-bf16-"), sweep, "guidellm's load")
-    running = _served_processes(str(cache)) + _served_processes("quantlab-serve-bf16-")  # with guidellm's workers
+    _wait_until(lambda: _served_processes("quantlab-load-bf16-"), sweep, "guidellm's load")
+    running = _served_processes(str(cache)) + _served_processes("quantlab-load-bf16-")  # with guidellm's workers
     assert len(running) >= 4  # the server and guidellm, each under its guard
     sweep.kill_group()  # the sweep and its variant process, SIGKILL: no teardown code runs
     assert _all_gone(running, timeout=10), [p.cmdline() for p in running if p.is_running()]
@@ -436,7 +436,7 @@ def test_a_variant_whose_server_dies_fails_alone_with_its_server_log(tmp_path, t
         return next((p for p in _served_processes("/fp8-") if "transformers.cli" in p.cmdline()[2]), None)
 
     server = _wait_until(fp8_server, sweep, "fp8's server")
-    _wait_until(lambda: _served_processes("quantlab-serve-fp8-"), sweep, "guidellm's load on fp8")
+    _wait_until(lambda: _served_processes("quantlab-load-fp8-"), sweep, "guidellm's load on fp8")
     server.send_signal(signal.SIGKILL)
     code, _ = sweep.wait()
     assert code == 1, sweep.text()[-3000:]
@@ -453,4 +453,4 @@ def test_a_variant_whose_server_dies_fails_alone_with_its_server_log(tmp_path, t
     assert "the server died under load" in runs["fp8"].data.tags["quantlab.failure"]
     logs = {item.path for item in client.list_artifacts(runs["fp8"].info.run_id, "logs")}
     assert {"logs/variant.log", "logs/server.log", "logs/guidellm.log"} <= logs
-    assert _gone("/fp8-", timeout=5) and _gone("quantlab-serve-fp8-", timeout=5)
+    assert _gone("/fp8-", timeout=5) and _gone("quantlab-load-fp8-", timeout=5)
