@@ -1,8 +1,8 @@
 """The embedded sweep on transformers alone against the same sweep scored and served on vLLM, side by side in one run.
 
 Runs `quantlab sweep --force` on recipes/smollm2-135m.yaml (transformers serve, reference scores) and then on
-recipes/smollm2-135m-vllm.yaml (the same variants; serving.engine: vllm, evals.engine: both), each into a store of
-its own, on one cache (--force: every checkpoint and reference pass rebuilt in both), and prints:
+recipes/smollm2-135m-vllm.yaml (the same variants; serving.engine: vllm, evals.engine: both), each into a store and
+a cold cache of its own (the GGUF's conversion, every checkpoint and reference pass built in both), and prints:
 
 1. each sweep's wall time and their ratio (the engine issue's goal: vLLM + both within 1.5x);
 2. per variant: the kernel vLLM chose, served output tokens/s and TTFT p50 at each level on each engine and their
@@ -39,7 +39,7 @@ def sweep(engine: str, work: Path) -> float:
     store = f"sqlite:///{work / engine / 'mlflow.db'}"
     (work / engine).mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "quantlab", "sweep", str(RECIPES[engine]), "--tracking-uri", store, "--force"]
-    command += ["--cache-dir", str(work / "cache")]
+    command += ["--cache-dir", str(work / engine / "cache")]  # each cold: GGUF conversion and checkpoints built
     started = time.perf_counter()
     with open(work / engine / "sweep.log", "w") as log:
         done = subprocess.run(command, cwd=work / engine, stdout=log, stderr=subprocess.STDOUT)

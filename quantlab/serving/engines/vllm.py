@@ -67,6 +67,9 @@ class VLLM(Engine):
             # Bound to the variant's own cores; with a share smaller than the machine, placed by the OS.
             bind = ",".join(map(str, launch.bind_cpus)) if launch.bind_cpus else "nobind"
             variables["VLLM_CPU_OMP_THREADS_BIND"] = bind
+            # One engine step may exceed vLLM's 300 s default on a few cores: the embedded FP8 checkpoint's served
+            # evaluation (a 2048-token step on the generic FP8 kernel) killed its engine core at 300 s here.
+            variables["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = "3600"
         return variables
 
     def request_body(self, output_tokens: int) -> dict[str, Any]:
