@@ -23,7 +23,7 @@ from quantlab.metrics import (
 from quantlab.paired import DocumentScores, Group, NotPaired, PairedComparison, combine, compare
 
 if TYPE_CHECKING:
-    from quantlab.evaluate.lm_eval_runner import TaskDataset, TaskScores
+    from quantlab.evaluate.lm_eval_runner import TaskDataset, TaskRequest, TaskScores
     from quantlab.jobs import BaselineOutputs, StageReporter, VariantJob
     from quantlab.recipe import EvalSettings, QualitySettings
     from quantlab.stages.serve import ServedVariant
@@ -62,16 +62,22 @@ SERVED_DAMAGE_TAG = "quantlab.quality.served_kld"  # how quality/served/kld_topk
 def evaluate_tasks(
     model, tokenizer, settings: EvalSettings, include_path: Path | None, report: StageReporter
 ) -> EvalOutcome:
-    from quantlab.evaluate.lm_eval_runner import TaskRequest, run_tasks
+    from quantlab.evaluate.lm_eval_runner import run_tasks
 
     if not settings.tasks or settings.engine == "served":
         return EvalOutcome()
-    # The recipe's task fields are TaskRequest's; an unset one (None) keeps TaskRequest's default.
-    requests = [TaskRequest(**task.model_dump(exclude_none=True)) for task in settings.tasks]
+    requests = task_requests(settings)
     scores = run_tasks(
         model, tokenizer, requests, include_path, settings.batch_size, progress=lambda step: report(f"evaluate: {step}")
     )
     return eval_outcome(scores)
+
+
+def task_requests(settings: EvalSettings) -> list[TaskRequest]:
+    """The recipe's task fields are TaskRequest's; an unset one (None) keeps TaskRequest's default."""
+    from quantlab.evaluate.lm_eval_runner import TaskRequest
+
+    return [TaskRequest(**task.model_dump(exclude_none=True)) for task in settings.tasks]
 
 
 def evaluate_served(
@@ -79,11 +85,11 @@ def evaluate_served(
 ) -> EvalOutcome:
     """The recipe's tasks scored through the variant's own server (evals.engine: served or both): lm-eval's
     local-completions, the engine's kernels; per-document scores as from the reference."""
-    from quantlab.evaluate.lm_eval_runner import TaskRequest, score_tasks, served_language_model
+    from quantlab.evaluate.lm_eval_runner import score_tasks, served_language_model
 
     if served is None or settings.engine == "reference" or not settings.tasks:
         return EvalOutcome()
-    requests = [TaskRequest(**task.model_dump(exclude_none=True)) for task in settings.tasks]
+    requests = task_requests(settings)
     model = served_language_model(
         served.server.url,
         str(served.checkpoint),
@@ -100,17 +106,11 @@ def evaluate_served(
 def engine_vs_reference(reference: EvalOutcome, served: EvalOutcome) -> DamageOutcome:
     """The same variant's served scores against its reference scores, paired per document
     (quality/engine_vs_reference/<score>/<statistic>): a kernel bug shows as a difference here."""
-    comparisons: dict[str, PairedComparison] = {}
-    notes: dict[str, str] = {}
-    for key, served_docs in served.documents.items():
-        if key not in reference.documents:
-            continue
-        try:
-            comparisons[key] = compare(key, reference.documents[key], served_docs)
-        except NotPaired as error:
-            notes[key] = f"engine vs reference not paired: {error}"
+    comparisons, unpaired, _ = _compare_documents(reference.documents, served.documents)
     metrics = _paired_metrics(comparisons, ENGINE_VS_REFERENCE_PREFIX)
-    return DamageOutcome(metrics, {NOTE_TAG + key: note for key, note in notes.items()})
+    return DamageOutcome(
+        metrics, {NOTE_TAG + key: f"engine vs reference not paired: {why}" for key, why in unpaired.items()}
+    )
 
 
 def served_token_damage(
@@ -207,16 +207,8 @@ def answer_damage(scores: EvalOutcome, baseline: BaselineOutputs | None) -> Dama
     their leaves), flips and exact McNemar for 0/1 primary scores (a group's flips are its
     leaves'), and recovery of every score. The baseline compares itself with itself: its own zeros."""
     reference = baseline if baseline is not None else scores  # both have .documents and .scores
-    comparisons: dict[str, PairedComparison] = {}
-    notes: dict[str, str] = {}
-    for key, variant_docs in scores.documents.items():
-        if key not in reference.documents:
-            notes[key] = "the baseline has no per-document scores for it"
-            continue
-        try:
-            comparisons[key] = compare(key, reference.documents[key], variant_docs)
-        except NotPaired as error:
-            notes[key] = str(error)
+    comparisons, notes, missing = _compare_documents(reference.documents, scores.documents)
+    notes |= dict.fromkeys(missing, "the baseline has no per-document scores for it")
     for key, parts in scores.groups.items():
         missing = [leaf for leaf in parts.leaves if leaf not in comparisons]
         if missing:
@@ -237,6 +229,25 @@ def answer_damage(scores: EvalOutcome, baseline: BaselineOutputs | None) -> Dama
     metrics |= recovery(reference.scores, scores.scores)
     tags = {NOTE_TAG + key: f"not paired: {note}" for key, note in notes.items()}
     return DamageOutcome(metrics, tags, artifacts=artifacts)
+
+
+def _compare_documents(
+    reference: Mapping[str, DocumentScores], variant: Mapping[str, DocumentScores]
+) -> tuple[dict[str, PairedComparison], dict[str, str], list[str]]:
+    """Each of `variant`'s per-document scores paired with `reference`'s: the comparisons, why a score could not be
+    paired, and the scores `reference` lacks."""
+    comparisons: dict[str, PairedComparison] = {}
+    unpaired: dict[str, str] = {}
+    missing: list[str] = []
+    for key, documents in variant.items():
+        if key not in reference:
+            missing.append(key)
+            continue
+        try:
+            comparisons[key] = compare(key, reference[key], documents)
+        except NotPaired as error:
+            unpaired[key] = str(error)
+    return comparisons, unpaired, missing
 
 
 def _paired_metrics(comparisons: Mapping[str, PairedComparison], prefix: str = PAIRED_PREFIX) -> dict[str, float]:

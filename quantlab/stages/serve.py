@@ -17,7 +17,7 @@ import json
 import os
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -228,8 +228,6 @@ def gpu_memory_utilization(free_bytes: int, total_bytes: int, margin: float = 0.
 
 
 def _with_port(launch: Launch, port: int) -> Launch:
-    from dataclasses import replace
-
     return replace(launch, port=port)
 
 
