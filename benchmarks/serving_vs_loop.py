@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from quantlab.recipe import load_recipe
     from quantlab.stages.measure import measure
     from quantlab.stages.quantize import quantize_variant
-    from quantlab.stages.serve import serve_load, serving_variant
+    from quantlab.stages.serve import VariantServer, serve_load
 
     args = parse_args(argv)
     loaded = load_recipe(args.recipe)
@@ -63,11 +63,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         stored = METHODS[variant.method].stored_format
         with (
             tempfile.TemporaryDirectory() as logs,
-            serving_variant(
+            VariantServer(
                 checkpoint.path, variant.name, stored, recipe, device, dtype, args.cache_dir, Path(logs)
             ) as on,
         ):
-            served = serve_load(on, serving, recipe.measure, recipe_dir, dtype, cost, Path(logs))
+            served = serve_load(on.ready(), serving, recipe.measure, recipe_dir, dtype, cost, Path(logs))
         rows.append((variant.name, cost, served.metrics))
         print(f"{variant.name}: done", flush=True)
 

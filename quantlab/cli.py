@@ -197,7 +197,9 @@ def sweep(
 @app.command("sensitivity")
 def sensitivity_command(
     recipe: Annotated[Path, typer.Argument(help="Recipe YAML, e.g. recipes/smollm2-135m.yaml.")],
-    variant: Annotated[str, typer.Option(help="The quantized variant whose damage to locate, e.g. awq-int4-g64.")],
+    variant: Annotated[
+        str | None, typer.Option(help="The quantized variant whose damage to locate, e.g. awq-int4-g64.")
+    ] = None,
     by: Annotated[
         str,
         typer.Option(
@@ -224,6 +226,21 @@ def sensitivity_command(
         ),
     ] = None,
     keep: Annotated[int, typer.Option(min=1, help="Groups the written variant keeps in BF16.")] = 2,
+    budget_bits: Annotated[
+        float | None,
+        typer.Option(
+            help="Instead of one variant's ranking: the best mix of --formats, a format per group, whose stored bits "
+            "per weight of the blocks' linear layers stay within this budget (least summed KL, measured per group "
+            "and format as the mix quantizes it: a preset's own checkpoint, AWQ/GPTQ/SmoothQuant round-to-nearest); "
+            "--write-recipe adds it as a variant.",
+        ),
+    ] = None,
+    formats: Annotated[
+        str | None,
+        typer.Option(
+            help="With --budget-bits: the formats (method names; bf16 = left unquantized), e.g. nvfp4,fp8,bf16."
+        ),
+    ] = None,
     force: Annotated[
         bool, typer.Option("--force", help="Measure every group again, even those already measured.")
     ] = False,
@@ -251,6 +268,11 @@ def sensitivity_command(
     options = SensitivityOptions(
         tracking.open_store(tracking_uri).uri, cache_root, by, rounded, force, write_recipe, keep
     )
+    if budget_bits is not None or formats is not None:
+        _budget_mix(loaded, budget_bits, formats, options)
+        return
+    if variant is None:
+        raise bad_input("--variant", "", "required: the variant to rank (or --budget-bits with --formats for a mix)")
     check_request(loaded, variant, options)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     log = Path(tempfile.mkstemp(prefix="quantlab-sensitivity-", suffix=".log")[1])
@@ -270,25 +292,76 @@ def sensitivity_command(
         def progress(what: str, done: int, total: int) -> None:
             bar.update(task, description=what, completed=done, total=total or None)
 
-        try:
-            outcome = run_sensitivity(loaded, variant, replace(options, log=log), progress)
-        except KeyboardInterrupt:
-            terminal.print("Interrupted: the groups measured so far are kept; run the same command again to go on.")
-            raise typer.Exit(130) from None
-        except BadInput:
-            raise
-        except CannotIsolate as error:  # found once the models are loaded: the runs it started are marked FAILED
-            raise bad_input("--by", "", str(error)) from None
-        except Exception as error:
-            traceback.print_exc()  # into the log
-            terminal.print(f"[red]Failed[/]: {first_line(error)} (the libraries' output and the traceback: {log})")
-            raise typer.Exit(1) from None
+        with _failure_logged(log, terminal):
+            try:
+                outcome = run_sensitivity(loaded, variant, replace(options, log=log), progress)
+            except KeyboardInterrupt:
+                terminal.print("Interrupted: the groups measured so far are kept; run the same command again to go on.")
+                raise typer.Exit(130) from None
+            except CannotIsolate as error:  # found once the models are loaded: the runs it started are marked FAILED
+                raise bad_input("--by", "", str(error)) from None
     log.unlink(missing_ok=True)
     _print_sensitivity(outcome, keep)
     uri = options.tracking_uri
     out.print(f"Logged to {tracking.shown_uri(uri)}, experiment '{loaded.recipe.name}', run {outcome.run_id}.")
     if (address := tracking.run_address(uri, outcome.experiment_id, outcome.run_id)) is not None:
         out.print(f"View it at {address}")
+
+
+def _budget_mix(loaded, budget_bits: float | None, formats: str | None, options) -> None:
+    """`quantlab sensitivity --budget-bits B --formats F1,F2,...`: measure, choose, print, write."""
+    from quantlab.sensitivity.budget import InfeasibleBudget
+    from quantlab.sensitivity.command import check_formats, run_budget_mix
+
+    if budget_bits is None or formats is None:
+        raise bad_input(
+            "--budget-bits" if budget_bits is None else "--formats", "", "needs the other: a mix needs both"
+        )
+    names = [name.strip() for name in formats.split(",") if name.strip()]
+    check_formats(loaded, names, budget_bits, options)
+    log = Path(tempfile.mkstemp(prefix="quantlab-sensitivity-", suffix=".log")[1])
+    with _output_to(log) as terminal, _failure_logged(log, terminal):
+        try:
+            outcome = run_budget_mix(loaded, names, budget_bits, replace(options, log=log), lambda *_: None)
+        except InfeasibleBudget as error:  # known once each format's bits are read
+            raise bad_input("--budget-bits", "", str(error)) from None
+    log.unlink(missing_ok=True)
+    _print_mix(outcome, budget_bits)
+
+
+def _print_mix(outcome, budget_bits: float) -> None:
+    from rich.table import Table
+
+    mix = outcome.mix
+    formats = list(next(iter(outcome.damage.values())))
+    table = Table("chosen", *(f"{fmt}: KL, bits/w" for fmt in formats))
+    table.add_column("group", no_wrap=True)  # last, whole, as in the ranking
+    for group, chosen in mix.chosen.items():
+        figures = (
+            f"{outcome.damage[group][f]:.5f}, {outcome.bits[group][f] / outcome.weights[group]:.2f}" for f in formats
+        )
+        table.add_row(chosen, *figures, group)
+    out.print(table)
+    out.print(
+        f"Best mix under {budget_bits:g} bits per weight: {mix.bits_per_weight:.3f} stored bits per weight, summed KL "
+        f"{mix.damage:.5f} (each group measured alone; a sweep of the mix measures it whole)."
+    )
+    if outcome.written is not None:
+        path, name = outcome.written
+        out.print(f"Wrote {path}: its variant {name} is this mix.")
+
+
+@contextmanager
+def _failure_logged(log: Path, terminal: Console) -> Iterator[None]:
+    """Bad input passes as it is; any other failure goes to `log` with its traceback, one line on the terminal, exit 1."""
+    try:
+        yield
+    except (BadInput, typer.Exit):  # typer's Exit is a RuntimeError
+        raise
+    except Exception as error:
+        traceback.print_exc()  # into the log
+        terminal.print(f"[red]Failed[/]: {first_line(error)} (the libraries' output and the traceback: {log})")
+        raise typer.Exit(1) from None
 
 
 @contextmanager
@@ -601,14 +674,18 @@ def ui(
         str, typer.Option(help="Interface to bind. Anything but 127.0.0.1 exposes your runs to the network.")
     ] = "127.0.0.1",
     tracking_uri: TrackingUri = None,
+    workers: Annotated[
+        int, typer.Option(min=1, help="Server processes (one serves a reviewer, and starts in half the time of 4).")
+    ] = 1,
 ) -> None:
-    """Serve the MLflow UI on the project's store and print the address of the runs table."""
+    """Serve the MLflow UI on the project's store and print, per experiment, the addresses that open in its
+    classic view: the runs table grouped by sweep with the reviewer's columns, the newest sweep, its frontier.html."""
     import subprocess
 
     from quantlab import tracking
 
     store = tracking.open_store(tracking_uri)
-    options = ["--backend-store-uri", store.uri, "--host", host, "--port", str(port)]
+    options = ["--backend-store-uri", store.uri, "--host", host, "--port", str(port), "--workers", str(workers)]
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped like Ctrl-C, its helpers with it
     # Its job runners (seven huey consumers) serve GenAI features, not the runs we browse.
     env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ}
@@ -639,35 +716,38 @@ def _sweep_view(experiment: str | None, tracking_uri: str | None):
 
 
 def _print_table(table) -> None:
-    """A row per figure, a column per variant, when the figures (dozens over many lm-eval tasks) would not fit."""
+    """The table cut to the terminal's width (COLUMNS, else the terminal's; report.text_tables)."""
+    from rich.markup import escape
     from rich.table import Table as RichTable
 
-    headers, rows = list(table.headers), [list(row) for row in table.rows]
-    if len(headers) > 6:
-        headers, rows = (
-            ["", *(row[0] for row in rows)],
-            [[header, *(row[i] for row in rows)] for i, header in enumerate(headers) if i],
-        )
-    rich_table = RichTable(*headers)
-    for row in rows:
-        rich_table.add_row(*row)
-    out.print(rich_table)
+    from quantlab.report import text_tables
+
+    for part in text_tables(table, out.width):
+        rich_table = RichTable(*map(escape, part.headers))
+        for row in part.rows:
+            rich_table.add_row(*map(escape, row))
+        out.print(rich_table)
 
 
 @app.command()
 def frontier(experiment: Experiment = None, tracking_uri: TrackingUri = None, as_json: AsJson = False) -> None:
-    """Print the quality-versus-cost frontier of the newest sweep of an experiment (ties within paired noise named)."""
-    from quantlab.publish import frontier_json, frontiers
-    from quantlab.report import frontier_lines, variants_table
+    """Print the newest sweep's decision and its quality-versus-cost frontier (ties within paired noise named)."""
+    from quantlab.publish import frontier_json, frontiers, recipe_decision
+    from quantlab.report import decision_text, frontier_lines, variants_table
 
     _, view = _sweep_view(experiment, tracking_uri)
     found = frontiers(view)
     if as_json:
         out.print_json(frontier_json(found))
         return
-    _print_table(variants_table(view.variants, found))
+    from rich.markup import escape
+
+    decision = recipe_decision(view)
+    text = decision_text(decision, view.variants)
+    out.print(f"[bold]{escape(text.ship)}[/] {escape(text.why)}", soft_wrap=False)  # wrapped at words
+    _print_table(variants_table(view.variants, found, decision))
     for line in frontier_lines(found):
-        out.print(line)
+        out.print(line, soft_wrap=False)
 
 
 @app.command()

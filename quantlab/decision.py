@@ -36,6 +36,7 @@ from quantlab.policy import (
     format_value,
     unchecked_by_any_task,
 )
+from quantlab.serving.goodput import SERVING_TAG
 
 
 class DecisionError(ValueError):
@@ -372,7 +373,18 @@ def cost_warnings(variants: Sequence[VariantSummary], rests_on: Sequence[str] = 
         )
     elif flagged:
         lines.append("rerun the sweep with --force on a quiet machine before a release rests on these speed figures")
-    return tuple(lines)
+    return tuple(lines) + served_as_notes(variants)
+
+
+def served_as_notes(variants: Sequence[VariantSummary]) -> tuple[str, ...]:
+    """One line per variant its engine ran as another format than the one stored (a weight-only fallback, an
+    emulation: the method's declaration for that engine and device, `quantlab.quantize.base.Support.served_as`)."""
+    return tuple(
+        f"{variant.name}: served as {label} by {variant.tags.get(SERVING_TAG + 'engine', 'its engine')} on this "
+        f"hardware; its serving figures describe that format, not {variant.method} as stored"
+        for variant in variants
+        if (label := variant.tags.get(SERVING_TAG + "served_as"))
+    )
 
 
 def pick(

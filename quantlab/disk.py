@@ -12,7 +12,7 @@ import math
 import os
 import shutil
 import urllib.parse
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,6 +21,7 @@ from quantlab.cache import NotEnoughSpace
 from quantlab.errors import BadInput, Problem
 from quantlab.measure.modeled import ModelShape, WeightCounts, weight_counts
 from quantlab.models import ModelSource
+from quantlab.quantize import METHODS
 
 if TYPE_CHECKING:
     from quantlab.recipe import VariantSpec
@@ -41,43 +42,19 @@ FREE_CACHE = (
 FREE_STORE = "free space there or log to another store (--tracking-uri / MLFLOW_TRACKING_URI)"
 
 
-def _w4a16_packed(weights: WeightCounts, params: Mapping[str, Any]) -> int:
-    """W4A16 pack-quantized, AWQ's and GPTQ's alike (neither GPTQ ordering left in compressed-tensors 0.19 stores
-    a g_idx): eight INT4 weights per int32, a BF16 scale per group of inputs, with `symmetric: false` an INT4 zero
-    point per group (packed along the outputs), a 2-element int64 shape per layer."""
-    linear, group = weights.linear_weights, params.get("group_size", 128)
-    zero_points = 0 if params.get("symmetric", True) else linear // (2 * group)
-    return linear // 2 + 2 * linear // group + zero_points + 16 * 7 * weights.layers
-
-
-def _w8_per_channel(weights: WeightCounts, params: Mapping[str, Any]) -> int:
-    """One byte per weight (FP8 E4M3 or INT8) and a BF16 scale per output channel; activations are quantized
-    per token at run time, so nothing of theirs is stored."""
-    return weights.linear_weights + 2 * weights.linear_outputs
-
-
-# Stored bytes of the decoder blocks' linear weights, by method; everything else is kept in BF16.
-LINEAR_BYTES: dict[str, Callable[[WeightCounts, Mapping[str, Any]], int]] = {
-    "bf16": lambda weights, params: 2 * weights.linear_weights,
-    "fp8": _w8_per_channel,
-    "awq_int4": _w4a16_packed,
-    "gptq_int4": _w4a16_packed,
-    "int8": _w8_per_channel,
-}
-
-
 def checkpoint_bytes(shape: ModelShape, method: str, params: Mapping[str, Any]) -> int:
     """Tensor bytes of the checkpoint the quantize stage writes."""
     return _stored_bytes(weight_counts(shape), method, params)
 
 
 def _stored_bytes(weights: WeightCounts, method: str, params: Mapping[str, Any]) -> int:
-    """A method missing from the table, or one told to keep more than lm_head unquantized (how much more the
+    """A method that models no stored bytes (`Method.linear_bytes`), or one told to keep more than lm_head unquantized (how much more the
     shape does not say), counts as BF16: an upper bound."""
     bf16 = 2 * weights.parameters
-    if method not in LINEAR_BYTES or set(params.get("ignore", ["lm_head"])) - {"lm_head"}:
+    linear = METHODS[method].linear_bytes(weights, params) if method in METHODS else None
+    if linear is None or set(params.get("ignore", ["lm_head"])) - {"lm_head"}:
         return bf16
-    return bf16 - 2 * weights.linear_weights + LINEAR_BYTES[method](weights, params)
+    return bf16 - 2 * weights.linear_weights + linear
 
 
 def with_margin(tensor_bytes: int) -> int:

@@ -131,10 +131,11 @@ class Logbook:
 
     def publish(self) -> str | None:
         """The frontier and report over every variant, once all of them are logged (a later sweep publishes them)."""
-        from quantlab.publish import publish_sweep
+        from quantlab.publish import DRAWN_FIGURES_DIR, publish_sweep
 
         try:
-            tracking.with_retries(lambda: publish_sweep(self.store, self.parent_run_id), self.retry_seconds)
+            drawn = self.plan.cache_root / DRAWN_FIGURES_DIR
+            tracking.with_retries(lambda: publish_sweep(self.store, self.parent_run_id, drawn), self.retry_seconds)
         except tracking.store_errors() as error:
             return first_line(error)
         return None

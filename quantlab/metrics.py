@@ -18,6 +18,8 @@ ENGINE_VS_REFERENCE_PREFIX = "quality/engine_vs_reference/"
 # Token damage through the serving engine's prompt log-probabilities (quality/served/<figure of quality/...>);
 # its KL is over the engine's top-k tokens plus one bucket for the rest: kld_topk_*, a lower bound of the exact KL.
 SERVED_QUALITY_PREFIX = "quality/served/"
+# A variant's quantized KV cache against the same checkpoint with it off (quantlab.evaluate.contexts), per token.
+KV_CACHE_PREFIX = "quality/kv_cache/"
 STDERR_SUFFIX = "_stderr"
 NO_FILTER = "none"
 
@@ -160,6 +162,15 @@ _FIXED: dict[str, tuple[bool | None, Scale, str]] = {
     "quality/ppl_design_effect": (None, Scale.RATIO, "perplexity design effect (windows)"),
     "quality/kld_mean_design_effect": (None, Scale.RATIO, "mean KL design effect (windows)"),
     "quality/top1_agreement_design_effect": (None, Scale.RATIO, "top-1 agreement design effect (windows)"),
+    # By context length (quality.contexts; quantlab.evaluate.contexts): the tokens with fewer than <length> and at
+    # least the previous length's tokens before them in windows of the longest. Design effects first: the figure's
+    # own template would match them too.
+    "quality/kld_mean/ctx<length>_design_effect": (None, Scale.RATIO, "mean KL design effect at ctx {length}"),
+    "quality/top1_agreement/ctx<length>_design_effect": (None, Scale.RATIO, "top-1 design effect at ctx {length}"),
+    "quality/kld_mean/ctx<length>": (False, Scale.NATS, "mean KL divergence at ctx {length}"),
+    "quality/kld_p99/ctx<length>": (False, Scale.NATS, "p99 KL divergence at ctx {length}"),
+    "quality/top1_agreement/ctx<length>": (True, Scale.FRACTION, "top-1 agreement at ctx {length}"),
+    "quality/ppl_tokens/ctx<length>": (None, Scale.COUNT, "scored tokens at ctx {length}"),
     "cost/weight_bytes": (False, Scale.BYTES, "weight size"),  # *.safetensors files of the checkpoint on disk
     "cost/weight_bytes_in_memory": (False, Scale.BYTES, "weights in memory"),  # tensor payload in its stored format
     "cost/loaded_weight_bytes": (False, Scale.BYTES, "weights as loaded here"),  # parameters as loaded for measuring
@@ -268,21 +279,20 @@ def spec(key: str, declared: Mapping[str, Declared] | None = None) -> MetricSpec
         higher = None if parsed.stderr else found.higher_is_better  # lm-eval's higher_is_better
         entry = "eval/<task>/<metric>" + (STDERR_SUFFIX if parsed.stderr else "") + "[:<filter>]"
         return MetricSpec(key, entry, higher, found.scale, parsed.label)
-    metric_key, _, statistic = key.removeprefix(PAIRED_PREFIX).rpartition("/")
-    if key.startswith(PAIRED_PREFIX) and metric_key and statistic in PAIRED_STATISTICS:
-        base = spec(metric_key, declared)
-        # A difference is better the more it favours the variant in the metric's direction.
-        higher = base.higher_is_better if statistic in ("diff", "ci95_low", "ci95_high") else None
-        label = f"{base.label}: paired {statistic}"
-        scale = PAIRED_STATISTICS[statistic] or base.scale
-        return MetricSpec(key, f"quality/paired/<metric>/{statistic}", higher, scale, label)
-    metric_key, _, statistic = key.removeprefix(ENGINE_VS_REFERENCE_PREFIX).rpartition("/")
-    if key.startswith(ENGINE_VS_REFERENCE_PREFIX) and metric_key and statistic in PAIRED_STATISTICS:
-        base = spec(metric_key, declared)
-        # Engine and reference should agree: neither way of differing is better.
-        label = f"{base.label}: engine - reference, paired {statistic}"
-        scale = PAIRED_STATISTICS[statistic] or base.scale
-        return MetricSpec(key, f"quality/engine_vs_reference/<metric>/{statistic}", None, scale, label)
+    # A difference is better the more it favours the variant (or the quantized KV cache) in the metric's direction;
+    # engine and reference should agree: neither way of differing is better.
+    for prefix, describe, directional in (
+        (PAIRED_PREFIX, "paired", True),
+        (ENGINE_VS_REFERENCE_PREFIX, "engine - reference, paired", False),
+        (KV_CACHE_PREFIX, "KV cache quantized - not, paired", True),
+    ):
+        metric_key, _, statistic = key.removeprefix(prefix).rpartition("/")
+        if key.startswith(prefix) and metric_key and statistic in PAIRED_STATISTICS:
+            base = spec(metric_key, declared)
+            higher = base.higher_is_better if directional and statistic in ("diff", "ci95_low", "ci95_high") else None
+            scale = PAIRED_STATISTICS[statistic] or base.scale
+            label = f"{base.label}: {describe} {statistic}"
+            return MetricSpec(key, f"{prefix}<metric>/{statistic}", higher, scale, label)
     if key.startswith(SERVED_QUALITY_PREFIX):
         figure = key.removeprefix(SERVED_QUALITY_PREFIX)
         base = spec("quality/" + figure.replace("kld_topk_", "kld_"), declared)

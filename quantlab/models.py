@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Literal
 
 from quantlab import cache
 from quantlab.errors import bad_input
-from quantlab.quantize import METHODS
 
 if TYPE_CHECKING:
     import torch
@@ -90,14 +89,14 @@ def checkpoint_identity(source: ModelSource, variant: VariantSpec, calibration: 
     """Everything that decides a variant's checkpoint's bytes, and nothing that does not (e.g. its name): the
     source's identity, the method and its params, the calibration when the method calibrates, the library versions.
     The checkpoint cache keys on it (the plan, the quantize stage and the sensitivity probe alike)."""
-    calibrated = calibration is not None and METHODS[variant.method].needs_calibration
+    calibrated = calibration is not None and variant.needs_calibration
     return {
         "model": source.identity,
         "method": variant.method,
         "params": variant.params.model_dump(),
         "calibration": calibration.model_dump() if calibrated else None,
         "versions": cache.library_versions(),
-    }
+    } | ({"kv_cache": variant.kv_cache.model_dump()} if variant.kv_cache is not None else {})  # keys without: as before
 
 
 def _gguf_identity(path: Path) -> str:
@@ -299,12 +298,45 @@ def load_checkpoint(checkpoint: Path, dtype: torch.dtype, device: str) -> Loaded
     import json
 
     config = json.loads((checkpoint / "config.json").read_text())
-    fast = {}
-    if device == "cuda" and (config.get("quantization_config") or {}).get("quant_method") == "compressed-tensors":
+    if (config.get("quantization_config") or {}).get("quant_method") != "compressed-tensors":
+        return _load(checkpoint, dtype, device, {}, {})
+    if device == "cuda":
         from transformers.utils.quantization_config import CompressedTensorsConfig
 
-        fast = {"quantization_config": CompressedTensorsConfig(use_optimized_inference=True)}
-    return _load(checkpoint, dtype, device, {}, fast)
+        fast = CompressedTensorsConfig(use_optimized_inference=rowwise_fp8(config["quantization_config"]))
+        return _load(checkpoint, dtype, device, {}, {"quantization_config": fast})
+    model, tokenizer = _load(checkpoint, dtype, device, {}, cpu_decompression())
+    upcast_decompressed(model, dtype)
+    return model, tokenizer
+
+
+def cpu_decompression() -> dict:
+    """`from_pretrained` arguments that decompress a compressed-tensors checkpoint once, at load, on a CPU.
+
+    compressed-tensors 0.19 otherwise decompresses on every forward, and MX and NVFP4 weights come back as BF16
+    whatever the compute dtype (their E8M0 / FP8 scales are BF16): a float32 activation then meets a BF16 weight
+    ("expected m1 and m2 to have the same dtype"). The forward still rounds the activations to the format on every
+    pass. `upcast_decompressed` after it. `transformers serve` on CPU loads MX and NVFP4 checkpoints this way too
+    (serving/engines/transformers_site)."""
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
+
+
+def upcast_decompressed(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Decompressed weights and scales in the compute dtype (exact: every narrower float is a subset of it)."""
+    for parameter in model.parameters():
+        if parameter.is_floating_point() and parameter.dtype != dtype:
+            parameter.data = parameter.data.to(dtype)
+
+
+def rowwise_fp8(quantization_config: dict) -> bool:
+    """Whether transformers' FP8 kernel (`use_optimized_inference`) can run this checkpoint: it takes any group with
+    8-bit float weights, and reshapes their scales to one per output row, so per-group (MXFP8) or per-block
+    (FP8_BLOCK) scales would be misread. Only per-channel or per-tensor FP8 weights (FP8_DYNAMIC, FP8) go there."""
+    weights = [group.get("weights") or {} for group in (quantization_config.get("config_groups") or {}).values()]
+    fp8 = [w for w in weights if w.get("type") == "float" and w.get("num_bits") == 8]
+    return bool(fp8) and all(w.get("strategy") in ("channel", "tensor") for w in fp8)
 
 
 def _load(location: str | Path, dtype: torch.dtype, device: str, tokenizer_args: dict, model_args: dict) -> LoadedModel:

@@ -34,7 +34,19 @@ from quantlab.jobs import BaselineOutputs
 from quantlab.metrics import declared_from_tags
 from quantlab.paired import DocumentScores
 from quantlab.policy import Policy, PolicyError
-from quantlab.report import SERVING_CHART, render_html, render_markdown, render_plots, render_serving_chart
+from quantlab.report import (
+    SERVING_CHART,
+    Plot,
+    decision_figures,
+    policy_words,
+    render_html,
+    render_markdown,
+    render_plots,
+    render_serving_chart,
+    reviewer_metrics,
+)
+
+DRAWN_FIGURES_DIR = "drawn-figures"  # under the cache root: a sweep's figures, kept by what they show
 
 
 @dataclass(frozen=True)
@@ -159,23 +171,91 @@ def decide(view: SweepView, policy: Policy | None = None, objective: str | None 
         raise bad_input("--objective" if objective else "sweep", "", str(error)) from None
 
 
-def render_artifacts(view: SweepView, out_dir: Path) -> list[Path]:
-    """frontier.json, frontier.png, frontier.html, report.md and plots/ (PNG and SVG per frontier)."""
+def recipe_decision(view: SweepView) -> Decision | None:
+    """The decision under the recipe's own policy; None when it cannot be applied (the report then recommends
+    nothing, and `quantlab pick` says why)."""
+    with suppress(BadInput):
+        return decide(view)
+    return None
+
+
+def render_artifacts(
+    view: SweepView, out_dir: Path, decision: Decision | None = None, drawn_cache: Path | None = None
+) -> list[Path]:
+    """frontier.json, frontier.png, frontier.html, report.md, plots/ (PNG and SVG per frontier) and serving.png;
+    `decision` defaults to the recipe's. `drawn_cache`: where drawn figures are kept by what they show."""
     out_dir.mkdir(parents=True, exist_ok=True)
     found = frontiers(view)
-    decision = None
-    with suppress(BadInput):  # the report then has no recommendation
-        decision = decide(view)
-    plots = render_plots(found, out_dir, view.model)
+    decision = decision or recipe_decision(view)
+    plots, serving = drawn_figures(view, found, out_dir, drawn_cache)
     (out_dir / "frontier.json").write_text(frontier_json(found, indent=2))
-    render_html(found, plots, out_dir / "frontier.html", variants=view.variants, model=view.model)
+    render_html(
+        found,
+        plots,
+        out_dir / "frontier.html",
+        variants=view.variants,
+        model=view.model,
+        decision=decision,
+        serving_chart=serving,
+    )
     (out_dir / "report.md").write_text(render_markdown(view.variants, found, decision, view.notes, model=view.model))
-    serving = render_serving_chart(view.variants, out_dir / SERVING_CHART, view.model)
     return (
         [out_dir / name for name in ("frontier.json", "frontier.png", "frontier.html", "report.md")]
         + [path for plot in plots for path in (plot.png, plot.svg)]
         + ([serving] if serving else [])
     )
+
+
+def drawn_figures(
+    view: SweepView, found: Frontiers, out_dir: Path, cache: Path | None
+) -> tuple[list[Plot], Path | None]:
+    """The frontier plots and the serving chart, drawn into `out_dir`, or copied from `cache` where the same figures
+    were drawn before: an unchanged re-run publishes the same figures, and drawing its ~25 took most of its time.
+    They are kept under a hash of everything they show (frontier.json holds every point, interval and exclusion the
+    plots draw; the serving chart draws the variants' cost/serving/* figures) and of the code that draws them."""
+    import hashlib
+    import shutil
+
+    from quantlab import report
+    from quantlab.serving import chart
+
+    def draw() -> tuple[list[Plot], Path | None]:
+        return render_plots(found, out_dir, view.model), render_serving_chart(
+            view.variants, out_dir / SERVING_CHART, view.model
+        )
+
+    if cache is None:
+        return draw()
+    served = {v.name: {k: x for k, x in v.metrics.items() if k.startswith("cost/serving/")} for v in view.variants}
+    shown = json.dumps([frontier_json(found), view.model, served], sort_keys=True, default=str).encode()
+    code = Path(report.__file__).read_bytes() + Path(chart.__file__).read_bytes()
+    kept = cache / hashlib.sha256(shown + code).hexdigest()[:24]
+    listing = kept / "figures.json"  # written last: a folder without it is incomplete
+    if listing.is_file():
+        names = json.loads(listing.read_text())
+        shutil.copytree(kept / "files", out_dir, dirs_exist_ok=True)
+        plots = [Plot(out_dir / png, out_dir / svg) for png, svg in names["plots"]]
+        return plots, out_dir / names["serving"] if names["serving"] else None
+    plots, serving = draw()
+    with suppress(OSError):  # a cache that cannot be written only costs the next re-run its drawing
+        scratch = Path(tempfile.mkdtemp(prefix=".drawing-", dir=_made(cache)))
+        for path in [*(p for plot in plots for p in (plot.png, plot.svg)), out_dir / "frontier.png", serving]:
+            if path is not None:
+                (scratch / "files" / path.relative_to(out_dir)).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, scratch / "files" / path.relative_to(out_dir))
+        relative = [[str(plot.png.relative_to(out_dir)), str(plot.svg.relative_to(out_dir))] for plot in plots]
+        serving_name = str(serving.relative_to(out_dir)) if serving else None
+        (scratch / "figures.json").write_text(json.dumps({"plots": relative, "serving": serving_name}))
+        if not listing.is_file():
+            shutil.rmtree(kept, ignore_errors=True)
+            scratch.rename(kept)
+        shutil.rmtree(scratch, ignore_errors=True)
+    return plots, serving
+
+
+def _made(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def frontier_json(found: Frontiers, indent: int | None = None) -> str:
@@ -187,14 +267,30 @@ def json_safe(value):
     return json.loads(json.dumps(value), parse_constant=lambda _: None)
 
 
-def publish_sweep(store: tracking.TrackingStore, parent_run_id: str) -> SweepView:
-    """Tag each variant run with quantlab.on_frontier and attach the four artifacts to the parent."""
+def publish_sweep(store: tracking.TrackingStore, parent_run_id: str, drawn_cache: Path | None = None) -> SweepView:
+    """Tag each variant run with quantlab.on_frontier and its verdict, put the decision on the parent (tags, the
+    chosen variant's figures, the sweep's datasets, the report as its description) with the artifacts, and keep
+    the experiment's runs-table view."""
     view = read_sweep(store, parent_run_id)
     on_front = frontiers(view).on_front
     for run in tracking.child_runs(store, parent_run_id):
         store.log_values(run.run_id, tags={tracking.ON_FRONTIER: str(run.variant in on_front).lower()})
+    decision = recipe_decision(view)
+    tracking.log_decision(
+        store,
+        parent_run_id,
+        tags={
+            tracking.CHOSEN: (decision.chosen if decision else None) or "none",
+            tracking.POLICY: policy_words(decision),
+            **({tracking.METRICS_OF: decision.chosen} if decision and decision.chosen else {}),
+        },
+        verdicts={v.name: v.status.words for v in decision.verdicts} if decision else {},
+        metrics=decision_figures(decision, view.variants),
+        columns=[f"tags.{tracking.CHOSEN}", f"tags.{tracking.VERDICT}", *reviewer_metrics(decision, view.variants)],
+    )
     with tempfile.TemporaryDirectory() as scratch:
-        files = {str(path.relative_to(scratch)): path.read_bytes() for path in render_artifacts(view, Path(scratch))}
+        artifacts = render_artifacts(view, Path(scratch), decision, drawn_cache)
+        files = {str(path.relative_to(scratch)): path.read_bytes() for path in artifacts}
     store.log_files(parent_run_id, files)  # relative names: plots/ stays a folder
     # The run page shows its description (this tag) as Markdown: the report, where reviewers look.
     report = files["report.md"].decode("utf-8")

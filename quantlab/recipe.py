@@ -14,13 +14,16 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     StringConstraints,
     ValidationError,
     ValidationInfo,
     create_model,
     field_validator,
+    model_serializer,
 )
 
 from quantlab.errors import BadInput, Problem, bad_input, did_you_mean
@@ -43,11 +46,44 @@ class ModelSpec(StrictModel):
     trust_remote_code: bool = Field(False, description="Run the model repository's own Python code (opt-in).")
 
 
+def _kv_cache_shorthand(value: object) -> object:
+    # `kv_cache: fp8` is `kv_cache: {format: fp8}` (per tensor)
+    return {"format": value} if isinstance(value, str) else value
+
+
+class KvCacheSpec(StrictModel):
+    """The variant's KV cache stored quantized: K and V rounded to the format as attention writes them, with static
+    scales llm-compressor calibrates on the recipe's calibration samples (its `kv_cache_scheme`)."""
+
+    format: Literal["fp8"] = Field("fp8", description="fp8: FP8 E4M3 with static scales (vLLM's kv_cache_dtype fp8).")
+    granularity: Literal["tensor", "head"] = Field(
+        "tensor", description="One scale per layer for K and one for V (tensor), or one per KV head (head)."
+    )
+
+    @property
+    def strategy(self) -> str:
+        """compressed-tensors' QuantizationStrategy of the scales."""
+        return {"tensor": "tensor", "head": "attn_head"}[self.granularity]
+
+
+class VariantBase(StrictModel):
+    """What every variant has beside its method's params."""
+
+    kv_cache: Annotated[KvCacheSpec | None, BeforeValidator(_kv_cache_shorthand)] = Field(
+        None, description="Quantize the KV cache too (on any method): fp8, or {format: fp8, granularity: head}."
+    )
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Its checkpoint is calibrated on the recipe's samples: by its method, or for its KV-cache scales."""
+        return METHODS[self.method].needs_calibration or self.kv_cache is not None  # type: ignore[attr-defined]
+
+
 # The variant model of each method: `method` is its tag, `params` the method's own `Params`.
 _VARIANT_MODELS = tuple(
     create_model(
         f"{method.__name__}Variant",
-        __base__=StrictModel,
+        __base__=VariantBase,
         name=(SafeName, ...),
         method=(Literal[name], ...),
         params=(method.Params, Field(default_factory=method.Params)),
@@ -139,6 +175,29 @@ class QualitySettings(StrictModel):
     max_tokens: int = Field(1024, gt=0, le=10_000_000)
     window: int = Field(256, gt=1, le=1_000_000)
     stride: int | None = Field(None, gt=0, description="Defaults to window (non-overlapping windows).")
+    contexts: list[Annotated[int, Field(gt=1, le=1_000_000)]] = Field(
+        default_factory=list,
+        description="Context lengths, in increasing order, of a second pass over the corpus in windows of the longest "
+        "(clipped to the model's max positions): KL and top-1 by how much context each token had, "
+        "quality/<figure>/ctx<L> for the tokens with fewer than L and at least the previous length's tokens before "
+        "them, e.g. [256, 1024, 4096]. Empty: no such pass.",
+    )
+    context_windows: int = Field(
+        2, gt=0, le=10_000, description="Windows of the longest context length that pass scores (its corpus tokens)."
+    )
+
+    @field_validator("contexts")
+    @classmethod
+    def _increasing(cls, contexts: list[int]) -> list[int]:
+        if any(later <= earlier for earlier, later in zip(contexts, contexts[1:])):
+            raise ValueError(f"{contexts} is not strictly increasing")
+        return contexts
+
+    @model_serializer(mode="wrap")
+    def _unused_left_out(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Without contexts, the dump (part of the reference's and every run's key) is what it was before they existed.
+        data = handler(self)
+        return data if self.contexts else {k: v for k, v in data.items() if k not in ("contexts", "context_windows")}
 
 
 class RuntimeSettings(StrictModel):

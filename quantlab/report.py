@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jinja2
 
-from quantlab.decision import Decision, confidence, cost_warnings
+from quantlab.decision import Decision, Status, Verdict, confidence, cost_warnings, served_as_notes
 from quantlab.frontier import (
     DAMAGE_METRICS,
     FrontierResult,
@@ -22,7 +22,7 @@ from quantlab.frontier import (
     logged_keys,
     quality_metrics,
 )
-from quantlab.metrics import Scale
+from quantlab.metrics import Scale, paired_key
 from quantlab.metrics import spec as metric_spec
 from quantlab.policy import format_change, format_value
 from quantlab.serving.chart import throughput_latency_chart
@@ -104,20 +104,121 @@ def _frontier_status(variant: VariantSummary, results: Sequence[FrontierResult])
     return f"yes ({on_front} of {len(results)} plots)" if on_front else "no"
 
 
-def variants_table(variants: Sequence[VariantSummary], frontiers: Frontiers) -> Table:
-    """One row per variant, baseline first: key figures and whether it is on a frontier."""
+def variants_table(variants: Sequence[VariantSummary], frontiers: Frontiers, decision: Decision | None = None) -> Table:
+    """One row per variant, baseline first: its verdict (with a decision), key figures, whether it is on a frontier."""
     metrics = key_metrics(variants, frontiers)
     baseline = find_baseline(variants)
+    judged = {verdict.name: verdict.status.words for verdict in decision.verdicts} if decision else {}
     rows = tuple(
         (
             variant.name + (" (baseline)" if variant.is_baseline else ""),
-            variant.method,
+            *([judged.get(variant.name, "not judged")] if decision else []),
+            variant.method
+            + (f" (served as {label})" if (label := variant.tags.get(SERVING_TAG + "served_as")) else ""),
             *(_cell(variant, metric, frontiers, baseline) for metric in metrics),
             _frontier_status(variant, frontiers.results),
         )
         for variant in sorted(variants, key=lambda v: not v.is_baseline)
     )
-    return Table(("variant", "method", *(metric_spec(m).label for m in metrics), "on frontier"), rows)
+    headers = ("variant", *(["verdict"] if decision else []), "method", *(metric_spec(m).label for m in metrics))
+    return Table((*headers, "on frontier"), rows)
+
+
+@dataclass(frozen=True)
+class DecisionText:
+    """What every page about a sweep opens with, one sentence each: what ships (at what cost), and why."""
+
+    ship: str
+    why: str
+
+
+def _names(verdicts: Sequence[Verdict]) -> str:
+    """'awq, fp8: not enough evidence; w8: rejected' (the verdicts grouped by status, in the decision's order)."""
+    by_status: dict[str, list[str]] = {}
+    for verdict in verdicts:
+        by_status.setdefault(verdict.status.words, []).append(verdict.name)
+    return "; ".join(f"{', '.join(names)}: {words}" for words, names in by_status.items())
+
+
+def _limits(decision: Decision) -> str:
+    """The policy in a few words: its limits when there are one or two, else how many (the table lists them)."""
+    if not decision.checks:
+        return "the policy, which sets no limits"
+    # A confidence belongs to the paired drop limits; a bound on a logged figure is a plain comparison.
+    drops = any(check.is_drop for verdict in decision.verdicts for check in verdict.checks)
+    shown = f"at {confidence(decision.policy.one_sided_alpha)} one-sided confidence" if drops else ""
+    if len(decision.checks) <= 2:
+        return f"every limit of the policy ({'; '.join(decision.checks)}{', ' * bool(shown)}{shown})"
+    return f"all {len(decision.checks)} limits of the policy" + (f" ({shown})" if shown else "")
+
+
+def policy_words(decision: Decision | None) -> str:
+    """The policy as applied: its limits, the objective and the confidence level (the parent run's POLICY tag)."""
+    if decision is None:
+        return "the recipe's policy could not be applied to this sweep"
+    best = "highest" if decision.objective.higher_is_better else "lowest"
+    limits = "; ".join(decision.checks) or "no limits"
+    level = confidence(decision.policy.one_sided_alpha)
+    return f"{limits}; then the {best} {decision.objective.metric}; limits shown at {level} one-sided confidence"
+
+
+def decision_text(decision: Decision | None, variants: Sequence[VariantSummary]) -> DecisionText:
+    """The decision in two sentences, from `decision` alone (and the variants' figures for the cost)."""
+    if decision is None:
+        return DecisionText(
+            "Nothing is recommended for this sweep.",
+            "The recipe's policy could not be applied to its runs; `quantlab pick` says why.",
+        )
+    others = [verdict for verdict in decision.verdicts if verdict.name != decision.chosen]
+    if decision.chosen is None:
+        return DecisionText(
+            "Ship nothing: no variant is shown within every limit of the policy.",
+            f"Checked against {_limits(decision)}: {_names(others)}.",
+        )
+    objective = decision.objective
+    found = metric_spec(objective.metric)
+    figures = {variant.name: variant.value(objective.metric) for variant in variants}
+    value, base = figures.get(decision.chosen), figures.get(decision.baseline)
+    cost = f"{found.label} {format_value(found, value)}"
+    rest = f"; {_names(others)}" if others else ""
+    if decision.chosen == decision.baseline:
+        return DecisionText(
+            f"Ship {decision.chosen}, the baseline ({cost}).",
+            f"No other variant is shown within {_limits(decision)}{rest}.",
+        )
+    if value is not None and base:
+        cost += f", {value / base:.0%} of the baseline {decision.baseline}'s {format_value(found, base)}"
+    best = "highest" if objective.higher_is_better else "lowest"
+    passing = sum(verdict.status in (Status.CHOSEN, Status.COSTS_MORE) for verdict in decision.verdicts)
+    return DecisionText(
+        f"Ship {decision.chosen}: {cost}.",
+        f"It has the {best} {found.label} of the {passing} of {len(decision.verdicts)} variants shown within "
+        f"{_limits(decision)}{rest}.",
+    )
+
+
+def decision_figures(decision: Decision | None, variants: Sequence[VariantSummary]) -> dict[str, float]:
+    """The chosen variant's figures a reviewer weighs, under their own keys: the objective and key costs, each
+    checked metric and its paired difference to the baseline (with its 95% interval). Empty when none is chosen."""
+    chosen = next((v for v in variants if decision is not None and v.name == decision.chosen), None)
+    if chosen is None or decision is None:
+        return {}
+    checked = [check.metric for check in decision.verdict(chosen.name).checks]
+    paired = [paired_key(metric, statistic) for metric in checked for statistic in ("diff", "ci95_low", "ci95_high")]
+    keys = [decision.objective.metric, *KEY_COST_METRICS, *checked, *paired]
+    return {key: chosen.metrics[key] for key in dict.fromkeys(keys) if key in chosen.metrics}
+
+
+def reviewer_metrics(decision: Decision | None, variants: Sequence[VariantSummary]) -> list[str]:
+    """The metrics a reviewer compares across the runs table, where logged: the policy's metrics with their paired
+    differences, the objective, weight bytes, served throughput and price."""
+    logged = logged_keys(variants)
+    checked = {check.metric for verdict in (decision.verdicts if decision else ()) for check in verdict.checks}
+    paired = [paired_key(metric, "diff") for metric in sorted(checked)]
+    objective = [decision.objective.metric] if decision else []
+    costs = ["cost/weight_bytes", "cost/serving/goodput_tokens_per_s", "cost/serving/usd_per_mtok"]
+    keys = [key for key in dict.fromkeys([*sorted(checked), *paired, *objective, *costs]) if key in logged]
+    return keys
 
 
 _FRONT, _DOMINATED, _BASELINE, _TIE = "#1f77b4", "#9e9e9e", "#d62728", "#ff9800"
@@ -252,10 +353,20 @@ def inline_svg(text: str) -> str:
 
 
 def render_html(
-    frontiers: Frontiers, plots: Sequence[Plot], path: Path, *, variants: Sequence[VariantSummary], model: str
+    frontiers: Frontiers,
+    plots: Sequence[Plot],
+    path: Path,
+    *,
+    variants: Sequence[VariantSummary],
+    model: str,
+    decision: Decision | None = None,
+    serving_chart: Path | None = None,
 ) -> Path:
-    """An offline page (MLflow's artifact viewer): SVGs and table; a hovered point's variant lights up everywhere."""
-    table = variants_table(variants, frontiers)
+    """An offline page (MLflow's artifact viewer): the decision and the table first, then the SVGs and the serving
+    chart (inlined: the viewer shows the page alone); a hovered point's variant lights up everywhere."""
+    import base64
+
+    table = variants_table(variants, frontiers, decision)
     rows = {row[0].removesuffix(" (baseline)"): list(zip(table.headers[1:], row[1:])) for row in table.rows}
     points = {
         f"pt{index}-{k}": {
@@ -274,11 +385,54 @@ def render_html(
         title=f"{model}: quantlab frontier",
         svgs=[inline_svg(plot.svg.read_text()) for plot in plots],
         table=table,
+        text=decision_text(decision, variants),
+        serving=base64.b64encode(serving_chart.read_bytes()).decode("ascii") if serving_chart else None,
         direction_unknown=frontiers.direction_unknown,
         points=points,
     )
     path.write_text(page, encoding="utf-8")
     return path
+
+
+# A terminal table: a column's widest cell beyond this wraps; each column adds a border and two spaces (Rich's
+# default box), and the table one closing border.
+CELL_WIDTH = 24
+ROWS_AS_COLUMNS = 6  # more columns than this: one row per figure and one column per variant
+
+
+def column_pages(widths: Sequence[int], width: int, keep: int = 1) -> list[tuple[int, ...]]:
+    """Which columns each printed table shows so that none is wider than `width`: the first `keep` columns on every
+    one, then as many of the others, in order, as fit (at least one). `widths`: each column's widest cell.
+
+    A column takes min(cell, CELL_WIDTH) + 3 characters and a table 1 more: at 80 columns, a 20-wide label and
+    cells of 30 make pages of two (1 + 23 + 27 + 27 = 78)."""
+    span = [min(cell, CELL_WIDTH) + 3 for cell in widths]
+    fixed, pages, page, used = tuple(range(keep)), [], [], 1 + sum(span[:keep])
+    for index in range(keep, len(widths)):
+        if page and used + span[index] > width:
+            pages.append(fixed + tuple(page))
+            page, used = [], 1 + sum(span[:keep])
+        page.append(index)
+        used += span[index]
+    return [*pages, fixed + tuple(page)] if page or not pages else pages
+
+
+def text_tables(table: Table, width: int) -> list[Table]:
+    """The variants table for a terminal `width` characters wide: as it is when it has at most ROWS_AS_COLUMNS
+    columns and fits; else a row per figure and a column per variant (dozens of lm-eval scores would not fit side
+    by side), cut into tables of as many variants as fit, each repeating the figure names. Long cells wrap."""
+
+    def widths(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[int]:
+        return [max(len(cell) for cell in column) for column in zip(headers, *rows)]
+
+    if len(table.headers) <= ROWS_AS_COLUMNS and len(column_pages(widths(table.headers, table.rows), width)) == 1:
+        return [table]
+    headers = ("", *(row[0] for row in table.rows))
+    rows = [(header, *(row[i] for row in table.rows)) for i, header in enumerate(table.headers) if i]
+    return [
+        Table(tuple(headers[i] for i in page), tuple(tuple(row[i] for i in page) for row in rows))
+        for page in column_pages(widths(headers, rows), width)
+    ]
 
 
 def frontier_lines(frontiers: Frontiers) -> list[str]:
@@ -301,6 +455,7 @@ def render_markdown(
 ) -> str:
     """A report for someone who has never seen quantlab: compared what, found what, ship what."""
     metrics = key_metrics(variants, frontiers)
+    served_as = served_as_notes(variants)
     setups: dict[str, list[str]] = {}  # which succeeded variants were measured alike
     for variant in (v for v in variants if v.succeeded):
         setups.setdefault(_setup(variant.tags), []).append(variant.name)
@@ -314,7 +469,8 @@ def render_markdown(
         model=model,
         variants=variants,
         baseline=find_baseline(variants),
-        table=variants_table(variants, frontiers),
+        table=variants_table(variants, frontiers, decision),
+        text=decision_text(decision, variants),
         tasks=[metric_spec(m).label for m in metrics if m.startswith("eval/")],
         damage=[metric_spec(m).label for m in metrics if m in DAMAGE_METRICS],
         costs=[metric_spec(m).label for m in metrics if m in KEY_COST_METRICS],
@@ -325,7 +481,12 @@ def render_markdown(
         decision=decision,
         confidence=confidence(decision.policy.one_sided_alpha) if decision is not None else "",
         # Speed timed while other work competed for the cores: the decision's (which knows its objective), or each variant's.
-        cost_warnings=decision.warnings if decision is not None else cost_warnings(variants),
+        cost_warnings=[
+            line
+            for line in (decision.warnings if decision is not None else cost_warnings(variants))
+            if line not in served_as
+        ],
+        served_as=served_as,
         setups=setups,
         unrecorded=_setup({}),
         notes=notes,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from importlib.metadata import version
 from typing import TYPE_CHECKING
 
@@ -41,7 +41,7 @@ def run_variant(
     )
     from quantlab.stages.measure import measure
     from quantlab.stages.quantize import quantize_variant
-    from quantlab.stages.serve import serve_load, serving_variant
+    from quantlab.stages.serve import VariantServer, serve_load
 
     recipe = job.loaded.recipe
     variant = recipe.variant(job.variant)
@@ -55,7 +55,8 @@ def run_variant(
         try:
             yield
         finally:
-            seconds[name] = round(time.perf_counter() - started, 3)
+            # A stage entered twice (the server's start, waited for in two places) adds up.
+            seconds[name] = round(seconds.get(name, 0.0) + time.perf_counter() - started, 3)
 
     host = host or HostShare()
     device = pick_device(recipe.runtime)
@@ -68,35 +69,29 @@ def run_variant(
             source, variant, recipe.calibration, recipe_dir, job.cache_root, device, job.force, host.follow
         )
     payload = checkpoint.check_payload()  # a reused one's hashes, in the background while it loads and is scored
-    with stage("load"):
-        model, tokenizer = load_checkpoint(checkpoint.path, dtype, device)
-        host.follow(model)
-    with stage("evaluate"):
-        reference_scores = evaluate_tasks(model, tokenizer, recipe.evals, job.loaded.include_path, report)
-    with stage("damage"):
-        tokens = token_damage(model, tokenizer, recipe.quality, recipe_dir, job, checkpoint.key)
-    payload.confirm()  # a payload changed on disk fails the variant here: nothing scored on it is logged
-    with stage("measure"), host.timing():
-        cost_metrics, cost_tags = measure(
-            model, tokenizer, recipe.measure, checkpoint.path, seconds["load"], job.log_dir
-        )
-    del model, tokenizer  # the server loads its own copy
-
+    stored_format = METHODS[variant.method].stored_format
     # One server per variant, for every stage that goes through the engine that ships.
-    with ExitStack() as server:
+    with VariantServer(
+        checkpoint.path, variant.name, stored_format, recipe, device, dtype, job.cache_root, job.log_dir
+    ) as server:
+        with stage("load"):
+            model, tokenizer = load_checkpoint(checkpoint.path, dtype, device)
+            host.follow(model)
+        server.launch_early()  # on CPU it starts while the reference stages run; a GPU's server waits for our model
+        with stage("evaluate"):
+            reference_scores = evaluate_tasks(model, tokenizer, recipe.evals, job.loaded.include_path, report)
+        with stage("damage"):
+            tokens = token_damage(model, tokenizer, recipe.quality, recipe_dir, job, checkpoint.key)
+        payload.confirm()  # a payload changed on disk fails the variant here: nothing scored on it is logged
         with stage("start server"):
-            served = server.enter_context(
-                serving_variant(
-                    checkpoint.path,
-                    variant.name,
-                    METHODS[variant.method].stored_format,
-                    recipe,
-                    device,
-                    dtype,
-                    job.cache_root,
-                    job.log_dir,
-                )
+            server.wait_if_launched()  # nothing is timed while a server starts beside it
+        with stage("measure"), host.timing():
+            cost_metrics, cost_tags = measure(
+                model, tokenizer, recipe.measure, checkpoint.path, seconds["load"], job.log_dir
             )
+        del model, tokenizer  # the server loads its own copy
+        with stage("start server"):
+            served = server.ready()
         with stage("evaluate on engine"):
             served_scores = evaluate_served(served, recipe.evals, job.loaded.include_path, report)
         with stage("damage on engine"):
@@ -134,13 +129,13 @@ def variant_params(
 
     from quantlab.cache import library_versions
     from quantlab.measure.provenance import hardware
-    from quantlab.quantize import METHODS
 
     recipe = loaded.recipe
+    kv_cache = {"kv_cache": variant.kv_cache.model_dump()} if variant.kv_cache is not None else {}
     resolved = {
-        "variant": {"name": variant.name, "method": variant.method, "params": variant.params.model_dump()},
+        "variant": {"name": variant.name, "method": variant.method, "params": variant.params.model_dump()} | kv_cache,
         "model": {**recipe.model.model_dump(), "identity": source.identity},
-        "calibration": recipe.calibration.model_dump() if METHODS[variant.method].needs_calibration else "not used",
+        "calibration": recipe.calibration.model_dump() if variant.needs_calibration else "not used",
         "evals": recipe.evals.model_dump(),
         "quality": recipe.quality.model_dump(),
         "measure": recipe.measure.model_dump(),

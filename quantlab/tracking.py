@@ -7,6 +7,7 @@ below write DESIGN.md's run layout once over either. Runs come back as `RunRecor
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 import tempfile
@@ -38,6 +39,21 @@ FAILURE = "quantlab.failure"
 PARENT = "mlflow.parentRunId"
 NOTE = "mlflow.note.content"
 SAMPLES_ARTIFACT = "samples.json"  # a variant run's per-document scores (format: jobs.BaselineOutputs)
+# The decision on the sweep's runs (publish): the chosen variant, the policy in words, each variant's verdict.
+CHOSEN = "quantlab.chosen"  # the parent's: a variant name, or "none"
+POLICY = "quantlab.policy"
+VERDICT = "quantlab.verdict"  # a variant run's; the parent has one per variant, quantlab.verdict.<variant>
+METRICS_OF = "quantlab.metrics_of"  # the parent's metrics are this variant's (the chosen one), under its keys
+SWEEP = "quantlab.sweep"  # on the parent and each variant: the runs table groups a sweep's runs by it
+# MLflow's UI: the experiment tag it once read to open the classic runs view (3.17 reads only the address's
+# workflowType, or what the browser last chose: every address quantlab prints carries CLASSIC_VIEW).
+EXPERIMENT_KIND = "mlflow.experimentKind"
+CLASSIC_KIND = "custom_model_development"
+CLASSIC_VIEW = "workflowType=machine_learning"
+# A runs-table view (columns, grouping) kept on the experiment, that an address opens with viewStateShareKey:
+# the only runs-table default a server can give (the rest of the table's state lives in each browser).
+VIEW_KEY = "quantlab"
+VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"
 _CREATED: set[str] = set()  # SQLite stores this process has opened (and so created, if new)
 
 
@@ -111,13 +127,21 @@ class TrackingStore:
         if experiment is not None:
             if experiment.lifecycle_stage == "deleted":
                 self._client.restore_experiment(experiment.experiment_id)
+            if experiment.tags.get(EXPERIMENT_KIND) is None:  # made by an older quantlab
+                self._client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND, CLASSIC_KIND)
             return experiment.experiment_id
         if not create:
             return None
         # A SQLite store keeps its artifacts beside the database (the default: under mlruns/), not
         # wherever the first sweep happened to run, as MLflow's cwd-relative default would.
         location = (self.sqlite_path.parent / "artifacts" / name).resolve().as_uri() if self.sqlite_path else None
-        return self._client.create_experiment(name, artifact_location=location)
+        return self._client.create_experiment(name, artifact_location=location, tags={EXPERIMENT_KIND: CLASSIC_KIND})
+
+    def experiment_tags(self, experiment_id: str) -> dict[str, str]:
+        return dict(self._client.get_experiment(experiment_id).tags)
+
+    def set_experiment_tag(self, experiment_id: str, key: str, value: str) -> None:
+        self._client.set_experiment_tag(experiment_id, key, value)
 
     def experiments(self) -> dict[str, str]:
         return {e.experiment_id: e.name for e in self._client.search_experiments()}
@@ -250,11 +274,18 @@ def shown_uri(uri: str) -> str:
     return uri if password is None else uri.replace(f":{password}@", ":***@", 1)  # its first ":...@" is the netloc's
 
 
-def run_address(uri: str, experiment_id: str, run_id: str) -> str | None:
-    """Where a tracking server shows a run (password masked); None for a store without a UI of its own."""
+def run_address(uri: str, experiment_id: str, run_id: str, artifact: str = "") -> str | None:
+    """Where a tracking server shows a run, or one of its artifacts (password masked), in MLflow's classic view;
+    None for a store without a UI of its own."""
     if not uri.startswith(("http://", "https://")):
         return None
-    return f"{shown_uri(uri).rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    return _address(shown_uri(uri), experiment_id, f"runs/{run_id}" + (f"/artifacts/{artifact}" if artifact else ""))
+
+
+def _address(base: str, experiment_id: str, page: str, query: str = "") -> str:
+    """An address of MLflow's UI that opens in its classic view: without workflowType=machine_learning, MLflow
+    3.17 opens whatever view the browser last chose, GenAI for a first visit."""
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/{page}?{CLASSIC_VIEW}{query}"
 
 
 def _health_request(uri: str) -> urllib.request.Request:
@@ -294,7 +325,8 @@ def open_store(uri: str | None = None) -> TrackingStore:
 
 
 def start_sweep(store: TrackingStore, experiment_id: str, name: str, tags: dict[str, str]) -> str:
-    return store.start_run(experiment_id, name, {ROLE: "sweep", **tags})
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())  # the group's name in the runs table
+    return store.start_run(experiment_id, name, {ROLE: "sweep", SWEEP: f"{started} UTC", **tags})
 
 
 SENSITIVITY_PARENT_ROLE = "sensitivity-sweep"  # not "sweep": the latest sweep, its frontier and pick never see it
@@ -326,6 +358,8 @@ def start_variant(
     store: TrackingStore, experiment_id: str, parent: str, name: str, method: str, *, baseline: bool, run_key: str
 ) -> str:
     tags = {ROLE: "variant", VARIANT: name, METHOD: method, BASELINE: str(baseline).lower(), RUN_KEY: run_key}
+    if (sweep := store.run(parent).tags.get(SWEEP)) is not None:  # the runs table groups it with its sweep
+        tags[SWEEP] = sweep
     return store.start_run(experiment_id, name, tags, parent=parent)
 
 
@@ -408,7 +442,7 @@ def copy_run(store: TrackingStore, source: RunRecord, target_run_id: str) -> Non
     """Copy a finished run's numbers, datasets and artifacts into `target_run_id` (made by start_variant, so it
     says who it is: a renamed variant keeps its new name) and finish it; reused_from names the original run."""
     name = store.run(target_run_id).tags.get(VARIANT)
-    identity = {ON_FRONTIER, ROLE, VARIANT, BASELINE}  # the copying sweep's to say, not the original's
+    identity = {ON_FRONTIER, ROLE, VARIANT, BASELINE, SWEEP, VERDICT}  # the copying sweep's to say, not the original's
     tags = {k: v for k, v in source.tags.items() if not k.startswith("mlflow.") and k not in identity}
     params = source.params | ({"variant.name": name} if "variant.name" in source.params and name else {})
     store.copy_artifacts(source.run_id, target_run_id)
@@ -459,14 +493,83 @@ def latest_sweep(store: TrackingStore, experiment_name: str | None) -> RunRecord
 
 
 def ui_addresses(store: TrackingStore, host: str, port: int) -> list[tuple[str, str]]:
-    """The runs-table address of each experiment; MLflow 3 otherwise opens in its GenAI view."""
+    """What `quantlab ui` prints, each in MLflow's classic view: per experiment its runs table (grouped by sweep,
+    the reviewer's columns shown, where publish kept that view), its newest sweep's run page and frontier.html."""
     base = f"http://{host}:{port}"
     experiments = {id_: name for id_, name in store.experiments().items() if name != "Default"}
     if not experiments:
         return [("MLflow UI (no sweeps yet)", base)]
-    return [
-        (name, f"{base}/#/experiments/{id_}/runs?workflowType=machine_learning") for id_, name in experiments.items()
+    found = []
+    for id_, name in experiments.items():
+        tags = store.experiment_tags(id_)
+        if tags.get(EXPERIMENT_KIND) is None:  # made by an older quantlab: MLflow versions that read it need it
+            store.set_experiment_tag(id_, EXPERIMENT_KIND, CLASSIC_KIND)
+        view = f"&viewStateShareKey={VIEW_KEY}" if VIEW_TAG in tags else ""
+        found.append((f"{name}: runs", _address(base, id_, "runs", view)))
+        if sweeps := store.search([id_], {ROLE: "sweep"}):
+            found.append((f"{name}: newest sweep", _address(base, id_, f"runs/{sweeps[0].run_id}")))
+            found.append((f"{name}: frontier", _address(base, id_, f"runs/{sweeps[0].run_id}/artifacts/frontier.html")))
+    return found
+
+
+def runs_view(columns: Iterable[str]) -> str:
+    """The runs-table view publish keeps on the experiment (VIEW_TAG, MLflow's shared-view JSON): each sweep a
+    group of rows, expanded, newest first (MLflow keeps a sweep's variants folded under it, and their unfolding
+    is each browser's, never the server's), and `columns` (metric keys, `tags.<key>` for a tag) beside the
+    datasets. A grouped row shows the largest of its runs' values."""
+    named = [
+        f"tags.`{key.removeprefix('tags.')}`" if key.startswith("tags.") else f"metrics.`{safe_key(key)}`"
+        for key in columns
     ]
+    tags = [key for key in named if key.startswith("tags.")]
+    # The table draws only the columns in sight: the datasets come right after the decision's tags.
+    selected = [*tags, "attributes.`Dataset`", *(key for key in named if key not in tags)]
+    return json.dumps(
+        {
+            "searchFilter": "",
+            "orderByKey": "attributes.start_time",
+            "orderByAsc": False,
+            "startTime": "ALL",
+            "lifecycleFilter": "Active",
+            "datasetsFilter": [],
+            "modelVersionFilter": "All Runs",
+            "selectedColumns": selected,
+            "columnOrder": ["attributes.`Run Name`", *selected],
+            # Narrow enough that the first metrics are in sight at 1600 px beside MLflow's assistant panel.
+            "columnWidths": {
+                "attributes.`Run Name`": 240,
+                **{key: 130 for key in named},
+                f"tags.`{VERDICT}`": 160,
+                "attributes.`Dataset`": 200,
+            },
+            "groupBy": {"aggregateFunction": "max", "groupByKeys": [{"mode": "tag", "groupByData": SWEEP}]},
+            "groupsExpanded": {},
+        }
+    )
+
+
+def log_decision(
+    store: TrackingStore,
+    parent_run_id: str,
+    *,
+    tags: dict[str, str],
+    verdicts: dict[str, str],
+    metrics: dict[str, float],
+    columns: Iterable[str],
+) -> None:
+    """The sweep's decision where reviewers look: `tags` (CHOSEN, POLICY) and every variant's verdict on the
+    parent, each verdict on its variant's run too, `metrics` (the chosen variant's) on the parent, the datasets
+    its variants were scored on, and the experiment's runs-table view showing `columns`."""
+    children = child_runs(store, parent_run_id)
+    for run in children:
+        if run.variant in verdicts:
+            store.log_values(run.run_id, tags={VERDICT: verdicts[run.variant]})
+    verdict_tags = {f"{VERDICT}.{name}": words for name, words in verdicts.items()}
+    store.log_values(parent_run_id, metrics=metrics, tags=tags | verdict_tags)
+    logged = {(item.name, item.digest) for item in store.run(parent_run_id).datasets}
+    datasets = {(item.name, item.digest): item for run in children for item in run.datasets}
+    store.log_datasets(parent_run_id, [item for key, item in datasets.items() if key not in logged])
+    store.set_experiment_tag(store.run(parent_run_id).experiment_id, VIEW_TAG, runs_view(columns))
 
 
 def register_checkpoint(

@@ -23,6 +23,7 @@ class MemoryStore:
     def __init__(self, uri: str = "memory://"):
         self.uri = uri
         self._experiments: dict[str, str] = {}  # id -> name
+        self._experiment_tags: dict[str, dict[str, str]] = {}  # id -> key -> value
         self._runs: dict[str, RunRecord] = {}  # its dicts updated in place, a copy handed out
         self._artifacts: dict[str, dict[str, bytes]] = {}  # run id -> name -> content
         self._versions: dict[str, dict[str, dict[str, str]]] = {}  # model -> version -> tags
@@ -41,6 +42,12 @@ class MemoryStore:
 
     def experiments(self) -> dict[str, str]:
         return dict(self._experiments)
+
+    def experiment_tags(self, experiment_id: str) -> dict[str, str]:
+        return dict(self._experiment_tags.get(experiment_id, {}))
+
+    def set_experiment_tag(self, experiment_id: str, key: str, value: str) -> None:
+        self._experiment_tags.setdefault(experiment_id, {})[key] = value
 
     def start_run(self, experiment_id: str, name: str, tags: dict[str, str], parent: str | None = None) -> str:
         run_id = f"run{next(self._ids)}"

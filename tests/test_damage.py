@@ -9,12 +9,17 @@ import numpy as np
 import pytest
 
 from quantlab.evaluate.damage import (
+    context_buckets,
+    context_lengths,
+    damage_by_context,
     flip_metrics,
     kld_stats,
+    kv_cache_pairs,
     mcnemar_exact_p,
     paired_flips,
     perplexity,
     recovery,
+    token_contexts,
     token_damage,
 )
 
@@ -197,3 +202,104 @@ def test_recovery_table():
 def test_baseline_recovers_itself_fully():
     scores = {"eval/arc/acc": 0.31, "eval/arc/acc_norm": 0.0}
     assert recovery(scores, scores) == {"quality/recovery/arc/acc": 1.0, "quality/recovery/arc/acc_norm": 1.0}
+
+
+# recipe lengths, model max positions -> the lengths measured
+CONTEXT_LENGTHS = [
+    ([256, 1024, 4096], 8192, (256, 1024, 4096)),
+    ([256, 1024, 4096], 4096, (256, 1024, 4096)),
+    ([256, 1024, 4096], 2048, (256, 1024, 2048)),  # the model's limit replaces what it cannot take
+    ([256, 1024, 4096], 1024, (256, 1024)),
+    ([256, 1024, 4096], 200, (200,)),
+    ([256, 1024], None, (256, 1024)),  # no max positions in the config: as written
+]
+
+
+@pytest.mark.parametrize(("lengths", "limit", "expected"), CONTEXT_LENGTHS)
+def test_context_lengths_are_clipped_to_the_models_positions(lengths, limit, expected):
+    assert context_lengths(lengths, limit) == expected
+
+
+class _W:  # reference.Window's fields: tokens [start, end) in, targets [score_from, end) scored
+    def __init__(self, start, end, score_from):
+        self.start, self.end, self.score_from = start, end, score_from
+
+
+def test_token_contexts_count_the_tokens_before_each_target_in_its_window():
+    # windows of 4 over 10 tokens: [0,4) scores targets 1-3 (contexts 1,2,3), [4,8) and [8,10) score all theirs
+    windows = [_W(0, 4, 1), _W(4, 8, 4), _W(8, 10, 8)]
+    assert token_contexts(windows).tolist() == [1, 2, 3, 0, 1, 2, 3, 0, 1]
+
+
+@pytest.mark.parametrize(
+    ("contexts", "lengths", "buckets"),
+    [
+        ([0, 1, 3, 4, 7, 8, 15], (4, 8, 16), [0, 0, 0, 1, 1, 2, 2]),  # [0,4) [4,8) [8,16)
+        ([1, 255, 256, 1023, 1024, 4095], (256, 1024, 4096), [0, 0, 1, 1, 2, 2]),
+    ],
+)
+def test_context_buckets_by_hand(contexts, lengths, buckets):
+    assert context_buckets(np.array(contexts), lengths).tolist() == buckets
+
+
+def test_a_context_past_the_longest_length_is_refused():
+    with pytest.raises(ValueError, match="past the longest length 16"):
+        context_buckets(np.array([3, 16]), (4, 16))
+
+
+def test_damage_by_context_by_hand():
+    kld = [0.1, 0.3, 0.5, 1.0, 2.0]
+    top1 = [True, True, False, True, False]
+    figures = damage_by_context(np.array(kld), np.array(top1), np.array([1, 2, 5, 6, 7]), (4, 8, 16))
+    assert figures["quality/kld_mean/ctx4"] == pytest.approx(0.2)
+    assert figures["quality/kld_mean/ctx8"] == pytest.approx((0.5 + 1.0 + 2.0) / 3)
+    assert figures["quality/top1_agreement/ctx4"] == 1.0 and figures["quality/top1_agreement/ctx8"] == pytest.approx(
+        1 / 3
+    )
+    assert figures["quality/kld_p99/ctx8"] == pytest.approx(np.percentile([0.5, 1.0, 2.0], 99))  # 1.98, interpolated
+    assert figures["quality/ppl_tokens/ctx4"] == 2 and figures["quality/ppl_tokens/ctx8"] == 3
+    assert not any(key.endswith("/ctx16") for key in figures)  # no token had 8 or more before it
+
+
+class _V:
+    def __init__(self, name, method, params=None, kv_cache=None):
+        self.name, self.method, self.params, self.kv_cache = name, method, params or {}, kv_cache
+
+
+KV = {"format": "fp8", "granularity": "tensor"}
+# the recipe's variants -> each KV-cache variant's plain twin
+KV_PAIRS = {
+    "twin found": ([_V("fp8", "fp8"), _V("fp8-kv", "fp8", kv_cache=KV)], {"fp8-kv": "fp8"}),
+    "no twin in the recipe": ([_V("bf16", "bf16"), _V("fp8-kv", "fp8", kv_cache=KV)], {"fp8-kv": None}),
+    "other params are not a twin": (
+        [_V("g32", "gptq_int4", {"group_size": 32}), _V("g64-kv", "gptq_int4", {"group_size": 64}, KV)],
+        {"g64-kv": None},
+    ),
+    "same params, its own twin": (
+        [
+            _V("g64-kv", "gptq_int4", {"group_size": 64}, KV),
+            _V("g32", "gptq_int4", {"group_size": 32}),
+            _V("g64", "gptq_int4", {"group_size": 64}),
+        ],
+        {"g64-kv": "g64"},
+    ),
+    "two KV variants, one twin": (
+        [
+            _V("bf16", "bf16"),
+            _V("bf16-kv", "bf16", kv_cache=KV),
+            _V("bf16-kvh", "bf16", kv_cache={**KV, "granularity": "head"}),
+        ],
+        {"bf16-kv": "bf16", "bf16-kvh": "bf16"},
+    ),
+    "a KV variant is nobody's twin": (
+        [_V("a-kv", "fp8", kv_cache=KV), _V("b-kv", "fp8", kv_cache=KV)],
+        {"a-kv": None, "b-kv": None},
+    ),
+    "no KV variant": ([_V("bf16", "bf16"), _V("fp8", "fp8")], {}),
+}
+
+
+@pytest.mark.parametrize("case", KV_PAIRS, ids=KV_PAIRS)
+def test_kv_cache_variant_pairs_with_its_twin_without_it(case):
+    variants, expected = KV_PAIRS[case]
+    assert kv_cache_pairs(variants) == expected

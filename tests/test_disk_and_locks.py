@@ -67,6 +67,14 @@ ESTIMATES = [  # method, params, tensor bytes of the checkpoint
     ),
     ("int8", {}, LINEAR + 2 * ROWS + 2 * OTHERS),  # INT8 weights, a BF16 scale per output channel
     ("int8", {"rtn": True, "smoothing_strength": 0.5}, LINEAR + 2 * ROWS + 2 * OTHERS),
+    # issue 29's formats: FP4 packed two per byte; NVFP4 an FP8 scale per 16 and an FP32 global scale per layer
+    ("nvfp4", {}, LINEAR // 2 + LINEAR // 16 + 4 * 14 + 2 * OTHERS),
+    ("nvfp4a16", {}, LINEAR // 2 + LINEAR // 16 + 4 * 14 + 2 * OTHERS),
+    ("mxfp4", {}, LINEAR // 2 + LINEAR // 32 + 2 * OTHERS),  # an E8M0 byte per 32
+    ("mxfp8", {}, LINEAR + LINEAR // 32 + 2 * OTHERS),
+    # 64x64 blocks, a BF16 scale each: q, k, v, o one block per layer (k, v: 32 x 64, half a block), gate, up, down two
+    ("fp8_block", {"block_size": 64}, LINEAR + 2 * 2 * 10 + 2 * OTHERS),
+    ("w4a8_fp8", {"group_size": 64}, LINEAR // 2 + 2 * LINEAR // 64 + 16 * 14 + 2 * OTHERS),  # packed as W4A16's
     # more than lm_head kept unquantized, or a method the table lacks: the BF16 bound
     ("fp8", {"ignore": ["lm_head", "re:.*down_proj$"]}, 2 * (LINEAR + OTHERS)),
     ("some_new_method", {}, 2 * (LINEAR + OTHERS)),
@@ -75,7 +83,8 @@ ESTIMATES = [  # method, params, tensor bytes of the checkpoint
 
 def test_weight_counts_by_hand():
     """What every estimate above follows from, counted once from the shape."""
-    assert weight_counts(SHAPE) == WeightCounts(LINEAR + OTHERS, LINEAR, ROWS, layers=2)
+    shapes = ((64, 64), (32, 64), (32, 64), (64, 64), (128, 64), (128, 64), (64, 128))  # q k v o gate up down
+    assert weight_counts(SHAPE) == WeightCounts(LINEAR + OTHERS, LINEAR, ROWS, layers=2, layer_shapes=shapes)
 
 
 @pytest.mark.parametrize(("method", "params", "expected"), ESTIMATES, ids=[f"{m}{p}" for m, p, _ in ESTIMATES])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,7 +22,19 @@ from conftest import free_port
 from mlflow.tracking import MlflowClient
 from test_sweep import quantlab
 
+from quantlab.tracking import CLASSIC_VIEW
 from recipes import REPO
+
+# Debian's Chromium, headless as root; without the background-networking flags it keeps dialing hosts this closed
+# network refuses.
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 pytestmark = pytest.mark.e2e
 VARIANTS = ("bf16", "fp8", "awq-int4-g64")
@@ -233,17 +246,7 @@ def test_reviewer_sees_variants_metrics_and_frontier_in_a_browser(embedded, ui_s
     table = f"http://127.0.0.1:{port}/#/experiments/{experiment}/runs?workflowType=machine_learning"
     shots = Path(os.environ.get("QUANTLAB_SCREENSHOTS", tmp_path))
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=shutil.which("chromium"),
-            args=[
-                "--no-sandbox",
-                "--disable-gpu",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-            ],
-        )
+        browser = playwright.chromium.launch(executable_path=shutil.which("chromium"), args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1600, "height": 1000})
         # The runs table: the sweep is one parent run; expanding it shows one nested run per variant.
         page.goto(table)
@@ -255,9 +258,9 @@ def test_reviewer_sees_variants_metrics_and_frontier_in_a_browser(embedded, ui_s
             page.locator(f"[role=row][row-id='{runs[name].info.run_id}']").first.wait_for(timeout=30_000)
             assert page.get_by_text(name, exact=True).first.is_visible()
         page.screenshot(path=str(shots / "runs-table.png"))
-        # The parent run's page: its description is the report, a table of every variant's key figures.
-        page.goto(f"http://127.0.0.1:{port}/#/experiments/{experiment}/runs/{parent.info.run_id}")
-        page.get_by_text("Which precision to ship").first.wait_for(timeout=60_000)
+        # The parent run's page: its description is the report, the decision first, then every variant's figures.
+        page.goto(f"http://127.0.0.1:{port}/#/experiments/{experiment}/runs/{parent.info.run_id}?{CLASSIC_VIEW}")
+        page.get_by_text(re.compile(r"^(Ship |Nothing is recommended)")).first.wait_for(timeout=60_000)
         description = page.inner_text("body")
         for figure in ["weight size", "mean KL divergence", "pydoc_cloze acc", *VARIANTS]:
             assert figure in description, figure

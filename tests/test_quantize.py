@@ -48,8 +48,10 @@ def _logits(path: Path) -> torch.Tensor:
         return model(ids).logits.float()
 
 
-def test_registry_has_the_five_methods():
-    assert set(METHODS) == {"bf16", "fp8", "awq_int4", "gptq_int4", "int8"}
+def test_registry_has_the_eleven_methods():
+    formats = {"fp8_block", "mxfp8", "nvfp4", "nvfp4a16", "mxfp4", "w4a8_fp8"}  # issue 29: tests/test_formats.py
+    # mixed: a format per group of layers (issue 29 part B, tests/test_sensitivity.py)
+    assert set(METHODS) - {"mixed"} == {"bf16", "fp8", "awq_int4", "gptq_int4", "int8"} | formats
 
 
 @pytest.mark.parametrize("method", ["fp8", "awq_int4"])

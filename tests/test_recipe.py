@@ -80,6 +80,73 @@ def _variant(name, method, **params):
         ({"model": {"source": "not a model"}}, "model.source", "not a local path"),
         ({"model": {"source": "pkg://no_such_package/model.gguf"}}, "model.source", "not installed"),
         ({"quality": {"window": 1}}, "quality.window", "greater than 1"),
+        ({"quality": {"contexts": [1024, 256]}}, "quality.contexts", "not strictly increasing"),
+        ({"quality": {"contexts": [1, 256]}}, "quality.contexts[0]", "greater than 1"),
+        ({"quality": {"context_windows": 0}}, "quality.context_windows", "greater than 0"),
+        (
+            {"variants": [_variant("bf16", "bf16"), {"name": "kv", "method": "fp8", "kv_cache": "fp4"}]},
+            "variants[1] (kv).kv_cache.format",
+            "'fp8'",
+        ),
+        (
+            {
+                "variants": [
+                    _variant("bf16", "bf16"),
+                    {"name": "kv", "method": "fp8", "kv_cache": {"granularity": "row"}},
+                ]
+            },
+            "variants[1] (kv).kv_cache.granularity",
+            "'tensor' or 'head'",
+        ),
+        (
+            {"variants": [_variant("bf16", "bf16"), {"name": "kv", "method": "fp8", "kv_cache": {"bits": 8}}]},
+            "variants[1] (kv).kv_cache.bits",
+            "unknown key",
+        ),
+        (
+            {
+                "variants": [
+                    _variant("bf16", "bf16"),
+                    _variant("mix", "mixed", formats=[{"method": "fp9", "modules": ["x"]}]),
+                ]
+            },
+            "variants[1] (mix).params.formats[0]",
+            "unknown method 'fp9' for a part",
+        ),
+        (
+            {
+                "variants": [
+                    _variant("bf16", "bf16"),
+                    _variant("mix", "mixed", formats=[{"method": "bf16", "modules": ["x"]}]),
+                ]
+            },
+            "variants[1] (mix).params.formats[0]",
+            "'bf16' quantizes nothing",
+        ),
+        (
+            {
+                "variants": [
+                    _variant("bf16", "bf16"),
+                    _variant("mix", "mixed", formats=[{"method": "fp8", "modules": [r"re:model\.layer\.0\..*"]}]),
+                ]
+            },
+            "variants[1] (mix).params.formats[0].modules[0]",
+            "matches no linear layer",
+        ),
+        (
+            {
+                "variants": [
+                    _variant("bf16", "bf16"),
+                    _variant(
+                        "mix",
+                        "mixed",
+                        formats=[{"method": "gptq_int4", "params": {"group_size": 48}, "modules": ["re:.*mlp.*"]}],
+                    ),
+                ]
+            },
+            "variants[1] (mix).params.formats[0].params.group_size",
+            "48 does not divide",
+        ),
     ],
 )
 def test_each_broken_field_is_named(tmp_path, tiny_llama, edit, field, message):
@@ -172,3 +239,20 @@ def test_a_loaded_recipe_pickles_as_a_job_sent_to_its_process_does():
     loaded = load_recipe(REPO / "recipes" / "smollm2-135m.yaml")
     again = pickle.loads(pickle.dumps(loaded))
     assert again == loaded and type(again.recipe.variant("awq-int4-g64")).__name__ == "AwqInt4Variant"
+
+
+@pytest.mark.parametrize(
+    ("written", "granularity", "strategy"),
+    [
+        ("fp8", "tensor", "tensor"),
+        ({"format": "fp8"}, "tensor", "tensor"),
+        ({"granularity": "head"}, "head", "attn_head"),
+    ],
+)
+def test_kv_cache_on_any_method_and_its_calibration(tmp_path, tiny_llama, written, granularity, strategy):
+    """`kv_cache: fp8` is short for per tensor; a KV cache is calibrated (its static scales), whatever the method."""
+    variants = [_variant("bf16", "bf16"), {"name": "kv", "method": "fp8", "kv_cache": written}]
+    recipe = validate(write(tmp_path / "recipe.yaml", tiny_recipe(tiny_llama.path, variants=variants))).recipe
+    kv, plain = recipe.variant("kv"), recipe.variant("bf16")
+    assert (kv.kv_cache.format, kv.kv_cache.granularity, kv.kv_cache.strategy) == ("fp8", granularity, strategy)
+    assert kv.needs_calibration and plain.kv_cache is None and not plain.needs_calibration

@@ -4,6 +4,8 @@ that explains quality with paired intervals and names what it could not place.""
 
 from __future__ import annotations
 
+import base64
+import html
 import json
 import re
 
@@ -11,7 +13,7 @@ import pytest
 from matplotlib.container import ErrorbarContainer
 from PIL import Image
 
-from quantlab.decision import Status, pick
+from quantlab.decision import CheckResult, CheckStatus, Decision, Status, Verdict, pick
 from quantlab.frontier import (
     Axis,
     AxisPair,
@@ -24,12 +26,21 @@ from quantlab.metrics import Declared, Scale, paired_key
 from quantlab.paired import Aggregation, DocumentScores, compare
 from quantlab.policy import Policy
 from quantlab.report import (
+    CELL_WIDTH,
     MIN_FRACTION_SPAN,
+    ROWS_AS_COLUMNS,
+    DecisionText,
+    column_pages,
+    decision_figures,
+    decision_text,
     figure,
     inline_svg,
+    policy_words,
     render_html,
     render_markdown,
     render_plots,
+    reviewer_metrics,
+    text_tables,
     variants_table,
     y_limits,
 )
@@ -260,12 +271,16 @@ def test_markdown_explains_quality_with_paired_intervals_ties_and_the_decision(s
 
     report = render_markdown(variants, frontiers, decision, [note], model=MODEL)
 
-    assert report.startswith(f"# Which precision to ship: {MODEL}")
+    # What ships and why, one sentence each, then the table, before anything else (MLflow folds the description).
+    ship, why, table = report.split("\n\n")[:3]
+    text = decision_text(decision, variants)
+    assert (ship, why) == (f"**{text.ship}**", text.why) and decision.chosen in ship
+    assert table.startswith("| variant | verdict | method |")
+    assert f"\n\n# Which precision to ship: {MODEL}\n" in report
     for heading in (
         "## Recommendation",
         "## What was compared",
         "## Quality against the baseline",
-        "## Variants",
         "## Frontier",
         "## Caveats",
     ):
@@ -382,6 +397,21 @@ def test_publish_reads_per_document_scores_from_the_runs_and_writes_every_artifa
         in (tmp_path / "out" / "plots" / "eval-mmlu-dev-acc-vs-cost-weight-bytes.svg").read_text()
     )
 
+    # Kept by what they show: the same sweep again copies its figures; a changed figure draws them anew.
+    drawn = tmp_path / "drawn"
+    first = render_artifacts(view, tmp_path / "first", drawn_cache=drawn)
+    (kept,) = drawn.iterdir()
+    svg = "plots/eval-mmlu-dev-acc-vs-cost-weight-bytes.svg"
+    (kept / "files" / svg).write_text("<svg>from the cache</svg>")  # a marker only a copy from the cache can carry
+    again = render_artifacts(view, tmp_path / "again", drawn_cache=drawn)
+    assert [p.relative_to(tmp_path / "again") for p in again] == [p.relative_to(tmp_path / "first") for p in first]
+    assert (tmp_path / "again" / svg).read_text() == "<svg>from the cache</svg>"
+    assert "from the cache" in (tmp_path / "again" / "frontier.html").read_text()  # the page embeds the kept plot
+    view.variants[2].metrics["cost/weight_bytes"] = 90e6
+    changed = tmp_path / "changed"
+    render_artifacts(view, changed, drawn_cache=drawn)
+    assert "from the cache" not in (changed / svg).read_text() and len(list(drawn.iterdir())) == 2
+
 
 @pytest.mark.parametrize(
     ("params", "expected"),
@@ -413,3 +443,145 @@ def test_flags_take_the_recipes_level_and_power():
     assert (flags.one_sided_alpha, flags.power) == (0.05, 0.9)
     explicit = decide(view, Policy(max_drop={MMLU: 1}, max_drop_any_task=None, power=0.95)).policy
     assert (explicit.one_sided_alpha, explicit.power) == (0.05, 0.95)
+
+
+# --------------------------------------------------------------------------------------
+# The decision on every page, and the terminal's width (issue 32)
+# --------------------------------------------------------------------------------------
+
+SIZE = "cost/weight_bytes"
+
+
+def _check(metric: str, drop: bool) -> CheckResult:
+    return CheckResult(f"{metric} limit", metric, CheckStatus.PASSED, "within", is_drop=drop)
+
+
+def _decision(chosen: str | None, verdicts: list[tuple[str, Status]], checks: tuple[str, ...], drop: bool = True):
+    """A hand-made decision over variants bf16 (baseline), fp8 and int4; every verdict rests on `checks`."""
+    results = tuple(_check(MMLU if drop else "quality/kld_mean", drop) for _ in checks)
+    return Decision(
+        chosen=chosen,
+        baseline="bf16",
+        objective=Axis.of(SIZE),
+        policy=Policy(),
+        checks=checks,
+        verdicts=tuple(Verdict(name, status, (), None, results) for name, status in verdicts),
+    )
+
+
+SIZES = [
+    VariantSummary("bf16", "bf16", True, {SIZE: 270e6, MMLU: 0.6}, is_baseline=True),
+    VariantSummary("fp8", "fp8", True, {SIZE: 135e6, MMLU: 0.59}),
+    VariantSummary("int4", "awq_int4", True, {SIZE: 81e6, MMLU: 0.5}),
+]
+ONE = ("eval/mmlu_dev/acc at most 1 pt worse than the baseline",)
+THREE = ONE * 3
+C, M, U, R = Status.CHOSEN, Status.COSTS_MORE, Status.UNDECIDED, Status.REJECTED
+
+
+@pytest.mark.parametrize(
+    ("decision", "ship", "why"),
+    [
+        pytest.param(  # 135 / 270 = 50%, by hand
+            _decision("fp8", [("fp8", C), ("bf16", M), ("int4", R)], ONE),
+            "Ship fp8: weight size 135.0 MB, 50% of the baseline bf16's 270.0 MB.",
+            "It has the lowest weight size of the 2 of 3 variants shown within every limit of the policy "
+            "(eval/mmlu_dev/acc at most 1 pt worse than the baseline, at 97.5% one-sided confidence); "
+            "bf16: shown within every limit, costs more; int4: rejected.",
+            id="a-cheaper-variant",
+        ),
+        pytest.param(
+            _decision("bf16", [("bf16", C), ("int4", U), ("fp8", U)], THREE),
+            "Ship bf16, the baseline (weight size 270.0 MB).",
+            "No other variant is shown within all 3 limits of the policy (at 97.5% one-sided confidence); "
+            "int4, fp8: not enough evidence.",
+            id="the-baseline",
+        ),
+        pytest.param(
+            _decision(None, [("int4", R), ("fp8", U), ("bf16", R)], ONE),
+            "Ship nothing: no variant is shown within every limit of the policy.",
+            "Checked against every limit of the policy (eval/mmlu_dev/acc at most 1 pt worse than the baseline, "
+            "at 97.5% one-sided confidence): int4, bf16: rejected; fp8: not enough evidence.",
+            id="nothing",
+        ),
+        pytest.param(  # a bound on a logged figure is a comparison, not a test: no confidence named
+            _decision("int4", [("int4", C), ("fp8", M), ("bf16", M)], ("quality/kld_mean at most 0.1",), drop=False),
+            "Ship int4: weight size 81.0 MB, 30% of the baseline bf16's 270.0 MB.",
+            "It has the lowest weight size of the 3 of 3 variants shown within every limit of the policy "
+            "(quality/kld_mean at most 0.1); fp8, bf16: shown within every limit, costs more.",
+            id="a-bound-only",
+        ),
+        pytest.param(
+            None,
+            "Nothing is recommended for this sweep.",
+            "The recipe's policy could not be applied to its runs; `quantlab pick` says why.",
+            id="no-decision",
+        ),
+    ],
+)
+def test_the_decision_in_two_sentences(decision, ship, why):
+    assert decision_text(decision, SIZES) == DecisionText(ship, why)
+
+
+def test_the_chosen_variants_figures_and_the_reviewers_columns():
+    chosen = VariantSummary("fp8", "fp8", True, {SIZE: 1.0, MMLU: 0.5, paired_key(MMLU, "diff"): -0.01, "x/y": 2.0})
+    decision = _decision("fp8", [("fp8", C), ("bf16", M)], ONE)
+
+    assert decision_figures(decision, [chosen]) == {SIZE: 1.0, MMLU: 0.5, paired_key(MMLU, "diff"): -0.01}
+    assert decision_figures(_decision(None, [("fp8", R)], ONE), [chosen]) == {}
+    assert reviewer_metrics(decision, [chosen]) == [MMLU, paired_key(MMLU, "diff"), SIZE]  # logged ones only
+    assert policy_words(decision) == (
+        "eval/mmlu_dev/acc at most 1 pt worse than the baseline; then the lowest cost/weight_bytes; "
+        "limits shown at 97.5% one-sided confidence"
+    )
+
+
+@pytest.mark.parametrize(
+    ("widths", "width", "pages"),
+    [
+        # A column takes min(cell, 24) + 3, a table 1 more: 1 + 23 + 27 + 27 = 78 <= 80; a third makes 105.
+        ([20, 30, 30, 30], 80, [(0, 1, 2), (0, 3)]),
+        ([20, 30, 30, 30], 200, [(0, 1, 2, 3)]),
+        ([20, 10, 10, 10], 80, [(0, 1, 2, 3)]),  # 1 + 23 + 3 * 13 = 63
+        ([20, 60], 30, [(0, 1)]),  # too narrow for even one: it is shown anyway, its cells wrap
+        ([20], 80, [(0,)]),
+    ],
+)
+def test_column_pages_fit_the_terminal(widths, width, pages):
+    assert column_pages(widths, width) == pages
+
+
+def test_text_tables_repeat_the_figure_names_on_each_page(sweep):
+    variants, frontiers = sweep
+    table = variants_table(variants, frontiers)
+
+    parts = text_tables(table, 80)
+
+    assert len(table.headers) > ROWS_AS_COLUMNS  # a row per figure, a column per variant
+    assert [part.headers[1:] for part in parts] and sum(len(part.headers) - 1 for part in parts) == len(table.rows)
+    for part in parts:
+        assert [row[0] for row in part.rows] == list(table.headers[1:])
+        assert 1 + sum(min(max(map(len, column)), CELL_WIDTH) + 3 for column in zip(part.headers, *part.rows)) <= 80
+    assert len(text_tables(table, 400)) == 1
+
+
+def test_html_opens_with_the_decision_and_the_table_then_plots_then_the_serving_chart(tmp_path, sweep, decision):
+    variants, frontiers = sweep
+    plots = render_plots(frontiers, tmp_path, MODEL)
+    chart = tmp_path / "serving.png"
+    Image.new("RGB", (8, 8)).save(chart)
+
+    page = render_html(
+        frontiers, plots, tmp_path / "f.html", variants=variants, model=MODEL, decision=decision, serving_chart=chart
+    ).read_text()
+
+    text = decision_text(decision, variants)
+    ship, why, table, svg, serving = (
+        page.index(f'id="ship">{text.ship}<'),
+        page.index(html.escape(text.why, quote=False)),
+        page.index("<table>"),
+        page.index("<svg"),
+        page.index('src="data:image/png;base64,' + base64.b64encode(chart.read_bytes()).decode()),
+    )
+    assert ship < why < table < svg < serving
+    assert "<th>verdict</th>" in page

@@ -262,3 +262,114 @@ def test_bad_input_is_one_line_exit_2_and_no_run(tmp_path, tiny_llama, args, mes
     [line] = result.stderr.strip().splitlines()
     assert message in line
     assert not (tmp_path / "cache" / "sensitivity").exists()
+
+
+def test_the_budget_mix_spends_its_bits_on_the_block_int4_damages(tmp_path, tiny_llama):
+    """`--budget-bits 6.5 --formats fp8,gptq_int4,bf16` on the tiny Llama whose block 1 INT4 flushes to zero: room
+    for one block in FP8 (8.25 bits a weight) and one in INT4 g32 (4.5): block 1 takes FP8. The written `mixed`
+    variant validates, quantizes each block in its format, and stores exactly the bits the choice counted; a budget
+    below 4.5 bits is refused naming what the formats can store."""
+    from safetensors import safe_open
+
+    from quantlab import tracking
+    from quantlab.checks import validate
+    from quantlab.models import resolve_source
+    from quantlab.recipe import ModelSpec
+    from quantlab.sensitivity.budget import InfeasibleBudget
+    from quantlab.sensitivity.command import SensitivityOptions, run_budget_mix
+    from quantlab.stages.quantize import quantize_variant
+
+    model = _with_outliers(tiny_llama, 1, tmp_path / "model")
+    variants = [{"name": "bf16", "method": "bf16"}, {"name": "w4", "method": "gptq_int4", "params": {"group_size": 32}}]
+    recipe = write(tmp_path / "tiny.yaml", tiny_recipe(model, variants=variants))
+    uri, cache_root = f"sqlite:///{tmp_path}/mlflow.db", tmp_path / "cache"
+    options = SensitivityOptions(tracking.open_store(uri).uri, cache_root, write_recipe=tmp_path / "mix.yaml")
+    formats = ["fp8", "gptq_int4", "bf16"]
+    outcome = run_budget_mix(validate(recipe, cache_root), formats, 6.5, options, lambda *_: None)
+    assert outcome.mix.chosen == {"model.layers.0": "gptq_int4", "model.layers.1": "fp8"}
+    assert 6.3 < outcome.mix.bits_per_weight <= 6.5 and outcome.formats == {"fp8": "fp8", "gptq_int4": "w4"}
+
+    loaded = validate(tmp_path / "mix.yaml", cache_root)
+    added = loaded.recipe.variants[-1]
+    assert outcome.written == (tmp_path / "mix.yaml", added.name) and added.name.startswith("mix-budget6p3")
+    assert added.method == "mixed" and [part.method for part in added.params.formats] == ["fp8", "gptq_int4"]
+    tails = "|".join(
+        rf"{kind}\.{name}_proj"
+        for kind, names in (("self_attn", "qkvo"), ("mlp", ("gate", "up", "down")))
+        for name in names
+    )
+    assert added.params.formats[0].modules == [rf"re:model\.layers\.(?:1)\.(?:{tails})$"]  # the outlier block in FP8
+    assert added.params.formats[1].params == {"group_size": 32}  # the recipe's own INT4 variant's params
+    source = resolve_source(ModelSpec(source=str(model)), tmp_path)
+    made = quantize_variant(source, added, loaded.recipe.calibration, tmp_path, cache_root, "cpu").path
+    config = json.loads((made / "config.json").read_text())["quantization_config"]
+    formats_stored = sorted(group["format"] for group in config["config_groups"].values())
+    assert config["format"] == "mixed-precision" and formats_stored == ["float-quantized", "pack-quantized"]
+    with safe_open(made / "model.safetensors", "pt") as tensors:
+        names = [name for name in tensors.keys() if name.startswith("model.layers.")]  # noqa: SIM118
+        assert {"model.layers.1.mlp.up_proj.weight_scale", "model.layers.0.mlp.up_proj.weight_packed"} <= set(names)
+        stored = sum(_bits(tensors.get_slice(name)) for name in names)
+    linear = 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 64 * 128)  # q, o 64x64; k, v 32x64; gate, up, down 64x128
+    norms = 2 * 2 * 64 * 16  # two BF16 norms per block: not linear weights, not counted by the mix
+    assert outcome.mix.weights == linear and outcome.mix.bits == stored - norms
+
+    with pytest.raises(InfeasibleBudget, match="4 bits per weight is below the least these formats can store: 4.5"):
+        run_budget_mix(validate(recipe, cache_root), formats, 4, options, lambda *_: None)  # measured already: quick
+
+
+def _bits(tensor) -> int:
+    import math
+
+    return math.prod(tensor.get_shape()) * {"BF16": 16, "F8_E4M3": 8, "I32": 32, "I64": 64}[tensor.get_dtype()]
+
+
+@pytest.mark.parametrize(
+    ("formats", "budget", "field", "message"),
+    [
+        (["fp8", "nvfp5"], 4.5, "--formats", "unknown format 'nvfp5'"),
+        (["fp8"], 4.5, "--formats", "name two formats or more"),
+        (["fp8", "bf16"], 0, "--budget-bits", "0 is not a number of bits per weight"),
+        # the tiny Llama's 64-wide layers: no group of 128 (the recipe's own awq variant takes 32)
+        (["fp8", "gptq_int4"], 4.5, "--formats", "'gptq_int4': its default params.group_size does not fit the model"),
+    ],
+)
+def test_a_wrong_budget_request_is_bad_input_before_any_work(tmp_path, tiny_llama, formats, budget, field, message):
+    from quantlab.checks import validate
+    from quantlab.errors import BadInput
+    from quantlab.sensitivity.command import SensitivityOptions, check_formats
+
+    loaded = validate(write(tmp_path / "tiny.yaml", tiny_recipe(tiny_llama.path)))
+    with pytest.raises(BadInput) as caught:
+        check_formats(loaded, formats, budget, SensitivityOptions("sqlite:///unused.db", tmp_path))
+    (problem,) = caught.value.problems
+    assert (problem.file, message in problem.message) == (field, True), problem
+
+
+_BLOCK_MODULES = ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj")
+# the groups chosen for one format -> compressed-tensors' matcher takes exactly their modules among every name below
+TARGETS = {
+    "one block": ["model.layers.1"],
+    "blocks merged into one pattern": ["model.layers.0", "model.layers.11"],
+    "a module group of its own": ["model.layers.2", "lm_head"],
+}
+
+
+@pytest.mark.parametrize("case", TARGETS, ids=TARGETS)
+def test_target_patterns_take_exactly_the_groups_linear_layers(case):
+    """Not the attention module (which a pattern over the whole block would give a scheme), nor block 1 for 11."""
+    from compressed_tensors.utils.match import match_name
+
+    from quantlab.sensitivity.groups import target_patterns
+
+    blocks = [f"model.layers.{i}" for i in (0, 1, 2, 11)]
+    every = [*blocks, *(f"{b}.self_attn" for b in blocks), *(f"{b}.{m}" for b in blocks for m in _BLOCK_MODULES)]
+    every.append("lm_head")
+    names = TARGETS[case]
+    groups = [
+        LayerGroup(name, (name,) if name == "lm_head" else tuple(f"{name}.{m}" for m in _BLOCK_MODULES))
+        for name in names
+    ]
+    patterns = target_patterns(groups)
+    taken = {module for module in every if any(match_name(module, pattern) for pattern in patterns)}
+    assert taken == {module for group in groups for module in group.modules}, patterns
+    assert len(patterns) == len({name.rpartition(".")[0] for name in names})  # one per stem

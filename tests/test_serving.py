@@ -35,7 +35,7 @@ from quantlab.serving.levels import LoadLevel, ReportError, level_label, levels_
 from quantlab.serving.load import run_load, scenario
 from quantlab.serving.pricing import CPU_USD_PER_CORE_HOUR, serving_price, table_entry_for
 from quantlab.serving.settings import ServiceLevels, ServingSettings
-from quantlab.stages.serve import CHART_ARTIFACT, REPORT_ARTIFACT, serve_load, serving_variant
+from quantlab.stages.serve import CHART_ARTIFACT, REPORT_ARTIFACT, VariantServer, serve_load
 from recipes import REPO, tiny_recipe, write
 
 REPORT = Path(__file__).parent / "data" / "guidellm-report-c1-c4.json"  # a real guidellm 0.8.1 run, trimmed
@@ -300,8 +300,8 @@ def served(tmp_path_factory):
     logs = tmp_path_factory.mktemp("serve-logs")
     cost = {"cost/measured_bandwidth_bytes_per_s": 5e9, "cost/loaded_weight_bytes": 1.5e8}
     recipe = Recipe.model_validate(tiny_recipe(model, serving=FAST.model_dump()))
-    with serving_variant(model, "small", None, recipe, "cpu", torch.float32, logs / "cache", logs) as served:
-        outcome = serve_load(served, FAST, MeasureSettings(), REPO, torch.float32, cost, logs)
+    with VariantServer(model, "small", None, recipe, "cpu", torch.float32, logs / "cache", logs) as server:
+        outcome = serve_load(server.ready(), FAST, MeasureSettings(), REPO, torch.float32, cost, logs)
     return outcome, logs, model
 
 
@@ -412,9 +412,13 @@ def test_sigkill_of_the_sweep_leaves_no_server(tmp_path, tiny_llama, sweeps):  #
     sweep = Sweep(_sweep_args(path, uri, cache), tmp_path)
     sweeps.append(sweep)
     # The bf16 checkpoint lives in the sweep's cache: its server and guidellm name it.
-    _wait_until(lambda: _served_processes("quantlab-load-bf16-"), sweep, "guidellm's load")
-    running = _served_processes(str(cache)) + _served_processes("quantlab-load-bf16-")  # with guidellm's workers
-    assert len(running) >= 4  # the server and guidellm, each under its guard
+
+    def server_and_load() -> list[psutil.Process]:
+        running = _served_processes(str(cache)) + _served_processes("quantlab-load-bf16-")  # with guidellm's workers
+        return running if len(running) >= 4 else []  # the server and guidellm, each under its guard
+
+    # guidellm's guard is up a moment before guidellm itself: wait for all four, not the first.
+    running = _wait_until(server_and_load, sweep, "the server and guidellm's load, each under its guard")
     sweep.kill_group()  # the sweep and its variant process, SIGKILL: no teardown code runs
     assert _all_gone(running, timeout=10), [p.cmdline() for p in running if p.is_running()]
 

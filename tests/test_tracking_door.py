@@ -31,6 +31,7 @@ from quantlab.tracking import SAMPLES_ARTIFACT
 from recipes import tiny_recipe
 
 MMLU = "eval/mmlu_dev/acc"
+MMLU_DATA = tracking.DatasetRecord("mmlu_dev", "4935ca6785085dfa", "lm-eval", "")
 
 
 @pytest.fixture(params=["memory", "mlflow"])
@@ -231,7 +232,7 @@ def _logged_sweep(store, tmp_path) -> str:
                 tracking.CHECKPOINT: str(tmp_path / name),
                 tracking.CONTENT_KEY: f"content-{name}",
             },
-            datasets=[],
+            datasets=[MMLU_DATA],
             files={SAMPLES_ARTIFACT: json.dumps(BaselineOutputs(None, {MMLU: docs}).to_samples())},
         )
     store.finish(parent, "FINISHED")
@@ -259,6 +260,59 @@ def test_publish_tags_the_frontier_and_attaches_the_report_to_the_parent(store, 
     for name in ("frontier.png", "frontier.html", "plots/eval-mmlu-dev-acc-vs-cost-weight-bytes.svg"):
         assert store.read_artifact(parent, name), name
     assert tracking.latest_sweep(store, "tiny").run_id == parent
+
+
+def test_publish_puts_the_decision_on_the_parent_and_keeps_the_runs_view(store, tmp_path):
+    parent = _logged_sweep(store, tmp_path)
+
+    publish.publish_sweep(store, parent)
+    publish.publish_sweep(store, parent)  # a second publish adds nothing twice
+
+    run = store.run(parent)
+    assert run.tags[tracking.CHOSEN] == run.tags[tracking.METRICS_OF] == "fp8"  # as pick decides below
+    assert run.tags[tracking.POLICY].startswith("eval/mmlu_dev/acc at most 1 pt worse than the baseline; then")
+    verdicts = {run.variant: run.tags[tracking.VERDICT] for run in tracking.child_runs(store, parent)}
+    costs_more = "shown within every limit, costs more"  # w8 loses 10 points, int4 15: both over 1 point
+    assert verdicts == {"fp8": "chosen", "bf16": costs_more, "int4": "rejected", "w8": "rejected"}
+    assert {name: run.tags[f"{tracking.VERDICT}.{name}"] for name in verdicts} == verdicts
+    assert run.metrics["cost/weight_bytes"] == 170e6 and run.metrics[paired_key(MMLU, "diff")] < 0
+    assert run.datasets == (MMLU_DATA,)  # each variant's, once
+    assert run.tags[tracking.NOTE].startswith("**Ship fp8: weight size 170.0 MB, 63% of the baseline bf16's")
+    experiment = store.experiment_id("tiny")
+    view = json.loads(store.experiment_tags(experiment)[tracking.VIEW_TAG])
+    assert view["groupBy"]["groupByKeys"] == [{"mode": "tag", "groupByData": tracking.SWEEP}]
+    assert view["selectedColumns"] == [
+        "tags.`quantlab.chosen`",
+        "tags.`quantlab.verdict`",
+        "attributes.`Dataset`",
+        f"metrics.`{MMLU}`",
+        f"metrics.`{paired_key(MMLU, 'diff')}`",
+        "metrics.`cost/weight_bytes`",
+    ]
+    sweep_label = run.tags[tracking.SWEEP]  # every run of the sweep in one group of the runs table
+    assert {child.tags[tracking.SWEEP] for child in tracking.child_runs(store, parent)} == {sweep_label}
+    base = f"http://127.0.0.1:5000/#/experiments/{experiment}"
+    assert tracking.ui_addresses(store, "127.0.0.1", 5000) == [
+        ("tiny: runs", f"{base}/runs?workflowType=machine_learning&viewStateShareKey=quantlab"),
+        ("tiny: newest sweep", f"{base}/runs/{parent}?workflowType=machine_learning"),
+        ("tiny: frontier", f"{base}/runs/{parent}/artifacts/frontier.html?workflowType=machine_learning"),
+    ]
+
+
+def test_experiments_open_in_mlflows_classic_view(tmp_path):
+    """MLflow versions before 3.17 chose the view by this tag; it is set on new experiments and older ones."""
+    store = tracking.open_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    new = store.experiment_id("new")
+    from mlflow.tracking import MlflowClient
+
+    older = MlflowClient(store.uri).create_experiment("older")  # as an older quantlab made it
+    assert tracking.EXPERIMENT_KIND not in store.experiment_tags(older)
+
+    assert store.experiment_id("older") == older
+    for experiment in (new, older):
+        assert store.experiment_tags(experiment)[tracking.EXPERIMENT_KIND] == "custom_model_development"
+    address = tracking.run_address("http://user:pw@host:5000/", new, "r1")
+    assert address == f"http://user:***@host:5000/#/experiments/{new}/runs/r1?workflowType=machine_learning"
 
 
 ROWS = "# report\n" + "".join(f"| row {n:04} of a table |\n" for n in range(1000))
@@ -319,3 +373,23 @@ def test_no_sweep_is_bad_input_naming_the_flag(store):
     store.experiment_id("empty")
     with pytest.raises(BadInput, match="has no sweep runs"):
         tracking.latest_sweep(store, "empty")
+
+
+def test_quantlab_frontier_reads_in_an_80_column_terminal(tmp_path):
+    """The decision first, then the variants table cut into tables that fit $COLUMNS, the figure names repeated
+    (wider terminals: test_report's text_tables)."""
+    columns = 80
+    from test_sweep import quantlab
+
+    store = tracking.open_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    _logged_sweep(store, tmp_path)
+
+    result = quantlab("frontier", "--tracking-uri", store.uri, cwd=tmp_path, env={"COLUMNS": str(columns)})
+
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("Ship fp8: weight size 170.0 MB")
+    assert max(map(len, lines)) <= columns
+    tables = sum(line.startswith("┏") for line in lines)
+    assert tables == 2  # 4 variants, a row per figure: two a table
+    assert sum("weight size" in line for line in lines if line.startswith(("│", "┃"))) == tables  # named in each

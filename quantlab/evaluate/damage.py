@@ -6,7 +6,8 @@ compared with itself yields the same keys (KL 0, agreement 1, no flips, recovery
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -76,6 +77,67 @@ def token_damage(
         "ln_ppl_ratio": variant_nll.mean() - baseline_nll.mean(),
     } | {f"kld_{name}": value for name, value in kld_stats(kld, clusters).items()}
     return {f"quality/{name}": float(value) for name, value in figures.items()}
+
+
+def context_lengths(lengths: Sequence[int], max_positions: int | None) -> tuple[int, ...]:
+    """The recipe's context lengths (increasing) that the model can take: those over its `max_positions` dropped,
+    and `max_positions` itself as the last when any was (so the longest bucket still reaches the model's limit)."""
+    if max_positions is None or lengths[-1] <= max_positions:
+        return tuple(lengths)
+    return tuple(length for length in lengths if length < max_positions) + (max_positions,)
+
+
+def token_contexts(windows: Sequence[Any]) -> np.ndarray:
+    """Per scored token, in scoring order, how many tokens of its window come before it (its context)."""
+    return np.concatenate([np.arange(w.score_from - w.start, w.end - w.start) for w in windows])
+
+
+def context_buckets(contexts: np.ndarray, lengths: Sequence[int]) -> np.ndarray:
+    """Per token, the index of its bucket: bucket i holds the contexts in [lengths[i-1], lengths[i]) (from 0 for
+    the first); a context at or past the last length is refused (the windows are never longer than it)."""
+    contexts = np.asarray(contexts)
+    if contexts.size and contexts.max() >= lengths[-1]:
+        raise ValueError(f"a token has {int(contexts.max())} tokens of context, past the longest length {lengths[-1]}")
+    return np.searchsorted(np.asarray(lengths), contexts, side="right")
+
+
+def damage_by_context(
+    kld: np.ndarray, top1_match: np.ndarray, contexts: np.ndarray, lengths: Sequence[int]
+) -> dict[str, float]:
+    """quality/<figure>/ctx<L> per context bucket (see context_buckets): mean and p99 KL, top-1 agreement and the
+    tokens counted; a bucket no token fell in is left out."""
+    kld, top1_match = _as_1d_float64(kld, "kld"), np.asarray(top1_match, dtype=bool).reshape(-1)
+    buckets = context_buckets(contexts, lengths)
+    figures: dict[str, float] = {}
+    for index, length in enumerate(lengths):
+        members = buckets == index
+        if not members.any():
+            continue
+        figures |= {
+            f"quality/kld_mean/ctx{length}": float(kld[members].mean()),
+            f"quality/kld_p99/ctx{length}": float(np.percentile(kld[members], 99.0)),
+            f"quality/top1_agreement/ctx{length}": float(top1_match[members].mean()),
+            f"quality/ppl_tokens/ctx{length}": float(members.sum()),
+        }
+    return figures
+
+
+def kv_cache_pairs(variants: Sequence[Any]) -> dict[str, str | None]:
+    """Each variant with a quantized KV cache -> the recipe's variant that is the same but for it (same method,
+    same params, no kv_cache), or None when the recipe has none: the first such in recipe order."""
+    pairs: dict[str, str | None] = {}
+    for variant in variants:
+        if variant.kv_cache is None:
+            continue
+        pairs[variant.name] = next(
+            (
+                other.name
+                for other in variants
+                if other.kv_cache is None and other.method == variant.method and other.params == variant.params
+            ),
+            None,
+        )
+    return pairs
 
 
 def flip_metrics(task: str, correct_to_wrong: int, wrong_to_correct: int) -> dict[str, float]:

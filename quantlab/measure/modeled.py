@@ -99,12 +99,21 @@ class WeightCounts:
     linear_weights: int  # the decoder blocks' linear weights: what a quantization method stores otherwise
     linear_outputs: int  # their output channels (q, k, v, o, gate, up, down): a per-channel scale each
     layers: int
+    # (outputs, inputs) of each linear layer of one decoder block (q, k, v, o, gate, up, down): per-block scales
+    layer_shapes: tuple[tuple[int, int], ...] = ()
 
 
 def weight_counts(shape: ModelShape) -> WeightCounts:
     heads = shape.num_attention_heads + 2 * shape.num_kv_heads
     outputs = shape.num_layers * (heads * shape.head_dim + 2 * shape.hidden_size + 2 * shape.intermediate_size)
-    return WeightCounts(parameter_count(shape), linear_weight_count(shape), outputs, shape.num_layers)
+    hidden, query, kv, mlp = (
+        shape.hidden_size,
+        shape.num_attention_heads * shape.head_dim,
+        shape.num_kv_heads * shape.head_dim,
+        shape.intermediate_size,
+    )
+    shapes = ((query, hidden), (kv, hidden), (kv, hidden), (hidden, query), (mlp, hidden), (mlp, hidden), (hidden, mlp))
+    return WeightCounts(parameter_count(shape), linear_weight_count(shape), outputs, shape.num_layers, shapes)
 
 
 def kv_cache_element_bytes(config: Any, kv_cache_dtype: KvCacheDtype = "auto") -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -11,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field
 if TYPE_CHECKING:
     from datasets import Dataset
     from transformers import PreTrainedModel
+
+    from quantlab.measure.modeled import WeightCounts
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,56 @@ class MethodParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+@dataclass(frozen=True)
+class Support:
+    """How a serving engine runs a method's checkpoints on one kind of device: the kernel it is expected to choose
+    (the one it really chose is read from its log) and what a reviewer should know about it."""
+
+    kernel: str
+    note: str = ""
+    # The format the engine really computes, when not the stored one (a weight-only fallback, an emulation): the
+    # "served as" label of the report and `pick`.
+    served_as: str | None = None
+
+
+# engine name (quantlab.serving.engines.ENGINES) -> device ("cpu", "cuda") -> how it runs the method's checkpoints.
+# A device missing: that engine cannot serve them there (the recipe is refused before any work), unless the engine
+# has a generic path of its own (transformers serve dequantizes whatever it is given).
+Served = Mapping[str, Mapping[str, Support]]
+
+
+def divides_widths(field: str, size: int, linear_widths: dict[str, int], fixed: str = "") -> list[tuple[str, str]]:
+    """(field, message) when `size` (a group or block of input channels) does not divide every layer's input
+    width: a group would straddle two rows of such a layer. `fixed`: the format's own name when its size is not a
+    parameter (then the way out is to keep those layers in BF16)."""
+    misfits = sorted({width for width in linear_widths.values() if width % size})
+    if not misfits:
+        return []
+    example = next(name for name, width in linear_widths.items() if width == misfits[0])
+    if fixed:
+        return [
+            (
+                field,
+                f"{fixed}'s groups of {size} do not divide the input widths {misfits} (e.g. {example}): list "
+                "those layers in ignore",
+            )
+        ]
+    common = math.gcd(*linear_widths.values())
+    divisor = min(common & -common, 1024)  # the largest power of two dividing every width, at most 1024
+    message = f"(widths {misfits}, e.g. {example}); pick a divisor such as {divisor}"
+    return [(field, f"{size} does not divide the input width of every linear layer {message}")]
+
+
+def per_channel_bytes(weights: WeightCounts, element_bytes: float) -> int:
+    """`element_bytes` per weight and a BF16 scale per output channel (per-token activations store nothing)."""
+    return int(element_bytes * weights.linear_weights) + 2 * weights.linear_outputs
+
+
+def per_group_bytes(weights: WeightCounts, element_bytes: float, group: int, scale_bytes: int) -> int:
+    """`element_bytes` per weight and a `scale_bytes` scale per `group` consecutive input channels."""
+    return int(element_bytes * weights.linear_weights) + scale_bytes * (weights.linear_weights // group)
+
+
 class Method:
     """The base of every method; its defaults suit a data-free method without parameters that fits any model."""
 
@@ -35,6 +88,15 @@ class Method:
     # The compressed-tensors format of the stored weights (its preset's name), None when nothing is quantized:
     # what a serving engine looks up to say which kernel runs the checkpoint (quantlab.serving.engines).
     stored_format: ClassVar[str | None] = None
+    # How each serving engine runs this method's checkpoints (see `Served`); nothing declared: no engine serves
+    # them but through a generic path of its own.
+    served: ClassVar[Served] = {}
+
+    @staticmethod
+    def linear_bytes(weights: WeightCounts, params: Mapping[str, Any]) -> int | None:
+        """Stored bytes of the decoder blocks' linear weights (scales and packing included) for these params, as
+        compressed-tensors writes them (what the disk check models); None: not modeled, counted as BF16."""
+        return None
 
     @staticmethod
     def check_model(params: MethodParams, linear_widths: dict[str, int]) -> list[tuple[str, str]]:
@@ -65,18 +127,22 @@ class GroupwiseInt4(Method):
 
     needs_calibration: ClassVar[bool] = True
     stored_format: ClassVar[str | None] = "W4A16"
+    served: ClassVar[Served] = {
+        "vllm": {"cpu": Support("CPUWNA16LinearKernel"), "cuda": Support("Machete (Hopper) or Marlin W4A16")},
+    }
+
+    @staticmethod
+    def linear_bytes(weights: WeightCounts, params: Mapping[str, Any]) -> int:
+        """Pack-quantized, AWQ's and GPTQ's alike (neither GPTQ ordering left in compressed-tensors 0.19 stores a
+        g_idx): eight INT4 weights per int32, a BF16 scale per group of inputs, with `symmetric: false` an INT4 zero
+        point per group (packed along the outputs), a 2-element int64 shape per layer."""
+        linear, group = weights.linear_weights, params.get("group_size", 128)
+        zero_points = 0 if params.get("symmetric", True) else linear // (2 * group)
+        return linear // 2 + 2 * linear // group + zero_points + 16 * 7 * weights.layers
 
     @staticmethod
     def check_model(params: Params, linear_widths: dict[str, int]) -> list[tuple[str, str]]:
-        # A group would straddle two rows of a layer whose input width it does not divide.
-        misfits = sorted({width for width in linear_widths.values() if width % params.group_size})
-        if not misfits:
-            return []
-        example = next(name for name, width in linear_widths.items() if width == misfits[0])
-        common = math.gcd(*linear_widths.values())
-        divisor = min(common & -common, 1024)  # the largest power of two dividing every width, at most 1024
-        message = f"(widths {misfits}, e.g. {example}); pick a divisor such as {divisor}"
-        return [("group_size", f"{params.group_size} does not divide the input width of every linear layer {message}")]
+        return divides_widths("group_size", params.group_size, linear_widths)
 
     @staticmethod
     def int4_groups(params: Params) -> dict[str, Any]:
@@ -113,3 +179,44 @@ def calibrated_oneshot(model: PreTrainedModel, recipe: Any, calibration: Calibra
         # scales, from one run to the next (KL 0.2144 and 0.2127 for one recipe and seed).
         shuffle_calibration_samples=False,
     )
+
+
+class PresetMethod(Method):
+    """A compressed-tensors preset (`preset`, by its name in compressed-tensors' PRESET_SCHEMES) on every Linear
+    layer not ignored, by llm-compressor's QuantizationModifier: round-to-nearest, with the recipe's calibration
+    samples run through the model first when the preset has static activation scales to observe."""
+
+    class Params(MethodParams):
+        ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="Modules kept in BF16.")
+
+    preset: ClassVar[str]
+
+    @classmethod
+    def scheme(cls, params: MethodParams) -> Any:
+        """The preset's name, or its QuantizationScheme with what `params` change in it."""
+        return cls.preset
+
+    @classmethod
+    def rounded(cls, params: Params) -> list[Any]:
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+
+        scheme, ignore = cls.scheme(params), list(params.ignore)
+        if isinstance(scheme, str):
+            return [QuantizationModifier(targets="Linear", scheme=scheme, ignore=ignore)]
+        return [QuantizationModifier(config_groups={"group_0": scheme}, ignore=ignore)]
+
+    @classmethod
+    def apply(cls, model: PreTrainedModel, params: MethodParams, calibration: CalibrationSet | None) -> None:
+        if cls.needs_calibration:
+            calibrated_oneshot(model, cls.rounded(params), calibration)
+        else:
+            from llmcompressor import oneshot
+
+            oneshot(model=model, recipe=cls.rounded(params))
+
+
+def preset_scheme(name: str) -> Any:
+    """compressed-tensors' preset `name` as a QuantizationScheme on Linear layers, to change before use."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    return preset_name_to_scheme(name, ["Linear"])

@@ -4,26 +4,29 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import Field
-
-from quantlab.quantize.base import Method, MethodParams
+from quantlab.quantize.base import PresetMethod, Served, Support, per_channel_bytes
 
 
-class Fp8(Method):
-    class Params(MethodParams):
-        ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="Modules kept in BF16.")
-
+class Fp8(PresetMethod):
+    preset: ClassVar[str] = "FP8_DYNAMIC"
     rounding_is_the_method: ClassVar[bool] = True
     stored_format: ClassVar[str | None] = "FP8_DYNAMIC"
+    served: ClassVar[Served] = {
+        "vllm": {
+            "cpu": Support(
+                "ChannelWiseTorchFP8ScaledMMLinearKernel",
+                "vLLM's native CPU FP8 kernels need AMX-FP8 (Diamond Rapids); before it its generic torch kernel "
+                "runs, whose scaled-mm quantlab computes as a bf16 GEMM of the exact FP8 values (torch's CPU op is a "
+                "reference loop, hundreds of times slower)",
+            ),
+            "cuda": Support("CUTLASS FP8 scaled-mm (SM >= 89); weight-only Marlin FP8 on older GPUs"),
+        },
+        "transformers": {
+            "cuda": Support("compressed-tensors FP8 matmul where the GPU has FP8 (SM >= 89), else dequantized"),
+        },
+    }
 
     @staticmethod
-    def rounded(params: Params) -> list:
-        from llmcompressor.modifiers.quantization import QuantizationModifier
-
-        return [QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=list(params.ignore))]
-
-    @staticmethod
-    def apply(model, params: Params, calibration) -> None:
-        from llmcompressor import oneshot
-
-        oneshot(model=model, recipe=Fp8.rounded(params))
+    def linear_bytes(weights, params) -> int:
+        """One FP8 byte per weight and a BF16 scale per output channel."""
+        return per_channel_bytes(weights, 1)

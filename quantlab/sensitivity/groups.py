@@ -84,7 +84,45 @@ def recipe_keeping(
     params = dict(variant.get("params") or {})
     ignore = list(params.get("ignore", ["lm_head"]))
     params["ignore"] = ignore + [group.ignore_pattern for group in kept if group.ignore_pattern not in ignore]
-    added = {"name": name, "method": variant["method"], "params": params}
+    return recipe_with_variant(
+        text, source_dir, target_dir, {"name": name, "method": variant["method"], "params": params}
+    )
+
+
+def mixed_variant(name: str, parts: Sequence[tuple[Mapping[str, Any], Sequence[LayerGroup]]]) -> dict[str, Any]:
+    """A `mixed` variant (quantlab.quantize.mixed) named `name`: each (raw variant, groups) part quantizes those
+    groups' modules in that variant's method and params; everything else stays BF16 (lm_head included)."""
+    formats = []
+    for variant, groups in parts:
+        params = {key: value for key, value in (variant.get("params") or {}).items() if key != "ignore"}
+        part: dict[str, Any] = {"method": variant["method"]} | ({"params": params} if params else {})
+        formats.append(part | {"modules": target_patterns(groups)})
+    return {"name": name, "method": "mixed", "params": {"formats": formats}}
+
+
+def target_patterns(groups: Sequence[LayerGroup]) -> list[str]:
+    """llm-compressor targets matching the groups' quantized modules and nothing else (a `re:` over a whole block
+    would also give its attention module a scheme of its own): groups that differ only in their last name segment
+    and hold the same modules below it share one pattern, e.g. ``re:model\\.layers\\.(?:0|11)\\.(?:mlp\\.up_proj|...)$``."""
+    shared: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+    exact = []
+    for group in groups:
+        if group.modules == (group.name,):
+            exact.append(group.name)
+            continue
+        stem, _, last = group.name.rpartition(".")
+        tails = tuple(module[len(group.name) + 1 :] for module in group.modules)
+        shared.setdefault((stem, tails), []).append(last)
+    patterns = []
+    for (stem, tails), names in shared.items():
+        head = f"{re.escape(stem)}\\." if stem else ""
+        patterns.append(f"re:{head}(?:{'|'.join(map(re.escape, names))})\\.(?:{'|'.join(map(re.escape, tails))})$")
+    return patterns + exact
+
+
+def recipe_with_variant(text: str, source_dir: Path, target_dir: Path, added: Mapping[str, Any]) -> str:
+    """The recipe `text` (read from `source_dir`) as it should read in `target_dir`, with the variant `added` (a raw
+    mapping) inserted after the last one: comments and layout kept, relative paths rewritten for the new directory."""
     root = yaml.compose(text)
     edits = [_rebased(node, source_dir, target_dir) for node in _path_nodes(root)]
     variants = _value_node(root, "variants")
@@ -93,7 +131,7 @@ def recipe_keeping(
     first = variants.value[0].start_mark
     line_start = text.rfind("\n", 0, first.index) + 1
     dash = text.rfind("-", line_start, first.index) - line_start  # where this recipe puts its items' dashes
-    entry = yaml.safe_dump([added], sort_keys=False, default_flow_style=False, width=1000).splitlines()
+    entry = yaml.safe_dump([dict(added)], sort_keys=False, default_flow_style=False, width=1000).splitlines()
     head = " " * dash + "-" + " " * (first.column - dash - 1) + entry[0][2:]
     lines = "\n".join([head] + [" " * first.column + line[2:] for line in entry[1:]])
     end = _line_end(text, variants.value[-1].end_mark.index)

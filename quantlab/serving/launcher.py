@@ -19,7 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantlab.serving.engines.base import HOST
@@ -102,6 +102,7 @@ class RunningServer:
     command: tuple[str, ...]
     process: subprocess.Popen
     log_path: Path
+    started_at: float = field(default_factory=time.monotonic)  # its start-up time counts from here
 
     def died(self) -> str | None:
         """Why the server is gone (with its log's tail), or None while it runs."""
@@ -122,6 +123,20 @@ def running_server(
     port: int | None = None,
 ) -> Iterator[RunningServer]:
     """A started, healthy server (GET /health answers 200) on `port` (default: a free one); stopped on exit."""
+    with launched_server(command_for, engine, log_path, env, port) as server:
+        wait_healthy(server, startup_timeout_s)
+        yield server
+
+
+@contextlib.contextmanager
+def launched_server(
+    command_for: Callable[[int], list[str]],
+    engine: str,
+    log_path: Path,
+    env: Mapping[str, str],
+    port: int | None = None,
+) -> Iterator[RunningServer]:
+    """A server started on `port` (default: a free one) and not waited for (`wait_healthy`); stopped on exit."""
     port = port or free_port()
     if port_taken(port):
         raise ServerFailed(f"port {port} on {HOST} is taken by another process: the {engine} server cannot listen")
@@ -129,16 +144,16 @@ def running_server(
     if shutil.which(command[0]) is None and not Path(command[0]).exists():
         raise ServerFailed(f"cannot run {command[0]}")
     process = start_group(command, log_path, env)
-    server = RunningServer(engine, f"http://{HOST}:{port}", port, tuple(command), process, log_path)
     try:
-        _wait_healthy(server, startup_timeout_s)
-        yield server
+        yield RunningServer(engine, f"http://{HOST}:{port}", port, tuple(command), process, log_path)
     finally:
         stop_group(process)
 
 
-def _wait_healthy(server: RunningServer, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
+def wait_healthy(server: RunningServer, timeout_s: float) -> None:
+    """Returns once GET /health answers 200; ServerFailed when the server dies first, or is not healthy `timeout_s`
+    after it was started (a server started early, beside other stages, has had that long)."""
+    deadline = server.started_at + timeout_s
     while time.monotonic() < deadline:
         if (why := server.died()) is not None:
             raise ServerFailed(f"the server stopped before it was healthy: {why}")

@@ -117,7 +117,11 @@ class ServingSettings(_Strict):
     port: int | None = Field(
         None, ge=1024, le=65535, description="The server's loopback port; unset: a free one for each variant."
     )
-    startup_timeout_s: float = Field(300, gt=0, description="How long the server may take to answer /health.")
+    startup_timeout_s: float = Field(
+        300,
+        gt=0,
+        description="How long the server may take to answer /health, from its start (on CPU, beside the reference stages).",
+    )
     request_timeout_s: float = Field(120, gt=0, description="How long one request may take before it is an error.")
 
     @field_validator("engine")

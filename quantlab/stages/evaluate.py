@@ -170,6 +170,7 @@ def token_damage(
 ) -> DamageOutcome:
     """Perplexity and KL against the baseline's stored pass (written here when this is the baseline)."""
     from quantlab.evaluate import reference
+    from quantlab.evaluate.contexts import ContextDamage, context_damage
 
     if not settings.enabled:
         return DamageOutcome({}, {SKIPPED_TAG: "quality.enabled is false in the recipe"})
@@ -197,9 +198,14 @@ def token_damage(
     # Paired per token against the baseline's own pass (the baseline against itself: zeros), windows as clusters.
     baseline = reference.TokenComparison.of_baseline(tokens.baseline_nll, tokens.windows).documents()
     documents = tokens.documents()
+    by_context = ContextDamage({}, {}, {})
+    if settings.contexts:  # KL and top-1 by context length, in a pass of its own
+        by_context = context_damage(model, tokenizer, settings, recipe_dir, reference_dir, job)
+        baseline, documents = baseline | by_context.baseline_documents, documents | by_context.documents
     paired = {key: compare(key, baseline[key], docs) for key, docs in documents.items()}
     effects = {f"{key}_design_effect": c.design_effect for key, c in paired.items() if c.design_effect is not None}
-    return DamageOutcome(tokens.metrics() | _paired_metrics(paired) | effects, {}, str(reference_dir), documents)
+    metrics = tokens.metrics() | by_context.metrics | _paired_metrics(paired) | effects
+    return DamageOutcome(metrics, by_context.tags, str(reference_dir), documents)
 
 
 def answer_damage(scores: EvalOutcome, baseline: BaselineOutputs | None) -> DamageOutcome:

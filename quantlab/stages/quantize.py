@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from quantlab import cache, disk
 from quantlab.models import ModelSource, checkpoint_identity, load_source_model
 from quantlab.quantize import METHODS
+from quantlab.quantize.kv_cache import quantize_kv_cache
 from quantlab.stages.calibration import calibration_dataset
 
 if TYPE_CHECKING:
@@ -48,8 +49,10 @@ def quantize_variant(
 
     def apply(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
         follow(model)
-        samples = calibration_dataset(calibration, tokenizer, recipe_dir) if method.needs_calibration else None
-        method.apply(model, variant.params, samples)
+        samples = calibration_dataset(calibration, tokenizer, recipe_dir) if variant.needs_calibration else None
+        method.apply(model, variant.params, samples if method.needs_calibration else None)
+        if variant.kv_cache is not None:
+            quantize_kv_cache(model, variant.kv_cache.strategy, samples)
 
     identity = checkpoint_identity(source, variant, calibration)
     return _cached_checkpoint(source, variant, identity, variant.name, apply, cache_root, device, force)
@@ -123,7 +126,10 @@ def _build(
     compute_dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model, tokenizer = load_source_model(source, compute_dtype, device)
     apply(model, tokenizer)
-    model.to(torch.bfloat16)
+    # compressed-tensors keeps NVFP4's global scales in float32 (as vLLM loads them): only the rest goes to BF16.
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.dtype == torch.float32 and not name.endswith("global_scale"):
+            tensor.data = tensor.data.to(torch.bfloat16)
     with cache.writing(target, identity) as scratch:
         model.save_pretrained(scratch)
         tokenizer.save_pretrained(scratch)

@@ -1,4 +1,4 @@
-"""The runner's serving stages: the variant's checkpoint behind its engine's real server (`serving_variant`), which
+"""The runner's serving stages: the variant's checkpoint behind its engine's real server (`VariantServer`), which
 the served evaluation, the served token damage and the load stage (`serve_load`) all use, one server per variant.
 
 `serve_load` puts guidellm's load on it and returns `cost/serving/*` metrics, `served.*` params (what served it:
@@ -16,7 +16,6 @@ import gc
 import json
 import os
 import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -31,7 +30,7 @@ from quantlab.serving.engines import Engine, Launch, Support
 from quantlab.serving.engines.base import shown_command
 from quantlab.serving.environments import chosen_engine, engine_python, installed_version, python_problem
 from quantlab.serving.goodput import SERVING_TAG, UNAVAILABLE_TAG, ServingSummary, summarize
-from quantlab.serving.launcher import RunningServer, running_server
+from quantlab.serving.launcher import RunningServer, launched_server, wait_healthy
 from quantlab.serving.levels import LoadLevel, load_levels
 from quantlab.serving.load import run_load, scenario, warm_up
 from quantlab.serving.pricing import fastest_prefill, modeled_served_tokens_per_s, serving_price
@@ -111,71 +110,121 @@ class ServedVariant:
         return found
 
 
-@contextlib.contextmanager
-def serving_variant(
-    checkpoint: Path,
-    variant: str,
-    stored_format: str | None,
-    recipe: Recipe,
-    device: str,
-    dtype: torch.dtype,
-    cache_root: Path,
-    log_dir: Path | None,
-) -> Iterator[ServedVariant | None]:
-    """The checkpoint behind a started, healthy server for the stages that need one (None when none does); the
-    server and every process it started are stopped on exit."""
-    if not recipe.needs_server:
-        yield None
-        return
-    import torch
+@dataclass(frozen=True)
+class _Launched:
+    """A server started for the variant, perhaps not healthy yet, and what started it."""
 
-    settings = recipe.serving
-    gc.collect()  # the caller dropped its model: free its memory before the server loads its own copy
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    engine = chosen_engine(settings, device, cache_root)
-    python = engine_python(engine, settings.python, cache_root, device)
-    if (problem := python_problem(engine, python)) is not None:
-        raise RuntimeError(f"serving.python: {problem}")
-    support = engine.supports(stored_format, device)
-    if support is None:
-        raise RuntimeError(f"serving.engine: {engine.label} cannot serve {stored_format} checkpoints on {device}")
-    gpu_name = torch.cuda.get_device_name(0) if device == "cuda" else None
-    threads = torch.get_num_threads()
-    shape = ModelShape.from_config(config_dict(checkpoint / "config.json"))
-    engine_dtype = "bfloat16" if engine.name == "vllm" else str(dtype).removeprefix("torch.")
-    launch = server_launch(checkpoint, settings, recipe, shape, device, engine_dtype, threads)
-    environment = engine.environment(launch)
+    engine: Engine
+    python: Path
+    launch: Launch
+    support: Support
+    environment: dict[str, str]
+    server: RunningServer
 
-    with tempfile.TemporaryDirectory(prefix=f"quantlab-serve-{variant}-") as scratch:
-        server_log = side_log(log_dir or Path(scratch), variant, "server")
+
+class VariantServer:
+    """One variant's server across the stages that use it, stopped (with every process it started) on exit.
+
+    `launch_early()` starts it where the host can hold its copy of the model beside the variant's own (CPU): its
+    start, mostly imports and loading, then runs while the reference stages score the variant. On a GPU the variant's
+    model must be dropped first (the server sizes its memory from what is free), so it starts at `ready()`.
+    `ready()` waits until it is healthy and says what it serves (None when no stage needs a server)."""
+
+    def __init__(
+        self,
+        checkpoint: Path,
+        variant: str,
+        stored_format: str | None,
+        recipe: Recipe,
+        device: str,
+        dtype: torch.dtype,
+        cache_root: Path,
+        log_dir: Path | None,
+    ) -> None:
+        self.checkpoint, self.variant, self.stored_format, self.recipe = checkpoint, variant, stored_format, recipe
+        self.device, self.dtype, self.cache_root, self.log_dir = device, dtype, cache_root, log_dir
+        self._scope = contextlib.ExitStack()
+        self._launched: _Launched | None = None
+        self._served: ServedVariant | None = None
+
+    def __enter__(self) -> VariantServer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._scope.close()
+
+    def launch_early(self) -> None:
+        if self.device == "cpu" and self.recipe.needs_server and self._launched is None:
+            self._launch()
+
+    def wait_if_launched(self) -> None:
+        """Healthy before anything is timed: a server still starting would compete with the timing."""
+        if self._launched is not None:
+            self.ready()
+
+    def ready(self) -> ServedVariant | None:
+        if not self.recipe.needs_server:
+            return None
+        if self._served is None:
+            launched = self._launched or self._launch()
+            server, engine, launch = launched.server, launched.engine, launched.launch
+            wait_healthy(server, self.recipe.serving.startup_timeout_s)
+            gpu_name = _gpu_name(self.device)
+            self._served = ServedVariant(
+                self.variant,
+                engine,
+                launched.python,
+                _with_port(launch, server.port),
+                server,
+                self.stored_format,
+                launched.support,
+                engine.kernels(server.log_path.read_text(errors="replace"), self.stored_format, self.device),
+                shown_command(server.command, launched.environment),
+                gpu_name or f"CPU: {cpu_model_name()}, {launch.threads} of {visible_cores()} cores",
+                gpu_name,
+            )
+        return self._served
+
+    def _launch(self) -> _Launched:
+        import torch
+
+        settings, device = self.recipe.serving, self.device
+        gc.collect()  # a caller that dropped its model: free its memory before the server loads its own copy
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        engine = chosen_engine(settings, device, self.cache_root)
+        python = engine_python(engine, settings.python, self.cache_root, device)
+        if (problem := python_problem(engine, python)) is not None:
+            raise RuntimeError(f"serving.python: {problem}")
+        support = engine.supports(self.stored_format, device)
+        if support is None:
+            raise RuntimeError(
+                f"serving.engine: {engine.label} cannot serve {self.stored_format} checkpoints on {device}"
+            )
+        shape = ModelShape.from_config(config_dict(self.checkpoint / "config.json"))
+        engine_dtype = "bfloat16" if engine.name == "vllm" else str(self.dtype).removeprefix("torch.")
+        threads = torch.get_num_threads()
+        launch = server_launch(self.checkpoint, settings, self.recipe, shape, device, engine_dtype, threads)
+        environment = engine.environment(launch)
+        scratch = self._scope.enter_context(tempfile.TemporaryDirectory(prefix=f"quantlab-serve-{self.variant}-"))
+        server_log = side_log(self.log_dir or Path(scratch), self.variant, "server")
 
         def command_for(port: int) -> list[str]:
             return engine.command(python, _with_port(launch, port))
 
-        started = running_server(
-            command_for,
-            engine.name,
-            server_log,
-            {**os.environ, **environment, **_QUIET},
-            settings.startup_timeout_s,
-            settings.port,
-        )
-        with started as server:
-            hardware = gpu_name or f"CPU: {cpu_model_name()}, {threads} of {visible_cores()} cores"
-            yield ServedVariant(
-                variant,
-                engine,
-                python,
-                _with_port(launch, server.port),
-                server,
-                stored_format,
-                support,
-                engine.kernels(server_log.read_text(errors="replace"), stored_format, device),
-                shown_command(server.command, environment),
-                hardware,
-                gpu_name,
+        server = self._scope.enter_context(
+            launched_server(
+                command_for, engine.name, server_log, {**os.environ, **environment, **_QUIET}, settings.port
             )
+        )
+        self._launched = _Launched(engine, python, launch, support, environment, server)
+        return self._launched
+
+
+def _gpu_name(device: str) -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name(0) if device == "cuda" else None
 
 
 # The server reads the local checkpoint only, and writes its log as it goes.

@@ -1,17 +1,22 @@
 """What a serving engine is to quantlab: where its Python lives, how its server starts on this machine, what a
-request must carry, which kernel it runs each stored format with, and what its log says it chose.
+request must carry, and what its log says it chose. Which kernel it runs each stored format with is declared by
+the method that stores it (`quantlab.quantize`), not here.
 
 One engine is one file beside this one plus one line in the registry (`quantlab.serving.engines.ENGINES`).
 """
 
 from __future__ import annotations
 
+import os
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
+
+from quantlab.quantize import declared_support
+from quantlab.quantize.base import Support  # how an engine runs a format, declared by each method's own file
 
 HOST = "127.0.0.1"
 
@@ -34,16 +39,6 @@ class Launch:
     gpu_memory_utilization: float | None  # from the GPU memory free at start; None on CPU
     top_logprobs: int  # the most log-probabilities per token a request may ask for (token damage)
     extra: tuple[str, ...] = ()  # serving.server_args
-
-
-@dataclass(frozen=True)
-class Support:
-    """How an engine runs one stored format on one kind of device: the kernel it is expected to choose (the one it
-    really chose is read from its log) and what a reviewer should know about it."""
-
-    kernel: str
-    note: str = ""
-    served_as: str | None = None  # the format it really computes, when not the stored one (weight-only fallback)
 
 
 @dataclass(frozen=True)
@@ -88,10 +83,10 @@ class Engine(ABC):
     def request_body(self, output_tokens: int) -> dict[str, Any]:
         """Fields every load request carries so that it generates exactly `output_tokens` (None: field removed)."""
 
-    @abstractmethod
     def supports(self, stored_format: str | None, device: str) -> Support | None:
-        """How this engine runs a checkpoint stored in `stored_format` (None: unquantized) on `device`; None: it
-        cannot."""
+        """How this engine runs a checkpoint stored in `stored_format` (None: unquantized) on `device`, as the
+        method storing that format declares it (`quantlab.quantize.base.Method.served`); None: it cannot."""
+        return declared_support(self.name, stored_format, device)
 
     def kernels(self, log_text: str, stored_format: str | None, device: str) -> dict[str, str]:
         """{layer type: kernel} the engine ran this checkpoint's quantized layers with."""
@@ -100,6 +95,11 @@ class Engine(ABC):
     def install_spec(self, cpu: bool) -> InstallSpec | None:
         """The environment `quantlab engine install` makes for it; None: it lives in quantlab's own."""
         return None
+
+
+def python_path_with(site: Path) -> str:
+    """PYTHONPATH with `site` first: its sitecustomize.py runs at start-up in every Python process of the server."""
+    return os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
 
 
 def shown_command(command: Sequence[str], environment: Mapping[str, str]) -> str:

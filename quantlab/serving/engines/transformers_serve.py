@@ -7,11 +7,12 @@ import json
 from pathlib import Path
 from typing import Any, ClassVar
 
-from quantlab.serving.engines.base import HOST, Engine, Launch, Support
+from quantlab.serving.engines.base import HOST, Engine, Launch, Support, python_path_with
 
 # What `transformers serve` needs instead of ignore_eos; a JSON string, as its request schema types it.
 FIXED_LENGTH = json.dumps({"eos_token_id": -1})
 CACHE_BLOCK_TOKENS = 32
+CPU_SITE = Path(__file__).with_name("transformers_site")
 
 
 class TransformersServe(Engine):
@@ -36,12 +37,23 @@ class TransformersServe(Engine):
             command += ["--cb-max-batch-tokens", str(launch.batch_tokens)]
         return [*command, *launch.extra]
 
+    def environment(self, launch: Launch) -> dict[str, str]:
+        variables = super().environment(launch)
+        if launch.device == "cpu":
+            # MX and NVFP4 weights decompress to BF16 and meet float32 activations: upcast at load, as quantlab does.
+            variables["PYTHONPATH"] = python_path_with(CPU_SITE)
+        return variables
+
     def request_body(self, output_tokens: int) -> dict[str, Any]:
         # guidellm adds vLLM's ignore_eos, which transformers serve rejects (HTTP 422): null removes it.
         fixed = {"ignore_eos": None, "stream_options": None, "generation_config": FIXED_LENGTH}
         return {"max_tokens": output_tokens, **fixed}
 
     def supports(self, stored_format: str | None, device: str) -> Support | None:
+        # What a method declares for it (FP8 matmuls on a GPU), else its generic path: every compressed-tensors
+        # format decompressed to the compute dtype.
+        if (declared := super().supports(stored_format, device)) is not None:
+            return declared
         if stored_format is None:
             return Support("torch linear (unquantized)")
         if device == "cpu":
@@ -50,10 +62,8 @@ class TransformersServe(Engine):
                 f"{stored_format} weights are dequantized at load: speed is the compute dtype's",
                 served_as="dequantized",
             )
-        if stored_format.startswith("FP8"):
-            return Support("compressed-tensors FP8 matmul where the GPU has FP8 (SM >= 89), else dequantized")
         return Support(
-            "decompressed to the compute dtype (no INT4/INT8 kernel in plain transformers)", served_as="dequantized"
+            "decompressed to the compute dtype (no quantized kernel in plain transformers)", served_as="dequantized"
         )
 
     def kernels(self, log_text: str, stored_format: str | None, device: str) -> dict[str, str]:

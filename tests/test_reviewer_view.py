@@ -1,0 +1,181 @@
+"""What a reviewer sees on arrival (issue 32): a tiny sweep, `quantlab ui` on its store, and the addresses it prints
+opened in a real headless Chromium, asserted without a click: MLflow's classic view, the sweep's runs grouped with
+its variants and datasets in view, the chosen variant named at the top of the parent run's page, the decision at
+the top of frontier.html (also at 1280 px).
+
+Screenshots at 1600x1000 go to artifacts/screenshots/ (gitignored, kept by CI; $QUANTLAB_SCREENSHOTS overrides).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import free_port
+from test_embedded import CHROMIUM_ARGS, _wait_for
+from test_sweep import quantlab
+
+from quantlab import publish, tracking
+from quantlab.report import decision_text
+from recipes import REPO, tiny_recipe, write
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("chromium") is None, reason="Debian's chromium is not installed (apt-get install chromium)"
+)
+VARIANTS = ("bf16", "fp8")
+SHOTS = Path(os.environ.get("QUANTLAB_SCREENSHOTS", REPO / "artifacts" / "screenshots"))
+
+
+@pytest.fixture(scope="module")
+def reviewed(tmp_path_factory, tiny_llama):
+    """bf16 and fp8 of the tiny Llama, under a policy that chooses fp8 (a KL bound; the tiny model's few documents
+    settle no drop limit), swept in this process's way (inprocess: no fork server for two variants), then
+    `quantlab ui` on its store: (store, parent run, the addresses `ui` printed by name, port)."""
+    work = tmp_path_factory.mktemp("reviewed")
+    variants = [{"name": "bf16", "method": "bf16"}, {"name": "fp8", "method": "fp8"}]
+    policy = {"default_policy": {"max_drop_any_task": None, "max_kld": 1.0}}
+    path = write(work / "recipe.yaml", tiny_recipe(tiny_llama.path, variants=variants, frontier=policy))
+    uri = f"sqlite:///{work / 'mlruns' / 'mlflow.db'}"
+    args = ["--tracking-uri", uri, "--cache-dir", str(work / "cache"), "--executor", "inprocess"]
+    swept = quantlab("sweep", str(path), *args, cwd=work)
+    assert swept.returncode == 0, swept.stdout[-3000:] + swept.stderr[-3000:]
+    store = tracking.open_store(uri)
+    parent = tracking.latest_sweep(store, "tiny")
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "quantlab", "ui", "--port", str(port), "--tracking-uri", uri],
+        cwd=work,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,  # mlflow ui's workers with it: stopped as one group
+        env={**os.environ, "COLUMNS": "300"},
+    )
+    try:
+        printed = {}
+        while len(printed) < 3 and (line := server.stdout.readline()):
+            if found := re.match(r"(.+?): (http://\S+)$", line.strip()):
+                printed[found[1]] = found[2]
+        _wait_for(f"http://127.0.0.1:{port}/health", 120)
+        yield store, parent, printed, port
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=shutil.which("chromium"), args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+def _page(browser, width: int = 1600):
+    """A first visit: a fresh profile, as a reviewer following a link (MLflow keeps its view choices per browser)."""
+    return browser.new_context(viewport={"width": width, "height": 1000}).new_page()
+
+
+def _shot(page, name: str) -> None:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / name))
+
+
+def _classic(page) -> None:
+    """MLflow's classic (machine learning) view, not its GenAI one: its sidebar lists Runs and Models, not Observability."""
+    assert "workflowType=machine_learning" in page.url
+    page.get_by_role("link", name="Runs").first.wait_for(timeout=60_000)
+    assert page.get_by_text("Observability").count() == 0
+
+
+def test_ui_prints_addresses_that_open_the_classic_view(reviewed):
+    _, parent, printed, port = reviewed
+    base = f"http://127.0.0.1:{port}/#/experiments/{parent.experiment_id}"
+    assert printed == {
+        "tiny: runs": f"{base}/runs?workflowType=machine_learning&viewStateShareKey={tracking.VIEW_KEY}",
+        "tiny: newest sweep": f"{base}/runs/{parent.run_id}?workflowType=machine_learning",
+        "tiny: frontier": f"{base}/runs/{parent.run_id}/artifacts/frontier.html?workflowType=machine_learning",
+    }
+
+
+def test_runs_table_shows_the_sweep_its_variants_their_verdicts_and_datasets(reviewed, browser):
+    store, parent, printed, _ = reviewed
+    page = _page(browser)
+    page.goto(printed["tiny: runs"])
+    _classic(page)
+    group = page.get_by_text(f"Group: {parent.tags[tracking.SWEEP]}")
+    group.first.wait_for(timeout=60_000)
+    for name in (*VARIANTS, parent.name):  # the group is open: every run of the sweep is a row, no click
+        assert page.get_by_role("link", name=name, exact=True).first.is_visible(), name
+    # The decision's columns, then the policy's metric (the rest of the reviewer's columns follow, out of sight).
+    for seen in ("quantlab.chosen", "quantlab.verdict", "chosen", "fp8", "quality/kld_mean"):
+        assert page.get_by_text(seen, exact=True).first.is_visible(), seen
+    for dataset in ("mmlu_dev", "pydoc_cloze"):  # the Dataset column, on the variants and on the sweep's row
+        assert page.get_by_text(re.compile(rf"^{dataset} \(")).count() >= 2, dataset
+    _shot(page, "runs-table.png")
+
+
+def test_parent_run_page_names_what_ships_above_the_fold(reviewed, browser):
+    store, parent, printed, _ = reviewed
+    view = publish.read_sweep(store, parent.run_id)
+    text = decision_text(publish.recipe_decision(view), view.variants)
+    assert text.ship.startswith("Ship fp8:")
+    page = _page(browser)
+    page.goto(printed["tiny: newest sweep"])
+    _classic(page)
+    ship = page.get_by_text(text.ship, exact=True)
+    ship.wait_for(timeout=60_000)
+    box = ship.bounding_box()
+    assert box is not None and box["y"] + box["height"] < 1000 / 2  # in the description's first lines
+    assert page.get_by_text(text.why[:60]).first.is_visible()
+    assert page.get_by_text(re.compile(r"^Metrics \([1-9]")).first.is_visible()  # the chosen one's figures
+    assert page.get_by_text(re.compile(r"^mmlu_dev \(")).first.is_visible()  # its box lists the first dataset
+    _shot(page, "parent-run.png")
+
+
+def test_a_variant_run_opens_in_the_classic_view_from_the_address_the_sweep_prints(reviewed, browser):
+    store, parent, _, port = reviewed
+    (fp8,) = [run for run in tracking.child_runs(store, parent.run_id) if run.variant == "fp8"]
+    page = _page(browser)
+    page.goto(tracking.run_address(f"http://127.0.0.1:{port}", parent.experiment_id, fp8.run_id))
+    _classic(page)
+    page.get_by_text(re.compile(r"^Metrics \([1-9]")).first.wait_for(timeout=60_000)
+    assert page.get_by_text(re.compile(r"^mmlu_dev \(")).first.is_visible()
+    _shot(page, "child-run.png")
+
+
+def _frontier_frame(page):
+    """MLflow's artifact viewer shows frontier.html in a frame of its own."""
+    for _ in range(120):
+        for frame in page.frames:
+            if frame.query_selector("#ship") is not None:
+                return frame
+        page.wait_for_timeout(500)
+    raise AssertionError("frontier.html's decision never appeared")
+
+
+def test_frontier_html_opens_with_the_decision_then_the_table_then_the_plots(reviewed, browser):
+    store, parent, printed, port = reviewed
+    page = _page(browser)
+    page.goto(printed["tiny: frontier"])
+    _classic(page)
+    frame = _frontier_frame(page)
+    ship = frame.locator("#ship")
+    assert ship.inner_text().startswith("Ship fp8:")
+    order = frame.evaluate("[...document.querySelectorAll('#ship, table, svg')].map(node => node.tagName)")
+    assert order[:3] == ["P", "TABLE", "svg"]
+    _shot(page, "frontier-html.png")
+    # The page alone at 1280 px: nothing wider than the window but the table, which scrolls in its own box.
+    alone = _page(browser, width=1280)
+    alone.set_content(store.read_artifact(parent.run_id, "frontier.html").decode())  # MLflow serves it as a download
+    assert alone.evaluate("document.documentElement.scrollWidth") <= 1280
+    assert alone.locator("#ship").bounding_box()["y"] < 200
+    _shot(alone, "frontier-html-1280.png")
