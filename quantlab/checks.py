@@ -161,7 +161,10 @@ def serving_problems(recipe: Recipe, base_dir: Path, shown: str, cache_root: Pat
         stored = METHODS[variant.method].stored_format
         if engine.supports(stored, device) is None:
             what = f"{stored} checkpoints" if stored else "this model"
-            message = f"variant {variant.name}: {engine.label} cannot serve {what} on {device}"
+            why = engine.why_not(stored, device)
+            message = f"variant {variant.name}: {engine.label} cannot serve {what} on {device}" + (
+                f": {why}" if why else ""
+            )
             problems.append(Problem(shown, "serving.engine", message))
     if recipe.evals.engine != "reference" and not engine.scores_prompts:
         message = (

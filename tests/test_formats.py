@@ -19,7 +19,7 @@ from test_quantize import CALIBRATION, _variant
 from test_recipe import _problems
 from tiny import save_tiny_llama
 
-from quantlab.checks import validate
+from quantlab.checks import serving_problems, validate
 from quantlab.decision import pick
 from quantlab.frontier import Axis, VariantSummary, compute_frontiers
 from quantlab.measure.checkpoint import CheckpointFacts
@@ -27,14 +27,14 @@ from quantlab.measure.modeled import ModelShape, config_dict, weight_counts
 from quantlab.models import load_checkpoint, resolve_source, rowwise_fp8
 from quantlab.policy import Policy
 from quantlab.quantize import METHODS, declared_support
-from quantlab.recipe import ModelSpec
+from quantlab.recipe import ModelSpec, Recipe
 from quantlab.report import render_markdown, variants_table
 from quantlab.serving.engines import ENGINES
-from quantlab.serving.engines.base import kernels_in_log
+from quantlab.serving.engines.base import host_cpu_flags, kernels_in_log
 from quantlab.serving.goodput import SERVING_TAG
 from quantlab.serving.launcher import running_server
 from quantlab.stages.quantize import quantize_variant
-from recipes import REPO, write
+from recipes import REPO, tiny_recipe, write
 
 # The tiny Llama's input widths are 64 and 128: the preset's blocks and groups of 128 are narrowed to 64.
 PARAMS = {
@@ -183,10 +183,12 @@ def test_engine_support_is_each_methods_own_declaration():
     vllm, transformers = ENGINES["vllm"], ENGINES["transformers"]
     single = {name: method for name, method in METHODS.items() if name != "mixed"}  # mixed: a format per group
     refused_on_cpu = {m for m, method in single.items() if vllm.supports(method.stored_format, "cpu") is None}
-    assert refused_on_cpu == {"nvfp4", "nvfp4a16", "mxfp4", "mxfp8", "w4a8_fp8"}
+    amx = "amx_tile" in host_cpu_flags()  # vLLM's CPU FP8 block kernels need AMX tiles
+    assert refused_on_cpu == {"nvfp4", "nvfp4a16", "mxfp4", "mxfp8", "w4a8_fp8"} | (set() if amx else {"fp8_block"})
     assert all(vllm.supports(method.stored_format, "cuda") for method in single.values())
     assert vllm.supports("NVFP4", "cuda").served_as.startswith("NVFP4A16")
-    assert vllm.supports("FP8_BLOCK", "cpu") is METHODS["fp8_block"].served["vllm"]["cpu"]
+    declared = METHODS["fp8_block"].served["vllm"]["cpu"]
+    assert declared.cpu_flags == ("amx_tile",) and vllm.supports("FP8_BLOCK", "cpu") is (declared if amx else None)
     assert transformers.supports("MXFP4", "cpu").served_as == "dequantized"
     assert transformers.supports("FP8_DYNAMIC", "cuda") is METHODS["fp8"].served["transformers"]["cuda"]
     by_format: dict[str | None, list] = {}
@@ -216,10 +218,37 @@ def test_served_as_is_shown_in_the_report_table_and_by_pick():
     assert "Served as another format" in report and "under contention" not in report
 
 
+@pytest.mark.parametrize("amx", [True, False])
+def test_validate_refuses_fp8_blocks_on_vllm_where_the_cpu_has_no_amx(tmp_path, tiny_llama, monkeypatch, amx):
+    """The other kind of CPU is one this machine cannot become: its flags are set here (a fake, for that alone).
+    vLLM 0.32's CPU FP8 block kernels need AMX tiles; on an AMD EPYC its engine failed at start-up ("Failed to find
+    a kernel that can implement the ScaledMM linear layer ... requires AMX tile support")."""
+    from quantlab.serving.engines import base
+
+    flags = frozenset({"avx512f", "avx512_bf16"} | ({"amx_tile", "amx_bf16"} if amx else set()))
+    monkeypatch.setattr(base, "host_cpu_flags", lambda: flags)
+    serving = {"engine": "vllm", "python": sys.executable}
+    recipe = tiny_recipe(
+        tiny_llama, variants=[{"name": "bf16", "method": "bf16"}, {"name": "blocks", "method": "fp8_block"}]
+    )
+    problems = serving_problems(Recipe.model_validate(recipe | {"serving": serving}), tmp_path, "r.yaml", tmp_path)
+    refusals = [problem.message for problem in problems if problem.field == "serving.engine"]
+    if amx:
+        assert refusals == []
+    else:
+        assert refusals == [
+            "variant blocks: vLLM cannot serve FP8_BLOCK checkpoints on cpu: its kernels need CPU features this CPU "
+            "lacks (amx_tile)"
+        ]
+
+
 def test_vllm_serves_fp8_blocks_on_this_cpu_with_the_kernel_declared(tmp_path, vllm_python):  # noqa: F811
     """The preset's 128x128 blocks need widths that 128 divides, the fused q/k/v outputs too: the tiny Llama with
     head size 32 and as many KV heads as heads (128 wide everywhere). vLLM 0.32's CPU build chooses an AMX kernel:
-    CPUFp8W8A8BlockScaledMMKernel with AMX-FP8, else the weight-only CPUFp8BlockScaledMMKernel (about 25 s here)."""
+    CPUFp8W8A8BlockScaledMMKernel with AMX-FP8, else the weight-only CPUFp8BlockScaledMMKernel (about 25 s here).
+    Without AMX tiles it has none (the engine fails at start-up): validate refuses it, the test above."""
+    if "amx_tile" not in host_cpu_flags():
+        pytest.skip("this CPU has no AMX tiles: vLLM has no FP8 block kernel for it, and quantlab refuses it")
     model = save_tiny_llama(tmp_path / "model", **(SHARP | {"num_key_value_heads": 4}))
     source = resolve_source(ModelSpec(source=str(model)), Path.cwd())
     checkpoint = quantize_variant(source, _variant(name="b", method="fp8_block"), None, Path.cwd(), tmp_path, "cpu")

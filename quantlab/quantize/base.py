@@ -38,6 +38,10 @@ class Support:
     # The format the engine really computes, when not the stored one (a weight-only fallback, an emulation): the
     # "served as" label of the report and `pick`.
     served_as: str | None = None
+    # CPU features its kernels need, as /proc/cpuinfo's flags name them: a CPU without them cannot serve the format
+    # with this engine (vLLM's CPU FP8 block kernels need AMX tiles, which AMD EPYC and Intel before Sapphire Rapids
+    # lack: its engine fails at start-up, "Failed to find a kernel that can implement the ScaledMM linear layer").
+    cpu_flags: tuple[str, ...] = ()
 
 
 # engine name (quantlab.serving.engines.ENGINES) -> device ("cpu", "cuda") -> how it runs the method's checkpoints.

@@ -27,6 +27,7 @@ class Fp8Block(PresetMethod):
                 "vLLM's CPU block kernels need AMX and 128-wide blocks; without AMX-FP8 (every CPU before Diamond "
                 "Rapids) the activations stay BF16",
                 served_as="FP8_BLOCK weight-only (W8A16) without AMX-FP8",
+                cpu_flags=("amx_tile",),
             ),
             "cuda": Support("DeepGEMM / CUTLASS block-scaled FP8 for 128x128 blocks (SM >= 89), Triton for others"),
         },

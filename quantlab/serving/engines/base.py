@@ -7,6 +7,7 @@ One engine is one file beside this one plus one line in the registry (`quantlab.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from abc import ABC, abstractmethod
@@ -85,8 +86,16 @@ class Engine(ABC):
 
     def supports(self, stored_format: str | None, device: str) -> Support | None:
         """How this engine runs a checkpoint stored in `stored_format` (None: unquantized) on `device`, as the
-        method storing that format declares it (`quantlab.quantize.base.Method.served`); None: it cannot."""
-        return declared_support(self.name, stored_format, device)
+        method storing that format declares it (`quantlab.quantize.base.Method.served`); None: it cannot (here: on
+        a CPU, the kernels may need features this one lacks, `why_not` says)."""
+        declared = declared_support(self.name, stored_format, device)
+        return None if declared is not None and device == "cpu" and lacking_cpu_flags(declared) else declared
+
+    def why_not(self, stored_format: str | None, device: str) -> str:
+        """Why `supports` says no, where more can be said than that nothing is declared; "" otherwise."""
+        declared = declared_support(self.name, stored_format, device)
+        lacking = lacking_cpu_flags(declared) if declared is not None and device == "cpu" else []
+        return f"its kernels need CPU features this CPU lacks ({', '.join(lacking)})" if lacking else ""
 
     def kernels(self, log_text: str, stored_format: str | None, device: str) -> dict[str, str]:
         """{layer type: kernel} the engine ran this checkpoint's quantized layers with."""
@@ -95,6 +104,22 @@ class Engine(ABC):
     def install_spec(self, cpu: bool) -> InstallSpec | None:
         """The environment `quantlab engine install` makes for it; None: it lives in quantlab's own."""
         return None
+
+
+def lacking_cpu_flags(support: Support) -> list[str]:
+    """The CPU features `support`'s kernels need that this machine's CPU lacks."""
+    return [flag for flag in support.cpu_flags if flag not in host_cpu_flags()]
+
+
+@functools.cache
+def host_cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags, as /proc/cpuinfo lists them (empty where there is none to read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    found = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
+    return frozenset(found.group(1).split()) if found else frozenset()
 
 
 def python_path_with(site: Path) -> str:
