@@ -133,7 +133,7 @@ class Policy(BaseModel):
     max_kld: float | None = Field(default=None, ge=0, allow_inf_nan=False)  # bounds quality/kld_mean
     min_top1_agreement: float | None = Field(default=None, ge=0, le=1)  # 0-1, bounds quality/top1_agreement
     max_peak_memory_bytes: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    # Any other logged figure, e.g. {"cost/ttft_ms_p99": 200}; a key here overrides the named
+    # Any other logged figure, e.g. {"cost/ttft_ms_p50": 200}; a key here overrides the named
     # field for the same metric.
     at_most: dict[MetricName, FiniteFloat] = Field(default_factory=dict)
     at_least: dict[MetricName, FiniteFloat] = Field(default_factory=dict)

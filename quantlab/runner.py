@@ -39,9 +39,9 @@ def run_variant(
         served_token_damage,
         token_damage,
     )
-    from quantlab.stages.measure import measure
+    from quantlab.stages.measure import contention_over, measure
     from quantlab.stages.quantize import quantize_variant
-    from quantlab.stages.serve import VariantServer, serve_load
+    from quantlab.stages.serve import VariantServer, serve_load, single_stream
 
     recipe = job.loaded.recipe
     variant = recipe.variant(job.variant)
@@ -61,6 +61,7 @@ def run_variant(
     host = host or HostShare()
     device = pick_device(recipe.runtime)
     dtype = pick_dtype(recipe.runtime, device)
+    stream = single_stream(recipe.serving, recipe.measure)  # batch size 1 timed once: by the serve stage, if it can
 
     with stage("prepare model"):
         source = materialize(job.source or resolve_source(recipe.model, recipe_dir), job.cache_root)
@@ -87,7 +88,7 @@ def run_variant(
             server.wait_if_launched()  # nothing is timed while a server starts beside it
         with stage("measure"), host.timing():
             cost_metrics, cost_tags = measure(
-                model, tokenizer, recipe.measure, checkpoint.path, seconds["load"], job.log_dir
+                model, tokenizer, recipe.measure, checkpoint.path, seconds["load"], job.log_dir, stream
             )
         del model, tokenizer  # the server loads its own copy
         with stage("start server"):
@@ -97,7 +98,9 @@ def run_variant(
         with stage("damage on engine"):
             served_tokens = served_token_damage(served, recipe.quality, tokens.reference_dir)
         with stage("serve"), host.timing():
-            serving = serve_load(served, recipe.serving, recipe.measure, recipe_dir, dtype, cost_metrics, job.log_dir)
+            serving = serve_load(
+                served, recipe.serving, recipe.measure, recipe_dir, dtype, cost_metrics, job.log_dir, stream
+            )
 
     # The scores of record come from the engine that ships when the recipe scores through it.
     scores = served_scores if recipe.evals.engine != "reference" else reference_scores
@@ -112,7 +115,8 @@ def run_variant(
         metrics={**scores.metrics, **quality, **cost_metrics, **serving.metrics},
         params={**variant_params(job.loaded, variant, source, device, dtype, host), **scores.params, **serving.params},
         tags={**cost_tags, **tokens.tags, **served_tokens.tags, **scores.tags, **answers.tags, **agreement.tags}
-        | serving.tags,
+        | serving.tags
+        | contention_over(cost_tags, serving.tags),
         baseline_outputs=BaselineOutputs(
             tokens.reference_dir, scores.documents | tokens.documents, scores.groups, scores.scores, scores.primary
         ),

@@ -388,6 +388,18 @@ def test_the_monitor_counts_this_process_within_its_cores():
     assert found.load_before >= 0 and found.load_after >= 0
 
 
+def test_a_monitored_tree_counts_its_child_processes_as_its_own_work():
+    """The serve stage's timing runs in the server and guidellm, children of the variant's process: as a tree their
+    CPU time is the stage's own (while alive, and once reaped), not other work on its cores."""
+    busy = [sys.executable, "-c", "import time\nwhile time.process_time() < 0.6: pass"]  # 0.6 CPU s, however busy
+    with LoadMonitor(threads=1, tree=True) as tree, LoadMonitor(threads=1) as alone:
+        alive = subprocess.Popen(busy)
+        subprocess.run(busy, check=True)  # ends, and is reaped, inside the window
+        alive.wait()
+    assert tree.reading.cpu_seconds >= 1.0, tree.reading  # both children's ~0.6 s each
+    assert alone.reading.cpu_seconds < 0.3, alone.reading  # this process only waited
+
+
 @pytest.mark.parametrize(
     ("key", "timing"),
     [

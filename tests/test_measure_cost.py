@@ -154,3 +154,59 @@ def test_the_spread_table_of_the_benchmark_script():
     rows = script.spread_rows([{"a": 10.0, "b": 0.0}, {"a": 12.0, "b": 0.0}, {"a": 11.0}])
     assert rows == [("a", 3, 11.0, 10.0, 12.0, pytest.approx(2 / 11)), ("b", 2, 0.0, 0.0, 0.0, None)]
     assert "n/a" in script.format_table(rows)
+
+
+# --- Each figure measured once: batch size 1 left to the serve stage's single-stream level -----------------------
+
+
+def test_a_batch_size_left_to_the_serve_stage_is_not_timed_but_its_memory_and_roofline_are(tiny_model, tiny_checkpoint):
+    from quantlab.measure.cost import SingleStream
+
+    stream = SingleStream("c1", prompt_tokens=6, output_tokens=4)
+    settings = MeasureSettings(batch_sizes=[1, 2], **SMALL)
+    report = measure_cost(tiny_model, None, settings, tiny_checkpoint, 0.25, single_stream=stream)
+    metrics, tags = report.to_metrics(), report.to_tags()
+    for name in ("decode_tokens_per_s", "prefill_tokens_per_s", "ttft_ms_p50", "itl_ms_p50", "roofline_efficiency"):
+        assert f"cost/{name}" not in metrics, name  # the serve stage logs these
+        assert f"quantlab.cost.unavailable.{name}" not in tags, name  # ... so they are not "unavailable"
+    for name in ("ttft_ms_p90", "ttft_ms_p99", "itl_ms_p90", "itl_ms_p99", "energy_joules_per_token"):
+        assert "serve stage's c1 level" in tags[f"quantlab.cost.unavailable.{name}"], name
+    assert metrics["cost/peak_memory_bytes"] > 0 and metrics["cost/local_roofline_decode_tokens_per_s"] > 0
+    assert metrics["cost/decode_tokens_per_s_bs2"] > 0  # batch size 2 is still this stage's, and timed
+    assert "serve stage's c1 level" in tags["quantlab.cost.single_stream"]
+    assert report.contention() is not None  # batch size 2 was timed: its verdict stands
+
+    # The roofline is the served workload's (6 + 4 tokens), not the loop's (8 + 4): a shorter context is faster.
+    timed_here = measure_cost(tiny_model, None, MeasureSettings(batch_sizes=[1], **SMALL), tiny_checkpoint)
+    here = timed_here.to_metrics()["cost/local_roofline_decode_tokens_per_s"]
+    assert metrics["cost/local_roofline_decode_tokens_per_s"] > here
+
+
+def test_with_only_batch_size_1_left_to_the_serve_stage_nothing_is_timed_and_no_verdict_is_made(
+    tiny_model, tiny_checkpoint
+):
+    from quantlab.measure.cost import SingleStream
+
+    stream = SingleStream("sync", prompt_tokens=8, output_tokens=4)
+    report = measure_cost(tiny_model, None, MeasureSettings(**SMALL), tiny_checkpoint, single_stream=stream)
+    metrics, tags = report.to_metrics(), report.to_tags()
+    assert report.contention() is None and "quantlab.cost.host_load" not in tags
+    assert not any(key.startswith("measure/") for key in metrics)
+    assert metrics["cost/peak_memory_bytes"] > 0 and metrics["cost/measured_bandwidth_bytes_per_s"] > 0
+    assert "timed here: none" in tags["quantlab.cost.workload"]
+
+
+@pytest.mark.parametrize(
+    ("ttft_ms", "itl_ms", "roofline", "expected"),
+    [
+        # 32 prompt tokens in 80 ms: 400 tokens/s; a 40 ms gap between tokens: 25 tokens/s; half a 50 tokens/s roofline
+        (80.0, 40.0, 50.0, {"prefill_tokens_per_s": 400.0, "decode_tokens_per_s": 25.0, "roofline_efficiency": 0.5}),
+        (80.0, 40.0, None, {"prefill_tokens_per_s": 400.0, "decode_tokens_per_s": 25.0}),  # no roofline: no ratio
+        (160.0, 10.0, 200.0, {"prefill_tokens_per_s": 200.0, "decode_tokens_per_s": 100.0, "roofline_efficiency": 0.5}),
+    ],
+)
+def test_the_single_stream_figures_come_from_the_levels_medians(ttft_ms, itl_ms, roofline, expected):
+    from quantlab.measure.cost import SingleStream
+
+    figures = SingleStream("c1", prompt_tokens=32, output_tokens=16).figures(ttft_ms, itl_ms, roofline)
+    assert figures == pytest.approx(expected | {"ttft_ms_p50": ttft_ms, "itl_ms_p50": itl_ms})

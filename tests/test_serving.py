@@ -35,7 +35,8 @@ from quantlab.serving.levels import LoadLevel, ReportError, level_label, levels_
 from quantlab.serving.load import run_load, scenario
 from quantlab.serving.pricing import CPU_USD_PER_CORE_HOUR, serving_price, table_entry_for
 from quantlab.serving.settings import ServiceLevels, ServingSettings
-from quantlab.stages.serve import CHART_ARTIFACT, REPORT_ARTIFACT, VariantServer, serve_load
+from quantlab.stages.measure import contention_over
+from quantlab.stages.serve import CHART_ARTIFACT, REPORT_ARTIFACT, VariantServer, serve_load, single_stream
 from recipes import REPO, tiny_recipe, write
 
 REPORT = Path(__file__).parent / "data" / "guidellm-report-c1-c4.json"  # a real guidellm 0.8.1 run, trimmed
@@ -196,6 +197,53 @@ def test_serving_price(serving, measure, gpu, cores, expected):
     assert (price.usd_per_hour if price else None) == (pytest.approx(expected) if expected else None)
 
 
+@pytest.mark.parametrize(
+    ("serving", "measure", "expected"),
+    [
+        ({}, {}, ("c1", 32, 16)),  # the default load's c1 level times batch size 1
+        ({"concurrency": [4, 1], "prompt_tokens": 64}, {}, ("c1", 64, 16)),
+        ({"profile": "sweep"}, {}, ("sync", 32, 16)),  # guidellm's sweep starts with its synchronous level
+        ({"concurrency": [2, 4]}, {}, None),  # no single-stream level: the measure stage times batch size 1
+        ({"profile": "goodput"}, {}, None),
+        ({"enabled": False}, {}, None),
+        ({}, {"batch_sizes": [8]}, None),  # batch size 1 not asked for at all
+        ({}, {"batch_sizes": [8, 1]}, ("c1", 32, 16)),
+        ({}, {"enabled": False}, None),
+    ],
+)
+def test_batch_size_1_is_the_serve_stages_where_it_has_a_single_stream_level(serving, measure, expected):
+    found = single_stream(ServingSettings(**serving), MeasureSettings(**measure))
+    assert (found and (found.level, found.prompt_tokens, found.output_tokens)) == expected
+
+
+@pytest.mark.parametrize(
+    ("stages", "expected"),
+    [
+        ([{}, {}], {}),  # nothing timed: no verdict
+        (
+            [{"quantlab.cost_contended": "false", "quantlab.cost.contention": "not contended: a"}, {}],
+            {"quantlab.cost_contended": "false", "quantlab.cost.contention": "not contended: a"},
+        ),
+        (
+            [
+                {"quantlab.cost_contended": "false", "quantlab.cost.contention": "not contended: a"},
+                {"quantlab.cost_contended": "true", "quantlab.cost.contention": "contended: b"},
+            ],
+            {"quantlab.cost_contended": "true", "quantlab.cost.contention": "contended: b"},
+        ),
+        (
+            [
+                {"quantlab.cost_contended": "false", "quantlab.cost.contention": "not contended: a"},
+                {"quantlab.cost_contended": "false", "quantlab.cost.contention": "not contended: b"},
+            ],
+            {"quantlab.cost_contended": "false", "quantlab.cost.contention": "not contended: a; not contended: b"},
+        ),
+    ],
+)
+def test_the_contention_verdict_spans_every_timed_stage(stages, expected):
+    assert contention_over(*stages) == expected
+
+
 def test_a_gpu_name_finds_its_table_entry_by_the_longest_match():
     assert table_entry_for("NVIDIA H100 NVL", MeasureSettings()) == "H100-NVL"
     assert table_entry_for("NVIDIA H200", MeasureSettings()) == "H200"
@@ -298,10 +346,15 @@ SMALL_SHAPE = dict(
 def served(tmp_path_factory):
     model = save_tiny_llama(tmp_path_factory.mktemp("small-llama"), **SMALL_SHAPE)
     logs = tmp_path_factory.mktemp("serve-logs")
-    cost = {"cost/measured_bandwidth_bytes_per_s": 5e9, "cost/loaded_weight_bytes": 1.5e8}
+    cost = {
+        "cost/measured_bandwidth_bytes_per_s": 5e9,
+        "cost/loaded_weight_bytes": 1.5e8,
+        "cost/local_roofline_decode_tokens_per_s": 400.0,  # the measure stage's, at the served workload
+    }
     recipe = Recipe.model_validate(tiny_recipe(model, serving=FAST.model_dump()))
+    stream = single_stream(FAST, MeasureSettings())  # c1 times batch size 1: the measure stage left it
     with VariantServer(model, "small", None, recipe, "cpu", torch.float32, logs / "cache", logs) as server:
-        outcome = serve_load(server.ready(), FAST, MeasureSettings(), REPO, torch.float32, cost, logs)
+        outcome = serve_load(server.ready(), FAST, MeasureSettings(), REPO, torch.float32, cost, logs, stream)
     return outcome, logs, model
 
 
@@ -324,6 +377,16 @@ def test_a_served_variant_logs_consistent_figures(served):
         assert metrics[f"cost/serving/{level}/errors"] == 0
         for figure in ("ttft_ms", "itl_ms", "tpot_ms"):  # at least 8 requests: p50s and maxima, p99 from 100
             assert metrics[f"cost/serving/{level}/{figure}_max"] >= metrics[f"cost/serving/{level}/{figure}_p50"]
+    # Batch size 1, timed once: the c1 level's medians are the variant's single-stream figures.
+    c1_itl, c1_ttft = metrics["cost/serving/c1/itl_ms_p50"], metrics["cost/serving/c1/ttft_ms_p50"]
+    assert metrics["cost/decode_tokens_per_s"] == pytest.approx(1000 / c1_itl)
+    assert metrics["cost/prefill_tokens_per_s"] == pytest.approx(FAST.prompt_tokens * 1000 / c1_ttft)
+    assert metrics["cost/ttft_ms_p50"] == c1_ttft and metrics["cost/itl_ms_p50"] == c1_itl
+    assert metrics["cost/roofline_efficiency"] == pytest.approx(metrics["cost/decode_tokens_per_s"] / 400.0)
+    # The load's verdict counts the server and guidellm as the stage's own work, not as other work.
+    assert outcome.tags["quantlab.cost_contended"] in ("true", "false")
+    assert outcome.tags["quantlab.cost.contention"].split(":")[0] in ("contended", "not contended")
+    assert metrics["measure/cpu_seconds_per_wall_second"] > 0.5, outcome.tags["quantlab.cost.contention"]
     # Continuous batching: four streams on the same server decode together.
     assert metrics["cost/serving/c4/output_tokens_per_s"] > metrics["cost/serving/c1/output_tokens_per_s"]
     assert metrics["cost/serving/peak_tokens_per_s"] == metrics["cost/serving/c4/output_tokens_per_s"]

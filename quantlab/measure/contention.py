@@ -7,6 +7,7 @@ How a variant shares the host's cores (its thread share, its seat, the host's ti
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ class LoadReading:
     load_before: float  # the machine's 1-minute load average before the timed part
     load_after: float  # ... and after it
     wall_seconds: float
-    cpu_seconds: float  # this process's user + system CPU time over the timed part
+    cpu_seconds: float  # this process's (and, monitored as a tree, its descendants') user + system CPU time
     cores_busy_seconds: float | None  # busy time of this process's cores, every process's; None: unknown
 
     @property
@@ -138,11 +139,30 @@ def _cpus() -> set[int]:
     return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
 
 
-class LoadMonitor:
-    """Around the timed part of the measure stage: `reading` once it exits."""
+def _own_cpu_seconds(process: psutil.Process, tree: bool) -> float:
+    """The process's user + system CPU seconds; with `tree`, its descendants' too: the live ones' own and reaped
+    ones' (Linux adds a waited-for child's time, its own reaped descendants' included, to its parent's children_*)."""
+    times = process.cpu_times()
+    if not tree:
+        return times.user + times.system
+    members = [process]
+    with contextlib.suppress(psutil.Error):
+        members += process.children(recursive=True)
+    total = 0.0
+    for member in members:
+        with contextlib.suppress(psutil.Error):  # one that ended meanwhile is counted by its parent once reaped
+            found = member.cpu_times()
+            total += found.user + found.system + found.children_user + found.children_system
+    return total
 
-    def __init__(self, threads: int):
+
+class LoadMonitor:
+    """Around the timed part of a stage: `reading` once it exits. `tree`: the work timed runs in this process's
+    descendants too (the serve stage's server and load generator), so their CPU time is its own, not other work."""
+
+    def __init__(self, threads: int, tree: bool = False):
         self.threads = threads
+        self.tree = tree
         self._reading: LoadReading | None = None
 
     @property
@@ -156,14 +176,13 @@ class LoadMonitor:
         self._process = psutil.Process()
         self._load = psutil.getloadavg()[0]
         self._busy = _busy_seconds(self._cpus)
-        times = self._process.cpu_times()
-        self._cpu = times.user + times.system
+        self._cpu = _own_cpu_seconds(self._process, self.tree)
         self._started = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
         wall = time.perf_counter() - self._started
-        times = self._process.cpu_times()
+        cpu = _own_cpu_seconds(self._process, self.tree)
         busy = _busy_seconds(self._cpus)
         self._reading = LoadReading(
             threads=self.threads,
@@ -172,6 +191,6 @@ class LoadMonitor:
             load_before=self._load,
             load_after=psutil.getloadavg()[0],
             wall_seconds=wall,
-            cpu_seconds=times.user + times.system - self._cpu,
+            cpu_seconds=cpu - self._cpu,
             cores_busy_seconds=None if busy is None or self._busy is None else busy - self._busy,
         )

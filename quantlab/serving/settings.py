@@ -124,6 +124,13 @@ class ServingSettings(_Strict):
     )
     request_timeout_s: float = Field(120, gt=0, description="How long one request may take before it is an error.")
 
+    def single_stream_level(self) -> str | None:
+        """The label of the load level that times one stream alone (levels.level_label): c1 among the concurrent
+        levels, sync in guidellm's sweep; None where the load has none (the goodput search)."""
+        if self.profile == "concurrent":
+            return "c1" if 1 in self.concurrency else None
+        return "sync" if self.profile == "sweep" else None
+
     @field_validator("engine")
     @classmethod
     def _known_engine(cls, engine: str) -> str:

@@ -5,6 +5,9 @@ the served evaluation, the served token damage and the load stage (`serve_load`)
 engine, version, interpreter, command line, the kernels it chose, hardware, price; the recipe's section is
 `serving.*`), tags for what is absent, and artifacts (guidellm's report, the throughput-latency chart).
 The measure stage's copy bandwidth and weight sizes give the modeled ceiling the measured peak is set against.
+Where the load has a single-stream level, it is the variant's batch-1 timing (`single_stream`): the measure stage
+leaves that batch size to it, and this stage logs its `cost/decode_tokens_per_s`, TTFT and ITL medians, and whether
+other work competed for the cores while guidellm ran.
 The server's and guidellm's logs go beside the variant's own log, kept as artifacts whether the stage succeeds or
 fails.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -23,6 +27,9 @@ from typing import TYPE_CHECKING
 
 from quantlab.host_share import visible_cores
 from quantlab.jobs import side_log
+from quantlab.measure.contention import CONTENDED_TAG, CONTENTION_TAG, LoadMonitor, judge_contention
+from quantlab.measure.cost import TAG_PREFIX as COST_TAG_PREFIX
+from quantlab.measure.cost import SingleStream, batch_figure_name
 from quantlab.measure.modeled import ModelShape, config_dict, kv_cache_bytes_per_token
 from quantlab.measure.provenance import cpu_model_name
 from quantlab.serving.chart import throughput_latency_chart
@@ -39,6 +46,7 @@ from quantlab.serving.settings import ServingSettings
 if TYPE_CHECKING:
     import torch
 
+    from quantlab.measure.contention import LoadReading
     from quantlab.measure.settings import MeasureSettings
     from quantlab.recipe import Recipe
 
@@ -200,6 +208,7 @@ class VariantServer:
         if support is None:
             raise RuntimeError(
                 f"serving.engine: {engine.label} cannot serve {self.stored_format} checkpoints on {device}"
+                + (f": {why}" if (why := engine.why_not(self.stored_format, device)) else "")
             )
         shape = ModelShape.from_config(config_dict(self.checkpoint / "config.json"))
         engine_dtype = "bfloat16" if engine.name == "vllm" else str(self.dtype).removeprefix("torch.")
@@ -280,6 +289,16 @@ def _with_port(launch: Launch, port: int) -> Launch:
     return replace(launch, port=port)
 
 
+def single_stream(serving: ServingSettings, measure: MeasureSettings) -> SingleStream | None:
+    """Batch size 1 as the serve stage times it, where it does (None: the measure stage times it): serving on, a
+    single-stream level in the load (c1, or the sweep profile's synchronous level), batch size 1 among those the
+    measure stage would time."""
+    level = serving.single_stream_level()
+    if not (serving.enabled and measure.enabled and level is not None and 1 in measure.batch_sizes):
+        return None
+    return SingleStream(level, serving.prompt_tokens, serving.output_tokens)
+
+
 def serve_load(
     served: ServedVariant | None,
     settings: ServingSettings,
@@ -288,8 +307,10 @@ def serve_load(
     dtype: torch.dtype,
     cost_metrics: dict[str, float],
     log_dir: Path | None,
+    stream: SingleStream | None = None,
 ) -> ServingOutcome:
-    """guidellm's load on the running server, summarized; with what served it (the server's own facts)."""
+    """guidellm's load on the running server, summarized; with what served it (the server's own facts). `stream`:
+    the batch-1 figures are this stage's to log (`single_stream`), from its level, and the verdict on contention."""
     if served is None:
         return ServingOutcome(tags={UNAVAILABLE_TAG + "serving": "serving.enabled is false in the recipe"})
     facts = ServingOutcome(params=served.params(), tags=served.tags())
@@ -304,29 +325,67 @@ def serve_load(
         load_log = side_log(log_dir or Path(scratch), served.variant, "guidellm")
         # The runner holds the host's timing lock around this stage: the host's other variants pause meanwhile.
         warm_up(served.server, served.checkpoint, settings)
-        report = run_load(spec, Path(scratch), load_log, served.server, budget, _workers(served.launch.device))
+        with LoadMonitor(served.launch.threads, tree=True) as load:  # the server and guidellm are this stage's own
+            report = run_load(spec, Path(scratch), load_log, served.server, budget, _workers(served.launch.device))
         artifacts: dict[str, str | bytes] = {REPORT_ARTIFACT: report_path.read_text()}
     if log_dir is None:  # no sweep log directory to keep it: it travels with the result
         artifacts |= {"logs/server.log": served.server.log_path.read_text(errors="replace")}
 
     levels = load_levels(report)
     _check_output_lengths(levels, settings)
+    timed = _single_stream_outcome(levels, stream, measure.batch_sizes[0], cost_metrics, load.reading)
     shape = ModelShape.from_config(config_dict(served.checkpoint / "config.json"))
     peak = max(levels, key=lambda level: level.output_tokens_per_s)
     summary = summarize(
         levels,
         settings.slo,
         serving_price(settings, measure, served.gpu_name, served.launch.threads),
-        _modeled(shape, served.engine, cost_metrics, dtype, settings, peak),
+        _modeled(shape, served.engine, cost_metrics | timed.metrics, dtype, settings, peak),
     )
     title = f"{served.variant}: {served.engine.label}, {settings.prompt_tokens} prompt + {settings.output_tokens} output tokens"
     artifacts[CHART_ARTIFACT] = throughput_latency_chart({served.variant: levels}, title, settings.slo)
-    return facts | ServingOutcome(
-        metrics=summary.to_metrics(),
-        params=_load_params(summary),
-        tags=summary.to_tags(served.engine.name),
-        artifacts=artifacts,
+    return (
+        facts
+        | timed
+        | ServingOutcome(
+            metrics=summary.to_metrics(),
+            params=_load_params(summary),
+            tags=summary.to_tags(served.engine.name),
+            artifacts=artifacts,
+        )
     )
+
+
+def _single_stream_outcome(
+    levels: list[LoadLevel],
+    stream: SingleStream | None,
+    default_batch_size: int,
+    cost_metrics: dict[str, float],
+    load: LoadReading,
+) -> ServingOutcome:
+    """The batch-1 figures from the single-stream level, each under its `cost/` name (or why it is absent), and the
+    verdict on what competed with the load; nothing when the measure stage timed batch size 1 itself."""
+    if stream is None:
+        return ServingOutcome()
+    level = next((level for level in levels if level.label == stream.level), None)
+    if level is None:
+        raise RuntimeError(f"guidellm's report has no {stream.level} level: batch size 1 was not timed")
+
+    def named(name: str) -> str:
+        return batch_figure_name(name, 1, default_batch_size)
+
+    roofline = cost_metrics.get(f"cost/{named('local_roofline_decode_tokens_per_s')}")
+    figures = stream.figures(level.ttft_ms_p50, level.itl_ms_p50, roofline)
+    found = {f"cost/{named(name)}": value for name, value in figures.items() if math.isfinite(value)}
+    why = f"the {stream.level} level timed no request's latencies ({level.succeeded} succeeded, {level.errors} errors)"
+    absent = {
+        f"{COST_TAG_PREFIX}unavailable.{named(name)}": why
+        for name, value in figures.items()
+        if not math.isfinite(value)
+    }
+    verdict = judge_contention(load)
+    tags = {CONTENDED_TAG: str(verdict.contended).lower(), CONTENTION_TAG: verdict.reason} | absent
+    return ServingOutcome(metrics=found | load.to_metrics(), tags=tags)
 
 
 def _workers(device: str) -> int | None:
