@@ -27,7 +27,7 @@ from quantlab.cache import default_root
 from quantlab.evaluate.served_damage import parse_prompt_logprobs, topk_kld
 from quantlab.quantize import METHODS
 from quantlab.serving.engines import ENGINES, Launch
-from quantlab.serving.engines.base import kernels_in_log
+from quantlab.serving.engines.base import host_cpu_flags, kernels_in_log
 from quantlab.serving.engines.vllm import CPU_SITE
 from quantlab.serving.environments import EngineMissing, engine_python, python_problem
 from quantlab.serving.settings import ServingSettings
@@ -93,9 +93,11 @@ def test_the_kernel_lines_of_a_vllm_log_name_each_quantized_layer_type():
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_every_engine_serves_every_method_on_every_device(engine, method, device):
     """What each engine runs each method's stored format with (each method's declaration); refused: only the
-    formats vLLM's CPU build has no kernel for (tests/test_formats.py)."""
+    formats vLLM's CPU build has no kernel for (tests/test_formats.py), FP8 blocks too on a CPU without AMX tiles."""
     support = ENGINES[engine].supports(METHODS[method].stored_format, device)
     no_cpu_kernel = {"nvfp4", "nvfp4a16", "mxfp4", "mxfp8", "w4a8_fp8"}
+    if "amx_tile" not in host_cpu_flags():
+        no_cpu_kernel.add("fp8_block")
     if (engine, device) == ("vllm", "cpu") and method in no_cpu_kernel:
         assert support is None
     else:
