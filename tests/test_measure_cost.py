@@ -159,12 +159,17 @@ def test_the_spread_table_of_the_benchmark_script():
 # --- Each figure measured once: batch size 1 left to the serve stage's single-stream level -----------------------
 
 
-def test_a_batch_size_left_to_the_serve_stage_is_not_timed_but_its_memory_and_roofline_are(tiny_model, tiny_checkpoint):
+def test_a_batch_size_left_to_the_serve_stage_is_not_timed_but_its_memory_and_roofline_are(
+    tiny_model, tiny_checkpoint, tmp_path
+):
     from quantlab.measure.cost import SingleStream
 
     stream = SingleStream("c1", prompt_tokens=6, output_tokens=4)
     settings = MeasureSettings(batch_sizes=[1, 2], **SMALL)
-    report = measure_cost(tiny_model, None, settings, tiny_checkpoint, 0.25, single_stream=stream)
+    # One sweep's probe folder for both measurements: they divide by the same bandwidth, as a sweep's variants do
+    # (two probes differ by tens of percent on a busy machine, which a comparison of ceilings must not see).
+    probe_dir = tmp_path / "sweep"
+    report = measure_cost(tiny_model, None, settings, tiny_checkpoint, 0.25, probe_dir, single_stream=stream)
     metrics, tags = report.to_metrics(), report.to_tags()
     for name in ("decode_tokens_per_s", "prefill_tokens_per_s", "ttft_ms_p50", "itl_ms_p50", "roofline_efficiency"):
         assert f"cost/{name}" not in metrics, name  # the serve stage logs these
@@ -177,7 +182,9 @@ def test_a_batch_size_left_to_the_serve_stage_is_not_timed_but_its_memory_and_ro
     assert report.contention() is not None  # batch size 2 was timed: its verdict stands
 
     # The roofline is the served workload's (6 + 4 tokens), not the loop's (8 + 4): a shorter context is faster.
-    timed_here = measure_cost(tiny_model, None, MeasureSettings(batch_sizes=[1], **SMALL), tiny_checkpoint)
+    timed_here = measure_cost(
+        tiny_model, None, MeasureSettings(batch_sizes=[1], **SMALL), tiny_checkpoint, 0.25, probe_dir
+    )
     here = timed_here.to_metrics()["cost/local_roofline_decode_tokens_per_s"]
     assert metrics["cost/local_roofline_decode_tokens_per_s"] > here
 
