@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from quantlab.cache import NotEnoughSpace
 from quantlab.errors import BadInput, Problem
 from quantlab.measure.modeled import ModelShape, WeightCounts, weight_counts
-from quantlab.models import ModelSource
+from quantlab.models import ModelSource, gguf_reader
 from quantlab.quantize import METHODS
 
 if TYPE_CHECKING:
@@ -122,10 +122,9 @@ def _hub_config(source: ModelSource) -> Path | None:
 
 
 def _gguf_config(path: Path) -> dict[str, Any]:
-    """The config.json fields a Llama-family GGUF's metadata holds (about 3 s for the embedded model)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
+    """The config.json fields a Llama-family GGUF's metadata holds (about 3 s for the embedded model, once per
+    process: the recipe check's parse is reused)."""
+    reader = gguf_reader(path)
     arch = reader.fields["general.architecture"].contents()
 
     def value(key: str) -> Any:

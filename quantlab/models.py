@@ -6,10 +6,12 @@ SmolLM2 default that dequantized Q4_1 model *is* the "BF16 baseline".
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -19,6 +21,7 @@ from quantlab.errors import bad_input
 
 if TYPE_CHECKING:
     import torch
+    from gguf import GGUFReader
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from quantlab.recipe import CalibrationSettings, ModelSpec, RuntimeSettings, VariantSpec
@@ -196,7 +199,8 @@ def _meta_model(source: ModelSource) -> torch.nn.Module:
 
     location, kwargs = _from_pretrained_args(source)
     try:
-        config = AutoConfig.from_pretrained(location, **kwargs)
+        with gguf_parsed_once():
+            config = AutoConfig.from_pretrained(location, **kwargs)
     except Exception as error:  # noqa: BLE001 - any failure here is the user's source being unusable
         raise bad_input("", "model.source", f"cannot read the model config of {source.display}: {error}") from None
     with torch.device("meta"):
@@ -250,7 +254,8 @@ def materialize(source: ModelSource, cache_root: Path) -> ModelSource:
     identity, target = _conversion(source, cache_root)
     if not cache.is_complete(target):
         location, kwargs = _from_pretrained_args(source)
-        dequantized, tokenizer = _load(location, torch.float32, "cpu", kwargs, kwargs)
+        with gguf_parsed_once():
+            dequantized, tokenizer = _load(location, torch.float32, "cpu", kwargs, kwargs)
         # A GGUF-loaded model refuses save_pretrained; a fresh one from its config, minus the
         # GGUF quantization_config (the weights are dequantized now), does not.
         settings = {k: v for k, v in dequantized.config.to_dict().items() if k != "quantization_config"}
@@ -262,6 +267,39 @@ def materialize(source: ModelSource, cache_root: Path) -> ModelSource:
             model.save_pretrained(scratch)
             tokenizer.save_pretrained(scratch)
     return _converted(source, target)
+
+
+def gguf_reader(path: Path) -> GGUFReader:
+    """The GGUF file's reader, made once per process for each version of the file (`gguf_parsed_once`)."""
+    stat = path.stat()
+    return _gguf_reader(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_reader(path: str, size: int, modified_ns: int) -> GGUFReader:
+    from gguf.gguf_reader import GGUFReader  # its own module's: `gguf.GGUFReader` is replaced in gguf_parsed_once
+
+    return GGUFReader(path)  # read-only: it maps the file and parses its metadata, which no caller changes
+
+
+@contextlib.contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """transformers parses a GGUF file's whole metadata again for its config, its tokenizer (twice) and its model
+    (about 3 s each for the embedded model: `gguf.GGUFReader` reads the 49k-token vocabulary and merges item by
+    item); inside this block every read-only parse of a file reuses `gguf_reader`'s. transformers imports the reader
+    class from `gguf` at each call, so replacing the module's attribute for the block reaches every one of them."""
+    import gguf
+
+    previous = gguf.GGUFReader
+
+    def reused(path: str | Path, mode: str = "r") -> GGUFReader:
+        return gguf_reader(Path(path)) if mode == "r" else previous(path, mode)
+
+    gguf.GGUFReader = reused
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = previous
 
 
 def materialized(source: ModelSource, cache_root: Path) -> ModelSource:

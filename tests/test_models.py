@@ -10,6 +10,7 @@ import torch
 from tiny import EMBEDDED_GGUF, embedded_gguf_path
 
 from quantlab.models import (
+    _gguf_reader,
     linear_input_widths,
     load_source_model,
     materialize,
@@ -51,13 +52,28 @@ def test_smollm2_linear_widths_come_from_its_config():
     assert not any(name.endswith("lm_head") for name in widths)
 
 
-def test_gguf_materializes_to_a_checkpoint_with_identical_logits(tmp_path):
+def test_gguf_materializes_to_a_checkpoint_with_identical_logits(tmp_path, monkeypatch):
+    import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    parsed: list[str] = []
+
+    class CountedReader(gguf.gguf_reader.GGUFReader):
+        def __init__(self, path, *args, **kwargs):
+            parsed.append(str(path))
+            super().__init__(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.gguf_reader, "GGUFReader", CountedReader)
+    _gguf_reader.cache_clear()
     source = resolve_source(ModelSpec(source=EMBEDDED_GGUF), Path.cwd())
     assert source.kind == "gguf" and source.identity.startswith("gguf:SmolLM2-135M-Instruct.Q4_1.gguf:sha256=")
     assert materialized(source, tmp_path) == source  # not converted yet: the GGUF itself
+    library_reader = gguf.GGUFReader
     local = materialize(source, tmp_path)
+    # Config, tokenizer (twice) and weights: one parse of the file's metadata (was one each), and the library's
+    # reader is the library's again afterwards.
+    assert parsed == [str(embedded_gguf_path().resolve())]
+    assert gguf.GGUFReader is library_reader
     assert local.kind == "local_dir" and local.identity == source.identity
     assert materialize(source, tmp_path) == local  # made once, then found
     assert materialized(source, tmp_path) == local
