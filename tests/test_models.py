@@ -68,12 +68,14 @@ def test_gguf_materializes_to_a_checkpoint_with_identical_logits(tmp_path, monke
     source = resolve_source(ModelSpec(source=EMBEDDED_GGUF), Path.cwd())
     assert source.kind == "gguf" and source.identity.startswith("gguf:SmolLM2-135M-Instruct.Q4_1.gguf:sha256=")
     assert materialized(source, tmp_path) == source  # not converted yet: the GGUF itself
-    library_reader = gguf.GGUFReader
+    from transformers import modeling_gguf_pytorch_utils as gguf_loading
+
+    library = gguf.GGUFReader, gguf.get_tensor_name_map, gguf_loading._gguf_parse_value
     local = materialize(source, tmp_path)
-    # Config, tokenizer (twice) and weights: one parse of the file's metadata (was one each), and the library's
-    # reader is the library's again afterwards.
+    # Config, tokenizer (twice) and weights: one parse of the file's metadata (was one each); the reader, the
+    # tensor-name table and the value parser are the library's again afterwards.
     assert parsed == [str(embedded_gguf_path().resolve())]
-    assert gguf.GGUFReader is library_reader
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map, gguf_loading._gguf_parse_value) == library
     assert local.kind == "local_dir" and local.identity == source.identity
     assert materialize(source, tmp_path) == local  # made once, then found
     assert materialized(source, tmp_path) == local
