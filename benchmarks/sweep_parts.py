@@ -14,9 +14,9 @@ cached checkpoints, each a fresh Python process (interpreter start and imports c
     - server + guidellm: the variant's server started with the command the untimed sweep logged for it
       (`served.command`, its variables included, on a free port), polled until GET /health answers, one warm-up
       completion (quantlab sends it too), `python -m guidellm run --scenario` with the scenario quantlab builds
-      (`quantlab.serving.load.scenario`, same warm-up, levels, request counts and SLOs; one guidellm worker
-      process on CPU as quantlab sets), then the server's process group stopped (SIGTERM). Excludes: summarizing
-      the report (goodput, modeled ceiling, chart).
+      (`quantlab.serving.load.scenario`, same warm-up, levels, request counts and SLOs) under the variables
+      quantlab sets (`guidellm_environment`: one worker process on CPU, a fork server), then the server's process
+      group stopped (SIGTERM). Excludes: summarizing the report (goodput, modeled ceiling, chart).
     - damage: the checkpoint loaded with `AutoModelForCausalLM.from_pretrained(dir, dtype=...)`, the recipe's
       quality corpus (`quantlab.corpora.load_texts`, the one quantlab import: it only reads CPython's pydoc text)
       tokenized without special tokens and cut to `quality.max_tokens`, scored in non-overlapping windows of
@@ -322,7 +322,7 @@ def serve_spec(loaded, run, checkpoint: Path, work: Path) -> dict[str, Any]:
     """The server's command as the untimed sweep logged it (on a free port), and quantlab's guidellm scenario."""
     from quantlab.host_share import visible_cores
     from quantlab.serving.launcher import free_port
-    from quantlab.serving.load import request_body, scenario
+    from quantlab.serving.load import guidellm_environment, request_body, scenario
 
     recipe, port = loaded.recipe, free_port()
     env, command = server_command(run.params["served.command"], port)
@@ -343,8 +343,7 @@ def serve_spec(loaded, run, checkpoint: Path, work: Path) -> dict[str, Any]:
         "startup_timeout_s": recipe.serving.startup_timeout_s,
         "warm_up_body": {key: value for key, value in body.items() if value is not None},
         "scenario": scenario(recipe.serving, engine, f"http://127.0.0.1:{port}", checkpoint, prompts, report),
-        "guidellm_env": {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-        | ({"GUIDELLM__MAX_WORKER_PROCESSES": "1"} if device == "cpu" else {}),
+        "guidellm_env": guidellm_environment(1 if device == "cpu" else None),
     }
 
 

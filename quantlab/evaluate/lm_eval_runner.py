@@ -202,11 +202,18 @@ def score_tasks(
     lm-eval to aggregate), then one entry per leaf task; a tag yields its leaf tasks only.
     Requests with the same settings and no task in common share one lm-eval call (`batches`).
     """
+    from unittest.mock import patch
+
+    from lm_eval import evaluator
     from lm_eval.evaluator import simple_evaluate
 
     manager = task_manager_for([request.name for request in tasks], include_path)
     scored: dict[int, list[TaskScores]] = {}
     with contextlib.ExitStack() as restore:
+        # lm-eval adds torch's environment report to every result (`add_env_info`: torch.utils.collect_env runs
+        # `pip list` and other commands, about 1 s per call here); quantlab reads none of it, and logs the
+        # library versions in the variant's own params (runner).
+        restore.enter_context(patch.object(evaluator, "add_env_info", lambda results: None))
         # lm-eval logs every request batch at INFO; keep its warnings (overridden settings among them).
         for logger in map(logging.getLogger, ("lm_eval", "lm-eval")):
             restore.callback(logger.setLevel, logger.level)

@@ -104,6 +104,19 @@ def warm_up(server: RunningServer, checkpoint: Path, settings: ServingSettings) 
         raise ServerFailed(f"the server's first completion failed ({error}); {why}") from None
 
 
+def guidellm_environment(worker_processes: int | None = None) -> dict[str, str]:
+    """The variables guidellm runs under: offline, unbuffered, `worker_processes` if set (guidellm's default, up to
+    10 worker processes, would crowd a CPU server's cores), and its processes forked from a fork server.
+
+    guidellm makes a manager and its workers again for every load level; by its default ("spawn") each starts a
+    fresh interpreter that imports guidellm's CLI again (several seconds of CPU each on 2 cores). Its fork server
+    imports it once per run, and each level's processes fork from it."""
+    found = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "GUIDELLM__MP_CONTEXT_TYPE": "forkserver"}
+    if worker_processes:
+        found["GUIDELLM__MAX_WORKER_PROCESSES"] = str(worker_processes)
+    return found
+
+
 def run_load(
     scenario_spec: Mapping[str, Any],
     work_dir: Path,
@@ -118,9 +131,7 @@ def run_load(
     scenario_path = work_dir / "scenario.json"
     scenario_path.write_text(json.dumps(scenario_spec, indent=2))
     report_path = Path(scenario_spec["spec"]["outputs"][0]["path"])
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    if worker_processes:  # guidellm's default, up to 10 worker processes, would crowd a CPU server's cores
-        env["GUIDELLM__MAX_WORKER_PROCESSES"] = str(worker_processes)
+    env = {**os.environ, **guidellm_environment(worker_processes)}
     command = [sys.executable, "-m", "guidellm", "run", "--scenario", str(scenario_path)]
     # guidellm reads a .env file from its working directory: run it where there is none.
     process = start_group([*command, "--disable-console-interactive"], log_path, env, cwd=work_dir)
