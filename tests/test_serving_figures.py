@@ -144,6 +144,8 @@ def test_each_level_sends_its_warm_up_on_top_of_the_requests_it_measures(tmp_pat
     for streams, count in zip(concurrency, counts):
         warmup = int(0.25 * count)
         assert warmup >= 2 * streams and count - warmup - streams >= requests
+    # guidellm's data worker makes no more requests ahead than the busiest level sends (its default: 4096)
+    assert spec["data_loader"] == {"kind": "pytorch", "prefetch_factor": max(sent)}
 
 
 def test_guidellms_goodput_search_aims_at_the_recipe_s_share(tmp_path):
@@ -151,6 +153,7 @@ def test_guidellms_goodput_search_aims_at_the_recipe_s_share(tmp_path):
     spec = scenario(settings, "vllm", "u", tmp_path, None, tmp_path / "r.json")["spec"]
     assert spec["profile"]["target_attainment"] == 0.95 and spec["profile"]["warmup"]["percent"] == 0.25
     assert spec["constraints"][0]["count"] == level_requests(settings, None)[0] == 12
+    assert spec["data_loader"]["prefetch_factor"] == 12
 
 
 # --- goodput as the field defines it ---------------------------------------------------------------------------

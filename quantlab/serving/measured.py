@@ -49,8 +49,8 @@ def guidellm_slo(slo: ServiceLevels) -> dict[str, float]:
 
 
 def measured_as_stated(settings: ServingSettings, document: dict[str, Any]) -> dict[str, Any]:
-    """guidellm's scenario `document` (load.scenario) with the warm-up, each level's requests (`level_requests`),
-    the recipe's SLOs and, for guidellm's goodput search, the recipe's share."""
+    """guidellm's scenario `document` (load.scenario) with the warm-up, each level's requests (`level_requests`) and
+    no more made ahead, the recipe's SLOs and, for guidellm's goodput search, the recipe's share."""
     found = copy.deepcopy(document)
     spec = found["spec"]
     spec["metrics"]["slo"] = guidellm_slo(settings.slo)
@@ -62,6 +62,12 @@ def measured_as_stated(settings: ServingSettings, document: dict[str, Any]) -> d
     if profile["kind"] == "concurrent":  # guidellm's list-capable override: one request count per level
         for level in found["benchmarks"]:
             level[f"constraints[{limit}].count"] = level_requests(settings, level["profile.streams"])[0]
+        sent = [level[f"constraints[{limit}].count"] for level in found["benchmarks"]]
     else:
         spec["constraints"][limit]["count"] = level_requests(settings, None)[0]
+        sent = [spec["constraints"][limit]["count"]]
+    # guidellm's data worker makes each level's requests ahead of need, 4096 by default: on a CPU that is seconds of
+    # tokenizing per level beside the server under load (benchmarks/README.md, "guidellm's overhead"). What the
+    # busiest level sends is enough; the worker makes more as they go if a level sends more.
+    spec["data_loader"] = {"kind": "pytorch", "prefetch_factor": max(sent)}
     return found
