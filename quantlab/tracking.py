@@ -195,13 +195,16 @@ class TrackingStore:
     def run(self, run_id: str) -> RunRecord:
         return _record(self._client.get_run(run_id))
 
-    def search(self, experiment_ids: list[str], tags: dict[str, str], status: str | None = None) -> list[RunRecord]:
+    def search(
+        self, experiment_ids: list[str], tags: dict[str, str], status: str | None = None, limit: int = 5000
+    ) -> list[RunRecord]:
+        """The runs with these tags (and status), newest first, at most `limit`."""
         if not experiment_ids:
             return []
         where = [f"tags.`{key}` = '{value}'" for key, value in tags.items()]
         where += [f"attributes.status = '{status}'"] if status else []
         order = ["attributes.start_time DESC"]
-        runs = self._client.search_runs(experiment_ids, " and ".join(where), order_by=order, max_results=5000)
+        runs = self._client.search_runs(experiment_ids, " and ".join(where), order_by=order, max_results=limit)
         return [_record(run) for run in runs]
 
     def read_artifact(self, run_id: str, path: str) -> bytes | None:
@@ -433,9 +436,13 @@ def child_runs(store: TrackingStore, parent_run_id: str) -> list[RunRecord]:
 
 
 def finished_runs(store: TrackingStore, experiment_id: str, keys: set[str]) -> dict[str, RunRecord]:
-    """The newest FINISHED variant run for each run key."""
-    runs = store.search([experiment_id], {ROLE: "variant"}, status="FINISHED")
-    return {run.tags[RUN_KEY]: run for run in reversed(runs) if run.tags.get(RUN_KEY) in keys}  # newest last: it wins
+    """The newest FINISHED variant run for each run key: a query per key, for one run each (MLflow's search has no
+    IN for tags). Every re-run adds a copy of each variant; reading all of them made a re-run slower with each one."""
+    found = {}
+    for key in sorted(keys):
+        if newest := store.search([experiment_id], {ROLE: "variant", RUN_KEY: key}, status="FINISHED", limit=1):
+            found[key] = newest[0]
+    return found
 
 
 def copy_run(store: TrackingStore, source: RunRecord, target_run_id: str) -> None:
@@ -486,7 +493,7 @@ def latest_sweep(store: TrackingStore, experiment_name: str | None) -> RunRecord
         if found is None:
             raise bad_input("--experiment", "", f"no experiment named '{experiment_name}' in {shown_uri(store.uri)}")
         experiments, where = [found], f"experiment '{experiment_name}'"
-    runs = store.search(experiments, {ROLE: "sweep"})
+    runs = store.search(experiments, {ROLE: "sweep"}, limit=1)
     if not runs:
         raise bad_input("--experiment", "", f"{where} has no sweep runs; run `quantlab sweep RECIPE` first")
     return runs[0]
@@ -506,7 +513,7 @@ def ui_addresses(store: TrackingStore, host: str, port: int) -> list[tuple[str, 
             store.set_experiment_tag(id_, EXPERIMENT_KIND, CLASSIC_KIND)
         view = f"&viewStateShareKey={VIEW_KEY}" if VIEW_TAG in tags else ""
         found.append((f"{name}: runs", _address(base, id_, "runs", view)))
-        if sweeps := store.search([id_], {ROLE: "sweep"}):
+        if sweeps := store.search([id_], {ROLE: "sweep"}, limit=1):
             found.append((f"{name}: newest sweep", _address(base, id_, f"runs/{sweeps[0].run_id}")))
             found.append((f"{name}: frontier", _address(base, id_, f"runs/{sweeps[0].run_id}/artifacts/frontier.html")))
     return found

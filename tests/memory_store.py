@@ -82,7 +82,9 @@ class MemoryStore:
     def run(self, run_id: str) -> RunRecord:
         return copy.deepcopy(self._runs[run_id])
 
-    def search(self, experiment_ids: list[str], tags: dict[str, str], status: str | None = None) -> list[RunRecord]:
+    def search(
+        self, experiment_ids: list[str], tags: dict[str, str], status: str | None = None, limit: int = 5000
+    ) -> list[RunRecord]:
         found = [
             self.run(run_id)
             for run_id, run in self._runs.items()
@@ -90,7 +92,7 @@ class MemoryStore:
             and (status is None or run.status == status)
             and all(run.tags.get(key) == value for key, value in tags.items())
         ]
-        return sorted(found, key=lambda run: run.start_time, reverse=True)
+        return sorted(found, key=lambda run: run.start_time, reverse=True)[:limit]
 
     def read_artifact(self, run_id: str, path: str) -> bytes | None:
         return self._artifacts[run_id].get(path)
