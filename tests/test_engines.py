@@ -10,6 +10,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -329,6 +330,12 @@ def _vllm_processes() -> list[psutil.Process]:
     return found
 
 
+def under_load(variant: str) -> bool:
+    """Whether the variant's guidellm has its scenario (it starts early, and waits for it, while the variant is
+    scored): the load is on, or about to be."""
+    return any(Path(tempfile.gettempdir()).glob(f"quantlab-load-{variant}-*/scenario.json"))
+
+
 def _command_lines_naming(marker: str) -> list[str]:
     lines = (" ".join(process.info["cmdline"] or []) for process in psutil.process_iter(["cmdline"]))
     return [line for line in lines if marker in line]
@@ -495,7 +502,7 @@ def test_sigkill_of_the_sweep_leaves_no_vllm_process(tmp_path, vllm_python, swee
     sweep = Sweep(_sweep_args(path, uri, tmp_path / "cache"), tmp_path)
     sweeps.append(sweep)
     _wait_until(lambda: len(_vllm_processes()) >= 2, sweep, "vLLM's server and its engine core")
-    _wait_until(lambda: _command_lines_naming("quantlab-load-bf16-"), sweep, "guidellm's load")
+    _wait_until(lambda: _command_lines_naming("quantlab-load-bf16-") and under_load("bf16"), sweep, "guidellm's load")
     sweep.kill_group()  # SIGKILL: no teardown code runs in the sweep or its variant process
     assert _none_left() == []
 

@@ -19,7 +19,7 @@ import psutil
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from test_engines import launch
+from test_engines import launch, under_load
 from test_resilience import Sweep, _init_store, _sweep_args, _wait_until, sweeps  # noqa: F401 - sweeps: a fixture
 from test_sweep import quantlab
 from tiny import save_tiny_llama
@@ -30,9 +30,9 @@ from quantlab.recipe import Recipe
 from quantlab.serving.engines import ENGINES
 from quantlab.serving.engines.transformers_serve import FIXED_LENGTH
 from quantlab.serving.goodput import Price, goodput_level, misses, summarize, usd_per_million_tokens
-from quantlab.serving.launcher import ServerFailed, running_server
+from quantlab.serving.launcher import ServerFailed, launched_server, running_server
 from quantlab.serving.levels import LoadLevel, ReportError, level_label, levels_from_metrics, load_levels
-from quantlab.serving.load import run_load, scenario
+from quantlab.serving.load import LoadFailed, LoadGenerator, run_load, scenario
 from quantlab.serving.pricing import CPU_USD_PER_CORE_HOUR, serving_price, table_entry_for
 from quantlab.serving.settings import ServiceLevels, ServingSettings
 from quantlab.stages.measure import contention_over
@@ -354,6 +354,7 @@ def served(tmp_path_factory):
     recipe = Recipe.model_validate(tiny_recipe(model, serving=FAST.model_dump()))
     stream = single_stream(FAST, MeasureSettings())  # c1 times batch size 1: the measure stage left it
     with VariantServer(model, "small", None, recipe, "cpu", torch.float32, logs / "cache", logs) as server:
+        server.launch_early()  # as a variant does: the server and guidellm start together
         outcome = serve_load(server.ready(), FAST, MeasureSettings(), REPO, torch.float32, cost, logs, stream)
     return outcome, logs, model
 
@@ -434,6 +435,25 @@ def test_a_taken_port_is_named(tmp_path, tiny_llama):
             pass
 
 
+def test_guidellm_imports_before_its_scenario_and_a_failed_run_says_why(tmp_path):
+    """The load generator starts early: guidellm imported, it waits for the scenario; handed a scenario guidellm
+    rejects, the run fails with guidellm's exit code and log, and no process of it is left."""
+    idle = [sys.executable, "-c", "import time; time.sleep(600)"]  # a live "server" nothing is sent to
+    with (
+        launched_server(lambda port: idle, "transformers", tmp_path / "server.log", os.environ) as server,
+        LoadGenerator(tmp_path / "load", tmp_path / "guidellm.log", worker_processes=1) as load,
+    ):
+        load.start()
+        load.wait_imported(timeout_s=120)
+        assert (tmp_path / "load" / "imported").is_file() and not (tmp_path / "load" / "scenario.json").exists()
+        waiting = _served_processes(str(tmp_path / "load"))
+        assert waiting and all(p.is_running() for p in waiting)  # imported, and waiting for its scenario
+        rejected = {"spec": {"outputs": [{"kind": "json", "path": str(load.report_path)}]}, "benchmarks": "none"}
+        with pytest.raises(LoadFailed, match=r"guidellm exited with code [1-9]\d*; its log ends:\n"):
+            load.run(rejected, server, timeout_s=120)
+    assert _gone(str(tmp_path / "load"), timeout=5)
+
+
 def test_a_server_killed_under_load_fails_the_stage_and_guidellm_is_stopped(tmp_path, tiny_llama):
     def command_for(port: int) -> list[str]:
         return _transformers_serve(tiny_llama.path, port)
@@ -478,9 +498,9 @@ def test_sigkill_of_the_sweep_leaves_no_server(tmp_path, tiny_llama, sweeps):  #
 
     def server_and_load() -> list[psutil.Process]:
         running = _served_processes(str(cache)) + _served_processes("quantlab-load-bf16-")  # with guidellm's workers
-        return running if len(running) >= 4 else []  # the server and guidellm, each under its guard
+        return running if len(running) >= 4 and under_load("bf16") else []  # the server and guidellm, each guarded
 
-    # guidellm's guard is up a moment before guidellm itself: wait for all four, not the first.
+    # guidellm's guard is up a moment before guidellm itself: wait for all four, not the first, and for the load.
     running = _wait_until(server_and_load, sweep, "the server and guidellm's load, each under its guard")
     sweep.kill_group()  # the sweep and its variant process, SIGKILL: no teardown code runs
     assert _all_gone(running, timeout=10), [p.cmdline() for p in running if p.is_running()]
@@ -503,7 +523,7 @@ def test_a_variant_whose_server_dies_fails_alone_with_its_server_log(tmp_path, t
         return next((p for p in _served_processes("/fp8-") if "transformers.cli" in p.cmdline()[2]), None)
 
     server = _wait_until(fp8_server, sweep, "fp8's server")
-    _wait_until(lambda: _served_processes("quantlab-load-fp8-"), sweep, "guidellm's load on fp8")
+    _wait_until(lambda: _served_processes("quantlab-load-fp8-") and under_load("fp8"), sweep, "guidellm's load on fp8")
     server.send_signal(signal.SIGKILL)
     code, _ = sweep.wait()
     assert code == 1, sweep.text()[-3000:]

@@ -1,7 +1,7 @@
 """guidellm, the load generator: a scenario per variant (pure), and its run as a subprocess against a running server.
 
-guidellm runs as its own process (`guidellm run --scenario`), not imported: it sets the process-wide asyncio policy
-to uvloop on import and spawns workers that re-import the caller's __main__.
+guidellm runs as its own process (`guidellm run --scenario`, started early by `LoadGenerator`), not imported: it sets
+the process-wide asyncio policy to uvloop on import and spawns workers that re-import the caller's __main__.
 
 Fixed output lengths: each engine says what a request must carry (`Engine.request_body`). guidellm drops every body
 field whose value is null after merging the backend's `extras`, so an engine can remove a field guidellm adds.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 import urllib.request
@@ -117,6 +118,78 @@ def guidellm_environment(worker_processes: int | None = None) -> dict[str, str]:
     return found
 
 
+class LoadGenerator:
+    """guidellm for one variant's load, started before its scenario exists (quantlab.serving.guidellm_runner).
+
+    `start()` early and guidellm's import (most of its start) runs beside the variant's other stages; `run()` hands
+    it the scenario and waits for the report. Stopped, with every process it started, on exit."""
+
+    def __init__(self, work_dir: Path, log_path: Path, worker_processes: int | None = None) -> None:
+        self.work_dir, self.log_path, self.worker_processes = work_dir, log_path, worker_processes
+        self._process: subprocess.Popen | None = None
+
+    def __enter__(self) -> LoadGenerator:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._process is not None:
+            stop_group(self._process)
+
+    @property
+    def report_path(self) -> Path:
+        return self.work_dir / "guidellm.json"
+
+    @property
+    def _ready(self) -> Path:
+        return self.work_dir / "imported"
+
+    @property
+    def _scenario(self) -> Path:
+        return self.work_dir / "scenario.json"
+
+    def start(self) -> None:
+        if self._process is None:
+            self.work_dir.mkdir(parents=True, exist_ok=True)
+            env = {**os.environ, **guidellm_environment(self.worker_processes)}
+            runner = [sys.executable, "-m", "quantlab.serving.guidellm_runner", str(self._ready), str(self._scenario)]
+            # guidellm reads a .env file from its working directory: run it where there is none.
+            self._process = start_group(runner, self.log_path, env, cwd=self.work_dir)
+
+    def wait_imported(self, timeout_s: float) -> None:
+        """Until guidellm is imported (or gone, or `timeout_s` passed: `run` then says what happened)."""
+        deadline = time.monotonic() + timeout_s
+        while self._process is not None and self._process.poll() is None and time.monotonic() < deadline:
+            if self._ready.exists():
+                return
+            time.sleep(0.1)
+
+    def run(self, scenario_spec: Mapping[str, Any], server: RunningServer, timeout_s: float) -> dict[str, Any]:
+        """guidellm on `scenario_spec` while watching the server; its JSON report. ServerFailed if the server dies
+        under load (guidellm is stopped), LoadFailed if guidellm fails or runs past `timeout_s`."""
+        self.start()
+        assert self._process is not None
+        staged = self._scenario.with_suffix(".partial")
+        staged.write_text(json.dumps(scenario_spec, indent=2))
+        staged.rename(self._scenario)  # whole, or not there
+        report_path = Path(scenario_spec["spec"]["outputs"][0]["path"])
+        deadline = time.monotonic() + timeout_s
+        try:
+            while self._process.poll() is None:
+                if (why := server.died()) is not None:
+                    raise ServerFailed(f"the server died under load: {why}")
+                if time.monotonic() > deadline:
+                    raise LoadFailed(f"guidellm ran past {timeout_s:.0f} s; its log ends:\n{log_tail(self.log_path)}")
+                time.sleep(0.25)
+        finally:
+            stop_group(self._process)
+        if (why := server.died()) is not None:
+            raise ServerFailed(f"the server died under load: {why}")
+        code = self._process.returncode
+        if code != 0 or not report_path.is_file():
+            raise LoadFailed(f"guidellm exited with code {code}; its log ends:\n{log_tail(self.log_path)}")
+        return json.loads(report_path.read_text())
+
+
 def run_load(
     scenario_spec: Mapping[str, Any],
     work_dir: Path,
@@ -125,28 +198,6 @@ def run_load(
     timeout_s: float,
     worker_processes: int | None = None,
 ) -> dict[str, Any]:
-    """Run guidellm on `scenario_spec` while watching the server; its JSON report. ServerFailed if the server
-    dies under load (guidellm is stopped), LoadFailed if guidellm fails or runs past `timeout_s`."""
-    work_dir.mkdir(parents=True, exist_ok=True)
-    scenario_path = work_dir / "scenario.json"
-    scenario_path.write_text(json.dumps(scenario_spec, indent=2))
-    report_path = Path(scenario_spec["spec"]["outputs"][0]["path"])
-    env = {**os.environ, **guidellm_environment(worker_processes)}
-    command = [sys.executable, "-m", "guidellm", "run", "--scenario", str(scenario_path)]
-    # guidellm reads a .env file from its working directory: run it where there is none.
-    process = start_group([*command, "--disable-console-interactive"], log_path, env, cwd=work_dir)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while process.poll() is None:
-            if (why := server.died()) is not None:
-                raise ServerFailed(f"the server died under load: {why}")
-            if time.monotonic() > deadline:
-                raise LoadFailed(f"guidellm ran past {timeout_s:.0f} s; its log ends:\n{log_tail(log_path)}")
-            time.sleep(0.25)
-    finally:
-        stop_group(process)
-    if (why := server.died()) is not None:
-        raise ServerFailed(f"the server died under load: {why}")
-    if process.returncode != 0 or not report_path.is_file():
-        raise LoadFailed(f"guidellm exited with code {process.returncode}; its log ends:\n{log_tail(log_path)}")
-    return json.loads(report_path.read_text())
+    """guidellm started now and run on `scenario_spec` (`LoadGenerator.run`)."""
+    with LoadGenerator(work_dir, log_path, worker_processes) as load:
+        return load.run(scenario_spec, server, timeout_s)

@@ -39,7 +39,7 @@ from quantlab.serving.environments import chosen_engine, engine_python, installe
 from quantlab.serving.goodput import SERVING_TAG, UNAVAILABLE_TAG, ServingSummary, summarize
 from quantlab.serving.launcher import RunningServer, launched_server, wait_healthy
 from quantlab.serving.levels import LoadLevel, load_levels
-from quantlab.serving.load import run_load, scenario, warm_up
+from quantlab.serving.load import LoadGenerator, scenario, warm_up
 from quantlab.serving.pricing import fastest_prefill, modeled_served_tokens_per_s, serving_price
 from quantlab.serving.settings import ServingSettings
 
@@ -89,6 +89,7 @@ class ServedVariant:
     command: str  # as a shell would read it, with the variables it was started with
     hardware: str
     gpu_name: str | None
+    load: LoadGenerator | None  # guidellm, started (None: serving.enabled is false)
 
     @property
     def checkpoint(self) -> Path:
@@ -136,6 +137,7 @@ class VariantServer:
     `launch_early()` starts it where the host can hold its copy of the model beside the variant's own (CPU): its
     start, mostly imports and loading, then runs while the reference stages score the variant. On a GPU the variant's
     model must be dropped first (the server sizes its memory from what is free), so it starts at `ready()`.
+    The load generator (guidellm, when serving is on) starts early on any device: its import needs no accelerator.
     `ready()` waits until it is healthy and says what it serves (None when no stage needs a server)."""
 
     def __init__(
@@ -154,6 +156,7 @@ class VariantServer:
         self._scope = contextlib.ExitStack()
         self._launched: _Launched | None = None
         self._served: ServedVariant | None = None
+        self._load: LoadGenerator | None = None
 
     def __enter__(self) -> VariantServer:
         return self
@@ -164,11 +167,15 @@ class VariantServer:
     def launch_early(self) -> None:
         if self.device == "cpu" and self.recipe.needs_server and self._launched is None:
             self._launch()
+        if self.recipe.serving.enabled:
+            self._load_generator().start()
 
     def wait_if_launched(self) -> None:
-        """Healthy before anything is timed: a server still starting would compete with the timing."""
+        """Healthy, and guidellm imported, before anything is timed: either still starting would compete with it."""
         if self._launched is not None:
             self.ready()
+        if self._load is not None:
+            self._load.wait_imported(self.recipe.serving.startup_timeout_s)
 
     def ready(self) -> ServedVariant | None:
         if not self.recipe.needs_server:
@@ -190,8 +197,18 @@ class VariantServer:
                 shown_command(server.command, launched.environment),
                 gpu_name or f"CPU: {cpu_model_name()}, {launch.threads} of {visible_cores()} cores",
                 gpu_name,
+                self._load_generator() if self.recipe.serving.enabled else None,
             )
         return self._served
+
+    def _load_generator(self) -> LoadGenerator:
+        if self._load is None:
+            scratch = Path(
+                self._scope.enter_context(tempfile.TemporaryDirectory(prefix=f"quantlab-load-{self.variant}-"))
+            )
+            log = side_log(self.log_dir or scratch, self.variant, "guidellm")
+            self._load = self._scope.enter_context(LoadGenerator(scratch, log, _workers(self.device)))
+        return self._load
 
     def _launch(self) -> _Launched:
         import torch
@@ -314,20 +331,18 @@ def serve_load(
     if served is None:
         return ServingOutcome(tags={UNAVAILABLE_TAG + "serving": "serving.enabled is false in the recipe"})
     facts = ServingOutcome(params=served.params(), tags=served.tags())
-    if not settings.enabled:
+    if not settings.enabled or served.load is None:
         return facts | ServingOutcome(tags={UNAVAILABLE_TAG + "serving": "serving.enabled is false in the recipe"})
     prompts = (recipe_dir / settings.prompts).resolve() if settings.prompts else None
-    with tempfile.TemporaryDirectory(prefix=f"quantlab-load-{served.variant}-") as scratch:
-        report_path = Path(scratch) / "guidellm.json"
-        spec = scenario(settings, served.engine.name, served.server.url, served.checkpoint, prompts, report_path)
-        levels = max(len(settings.concurrency), settings.levels)
-        budget = levels * settings.requests_per_level * settings.request_timeout_s + 300
-        load_log = side_log(log_dir or Path(scratch), served.variant, "guidellm")
-        # The runner holds the host's timing lock around this stage: the host's other variants pause meanwhile.
-        warm_up(served.server, served.checkpoint, settings)
-        with LoadMonitor(served.launch.threads, tree=True) as load:  # the server and guidellm are this stage's own
-            report = run_load(spec, Path(scratch), load_log, served.server, budget, _workers(served.launch.device))
-        artifacts: dict[str, str | bytes] = {REPORT_ARTIFACT: report_path.read_text()}
+    report_path = served.load.report_path
+    spec = scenario(settings, served.engine.name, served.server.url, served.checkpoint, prompts, report_path)
+    levels = max(len(settings.concurrency), settings.levels)
+    budget = levels * settings.requests_per_level * settings.request_timeout_s + 300
+    # The runner holds the host's timing lock around this stage: the host's other variants pause meanwhile.
+    warm_up(served.server, served.checkpoint, settings)
+    with LoadMonitor(served.launch.threads, tree=True) as load:  # the server and guidellm are this stage's own
+        report = served.load.run(spec, served.server, budget)
+    artifacts: dict[str, str | bytes] = {REPORT_ARTIFACT: report_path.read_text()}
     if log_dir is None:  # no sweep log directory to keep it: it travels with the result
         artifacts |= {"logs/server.log": served.server.log_path.read_text(errors="replace")}
 
