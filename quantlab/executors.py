@@ -164,6 +164,13 @@ def run_local(
 
 
 _preloaded_for: str | None = None  # the spec the running fork server preloaded
+# Variables the libraries' own imports set (sklearn's and threadpoolctl's defaults, torch inductor's cache folder,
+# lm-eval's hub download mode): checking a recipe can import them after the fork server started, which imports them
+# too. Not a change of environment: counted as one, every sweep that checked a new model's widths started its fork
+# server twice (the second one's imports, 7.6 s here, before the first variant of a tiny sweep could start).
+SET_BY_IMPORTS = frozenset(
+    {"KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "TORCHINDUCTOR_CACHE_DIR", "HF_XET_HIGH_PERFORMANCE"}
+)
 
 
 def start_variant_processes(loaded: LoadedRecipe) -> multiprocessing.context.BaseContext:
@@ -181,9 +188,10 @@ def start_variant_processes(loaded: LoadedRecipe) -> multiprocessing.context.Bas
             "tasks": [task.name for task in recipe.evals.tasks],
             "include_path": str(loaded.include_path) if loaded.include_path else None,
             "quantizes": any(variant.method != "bf16" for variant in recipe.variants),
-            # Not MLflow's variables, which the sweep sets after starting the server: a variant never talks to MLflow.
+            # Not MLflow's variables, which the sweep sets after starting the server (a variant never talks to MLflow),
+            # nor those the libraries' imports set (SET_BY_IMPORTS).
             "environment": hashlib.sha256(
-                json.dumps(sorted(item for item in os.environ.items() if not item[0].startswith("MLFLOW_"))).encode()
+                json.dumps(sorted(item for item in os.environ.items() if _tells_servers_apart(item[0]))).encode()
             ).hexdigest(),
         }
     )
@@ -197,6 +205,10 @@ def start_variant_processes(loaded: LoadedRecipe) -> multiprocessing.context.Bas
             del os.environ[PRELOAD_ENV]
         _preloaded_for = spec
     return multiprocessing.get_context("forkserver")
+
+
+def _tells_servers_apart(variable: str) -> bool:
+    return not variable.startswith("MLFLOW_") and variable not in SET_BY_IMPORTS
 
 
 def stop_variant_processes() -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -312,7 +315,7 @@ def test_one_fork_server_per_sweep_replaced_when_the_environment_changes(tmp_pat
 
     import psutil
 
-    from quantlab.executors import start_variant_processes, stop_variant_processes
+    from quantlab.executors import SET_BY_IMPORTS, start_variant_processes, stop_variant_processes
 
     def server() -> int | None:
         return forkserver._forkserver._forkserver_pid
@@ -327,6 +330,10 @@ def test_one_fork_server_per_sweep_replaced_when_the_environment_changes(tmp_pat
         monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///elsewhere.db")  # the sweep's own: not the variant's
         start_variant_processes(loaded)
         assert server() == first
+        for variable in SET_BY_IMPORTS:  # as checking the recipe sets them, importing transformers (and sklearn)
+            monkeypatch.setenv(variable, "set by an import")
+        start_variant_processes(loaded)
+        assert server() == first
         monkeypatch.setenv("HF_HUB_OFFLINE", "0")
         start_variant_processes(loaded)
         assert server() not in (None, first)
@@ -336,6 +343,22 @@ def test_one_fork_server_per_sweep_replaced_when_the_environment_changes(tmp_pat
         stop_variant_processes()
     assert server() is None
     assert not psutil.pid_exists(replaced)
+
+
+def test_the_variables_the_preloaded_imports_set_are_the_ones_the_fork_server_ignores():
+    """What importing the fork server's libraries adds to a fresh interpreter's environment, as checking a recipe
+    does after the server started: a variable outside SET_BY_IMPORTS would start every such sweep's server twice."""
+    from quantlab.executors import SET_BY_IMPORTS
+
+    code = (
+        "import importlib, json, os; before = dict(os.environ); from quantlab import preload; "
+        "[importlib.import_module(name) for name in preload.EVERY_VARIANT + preload.FOR_TASKS + preload.FOR_QUANTIZING]; "
+        "print(json.dumps(sorted(k for k, v in os.environ.items() if before.get(k) != v)))"
+    )
+    clean = {k: v for k, v in os.environ.items() if k not in SET_BY_IMPORTS}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean, check=True)
+    added = set(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert added and added <= SET_BY_IMPORTS, added
 
 
 def test_a_failed_baseline_leaves_the_variants_to_compute_not_run_saying_why(tmp_path, tiny_llama):
