@@ -1,7 +1,8 @@
 """One sweep, timed from two checkouts of quantlab in turn, each run from an empty cache and a new store.
 
 Both sides run `python -m quantlab sweep RECIPE` with PYTHONPATH naming their checkout (its `quantlab` package comes
-first, before the installed one), in this environment, alternating which goes first (A B, B A, ...) so that a drift
+first, before the installed one), in the environment this script was started in (not the variables its own imports
+add), alternating which goes first (A B, B A, ...) so that a drift
 in the machine's speed does not favour one side. Each run gets a fresh `--cache-dir` and MLflow store: a first sweep
 of a model, as every test's sweep is (GGUF conversion, quantizing and the recipe check's model lookups included).
 
@@ -27,7 +28,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from sweep_overhead import OFFLINE_ENV, save_tiny_llama, summary_line, timed_process
+# As the shell gave it, before this script imports anything: making the tiny model imports torch, transformers and
+# sklearn, which set variables of their own (quantlab.executors.SET_BY_IMPORTS) that a user's sweep starts without.
+SHELL_ENV = dict(os.environ)
+
+from sweep_overhead import OFFLINE_ENV, save_tiny_llama, summary_line, timed_process  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -61,12 +66,15 @@ def run_side(checkout: Path, recipe: Path, work: Path) -> Timed:
     work.mkdir(parents=True)
     store = f"sqlite:///{work / 'store.db'}"
     command = [sys.executable, "-m", "quantlab", "sweep", str(recipe), "--tracking-uri", store]
-    os.environ["PYTHONPATH"] = str(checkout.resolve())
+    ours = dict(os.environ)
+    os.environ.clear()
+    os.environ.update({**SHELL_ENV, **OFFLINE_ENV, "PYTHONPATH": str(checkout.resolve())})
     try:
         started = time.time()
         wall, _ = timed_process([*command, "--cache-dir", str(work / "cache")], cwd=work)
     finally:
-        del os.environ["PYTHONPATH"]
+        os.environ.clear()
+        os.environ.update(ours)
     ended = started + wall
     client = MlflowClient(store)
     experiments = [experiment.experiment_id for experiment in client.search_experiments()]

@@ -208,7 +208,9 @@ def start_variant_processes(loaded: LoadedRecipe) -> multiprocessing.context.Bas
 
 
 def _tells_servers_apart(variable: str) -> bool:
-    return not variable.startswith("MLFLOW_") and variable not in SET_BY_IMPORTS
+    # MLflow's private ones too: importing it sets (or, telemetry off, removes) _MLFLOW_TELEMETRY_SESSION_ID, which
+    # every process started under a parent that imported MLflow (a test, a notebook) inherits.
+    return not variable.lstrip("_").startswith("MLFLOW_") and variable not in SET_BY_IMPORTS
 
 
 def stop_variant_processes() -> None:

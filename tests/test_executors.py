@@ -330,6 +330,9 @@ def test_one_fork_server_per_sweep_replaced_when_the_environment_changes(tmp_pat
         monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///elsewhere.db")  # the sweep's own: not the variant's
         start_variant_processes(loaded)
         assert server() == first
+        monkeypatch.delenv("_MLFLOW_TELEMETRY_SESSION_ID", raising=False)  # as importing MLflow does, telemetry off
+        start_variant_processes(loaded)
+        assert server() == first
         for variable in SET_BY_IMPORTS:  # as checking the recipe sets them, importing transformers (and sklearn)
             monkeypatch.setenv(variable, "set by an import")
         start_variant_processes(loaded)
