@@ -2,8 +2,8 @@
 
 Most of guidellm's start is its import (about 9 s of CPU on 2 cores: its tokenizer module brings torch and
 transformers). Started early, beside the variant's other stages and its server's own start, this process does that
-import first, says so (WORK_DIR/ready), then waits for WORK_DIR/scenario.json and runs `guidellm run --scenario` on it,
-in this process, as `python -m guidellm run` would. quantlab.serving.load.LoadGenerator drives it.
+import first, says so (creates the file READY), then waits for the file SCENARIO and runs `guidellm run --scenario` on
+it, in this process, as `python -m guidellm run` would. quantlab.serving.load.LoadGenerator drives it.
 
 The top level imports only what guidellm's own __main__ does: guidellm's fork server (GUIDELLM__MP_CONTEXT_TYPE)
 re-imports the main module before forking each load level's workers, which should stay as light as guidellm's.
