@@ -203,7 +203,9 @@ class QualitySettings(StrictModel):
 class RuntimeSettings(StrictModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "auto", description="Compute dtype; auto = bfloat16 on CUDA, float32 on CPU."
+        "auto",
+        description="Compute dtype; auto = bfloat16 on CUDA and on CPUs with BF16 matmul instructions (AVX512-BF16, "
+        "AMX), float32 on other CPUs (BF16 emulated there: slower).",
     )
     cpus: float = Field(1, gt=0, le=1024, description="CPUs each variant asks of the Ray scheduler.")
     gpus: float = Field(0, ge=0, le=64, description="GPUs each variant asks of the Ray scheduler.")

@@ -537,19 +537,20 @@ def test_a_copied_run_keeps_its_datasets(swept):
 
 
 def test_a_logged_score_equals_the_lm_eval_cli(swept, tmp_path):
-    """The same checkpoint, task, limit and batch size through lm-eval's own command line:
+    """The same checkpoint, compute dtype, task, limit and batch size through lm-eval's own command line:
 
-    lm_eval --model hf --model_args pretrained=<bf16 checkpoint>,dtype=float32 --tasks ql_wikitext
+    lm_eval --model hf --model_args pretrained=<bf16 checkpoint>,dtype=<the run's> --tasks ql_wikitext
         --include_path <tasks dir> --limit 3 --batch_size 4 --output_path <tmp>
     """
     _, tasks_dir, _, _, runs = swept
     checkpoint = runs["bf16"].data.tags["quantlab.checkpoint"]
+    dtype = runs["bf16"].data.params["runtime.compute_dtype"]  # this CPU's: float32, or BF16 where it has BF16 matmuls
     command = [
         str(Path(sys.executable).with_name("lm_eval")),
         "--model",
         "hf",
         "--model_args",
-        f"pretrained={checkpoint},dtype=float32",
+        f"pretrained={checkpoint},dtype={dtype}",
         "--tasks",
         "ql_wikitext",
         "--include_path",

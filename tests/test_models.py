@@ -11,14 +11,17 @@ from tiny import EMBEDDED_GGUF, embedded_gguf_path
 
 from quantlab.models import (
     _gguf_reader,
+    cpu_has_bf16_matmuls,
+    default_dtype,
     linear_input_widths,
     load_source_model,
     materialize,
     materialized,
+    pick_dtype,
     resolve_source,
     source_problem,
 )
-from quantlab.recipe import ModelSpec
+from quantlab.recipe import ModelSpec, RuntimeSettings
 
 
 @pytest.mark.parametrize(
@@ -94,3 +97,19 @@ def test_gguf_materializes_to_a_checkpoint_with_identical_logits(tmp_path, monke
         assert torch.equal(model(ids).logits, direct(ids).logits)
         answer = model.generate(ids, max_new_tokens=3, do_sample=False)
     assert "Paris" in tokenizer.decode(answer[0, ids.shape[1] :])
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them: a source independent of torch's."""
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    return {flag for line in lines if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="needs Linux's /proc/cpuinfo")
+def test_auto_dtype_on_cpu_is_bf16_exactly_where_the_cpu_multiplies_bf16():
+    native = bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    assert cpu_has_bf16_matmuls() is native
+    expected = torch.bfloat16 if native else torch.float32
+    assert pick_dtype(RuntimeSettings(), "cpu") == default_dtype("cpu") == expected
+    assert pick_dtype(RuntimeSettings(dtype="float32"), "cpu") == torch.float32  # a recipe's own dtype is kept
+    assert default_dtype("cuda") == torch.bfloat16

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from quantlab import cache, disk
-from quantlab.models import ModelSource, checkpoint_identity, load_source_model
+from quantlab.models import ModelSource, checkpoint_identity, default_dtype, load_source_model
 from quantlab.quantize import METHODS
 from quantlab.quantize.kv_cache import quantize_kv_cache
 from quantlab.stages.calibration import calibration_dataset
@@ -120,10 +120,10 @@ def _build(
 ) -> None:
     import torch
 
-    # CPUs without native BF16 matmuls emulate them ~10x slower (AWQ's grid search takes most
+    # CPUs without BF16 matmul instructions emulate them ~10x slower (AWQ's grid search takes most
     # of an hour for 135M params): calibrate in float32 there (an exact upcast of BF16 weights),
     # then store what the method leaves unquantized as BF16, as on a GPU.
-    compute_dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    compute_dtype = default_dtype(device)
     model, tokenizer = load_source_model(source, compute_dtype, device)
     apply(model, tokenizer)
     # compressed-tensors keeps NVFP4's global scales in float32 (as vLLM loads them): only the rest goes to BF16.
