@@ -7,7 +7,7 @@
     `measure.enabled: false`.
 
 Both score the same checkpoint on the same device and dtype (quantlab's runtime default:
-float32 on CPU, BF16 on CUDA) and both are timed from the parent as whole processes, so
+BF16 on CUDA and on CPUs with BF16 instructions, else float32) and both are timed from the parent as whole processes, so
 interpreter start and imports count on both sides. A first, untimed sweep quantizes the
 checkpoint into a shared `--cache-dir` (and warms the page cache and the datasets cache).
 A sweep copies an unchanged finished run of its experiment instead of recomputing it, so every

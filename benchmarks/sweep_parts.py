@@ -7,7 +7,7 @@ cached checkpoints, each a fresh Python process (interpreter start and imports c
 (a) the parts, per variant (the baseline first), as a user would write them without quantlab:
     - lm-eval: `lm_eval.simple_evaluate` on `HFLM(pretrained=<checkpoint dir>)` with the recipe's tasks, limits,
       shots and batch size, one call per distinct (limit, shots) as quantlab batches them, on quantlab's runtime
-      default device and dtype (float32 on CPU, bfloat16 on CUDA). Task index: `TaskManager(include_path=evals,
+      default device and dtype (bfloat16 on CUDA and on CPUs with BF16 instructions, else float32). Task index: `TaskManager(include_path=evals,
       include_defaults=False)` when every task is defined there (as quantlab builds it; lm-eval's own ~10k YAMLs
       cost 10-30 s per process on 2 cores), `--task-index full` for `TaskManager(include_path=evals)`.
       Excludes: the per-document pairing, flips and recovery quantlab derives from the samples (pure, cheap).
@@ -356,7 +356,7 @@ def run_parts(loaded, order: Sequence[str], first_runs: Mapping[str, Any], args,
     for variant in order:
         run = first_runs[variant]
         checkpoint = Path(run.tags["quantlab.checkpoint"])
-        # The device and dtype the sweep ran the variant on (quantlab's runtime default: float32 on CPU).
+        # The device and dtype the sweep ran the variant on (quantlab's runtime default, `models.pick_dtype`).
         common = {"checkpoint": str(checkpoint), "device": run.params["runtime.device"]}
         common["dtype"] = run.params["runtime.compute_dtype"]
         specs: dict[str, dict[str, Any]] = {}
