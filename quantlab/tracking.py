@@ -21,7 +21,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TypeVar
 
-from quantlab.errors import bad_input
+from quantlab.errors import bad_input, first_line
 
 T = TypeVar("T")
 
@@ -321,7 +321,26 @@ def open_store(uri: str | None = None) -> TrackingStore:
         store.sqlite_path.parent.mkdir(parents=True, exist_ok=True)
     elif not uri.startswith(("file:", "databricks", "postgresql", "mysql", "mssql")) and "://" in uri:
         raise bad_input("--tracking-uri", "", f"unsupported tracking URI scheme: {shown_uri(uri)}")
+    elif uri.startswith("file:") or "://" not in uri:
+        _file_store_allowed(uri)
     return store
+
+
+def _file_store_allowed(uri: str) -> None:
+    """MLflow 3 refuses to open a file store (its "maintenance mode") unless MLFLOW_ALLOW_FILE_STORE is set: asked
+    here, before anything is written, it is bad input in one line, not a traceback from the middle of a sweep."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    try:
+        MlflowClient(tracking_uri=uri)
+    except MlflowException as error:
+        why = "MLflow refuses this file store" if "maintenance mode" in str(error) else first_line(error)
+        raise bad_input(
+            "--tracking-uri",
+            "",
+            f"{shown_uri(uri)}: {why}; use sqlite:///<folder>/mlflow.db, or set MLFLOW_ALLOW_FILE_STORE=true",
+        ) from None
 
 
 # Operations on any TrackingStore: the MLflow layout is written and read here, once.

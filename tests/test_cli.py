@@ -117,6 +117,28 @@ def test_unreachable_tracking_server_exits_2_before_any_work(tmp_path, tiny_llam
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.parametrize("uri", ["file://{tmp}/filestore", "{tmp}/filestore"])
+def test_a_file_store_that_mlflow_refuses_is_bad_input_before_any_work(tmp_path, tiny_llama, uri, monkeypatch):
+    """MLflow 3 opens no file store unless MLFLOW_ALLOW_FILE_STORE is set: one line naming the way out, exit 2,
+    nothing made (it was a traceback from the middle of the sweep, exit 1)."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    recipe = write(tmp_path / "recipe.yaml", tiny_recipe(tiny_llama.path))
+    uri = uri.format(tmp=tmp_path)
+    result = quantlab("sweep", str(recipe), "--tracking-uri", uri, "--cache-dir", str(tmp_path / "cache"), cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    [line] = [line for line in result.stderr.splitlines() if line.strip()]
+    assert (
+        line.startswith("error: --tracking-uri: ") and "MLFLOW_ALLOW_FILE_STORE=true" in line and "sqlite:///" in line
+    )
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "filestore").exists()
+
+
+def test_a_file_store_is_opened_where_mlflow_is_told_to_allow_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    store = tracking.open_store((tmp_path / "filestore").as_uri())
+    assert store.experiment_id("allowed") is not None and (tmp_path / "filestore").is_dir()
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
