@@ -322,24 +322,24 @@ def open_store(uri: str | None = None) -> TrackingStore:
     elif not uri.startswith(("file:", "databricks", "postgresql", "mysql", "mssql")) and "://" in uri:
         raise bad_input("--tracking-uri", "", f"unsupported tracking URI scheme: {shown_uri(uri)}")
     elif uri.startswith("file:") or "://" not in uri:
-        _file_store_allowed(uri)
+        _file_store_allowed(store)
     return store
 
 
-def _file_store_allowed(uri: str) -> None:
-    """MLflow 3 refuses to open a file store (its "maintenance mode") unless MLFLOW_ALLOW_FILE_STORE is set: asked
-    here, before anything is written, it is bad input in one line, not a traceback from the middle of a sweep."""
+def _file_store_allowed(store: TrackingStore) -> None:
+    """MLflow 3 refuses to open a file store (its "maintenance mode") unless MLFLOW_ALLOW_FILE_STORE is set: its
+    client, opened here (and kept), before anything is written; a refusal is bad input in one line, not a traceback
+    from the middle of a sweep."""
     from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
 
     try:
-        MlflowClient(tracking_uri=uri)
+        store._client  # noqa: B018 - opening the store is the check
     except MlflowException as error:
         why = "MLflow refuses this file store" if "maintenance mode" in str(error) else first_line(error)
         raise bad_input(
             "--tracking-uri",
             "",
-            f"{shown_uri(uri)}: {why}; use sqlite:///<folder>/mlflow.db, or set MLFLOW_ALLOW_FILE_STORE=true",
+            f"{shown_uri(store.uri)}: {why}; use sqlite:///<folder>/mlflow.db, or set MLFLOW_ALLOW_FILE_STORE=true",
         ) from None
 
 
