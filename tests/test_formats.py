@@ -21,6 +21,7 @@ from tiny import save_tiny_llama
 
 from quantlab.checks import serving_problems, validate
 from quantlab.decision import pick
+from quantlab.fp8_rounding import INSTALLED_NOTICE
 from quantlab.frontier import Axis, VariantSummary, compute_frontiers
 from quantlab.measure.checkpoint import CheckpointFacts
 from quantlab.measure.modeled import ModelShape, config_dict, weight_counts
@@ -301,3 +302,31 @@ def test_transformers_serves_mx_and_nvfp4_checkpoints_on_cpu_as_quantlab_loads_t
     assert (
         f"quantlab: {made[method]} decompressed at load to torch.float32" in log.read_text()
     ) is as_quantlab_loads_it
+    assert INSTALLED_NOTICE in log.read_text()  # the server rounds activations as quantlab's scoring does
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("method", ["fp8", "fp8_block", "mxfp8", "w4a8_fp8"])
+def test_fp8_activations_on_cpu_give_the_same_logits_as_compressed_tensors_own_rounding(
+    formats, monkeypatch, method, dtype
+):
+    """`load_checkpoint` on a CPU routes the activations' FP8 rounding through quantlab.fp8_rounding: the whole
+    model's logits are bit for bit those of compressed-tensors' own rounding (torch's cast), and it did round."""
+    from compressed_tensors.quantization.lifecycle import forward_helpers
+
+    from quantlab import fp8_rounding
+
+    made, _ = formats
+    model, tokenizer = load_checkpoint(made[method], dtype, "cpu")
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    ours = forward_helpers.round_to_quantized_type_args
+    calls = []
+    fast = fp8_rounding.round_to_fp8_e4m3
+    monkeypatch.setattr(fp8_rounding, "round_to_fp8_e4m3", lambda values: calls.append(1) or fast(values))
+    logits = {}
+    for rounding in (ours, ours.original):
+        monkeypatch.setattr(forward_helpers, "round_to_quantized_type_args", rounding)
+        with torch.inference_mode():
+            logits[rounding] = model(ids).logits
+    assert calls, "the FP8 activations did not go through quantlab's rounding"
+    assert torch.equal(logits[ours], logits[ours.original])

@@ -8,6 +8,8 @@ served at all. For those this loads the checkpoint exactly as quantlab's own loa
 (`quantlab.models.cpu_decompression`: decompressed once at load, upcast to the compute dtype; the forward still rounds
 activations to the format), so what the server computes is what quantlab scored. Other formats keep the server's own
 loading: decompressing an FP8 checkpoint this way made its 16-token requests 1.57x slower here (1.75 s against 1.12 s).
+Every compressed-tensors checkpoint also gets quantlab's FP8 rounding on CPU (`quantlab.fp8_rounding`: the same
+values as the in-process scoring, without torch's slow cast back from FP8).
 """
 
 from __future__ import annotations
@@ -27,13 +29,16 @@ DECOMPRESSED_NOTICE = "quantlab: {checkpoint} decompressed at load to {dtype}, a
 DECOMPRESSED_AS_BF16 = {"mxfp8-quantized", "mxfp4-pack-quantized", "nvfp4-pack-quantized"}
 
 
-def _decompresses_as_bf16(location) -> bool:
+def _compressed_tensors_config(location) -> dict | None:
+    """The checkpoint's compressed-tensors `quantization_config`, or None (another kind, or not a local folder)."""
     config = Path(str(location)) / "config.json"
     if not config.is_file():
-        return False
+        return None
     quantization = json.loads(config.read_text()).get("quantization_config") or {}
-    if quantization.get("quant_method") != "compressed-tensors":
-        return False
+    return quantization if quantization.get("quant_method") == "compressed-tensors" else None
+
+
+def _decompresses_as_bf16(quantization: dict) -> bool:
     groups = (quantization.get("config_groups") or {}).values()
     return bool({quantization.get("format"), *(group.get("format") for group in groups)} & DECOMPRESSED_AS_BF16)
 
@@ -47,7 +52,14 @@ def _patch(modeling_utils) -> None:
     def from_pretrained(cls, location, *args, **kwargs):
         dtype = kwargs.get("dtype")
         dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-        if not isinstance(dtype, torch.dtype) or "quantization_config" in kwargs or not _decompresses_as_bf16(location):
+        quantization = _compressed_tensors_config(location)
+        if quantization is not None:
+            from quantlab import fp8_rounding
+
+            if fp8_rounding.install():
+                print(fp8_rounding.INSTALLED_NOTICE, file=sys.stderr, flush=True)
+        decompress = quantization is not None and _decompresses_as_bf16(quantization)
+        if not isinstance(dtype, torch.dtype) or "quantization_config" in kwargs or not decompress:
             return load(cls, location, *args, **kwargs)
         from quantlab.models import cpu_decompression, upcast_decompressed
 

@@ -1,0 +1,118 @@
+"""quantlab.fp8_rounding against torch's own cast to FP8 E4M3 and back, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantlab.fp8_rounding import E4M3_MAX, install, round_to_fp8_e4m3, rounds_on_cpu
+
+FP8 = torch.float8_e4m3fn
+
+
+def torch_rounding(values: torch.Tensor) -> torch.Tensor:
+    return values.to(FP8).to(values.dtype)
+
+
+def same_bits(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """Elementwise: the same bit pattern (so -0 differs from +0, and NaN matches any NaN)."""
+    integers = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[left.dtype]
+    return (left.view(integers) == right.view(integers)) | (left.isnan() & right.isnan())
+
+
+def every_bfloat16() -> torch.Tensor:
+    """All 65,536 BF16 bit patterns, clamped to FP8's range as compressed-tensors clamps before rounding."""
+    patterns = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    return patterns.clamp(-E4M3_MAX, E4M3_MAX)
+
+
+def fp8_grid_in_float32() -> torch.Tensor:
+    """Every finite FP8 value, the midpoints between neighbours (ties), and the float32 values either side of both."""
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
+    grid = grid[grid.isfinite()].unique()
+    midpoints = (grid[1:] + grid[:-1]) / 2
+    points = torch.cat([grid, midpoints])
+    return torch.cat([points, points.nextafter(points + 1), points.nextafter(points - 1)]).clamp(-E4M3_MAX, E4M3_MAX)
+
+
+def random_float32(count: int = 2_000_000) -> torch.Tensor:
+    """Random bit patterns (every binade alike, so mostly clamped) and values at activation scales."""
+    generator = torch.Generator().manual_seed(0)
+    patterns = torch.randint(-(2**31), 2**31, (count,), dtype=torch.int64, generator=generator)
+    patterns = patterns.to(torch.int32).view(torch.float32)
+    scaled = torch.randn(count, generator=generator) * torch.logspace(-12, 3, count, base=2)
+    return torch.cat([patterns, scaled]).clamp(-E4M3_MAX, E4M3_MAX)
+
+
+@pytest.mark.parametrize(
+    ("name", "values"),
+    [("every bfloat16", every_bfloat16()), ("fp8 grid, ties and neighbours", fp8_grid_in_float32())]
+    + [("random float32", random_float32())],
+)
+def test_rounding_is_torch_cast_bit_for_bit(name, values):
+    rounded, expected = round_to_fp8_e4m3(values), torch_rounding(values)
+    differs = ~same_bits(rounded, expected)
+    assert not differs.any(), (name, values[differs][:5], expected[differs][:5], rounded[differs][:5])
+    assert rounded.dtype == values.dtype
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (0.0, 0.0),  # zero stays zero
+        (2.0**-10, 0.0),  # a tie on the subnormal grid goes to the even step: 0
+        (3 * 2.0**-10, 2 * 2.0**-9),  # ... and here to the even step above
+        (-(2.0**-12), -0.0),  # a negative value too small to keep is -0, as torch's cast gives
+        (1.0625, 1.0),  # halfway between 1 and 1.125: the even mantissa
+        (1.1875, 1.25),  # halfway between 1.125 and 1.25: the even mantissa
+        (447.0, 448.0),  # FP8's largest finite value
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rounding_table(value, expected, dtype):
+    rounded = round_to_fp8_e4m3(torch.tensor([value], dtype=dtype))
+    assert same_bits(rounded, torch.tensor([expected], dtype=dtype)).all(), rounded
+
+
+def test_nan_stays_nan():
+    assert round_to_fp8_e4m3(torch.tensor([float("nan")], dtype=torch.bfloat16)).isnan().all()
+
+
+@pytest.mark.parametrize(
+    ("tensor", "taken"),
+    [
+        (torch.zeros(2, dtype=torch.bfloat16), True),
+        (torch.zeros(2, dtype=torch.float32), True),
+        (torch.zeros(2, dtype=torch.float16), False),  # compressed-tensors' own rounding handles it
+        (torch.zeros(2, dtype=torch.float64), False),
+    ],
+)
+def test_which_tensors_it_rounds(tensor, taken):
+    assert rounds_on_cpu(tensor) is taken
+
+
+def test_install_routes_fp8_fake_quantization_and_leaves_int8_alone(monkeypatch):
+    """compressed-tensors' own fake_quantize, per-token FP8 as FP8_DYNAMIC's activations: the same values
+    through quantlab's rounding as through the original, and the original still rounds INT8."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle import forward_helpers
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+
+    install()
+    assert install() is False  # once per process
+    patched = forward_helpers.round_to_quantized_type_args
+    calls = []
+    monkeypatch.setattr("quantlab.fp8_rounding.round_to_fp8_e4m3", lambda v: calls.append(v) or round_to_fp8_e4m3(v))
+
+    activations = torch.randn(4, 64, 96, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16) * 3
+    fp8 = QuantizationArgs(num_bits=8, type="float", strategy="token", dynamic=True, symmetric=True)
+    int8 = QuantizationArgs(num_bits=8, type="int", strategy="token", dynamic=True, symmetric=True)
+    scale = activations.abs().amax(-1, keepdim=True).float() / E4M3_MAX
+    zero_point = torch.zeros_like(scale)
+    outputs = {}
+    for rounding in (patched, patched.original):
+        monkeypatch.setattr(forward_helpers, "round_to_quantized_type_args", rounding)
+        outputs[rounding] = [fake_quantize(activations, scale, zero_point, args) for args in (fp8, int8)]
+    assert len(calls) == 1  # the FP8 call went through quantlab's rounding, the INT8 one did not
+    for ours, theirs in zip(outputs[patched], outputs[patched.original], strict=True):
+        assert torch.equal(ours, theirs)
