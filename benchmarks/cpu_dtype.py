@@ -23,20 +23,21 @@ sys.path.insert(0, str(Path(__file__).parent))
 from measure_spread import load_embedded_model  # noqa: E402
 
 
-def prefill_tokens_per_s(model, batch) -> float:
+def prefill_tokens_per_s(model, batch, grad_mode=None, passes: int = 3) -> float:
+    """`grad_mode`: the context to run in (default torch.inference_mode)."""
     import torch
 
-    with torch.inference_mode():
+    with (grad_mode or torch.inference_mode)():
         started = time.perf_counter()
-        for _ in range(3):
+        for _ in range(passes):
             model(batch)
-        return 3 * batch.numel() / (time.perf_counter() - started)
+        return passes * batch.numel() / (time.perf_counter() - started)
 
 
-def decode_tokens_per_s(model, prompt, tokens: int) -> float:
+def decode_tokens_per_s(model, prompt, tokens: int, grad_mode=None) -> float:
     import torch
 
-    with torch.inference_mode():
+    with (grad_mode or torch.inference_mode)():
         out = model(prompt, use_cache=True)
         past, step = out.past_key_values, prompt[:, -1:]
         started = time.perf_counter()

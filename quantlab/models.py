@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from quantlab import cache, fp8_rounding
+from quantlab import cache, fake_quant
 from quantlab.errors import bad_input
 
 if TYPE_CHECKING:
@@ -367,7 +367,7 @@ def load_checkpoint(checkpoint: Path, dtype: torch.dtype, device: str) -> Loaded
 
     On CUDA, FP8 compressed-tensors weights stay FP8 and run FP8 matmuls (SM 8.9+) instead of being
     dequantized; quantlab.measure.provenance reports which path ran (no FP8 matmuls: a warned fallback).
-    On a CPU the activations' FP8 rounding goes through `fp8_rounding` (the same values, faster)."""
+    On a CPU the activations' fake quantization goes through `fake_quant` (the same values, faster)."""
     import json
 
     config = json.loads((checkpoint / "config.json").read_text())
@@ -378,7 +378,7 @@ def load_checkpoint(checkpoint: Path, dtype: torch.dtype, device: str) -> Loaded
 
         fast = CompressedTensorsConfig(use_optimized_inference=rowwise_fp8(config["quantization_config"]))
         return _load(checkpoint, dtype, device, {}, {"quantization_config": fast})
-    fp8_rounding.install()
+    fake_quant.install()
     model, tokenizer = _load(checkpoint, dtype, device, {}, cpu_decompression())
     upcast_decompressed(model, dtype)
     return model, tokenizer

@@ -21,7 +21,7 @@ from tiny import save_tiny_llama
 
 from quantlab.checks import serving_problems, validate
 from quantlab.decision import pick
-from quantlab.fp8_rounding import INSTALLED_NOTICE
+from quantlab.fake_quant import INSTALLED_NOTICE
 from quantlab.frontier import Axis, VariantSummary, compute_frontiers
 from quantlab.measure.checkpoint import CheckpointFacts
 from quantlab.measure.modeled import ModelShape, config_dict, weight_counts
@@ -306,27 +306,40 @@ def test_transformers_serves_mx_and_nvfp4_checkpoints_on_cpu_as_quantlab_loads_t
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("method", ["fp8", "fp8_block", "mxfp8", "w4a8_fp8"])
-def test_fp8_activations_on_cpu_give_the_same_logits_as_compressed_tensors_own_rounding(
-    formats, monkeypatch, method, dtype
-):
-    """`load_checkpoint` on a CPU routes the activations' FP8 rounding through quantlab.fp8_rounding: the whole
-    model's logits are bit for bit those of compressed-tensors' own rounding (torch's cast), and it did round."""
-    from compressed_tensors.quantization.lifecycle import forward_helpers
+@pytest.mark.parametrize("method", ["fp8", "fp8_block", "mxfp8", "w4a8_fp8", "nvfp4"])
+def test_fake_quantization_on_cpu_gives_compressed_tensors_own_logits(formats, monkeypatch, method, dtype):
+    """`load_checkpoint` on a CPU runs the activations' fake quantization through quantlab.fake_quant: the whole
+    model's logits are bit for bit those of compressed-tensors' own functions, FP8 activations went through
+    quantlab's rounding, and a dynamic input shared by q/k/v and gate/up was rounded once (NVFP4's have a global
+    scale each: rounded per layer, as before)."""
+    from compressed_tensors.quantization.lifecycle import forward, forward_helpers
 
-    from quantlab import fp8_rounding
+    from quantlab import fake_quant
 
     made, _ = formats
     model, tokenizer = load_checkpoint(made[method], dtype, "cpu")
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
-    ours = forward_helpers.round_to_quantized_type_args
-    calls = []
-    fast = fp8_rounding.round_to_fp8_e4m3
-    monkeypatch.setattr(fp8_rounding, "round_to_fp8_e4m3", lambda values: calls.append(1) or fast(values))
-    logits = {}
-    for rounding in (ours, ours.original):
-        monkeypatch.setattr(forward_helpers, "round_to_quantized_type_args", rounding)
-        with torch.inference_mode():
-            logits[rounding] = model(ids).logits
-    assert calls, "the FP8 activations did not go through quantlab's rounding"
-    assert torch.equal(logits[ours], logits[ours.original])
+    ours = {"round": forward_helpers.round_to_quantized_type_args, "forward": forward.forward_quantize}
+    theirs = {name: function.original for name, function in ours.items()}
+    fp8_roundings, dynamic_roundings = [], []
+    fast, dynamic = fake_quant.round_to_fp8_e4m3, forward.compute_dynamic_scales_and_zp
+    monkeypatch.setattr(fake_quant, "round_to_fp8_e4m3", lambda values: fp8_roundings.append(1) or fast(values))
+    monkeypatch.setattr(
+        forward, "compute_dynamic_scales_and_zp", lambda *a, **k: dynamic_roundings.append(1) or dynamic(*a, **k)
+    )
+    logits, counted = {}, {}
+    for way, functions in (("ours", ours), ("theirs", theirs)):
+        monkeypatch.setattr(forward_helpers, "round_to_quantized_type_args", functions["round"])
+        monkeypatch.setattr(forward, "forward_quantize", functions["forward"])
+        with torch.no_grad():  # as lm-eval and generate() run: inference-mode tensors are never reused
+            logits[way] = model(ids).logits
+        counted[way] = (len(fp8_roundings), len(dynamic_roundings))
+        fp8_roundings.clear()
+        dynamic_roundings.clear()
+    assert torch.equal(logits["ours"], logits["theirs"])
+    assert (counted["ours"][0] > 0) is (method != "nvfp4"), counted  # quantlab's FP8 rounding ran
+    assert counted["theirs"][0] == 0
+    if method == "nvfp4":
+        assert counted["ours"][1] == counted["theirs"][1] > 0, counted
+    else:  # 7 quantized layers per block, 3 distinct inputs reused: q/k/v take one, gate/up another
+        assert counted["ours"][1] == counted["theirs"][1] * 4 // 7 > 0, counted

@@ -8,8 +8,8 @@ served at all. For those this loads the checkpoint exactly as quantlab's own loa
 (`quantlab.models.cpu_decompression`: decompressed once at load, upcast to the compute dtype; the forward still rounds
 activations to the format), so what the server computes is what quantlab scored. Other formats keep the server's own
 loading: decompressing an FP8 checkpoint this way made its 16-token requests 1.57x slower here (1.75 s against 1.12 s).
-Every compressed-tensors checkpoint also gets quantlab's FP8 rounding on CPU (`quantlab.fp8_rounding`: the same
-values as the in-process scoring, without torch's slow cast back from FP8).
+Every compressed-tensors checkpoint also gets quantlab's fake quantization on CPU (`quantlab.fake_quant`: the same
+values as the in-process scoring, without torch's slow cast back from FP8 or rounding a shared input again).
 """
 
 from __future__ import annotations
@@ -54,10 +54,10 @@ def _patch(modeling_utils) -> None:
         dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
         quantization = _compressed_tensors_config(location)
         if quantization is not None:
-            from quantlab import fp8_rounding
+            from quantlab import fake_quant
 
-            if fp8_rounding.install():
-                print(fp8_rounding.INSTALLED_NOTICE, file=sys.stderr, flush=True)
+            if fake_quant.install():
+                print(fake_quant.INSTALLED_NOTICE, file=sys.stderr, flush=True)
         decompress = quantization is not None and _decompresses_as_bf16(quantization)
         if not isinstance(dtype, torch.dtype) or "quantization_config" in kwargs or not decompress:
             return load(cls, location, *args, **kwargs)

@@ -1,11 +1,11 @@
-"""quantlab.fp8_rounding against torch's own cast to FP8 E4M3 and back, bit for bit."""
+"""quantlab.fake_quant: its FP8 rounding against torch's own cast, bit for bit; when a rounded input is reused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from quantlab.fp8_rounding import E4M3_MAX, install, round_to_fp8_e4m3, rounds_on_cpu
+from quantlab.fake_quant import E4M3_MAX, install, round_to_fp8_e4m3, rounds_on_cpu
 
 FP8 = torch.float8_e4m3fn
 
@@ -102,7 +102,7 @@ def test_install_routes_fp8_fake_quantization_and_leaves_int8_alone(monkeypatch)
     assert install() is False  # once per process
     patched = forward_helpers.round_to_quantized_type_args
     calls = []
-    monkeypatch.setattr("quantlab.fp8_rounding.round_to_fp8_e4m3", lambda v: calls.append(v) or round_to_fp8_e4m3(v))
+    monkeypatch.setattr("quantlab.fake_quant.round_to_fp8_e4m3", lambda v: calls.append(v) or round_to_fp8_e4m3(v))
 
     activations = torch.randn(4, 64, 96, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16) * 3
     fp8 = QuantizationArgs(num_bits=8, type="float", strategy="token", dynamic=True, symmetric=True)
@@ -116,3 +116,70 @@ def test_install_routes_fp8_fake_quantization_and_leaves_int8_alone(monkeypatch)
     assert len(calls) == 1  # the FP8 call went through quantlab's rounding, the INT8 one did not
     for ours, theirs in zip(outputs[patched], outputs[patched.original], strict=True):
         assert torch.equal(ours, theirs)
+
+
+def _linear(global_scale: bool = False) -> torch.nn.Linear:
+    from compressed_tensors.quantization import QuantizationStatus
+
+    layer = torch.nn.Linear(96, 8)
+    layer.quantization_status = QuantizationStatus.FROZEN
+    if global_scale:
+        layer.input_global_scale = torch.nn.Parameter(torch.tensor([1.0]), requires_grad=False)
+    return layer
+
+
+def _args(**changes):
+    from compressed_tensors.quantization import QuantizationArgs
+
+    settings = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
+    return QuantizationArgs(**(settings | changes))
+
+
+def _same_input(activations):
+    return activations
+
+
+def _changed_in_place(activations):
+    return activations.mul_(2)
+
+
+def _equal_copy(activations):
+    return activations.clone()
+
+
+@pytest.mark.parametrize(
+    ("case", "second_input", "second_args", "base_name", "global_scale", "inference", "reused"),
+    [
+        ("the same tensor, unchanged, equal args", _same_input, {}, "input", False, False, True),
+        ("changed in place since", _changed_in_place, {}, "input", False, False, False),
+        ("an equal copy (another tensor)", _equal_copy, {}, "input", False, False, False),
+        ("other args", _same_input, {"strategy": "group", "group_size": 32}, "input", False, False, False),
+        ("a layer with a global scale", _same_input, {}, "input", True, False, False),
+        ("an inference-mode tensor (no version counter)", _same_input, {}, "input", False, True, False),
+        ("an output, not an input", _same_input, {}, "output", False, False, False),
+    ],
+)
+def test_a_dynamic_input_is_rounded_once_only_while_that_is_exact(
+    monkeypatch, case, second_input, second_args, base_name, global_scale, inference, reused
+):
+    """Two layers' `forward_quantize` in a row: the second reuses the first's rounding exactly when the tensor, its
+    content and the args are the same; whatever it returns equals compressed-tensors' own function."""
+    from compressed_tensors.quantization.lifecycle import forward
+
+    install()
+    ours = forward.forward_quantize
+    computed = []
+    dynamic = forward.compute_dynamic_scales_and_zp
+    monkeypatch.setattr(
+        forward, "compute_dynamic_scales_and_zp", lambda *a, **k: computed.append(1) or dynamic(*a, **k)
+    )
+    mode = torch.inference_mode() if inference else torch.no_grad()
+    with mode:
+        activations = torch.randn(2, 16, 96, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+        first = ours(_linear(), activations, base_name, _args())
+        second_activations = second_input(activations)
+        second = ours(_linear(global_scale), second_activations, base_name, _args(**second_args))
+        expected = ours.original(_linear(global_scale), second_activations, base_name, _args(**second_args))
+    assert (second is first) is reused, case
+    assert len(computed) == (1 if reused else 2) + 1, case  # + 1: the original's own, for `expected`
+    assert torch.equal(second, expected), case
