@@ -118,6 +118,28 @@ def test_install_routes_fp8_fake_quantization_and_leaves_int8_alone(monkeypatch)
         assert torch.equal(ours, theirs)
 
 
+def count_roundings(monkeypatch) -> dict[str, int]:
+    """Dynamic roundings computed from now on, by who computed them: quantlab's per-token FP8 ("quantlab") or
+    compressed-tensors' scales ("compressed-tensors": its own path, whichever rounding it then calls)."""
+    from compressed_tensors.quantization.lifecycle import forward
+
+    from quantlab import fake_quant
+
+    counted = {"quantlab": 0, "compressed-tensors": 0}
+
+    def counting(who, function):
+        def counted_call(*args, **kwargs):
+            counted[who] += 1
+            return function(*args, **kwargs)
+
+        return counted_call
+
+    monkeypatch.setattr(fake_quant, "fp8_per_token", counting("quantlab", fake_quant.fp8_per_token))
+    dynamic = forward.compute_dynamic_scales_and_zp
+    monkeypatch.setattr(forward, "compute_dynamic_scales_and_zp", counting("compressed-tensors", dynamic))
+    return counted
+
+
 def _linear(global_scale: bool = False) -> torch.nn.Linear:
     from compressed_tensors.quantization import QuantizationStatus
 
@@ -168,11 +190,7 @@ def test_a_dynamic_input_is_rounded_once_only_while_that_is_exact(
 
     install()
     ours = forward.forward_quantize
-    computed = []
-    dynamic = forward.compute_dynamic_scales_and_zp
-    monkeypatch.setattr(
-        forward, "compute_dynamic_scales_and_zp", lambda *a, **k: computed.append(1) or dynamic(*a, **k)
-    )
+    computed = count_roundings(monkeypatch)
     mode = torch.inference_mode() if inference else torch.no_grad()
     with mode:
         activations = torch.randn(2, 16, 96, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
@@ -181,5 +199,50 @@ def test_a_dynamic_input_is_rounded_once_only_while_that_is_exact(
         second = ours(_linear(global_scale), second_activations, base_name, _args(**second_args))
         expected = ours.original(_linear(global_scale), second_activations, base_name, _args(**second_args))
     assert (second is first) is reused, case
-    assert len(computed) == (1 if reused else 2) + 1, case  # + 1: the original's own, for `expected`
+    assert sum(computed.values()) == (1 if reused else 2) + 1, case  # + 1: the original's own, for `expected`
     assert torch.equal(second, expected), case
+
+
+def special_activations(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Random activations over 40 binades, with signed zeros, values too small to survive, and a row of zeros."""
+    generator = torch.Generator().manual_seed(3)
+    values = torch.randn(shape, generator=generator) * torch.logspace(-30, 10, shape[-1], base=2)
+    values = values.to(dtype)
+    values[0, 0, :5] = torch.tensor([-0.0, 0.0, -1e-30, 1e-30, 3.0])
+    values[0, -1] = 0.0
+    values[-1, 0] = -0.0
+    return values
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 1, 576), (2, 7, 96), (4, 33, 1536)], ids=["served token", "small", "prefill"])
+def test_per_token_fp8_is_compressed_tensors_own_bit_for_bit(dtype, shape):
+    from compressed_tensors.quantization.lifecycle import forward
+
+    from quantlab.fake_quant import fp8_per_token
+
+    install()
+    values = special_activations(shape, dtype)
+    theirs = forward.forward_quantize.original(_linear(), values, "input", _args())
+    ours = fp8_per_token(values)
+    assert ours.dtype == theirs.dtype == dtype
+    assert same_bits(ours, theirs).all()
+
+
+@pytest.mark.parametrize(
+    ("case", "args", "shape", "dtype", "applies"),
+    [
+        ("per token, (batch, tokens, width), BF16", {}, (2, 3, 64), torch.bfloat16, True),
+        ("per token, float32", {}, (2, 3, 64), torch.float32, True),
+        ("2-D input: compressed-tensors scales it per tensor", {}, (3, 64), torch.bfloat16, False),
+        ("per group", {"strategy": "group", "group_size": 32}, (2, 3, 64), torch.bfloat16, False),
+        ("asymmetric", {"symmetric": False}, (2, 3, 64), torch.bfloat16, False),
+        ("INT8", {"type": "int"}, (2, 3, 64), torch.bfloat16, False),
+        ("scales rounded to FP8 themselves", {"scale_dtype": torch.float8_e4m3fn}, (2, 3, 64), torch.bfloat16, False),
+        ("float16", {}, (2, 3, 64), torch.float16, False),
+    ],
+)
+def test_where_quantlabs_per_token_fp8_applies(case, args, shape, dtype, applies):
+    from quantlab.fake_quant import fp8_per_token_applies
+
+    assert fp8_per_token_applies(_args(**args), torch.zeros(shape, dtype=dtype)) is applies, case

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_engines import SHARP, launch, vllm_python  # noqa: F401 - vllm_python: a fixture
+from test_fake_quant import count_roundings
 from test_quantize import CALIBRATION, _variant
 from test_recipe import _problems
 from tiny import save_tiny_llama
@@ -309,9 +310,9 @@ def test_transformers_serves_mx_and_nvfp4_checkpoints_on_cpu_as_quantlab_loads_t
 @pytest.mark.parametrize("method", ["fp8", "fp8_block", "mxfp8", "w4a8_fp8", "nvfp4"])
 def test_fake_quantization_on_cpu_gives_compressed_tensors_own_logits(formats, monkeypatch, method, dtype):
     """`load_checkpoint` on a CPU runs the activations' fake quantization through quantlab.fake_quant: the whole
-    model's logits are bit for bit those of compressed-tensors' own functions, FP8 activations went through
-    quantlab's rounding, and a dynamic input shared by q/k/v and gate/up was rounded once (NVFP4's have a global
-    scale each: rounded per layer, as before)."""
+    model's logits are bit for bit those of compressed-tensors' own functions; per-token FP8 inputs (FP8_DYNAMIC,
+    W4A8) went through quantlab's per-token FP8, other FP8 ones through its FP8 rounding, and a dynamic input shared
+    by q/k/v and gate/up was rounded once (NVFP4's have a global scale each: rounded per layer, as before)."""
     from compressed_tensors.quantization.lifecycle import forward, forward_helpers
 
     from quantlab import fake_quant
@@ -321,25 +322,25 @@ def test_fake_quantization_on_cpu_gives_compressed_tensors_own_logits(formats, m
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
     ours = {"round": forward_helpers.round_to_quantized_type_args, "forward": forward.forward_quantize}
     theirs = {name: function.original for name, function in ours.items()}
-    fp8_roundings, dynamic_roundings = [], []
-    fast, dynamic = fake_quant.round_to_fp8_e4m3, forward.compute_dynamic_scales_and_zp
+    fp8_roundings = []
+    fast = fake_quant.round_to_fp8_e4m3
     monkeypatch.setattr(fake_quant, "round_to_fp8_e4m3", lambda values: fp8_roundings.append(1) or fast(values))
-    monkeypatch.setattr(
-        forward, "compute_dynamic_scales_and_zp", lambda *a, **k: dynamic_roundings.append(1) or dynamic(*a, **k)
-    )
+    computed = count_roundings(monkeypatch)
     logits, counted = {}, {}
     for way, functions in (("ours", ours), ("theirs", theirs)):
         monkeypatch.setattr(forward_helpers, "round_to_quantized_type_args", functions["round"])
         monkeypatch.setattr(forward, "forward_quantize", functions["forward"])
         with torch.no_grad():  # as lm-eval and generate() run: inference-mode tensors are never reused
             logits[way] = model(ids).logits
-        counted[way] = (len(fp8_roundings), len(dynamic_roundings))
+        counted[way] = (len(fp8_roundings), computed["quantlab"], computed["compressed-tensors"])
         fp8_roundings.clear()
-        dynamic_roundings.clear()
+        computed.update(dict.fromkeys(computed, 0))
     assert torch.equal(logits["ours"], logits["theirs"])
-    assert (counted["ours"][0] > 0) is (method != "nvfp4"), counted  # quantlab's FP8 rounding ran
-    assert counted["theirs"][0] == 0
+    (our_fp8, our_per_token, our_others), (their_fp8, their_per_token, their_roundings) = counted.values()
+    assert their_fp8 == their_per_token == 0, counted
+    assert (our_fp8 > 0) is (method != "nvfp4"), counted
+    assert (our_per_token > 0) is (method in ("fp8", "w4a8_fp8")), counted
     if method == "nvfp4":
-        assert counted["ours"][1] == counted["theirs"][1] > 0, counted
+        assert our_others == their_roundings > 0, counted
     else:  # 7 quantized layers per block, 3 distinct inputs reused: q/k/v take one, gate/up another
-        assert counted["ours"][1] == counted["theirs"][1] * 4 // 7 > 0, counted
+        assert our_per_token + our_others == their_roundings * 4 // 7 > 0, counted
