@@ -129,9 +129,8 @@ def fp8_per_token_applies(args, value: torch.Tensor) -> bool:
     from compressed_tensors.quantization import QuantizationStrategy, QuantizationType
 
     fp8 = args.type == QuantizationType.FLOAT and args.num_bits == 8 and args.symmetric
-    per_token = (
-        args.strategy == QuantizationStrategy.TOKEN and value.ndim == 3
-    )  # 2-D: compressed-tensors' is per tensor
+    # a 2-D input's "per token" scale is one per tensor in compressed-tensors (it reduces all but dims 0 and 1)
+    per_token = args.strategy == QuantizationStrategy.TOKEN and value.ndim == 3
     return fp8 and per_token and args.scale_dtype is None and rounds_on_cpu(value)
 
 
