@@ -60,10 +60,8 @@ def three_ways(checkpoint: Path, dtype: torch.dtype, batch: int, tokens: int, re
 
     def set_way(way: str) -> None:
         functions = {name: f.original for name, f in ours.items()} if way == WAYS[1] else ours
-        forward_helpers.round_to_quantized_type_args, forward.forward_quantize = (
-            functions["round"],
-            functions["forward"],
-        )
+        forward_helpers.round_to_quantized_type_args = functions["round"]
+        forward.forward_quantize = functions["forward"]
         for module in quantized:
             module.quantization_enabled = way != WAYS[2]
 

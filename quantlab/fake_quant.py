@@ -21,7 +21,8 @@ q's grid (c is an even multiple of q, so "even" is the FP8 mantissa's), and subt
 is copied back for zeros (-tiny -> -0). Inputs are clamped to +-448 first (compressed-tensors does; nothing rounds
 past FP8's largest), and NaN stays NaN. tests/test_fake_quant.py checks all 65,536 BF16 values, and FP8's grid
 points, midpoints and their neighbours in float32, against torch's cast, and `fp8_per_token` against
-compressed-tensors' own function; tests/test_formats.py whole models' logits against compressed-tensors' own path. `benchmarks/fp8_activation_cost.py` times both ways side by side.
+compressed-tensors' own function; tests/test_formats.py whole models' logits against compressed-tensors' own path.
+`benchmarks/fp8_activation_cost.py` times both ways side by side.
 """
 
 from __future__ import annotations
@@ -81,12 +82,15 @@ def install() -> bool:
     return True
 
 
-def _fast_fp8(original):
+def _is_fp8(args) -> bool:
     from compressed_tensors.quantization import QuantizationType
 
+    return args.type == QuantizationType.FLOAT and args.num_bits == 8
+
+
+def _fast_fp8(original):
     def round_to_quantized_type_args(tensor, args, min, max, cast_to_original_dtype=True):
-        fp8 = args.type == QuantizationType.FLOAT and args.num_bits == 8
-        if fp8 and cast_to_original_dtype and rounds_on_cpu(tensor):
+        if _is_fp8(args) and cast_to_original_dtype and rounds_on_cpu(tensor):
             import torch
 
             return round_to_fp8_e4m3(torch.clamp(tensor, min, max).to(tensor.dtype))
@@ -126,9 +130,9 @@ def _dynamic_inputs(original):
 def fp8_per_token_applies(args, value: torch.Tensor) -> bool:
     """Whether `fp8_per_token` computes what compressed-tensors would for these (dynamic, global-scale-free) args:
     FP8, symmetric, one scale per token of a (batch, tokens, width) input, no rounding of the scale itself."""
-    from compressed_tensors.quantization import QuantizationStrategy, QuantizationType
+    from compressed_tensors.quantization import QuantizationStrategy
 
-    fp8 = args.type == QuantizationType.FLOAT and args.num_bits == 8 and args.symmetric
+    fp8 = _is_fp8(args) and args.symmetric
     # a 2-D input's "per token" scale is one per tensor in compressed-tensors (it reduces all but dims 0 and 1)
     per_token = args.strategy == QuantizationStrategy.TOKEN and value.ndim == 3
     return fp8 and per_token and args.scale_dtype is None and rounds_on_cpu(value)
