@@ -58,6 +58,7 @@ def _child_main(
 ) -> None:
     _bind_to_sweep(f"quantlab-{variant}")
     output_to(log_path)
+    _no_progress_monitor()
     try:
         job = pickle.loads(Path(job_path).read_bytes())
         Path(job_path).unlink()
@@ -67,6 +68,17 @@ def _child_main(
     except BaseException as error:  # noqa: BLE001 - everything must reach the parent as a failure
         messages.put(("error", (failure_reason(error), traceback.format_exc())))
         raise SystemExit(1) from None
+
+
+def _no_progress_monitor() -> None:
+    """No tqdm monitor thread in a variant. tqdm starts one with the first progress bar and again after every bar
+    has closed (each model load, each quantization step), only to retune a stalled bar's refresh rate, which a log
+    file does not need. Each start is a risk: on CPython 3.11, a thread that dies booting (a MemoryError when memory
+    runs out, seen in tests/test_resilience.py's starved variant: "Exception ignored in thread started by")
+    leaves Thread.start() waiting forever, so the variant hung instead of failing."""
+    from tqdm import std
+
+    std.tqdm.monitor_interval = 0
 
 
 def _bind_to_sweep(name: str) -> None:

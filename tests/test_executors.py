@@ -391,3 +391,22 @@ def test_a_failed_baseline_leaves_the_variants_to_compute_not_run_saying_why(tmp
     assert not [stage for variant, stage, _ in display.stages if variant == "fp8"]  # it never started
     run = MlflowClient(uri).search_runs([outcome.experiment_id], "tags.`quantlab.variant` = 'fp8'")[0]
     assert run.info.status == "FAILED" and run.data.tags["quantlab.failure"] == outcome.failures["fp8"]
+
+
+@pytest.mark.parametrize("in_a_variant", [False, True])
+def test_a_variant_starts_no_tqdm_monitor_thread(in_a_variant):
+    """A progress bar starts tqdm's monitor thread, except in a variant process (each thread start there is a
+    chance to hang on CPython 3.11 when memory runs out: quantlab.executors._no_progress_monitor). A fresh
+    interpreter, so that no other test's tqdm settings count."""
+    script = (
+        "import threading, time\n"
+        "from tqdm.auto import tqdm\n"
+        "from quantlab.executors import _no_progress_monitor\n"
+        f"if {in_a_variant}: _no_progress_monitor()\n"
+        "bar = tqdm(total=2)\n"
+        "bar.update(1)\n"
+        "print(sorted(thread.name for thread in threading.enumerate()))\n"
+        "bar.close()\n"
+    )
+    shown = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)
+    assert ("tqdm_monitor" in shown.stdout) is not in_a_variant, shown.stdout
