@@ -21,7 +21,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
-import queue
 import signal
 import sys
 import threading
@@ -54,8 +53,14 @@ class VariantFailed(Exception):
 
 
 def _child_main(
-    variant: str, job_path: str, messages: multiprocessing.Queue, log_path: str, share: ThreadShare | None = None
+    variant: str,
+    job_path: str,
+    reports: multiprocessing.connection.Connection,
+    log_path: str,
+    share: ThreadShare | None = None,
 ) -> None:
+    """`reports`: the write end of a pipe, written synchronously. Not a multiprocessing.Queue: its first put starts
+    a feeder thread, and a thread start can hang the variant for good (_no_progress_monitor)."""
     _bind_to_sweep(f"quantlab-{variant}")
     output_to(log_path)
     _no_progress_monitor()
@@ -63,10 +68,10 @@ def _child_main(
         job = pickle.loads(Path(job_path).read_bytes())
         Path(job_path).unlink()
         host = HostShare.fixed(share) if share else HostShare.seated()
-        result = run_variant(job, lambda stage: messages.put(("stage", stage)), host)
-        messages.put(("result", result))
+        result = run_variant(job, lambda stage: reports.send(("stage", stage)), host)
+        reports.send(("result", result))
     except BaseException as error:  # noqa: BLE001 - everything must reach the parent as a failure
-        messages.put(("error", (failure_reason(error), traceback.format_exc())))
+        reports.send(("error", (failure_reason(error), traceback.format_exc())))
         raise SystemExit(1) from None
 
 
@@ -121,7 +126,7 @@ class VariantProcess:
     def __init__(self, job: VariantJob, log_path: Path, share: ThreadShare | None = None):
         self.job, self.log_path = job, log_path
         context = start_variant_processes(job.loaded)
-        self.messages = context.Queue()
+        self.reports, child_end = context.Pipe(duplex=False)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         # The job (often megabytes of baseline scores) goes through a file, not the spawn pipe: a child
         # that dies while reading a payload larger than the pipe's buffer would block start() forever.
@@ -129,7 +134,7 @@ class VariantProcess:
         job_path.write_bytes(pickle.dumps(job))
         self.process = context.Process(
             target=_child_main,
-            args=(job.variant, str(job_path), self.messages, str(log_path), share),
+            args=(job.variant, str(job_path), child_end, str(log_path), share),
             name=f"quantlab-{job.variant}",
         )
         try:
@@ -137,20 +142,26 @@ class VariantProcess:
         except (OSError, EOFError) as error:  # the fork server is gone (killed, or crashed importing a library)
             reason = f"could not start the variant's process: {failure_reason(error)}"
             raise VariantFailed(reason, traceback.format_exc()) from None
+        finally:
+            # Only the child writes: a child that dies halfway through a report then reads as EOF, not as a wait.
+            child_end.close()
 
     def poll(self, on_stage: StageCallback, timeout: float = 0.5) -> VariantResult | VariantFailed | None:
         """Its outcome once it has one (a result, or how it failed or died); None while it runs."""
+        reported = self.reports.poll(timeout)
+        if not reported and self.process.is_alive():
+            return None
         try:
-            kind, payload = self.messages.get(timeout=timeout)
-        except queue.Empty:
-            if self.process.is_alive():
-                return None
-            self.process.join()
-            return VariantFailed(_death_reason(self.process.exitcode), _log_tail(self.log_path))
+            kind, payload = self.reports.recv() if reported else ("died", None)
+        except EOFError:  # it died in the middle of a report
+            kind, payload = "died", None
         if kind == "stage":
             on_stage(self.job.variant, payload)
             return None
         self.process.join()
+        self.reports.close()
+        if kind == "died":
+            return VariantFailed(_death_reason(self.process.exitcode), _log_tail(self.log_path))
         if kind == "result":
             return payload
         return VariantFailed(payload[0], payload[1] + _log_tail(self.log_path))

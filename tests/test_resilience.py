@@ -113,7 +113,7 @@ def sweeps():
             sweep.kill_group()
 
 
-def _wait_until(condition, sweep: Sweep | None, what: str, timeout: float = 600):
+def _wait_until(condition, sweep: Sweep | None, what: str, timeout: float = 600, interval: float = 0.5):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -124,7 +124,7 @@ def _wait_until(condition, sweep: Sweep | None, what: str, timeout: float = 600)
             return value
         if sweep is not None and sweep.process.poll() is not None:
             pytest.fail(f"the sweep exited ({sweep.process.returncode}) before {what}:\n{sweep.text()[-3000:]}")
-        time.sleep(0.5)
+        time.sleep(interval)
     pytest.fail(f"timed out after {timeout} s waiting for {what}" + (f":\n{sweep.text()[-3000:]}" if sweep else ""))
 
 
@@ -466,7 +466,10 @@ def test_killed_and_starved_variants_fail_alone(tmp_path, tiny_llama, sweeps):
     already, so its next allocation fails with ENOMEM, a real allocation failure at whatever point it
     hits, without putting the machine near its memory limit. The OOM killer itself is not invoked:
     that needs a memory cgroup this test does not own, and its only visible effect on the sweep is
-    the SIGKILL tested here. The baseline before and the fp8 variant after them must finish."""
+    the SIGKILL tested here. The baseline before and the fp8 variant after them must finish. The starved
+    variant must fail, not hang: on CPython 3.11 a thread that cannot boot for want of memory leaves
+    Thread.start() waiting forever, and this test hung on two such starts (tqdm's monitor, then the
+    multiprocessing.Queue's feeder behind the variant's first report) before variants stopped starting them."""
     variants = ["bf16", {"name": "kill", "method": "fp8"}, {"name": "oom", "method": "fp8"}, "fp8"]
     recipe = write(tmp_path / "recipe.yaml", _recipe(tiny_llama, "tiny", variants))
     uri = f"sqlite:///{tmp_path / 'store.db'}"
@@ -484,10 +487,16 @@ def test_killed_and_starved_variants_fail_alone(tmp_path, tiny_llama, sweeps):
     _wait_until(running("kill"), sweep, "the kill run to start")
     victim = _wait_until(lambda: sweep.variant_process("kill"), sweep, "the kill variant process", timeout=60)
     victim.send_signal(signal.SIGKILL)
-    _wait_until(running("oom"), sweep, "the oom run to start")
-    starved = _wait_until(lambda: sweep.variant_process("oom"), sweep, "the oom variant process", timeout=60)
+    # Caught as it starts and stopped while its limit is lowered, so that the limit lands before the variant loads
+    # a model (safetensors maps the file: a new mapping that must fail). Found later, as this test once did (after
+    # its run showed RUNNING), a tiny variant had often loaded already and finished in memory it had mapped.
+    starved = _wait_until(
+        lambda: sweep.variant_process("oom"), sweep, "the oom variant process", timeout=120, interval=0.01
+    )
+    starved.suspend()
     mapped = starved.memory_info().vms
     starved.rlimit(psutil.RLIMIT_AS, (mapped, mapped))
+    starved.resume()
     code, seconds = sweep.wait()
     print(f"failure isolation sweep: {seconds:.0f} s")
 
