@@ -63,7 +63,9 @@ def embedded(tmp_path_factory):
     recipe["measure"] = {"prompt_tokens": 32, "output_tokens": 8, "repeats": 2, "bandwidth_probe_bytes": 64 * 2**20}
     path = work / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    env = {"MLFLOW_TRACKING_URI": ""}
+    # Its own temporary folder: guidellm's scratch folders there name this sweep (test_every_variant_was_served_under_load).
+    (work / "tmp").mkdir()
+    env = {"MLFLOW_TRACKING_URI": "", "TMPDIR": str(work / "tmp")}
     # Minutes on an idle 2-core machine; far more when the machine is shared.
     result = quantlab("sweep", str(path), "--cache-dir", str(work / "cache"), cwd=work, env=env, timeout=3000)
     uri = f"sqlite:///{work / 'mlruns' / 'mlflow.db'}"
@@ -137,7 +139,7 @@ def test_cost_keys_carry_their_provenance(embedded):
 
 def test_every_variant_was_served_under_load(embedded):
     """The recipe's default engine (transformers serve of each checkpoint), guidellm at 1 and 2 streams."""
-    _, uri, _ = embedded
+    work, uri, _ = embedded
     _, runs = _runs(uri)
     client = MlflowClient(uri)
     for name, run in runs.items():
@@ -156,7 +158,8 @@ def test_every_variant_was_served_under_load(embedded):
         assert {"logs/server.log", "logs/guidellm.log"} <= logs
     serving = ("quantlab.serving.guard", "transformers.cli.transformers", "guidellm")
     lines = [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])]
-    leftover = [line for line in lines if any(word in line for word in serving)]
+    # This sweep's: each names its checkpoint (in the sweep's cache) or its scratch folder (in the sweep's TMPDIR).
+    leftover = [line for line in lines if str(work) in line and any(word in line for word in serving)]
     assert not leftover  # every server, guard and guidellm run went with its variant
 
 

@@ -330,10 +330,10 @@ def _vllm_processes() -> list[psutil.Process]:
     return found
 
 
-def under_load(variant: str) -> bool:
+def under_load(variant: str, temp_dir: Path | None = None) -> bool:
     """Whether the variant's guidellm has its scenario (it starts early, and waits for it, while the variant is
-    scored): the load is on, or about to be."""
-    return any(Path(tempfile.gettempdir()).glob(f"quantlab-load-{variant}-*/scenario.json"))
+    scored): the load is on, or about to be. `temp_dir`: the sweep's TMPDIR (default: this process's)."""
+    return any(Path(temp_dir or tempfile.gettempdir()).glob(f"quantlab-load-{variant}-*/scenario.json"))
 
 
 def _command_lines_naming(marker: str) -> list[str]:

@@ -11,9 +11,11 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import psutil
 import pytest
@@ -302,7 +304,9 @@ def test_validate_names_a_missing_prompts_file(tmp_path, tiny_llama):
 
 def _served_processes(marker: str) -> list[psutil.Process]:
     """Live servers, guards and guidellm runs whose command line names `marker` (a checkpoint path, or the variant's
-    load's scratch directory `quantlab-load-<variant>-`), with every process they started."""
+    load's scratch directory `<temp dir>/quantlab-load-<variant>-`), with every process they started. The marker
+    must be the test's own, in a folder of its own: this scans the whole machine, and a bare `/fp8-` once found (and
+    SIGKILLed) the fp8 server of another test run sharing the machine."""
     found = set()
     for process in psutil.process_iter(["cmdline"]):
         line = " ".join(process.info["cmdline"] or [])
@@ -353,14 +357,18 @@ def served(tmp_path_factory):
     }
     recipe = Recipe.model_validate(tiny_recipe(model, serving=FAST.model_dump()))
     stream = single_stream(FAST, MeasureSettings())  # c1 times batch size 1: the measure stage left it
-    with VariantServer(model, "small", None, recipe, "cpu", torch.float32, logs / "cache", logs) as server:
+    scratch = tmp_path_factory.mktemp("scratch")  # guidellm's, for _served_processes to tell ours apart
+    with (
+        mock.patch.object(tempfile, "tempdir", str(scratch)),
+        VariantServer(model, "small", None, recipe, "cpu", torch.float32, logs / "cache", logs) as server,
+    ):
         server.launch_early()  # as a variant does: the server and guidellm start together
         outcome = serve_load(server.ready(), FAST, MeasureSettings(), REPO, torch.float32, cost, logs, stream)
-    return outcome, logs, model
+    return outcome, logs, model, scratch
 
 
 def test_a_served_variant_logs_consistent_figures(served):
-    outcome, logs, model = served
+    outcome, logs, model, scratch = served
     metrics = outcome.metrics
     for level in ("c1", "c4"):
         for figure in (
@@ -402,7 +410,7 @@ def test_a_served_variant_logs_consistent_figures(served):
     assert outcome.artifacts[CHART_ARTIFACT][:8] == b"\x89PNG\r\n\x1a\n"
     assert "Uvicorn running" in (logs / "small.server.log").read_text()
     assert (logs / "small.guidellm.log").is_file()
-    assert _gone(str(model), timeout=5) and _gone("quantlab-load-small-", timeout=5)  # went with the stage
+    assert _gone(str(model), timeout=5) and _gone(str(scratch / "quantlab-load-small-"), timeout=5)  # with the stage
 
 
 def test_a_server_that_never_becomes_healthy_fails_with_its_log_and_is_stopped(tmp_path, tiny_llama):
@@ -492,13 +500,16 @@ def test_sigkill_of_the_sweep_leaves_no_server(tmp_path, tiny_llama, sweeps):  #
     uri = f"sqlite:///{tmp_path / 'store.db'}"
     _init_store(uri)
     cache = tmp_path / "cache"
-    sweep = Sweep(_sweep_args(path, uri, cache), tmp_path)
+    sweep = Sweep(_sweep_args(path, uri, cache), tmp_path, env={"TMPDIR": str(tmp_path)})
     sweeps.append(sweep)
     # The bf16 checkpoint lives in the sweep's cache: its server and guidellm name it.
 
     def server_and_load() -> list[psutil.Process]:
-        running = _served_processes(str(cache)) + _served_processes("quantlab-load-bf16-")  # with guidellm's workers
-        return running if len(running) >= 4 and under_load("bf16") else []  # the server and guidellm, each guarded
+        load = _served_processes(str(tmp_path / "quantlab-load-bf16-"))  # with guidellm's workers
+        running = _served_processes(str(cache)) + load
+        return (
+            running if len(running) >= 4 and under_load("bf16", tmp_path) else []
+        )  # the server and guidellm, each guarded
 
     # guidellm's guard is up a moment before guidellm itself: wait for all four, not the first, and for the load.
     running = _wait_until(server_and_load, sweep, "the server and guidellm's load, each under its guard")
@@ -516,14 +527,15 @@ def test_a_variant_whose_server_dies_fails_alone_with_its_server_log(tmp_path, t
     path = write(tmp_path / "recipe.yaml", recipe)
     uri = f"sqlite:///{tmp_path / 'store.db'}"
     _init_store(uri)
-    sweep = Sweep(_sweep_args(path, uri, tmp_path / "cache"), tmp_path)
+    sweep = Sweep(_sweep_args(path, uri, tmp_path / "cache"), tmp_path, env={"TMPDIR": str(tmp_path)})
     sweeps.append(sweep)
+    checkpoint, load = str(tmp_path / "cache" / "checkpoints" / "fp8-"), str(tmp_path / "quantlab-load-fp8-")
 
     def fp8_server() -> psutil.Process | None:
-        return next((p for p in _served_processes("/fp8-") if "transformers.cli" in p.cmdline()[2]), None)
+        return next((p for p in _served_processes(checkpoint) if "transformers.cli" in p.cmdline()[2]), None)
 
     server = _wait_until(fp8_server, sweep, "fp8's server")
-    _wait_until(lambda: _served_processes("quantlab-load-fp8-") and under_load("fp8"), sweep, "guidellm's load on fp8")
+    _wait_until(lambda: _served_processes(load) and under_load("fp8", tmp_path), sweep, "guidellm's load on fp8")
     server.send_signal(signal.SIGKILL)
     code, _ = sweep.wait()
     assert code == 1, sweep.text()[-3000:]
@@ -540,4 +552,4 @@ def test_a_variant_whose_server_dies_fails_alone_with_its_server_log(tmp_path, t
     assert "the server died under load" in runs["fp8"].data.tags["quantlab.failure"]
     logs = {item.path for item in client.list_artifacts(runs["fp8"].info.run_id, "logs")}
     assert {"logs/variant.log", "logs/server.log", "logs/guidellm.log"} <= logs
-    assert _gone("/fp8-", timeout=5) and _gone("quantlab-load-fp8-", timeout=5)
+    assert _gone(checkpoint, timeout=5) and _gone(load, timeout=5)
