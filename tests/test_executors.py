@@ -12,7 +12,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from quantlab.checks import validate
-from quantlab.executors import InProcessExecutor, VariantFailed
+from quantlab.executors import InProcessExecutor, VariantFailed, failure_reason
 from quantlab.host_share import seats_dir
 from quantlab.jobs import VariantResult
 from quantlab.recipe import load_recipe
@@ -410,3 +410,18 @@ def test_a_variant_starts_no_tqdm_monitor_thread(in_a_variant):
     )
     shown = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)
     assert ("tqdm_monitor" in shown.stdout) is not in_a_variant, shown.stdout
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (ValueError("bad shape"), "ValueError: bad shape"),
+        (RuntimeError(), "RuntimeError"),  # no message: no dangling colon
+        (MemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "MemoryError: CUDA out of memory. Tried to"),
+        (MemoryError(), "MemoryError: the variant's process ran out of memory (see failure/traceback.txt for where)"),
+    ],
+)
+def test_a_failure_reason_is_one_readable_line(error, reason):
+    """What the sweep prints and tags for a failed variant. A bare MemoryError (CPython's own, where an allocation
+    failed: the starved variant of tests/test_resilience.py) says what happened, not just its type."""
+    assert failure_reason(error).startswith(reason)
