@@ -111,10 +111,11 @@ def _exit_when_ready(sentinel: int) -> None:
 
 
 def failure_reason(error: BaseException) -> str:
-    if isinstance(error, MemoryError) and not str(error):  # Python's own, raised where an allocation failed
-        return "MemoryError: the variant's process ran out of memory (see failure/traceback.txt for where)"
     if not isinstance(error, BadInput):
-        return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        message = str(error)
+        if not message and isinstance(error, MemoryError):  # Python's own, raised where an allocation failed
+            message = "the variant's process ran out of memory (see failure/traceback.txt for where)"
+        return f"{type(error).__name__}: {message}" if message else type(error).__name__
     if len(error.problems) != 1:  # bad input found only at run time, e.g. too little calibration text
         return str(error)
     return f"{error.problems[0].field or 'input'}: {error.problems[0].message}"

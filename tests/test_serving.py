@@ -507,9 +507,8 @@ def test_sigkill_of_the_sweep_leaves_no_server(tmp_path, tiny_llama, sweeps):  #
     def server_and_load() -> list[psutil.Process]:
         load = _served_processes(str(tmp_path / "quantlab-load-bf16-"))  # with guidellm's workers
         running = _served_processes(str(cache)) + load
-        return (
-            running if len(running) >= 4 and under_load("bf16", tmp_path) else []
-        )  # the server and guidellm, each guarded
+        # the server and guidellm, each guarded
+        return running if len(running) >= 4 and under_load("bf16", tmp_path) else []
 
     # guidellm's guard is up a moment before guidellm itself: wait for all four, not the first, and for the load.
     running = _wait_until(server_and_load, sweep, "the server and guidellm's load, each under its guard")
