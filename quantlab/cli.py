@@ -23,6 +23,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from quantlab import stopping
 from quantlab.errors import BadInput, Problem, bad_input, first_line
 
 # MLflow's own download bars would interleave with ours.
@@ -164,17 +165,15 @@ def sweep(
         options = SweepOptions(
             uri, cache_root, executor, force, tuple(only or ()), ray_address, log_retry_seconds, parallel
         )
-        # SIGTERM (a scheduler stopping the job) ends the sweep like Ctrl-C: its runs are marked KILLED.
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
         columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
         with _SweepProgress(*columns, console=out) as display:
             outcome = run_sweep(loaded, options, display)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as error:  # Ctrl-C or SIGTERM (quantlab.stopping), however far the sweep got
         err.print(
-            "Interrupted: this sweep's unfinished runs are marked KILLED. Run the same command again to resume; "
-            "finished variants are copied, not recomputed."
+            f"{stopping.reason(error).capitalize()}: this sweep's unfinished runs are marked KILLED. Run the same "
+            "command again to resume; finished variants are copied, not recomputed."
         )
-        raise typer.Exit(130) from None
+        raise typer.Exit(stopping.exit_code(error)) from None
     if outcome.reused:
         out.print(f"Reused (unchanged, not recomputed): {', '.join(outcome.reused)}; --force recomputes.")
     if outcome.logged_from_cache:
@@ -274,7 +273,6 @@ def sensitivity_command(
     if variant is None:
         raise bad_input("--variant", "", "required: the variant to rank (or --budget-bits with --formats for a mix)")
     check_request(loaded, variant, options)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     log = Path(tempfile.mkstemp(prefix="quantlab-sensitivity-", suffix=".log")[1])
     with (
         _output_to(log) as terminal,
@@ -295,9 +293,12 @@ def sensitivity_command(
         with _failure_logged(log, terminal):
             try:
                 outcome = run_sensitivity(loaded, variant, replace(options, log=log), progress)
-            except KeyboardInterrupt:
-                terminal.print("Interrupted: the groups measured so far are kept; run the same command again to go on.")
-                raise typer.Exit(130) from None
+            except KeyboardInterrupt as error:
+                terminal.print(
+                    f"{stopping.reason(error).capitalize()}: the groups measured so far are kept; run the same "
+                    "command again to go on."
+                )
+                raise typer.Exit(stopping.exit_code(error)) from None
             except CannotIsolate as error:  # found once the models are loaded: the runs it started are marked FAILED
                 raise bad_input("--by", "", str(error)) from None
     log.unlink(missing_ok=True)
@@ -686,7 +687,6 @@ def ui(
 
     store = tracking.open_store(tracking_uri)
     options = ["--backend-store-uri", store.uri, "--host", host, "--port", str(port), "--workers", str(workers)]
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped like Ctrl-C, its helpers with it
     # Its job runners (seven huey consumers) serve GenAI features, not the runs we browse.
     env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ}
     # mlflow ui starts helper processes: a session of its own lets us stop them all together.
@@ -890,15 +890,22 @@ def _print_decision(decision) -> None:
 
 
 def main() -> None:
-    """Bad input anywhere in a command: one line per problem on stderr, exit 2, no traceback."""
-    try:
-        app()
-    except BadInput as error:
-        from rich.markup import escape
+    """Bad input anywhere in a command: one line per problem on stderr, exit 2, no traceback. Ctrl-C or SIGTERM
+    anywhere: the command stops within quantlab.stopping's bound and exits 130 (143 for SIGTERM)."""
+    with stopping.stop_on_signals(err.print) as watcher:
+        try:
+            app()
+        except BadInput as error:
+            from rich.markup import escape
 
-        for problem in error.problems:  # escaped: a regex's [a-z] is not a style
-            err.print(f"[bold red]error:[/] {escape(str(problem))}")
-        sys.exit(2)
+            for problem in error.problems:  # escaped: a regex's [a-z] is not a style
+                err.print(f"[bold red]error:[/] {escape(str(problem))}")
+            sys.exit(2)
+        except SystemExit as done:
+            # click turns a KeyboardInterrupt that no command caught into "Aborted!" and exit 1
+            if watcher is not None and watcher.first is not None and done.code in (1, None, 0):
+                sys.exit(128 + watcher.first)
+            raise
 
 
 if __name__ == "__main__":

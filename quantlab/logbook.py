@@ -145,9 +145,9 @@ class Logbook:
         with suppress(*tracking.store_errors()):
             tracking.with_retries(lambda: self.store.finish(self.parent_run_id, status), self.retry_seconds)
 
-    def abandon(self, status: str) -> None:
-        """The sweep is dying: no run of it may stay RUNNING (unless the store is what failed)."""
-        tracking.end_unfinished(self.store, [*self.runs.values(), self.parent_run_id], status)
+    def abandon(self, status: str, reason: str) -> None:
+        """The sweep is dying (`reason`): no run of it may stay RUNNING (unless the store is what failed)."""
+        tracking.end_unfinished(self.store, [*self.runs.values(), self.parent_run_id], status, reason)
 
     def _run_for(self, name: str) -> str:
         if name not in self.runs:

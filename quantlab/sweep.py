@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from quantlab import disk, tracking
+from quantlab import disk, stopping, tracking
 from quantlab.checks import remember_lookups
 from quantlab.executors import EXECUTORS, VariantFailed, stop_variant_processes
 from quantlab.jobs import BaselineOutputs, VariantResult
@@ -90,16 +90,17 @@ def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay
     log.start()
     outcome = SweepOutcome(log.experiment_id, log.parent_run_id)
     try:
-        log.describe_sweep()
-        display.sweep_started(loaded.recipe.name, log.parent_run_id, plan)
-        with _log_folder(options) as logs:
-            dispatch = Dispatch(plan, options, log, display, outcome, logs)
-            baseline = dispatch.baseline()
-            dispatch.others(baseline)
-        if not outcome.unlogged and (why := log.publish()) is not None:  # else a later sweep publishes them
-            outcome.unlogged["frontier and report"] = why
+        with stopping.on_force(lambda why: log.abandon("KILLED", why)):  # a stop that cannot wait for this block
+            log.describe_sweep()
+            display.sweep_started(loaded.recipe.name, log.parent_run_id, plan)
+            with _log_folder(options) as logs:
+                dispatch = Dispatch(plan, options, log, display, outcome, logs)
+                baseline = dispatch.baseline()
+                dispatch.others(baseline)
+            if not outcome.unlogged and (why := log.publish()) is not None:  # else a later sweep publishes them
+                outcome.unlogged["frontier and report"] = why
     except BaseException as error:
-        log.abandon("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
+        log.abandon("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED", stopping.reason(error))
         raise
     log.finish("FINISHED" if outcome.exit_code == 0 else "FAILED")
     return outcome

@@ -16,6 +16,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable
+from contextlib import suppress
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
@@ -118,7 +119,9 @@ class TrackingStore:
 
         with open(f"{self.sqlite_path}.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            client = MlflowClient(tracking_uri=self.uri)  # it opens (and so creates) the database now
+            if not self.sqlite_path.exists():
+                _create_whole(self.sqlite_path)
+            client = MlflowClient(tracking_uri=self.uri)
         _CREATED.add(self.uri)
         return client
 
@@ -300,6 +303,22 @@ def _health_request(uri: str) -> urllib.request.Request:
         user = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
         request.add_header("Authorization", "Basic " + base64.b64encode(user.encode()).decode())
     return request
+
+
+def _create_whole(path: Path) -> None:
+    """A new SQLite store, created whole or not at all. MLflow builds its tables in dozens of migrations, each its
+    own statement; a process stopped among them (Ctrl-C in a sweep's first seconds) leaves a database no later
+    client can open ("duplicate column name"). Built under a scratch name and linked into place: the link either
+    makes the whole store appear or fails because one appeared meanwhile."""
+    from mlflow.tracking import MlflowClient
+
+    scratch = path.with_name(f".{path.name}.{os.getpid()}.creating")
+    try:
+        MlflowClient(tracking_uri=f"sqlite:///{scratch}").search_experiments()  # opening it runs the migrations
+        with suppress(FileExistsError):
+            os.link(scratch, path)
+    finally:
+        scratch.unlink(missing_ok=True)
 
 
 def open_store(uri: str | None = None) -> TrackingStore:

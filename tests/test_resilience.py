@@ -74,9 +74,29 @@ class Sweep:
         try:
             code = self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            dumps = self.py_spy_dumps()  # where each of its processes is stuck, before they are killed
             self.kill_group()
-            pytest.fail(f"sweep still running after {timeout} s:\n{self.text()[-3000:]}")
+            pytest.fail(f"sweep still running after {timeout} s:\n{self.text()[-3000:]}\n{dumps}")
         return code, time.monotonic() - self.started
+
+    def py_spy_dumps(self) -> str:
+        """A py-spy dump of the sweep and every process under it."""
+        try:
+            processes = [psutil.Process(self.pid), *psutil.Process(self.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return "(the sweep is gone)"
+        dumps = []
+        for process in processes:
+            with contextlib.suppress(psutil.Error, subprocess.TimeoutExpired, OSError):
+                command = " ".join(process.cmdline())[:200]
+                dump = subprocess.run(
+                    [str(Path(sys.executable).with_name("py-spy")), "dump", "--pid", str(process.pid)],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
+                dumps.append(f"===== {process.pid}: {command}\n{dump.stdout}{dump.stderr}")
+        return "\n".join(dumps)
 
     def signal_group(self, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -447,14 +467,19 @@ def test_interrupted_sweep_leaves_no_run_running(tmp_path, tiny_llama, sweeps, s
     _wait_until(baseline_running, sweep, "the bf16 run to start")
     child = _wait_until(lambda: sweep.variant_process("bf16"), sweep, "the bf16 variant process", timeout=60)
     assert sweep.process.poll() is None, sweep.text()[-3000:]
+    signalled = time.monotonic()
     sweep.signal_group(signum)
-    code, _ = sweep.wait(timeout=120)
-    assert code == 130, sweep.text()[-3000:]
+    code, _ = sweep.wait(timeout=60)
+    print(f"stopped {time.monotonic() - signalled:.1f} s after {signal.Signals(signum).name}")
+    assert code == 128 + signum, sweep.text()[-3000:]  # 130 for Ctrl-C, 143 for SIGTERM
     assert not re.search(r"[✓✗] bf16", sweep.text()), sweep.text()[-3000:]  # interrupted: neither finished nor failed
     assert "Traceback" not in sweep.text() and "Run the same command again to resume" in sweep.text()
+    assert "Stopping at once" not in sweep.text()  # its own cleanup stopped it, not quantlab.stopping's watcher
     assert _gone(child, timeout=30)
-    statuses = {run.info.run_name: run.info.status for run in _all_runs(uri, "tiny")}
-    assert statuses == {"sweep tiny": "KILLED", "bf16": "KILLED"}, sweep.text()[-3000:]
+    runs = {run.info.run_name: run for run in _all_runs(uri, "tiny")}
+    assert {name: run.info.status for name, run in runs.items()} == {"sweep tiny": "KILLED", "bf16": "KILLED"}
+    reason = "interrupted by SIGINT (Ctrl-C)" if signum == signal.SIGINT else "stopped by SIGTERM"
+    assert {run.data.tags.get("quantlab.failure") for run in runs.values()} == {reason}
 
 
 # --- 3. Failure isolation -------------------------------------------------------------------------

@@ -1,0 +1,172 @@
+"""One way a command stops on SIGINT (Ctrl-C) or SIGTERM (a scheduler): in bounded time, leaving no process.
+
+The first signal raises `Stopped` (a KeyboardInterrupt) in the main thread, so the command's own cleanup runs: the
+sweep kills its variant processes and marks its runs KILLED with the reason. That cleanup has `grace_s`. The
+signal also reaches a watcher thread, through the file descriptor CPython's C-level handler writes each caught
+signal to (`signal.set_wakeup_fd`): the watcher does not depend on the main thread reaching its next bytecode,
+which a thread blocked in C, or an interpreter stuck at exit joining a thread, never does. When the grace runs
+out, or at once on a second signal, the watcher stops the process itself: every process it started is SIGKILLed,
+the `on_force` callbacks get a few seconds (ending runs), and it exits 128 + the first signal's number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import psutil
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+GRACE_S = 20.0  # the command's own cleanup, before the watcher stops it
+FORCE_CALLBACK_S = 5.0  # what `on_force` callbacks get, together, when the watcher stops the process
+
+
+class Stopped(KeyboardInterrupt):
+    """The command was asked to stop by `signum`; exits 128 + signum, as a shell reports a process the signal killed."""
+
+    def __init__(self, signum: int):
+        super().__init__(describe(signum))
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def describe(signum: int) -> str:
+    return "interrupted by SIGINT (Ctrl-C)" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+
+
+def exit_code(error: KeyboardInterrupt) -> int:
+    """130 for Ctrl-C (a KeyboardInterrupt raised by anything but `Stopped` too), 143 for SIGTERM."""
+    return error.exit_code if isinstance(error, Stopped) else 128 + signal.SIGINT
+
+
+def reason(error: BaseException) -> str:
+    """Why a run ends: the signal that stopped the command, or the error that ended it."""
+    if isinstance(error, KeyboardInterrupt):
+        return str(error) if isinstance(error, Stopped) else describe(signal.SIGINT)
+    return f"the sweep ended on {type(error).__name__}: {error}".rstrip(": ")
+
+
+class _Watcher:
+    """What the stop signals do while `stop_on_signals` holds."""
+
+    def __init__(self, grace_s: float, say: Callable[[str], None]):
+        self.grace_s, self.say = grace_s, say
+        self.first: int | None = None  # the first stop signal
+        self.callbacks: list[Callable[[str], object]] = []  # each told why the runs end
+        self.read_end, self.write_end = os.pipe()
+        os.set_blocking(self.write_end, False)  # set_wakeup_fd's demand: a signal handler never blocks
+
+    def handle(self, signum: int, frame) -> None:
+        """In the main thread: the first signal raises; later ones are the watcher's (it already has them)."""
+        if self.first is None:
+            self.first = signum
+            raise Stopped(signum)
+
+    def watch(self) -> None:
+        first_at = None
+        while True:
+            wait = None if first_at is None else max(0.0, first_at + self.grace_s - time.monotonic())
+            ready, _, _ = select.select([self.read_end], [], [], wait)
+            if not ready:  # the grace is over
+                self.force(f"still stopping after {self.grace_s:.0f} s")
+                return
+            read = os.read(self.read_end, 64)
+            if first_at is None and _BLOCK_ENDED in read:  # the block ended without a stop signal
+                os.close(self.read_end)
+                return
+            caught = [number for number in read if number in STOP_SIGNALS]
+            if not caught:
+                continue
+            if first_at is None:
+                first_at = time.monotonic()
+                caught = caught[1:]
+            if caught:
+                self.force(f"a second {signal.Signals(caught[0]).name}")
+                return
+
+    def force(self, why: str) -> None:
+        """Stop now: every process this one started is killed, the callbacks get their seconds, exit."""
+        signum = self.first or signal.SIGINT
+        kill_descendants()
+        self.say(f"Stopping at once ({why}): every process this sweep started is killed.")
+        done = threading.Event()
+
+        def callbacks() -> None:
+            for callback in list(self.callbacks):
+                with contextlib.suppress(Exception):
+                    callback(f"{describe(signum)}; stopped at once ({why})")
+            done.set()
+
+        threading.Thread(target=callbacks, name="stop-callbacks", daemon=True).start()
+        done.wait(FORCE_CALLBACK_S)
+        kill_descendants()  # anything a callback or the main thread started meanwhile
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(128 + signum)
+
+
+_BLOCK_ENDED = 0  # not a signal number: what `stop_on_signals` writes to its watcher when the block ends
+_active: _Watcher | None = None  # the watcher of the `stop_on_signals` block the main thread is in
+
+
+@contextlib.contextmanager
+def stop_on_signals(say: Callable[[str], None], grace_s: float = GRACE_S) -> Iterator[_Watcher | None]:
+    """SIGINT and SIGTERM stop the block with `Stopped`; the watcher bounds how long that takes (module docstring).
+    `say` prints one line to the user (from the watcher's thread). Yields the watcher (its `first` is the first
+    stop signal caught); None outside the main thread, whose signal handlers these are."""
+    global _active
+    if threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    watcher = _Watcher(grace_s, say)
+    previous = {number: signal.signal(number, watcher.handle) for number in STOP_SIGNALS}
+    previous_fd = signal.set_wakeup_fd(watcher.write_end, warn_on_full_buffer=False)
+    threading.Thread(target=watcher.watch, name="stop-watcher", daemon=True).start()
+    _active = watcher
+    try:
+        yield watcher
+    finally:
+        _active = None
+        # After a stop signal the process is on its way out: the watcher stays in charge of its exit (an interpreter
+        # can hang at exit, joining a thread), a second signal included. Without one, all is as it was.
+        if watcher.first is None:
+            signal.set_wakeup_fd(previous_fd)
+            for number, handler in previous.items():
+                signal.signal(number, handler)
+            os.write(watcher.write_end, bytes([_BLOCK_ENDED]))
+            os.close(watcher.write_end)
+
+
+@contextlib.contextmanager
+def on_force(callback: Callable[[str], object]) -> Iterator[None]:
+    """While the block runs, a forced stop calls `callback` with why (e.g. to end the sweep's runs with that reason);
+    no-op outside `stop_on_signals`."""
+    watcher = _active
+    if watcher is not None:
+        watcher.callbacks.append(callback)
+    try:
+        yield
+    finally:
+        if watcher is not None:
+            watcher.callbacks.remove(callback)
+
+
+def kill_descendants() -> None:
+    """SIGKILL every live process this one started, at any depth (servers in sessions of their own included)."""
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.kill()

@@ -1,0 +1,146 @@
+"""quantlab.stopping with real signals to real processes: a cleanup that hangs, an interpreter that hangs at exit,
+a second Ctrl-C, SIGTERM's exit code, and no process left behind; then a seeded handful of the interrupt benchmark's
+trials (benchmarks/interrupt_trials.py: tiny sweeps interrupted at random moments, both executors)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A command under stop_on_signals (grace 2 s) that starts a child process (a server it would stop), says it is
+# ready, then waits; what it does when stopped is the test's BEHAVIOUR.
+PROGRAM = """
+import os, subprocess, sys, threading, time
+from quantlab import stopping
+
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+print(child.pid, flush=True)
+ended = []
+with stopping.stop_on_signals(lambda line: print(line, file=sys.stderr, flush=True), grace_s=2.0):
+    with stopping.on_force(lambda why: ended.append(why) or print("on_force:", why, flush=True)):
+        try:
+            print("ready", flush=True)
+            time.sleep(600)
+        except KeyboardInterrupt as error:
+            print("cleanup:", stopping.reason(error), flush=True)
+            {behaviour}
+            child.kill()
+            sys.exit(stopping.exit_code(error))
+"""
+
+BEHAVIOURS = {
+    "prompt": "pass",
+    "cleanup hangs": "threading.Event().wait()",  # a lock that is never released, as a library's can be
+    "exit hangs": "threading.Thread(target=threading.Event().wait).start()",  # joined forever at exit
+}
+
+
+def _start(behaviour: str, tmp_path: Path) -> tuple[subprocess.Popen, int]:
+    script = tmp_path / "command.py"
+    script.write_text(textwrap.dedent(PROGRAM).replace("{behaviour}", BEHAVIOURS[behaviour]))
+    process = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    child = int(process.stdout.readline())
+    assert process.stdout.readline().strip() == "ready"
+    return process, child
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "signals", "code", "forced", "most_s"),
+    [
+        ("prompt", [signal.SIGINT], 130, False, 1.5),
+        ("prompt", [signal.SIGTERM], 143, False, 1.5),
+        ("cleanup hangs", [signal.SIGINT], 130, True, 4.0),  # the watcher stops it once the grace (2 s) is over
+        ("cleanup hangs", [signal.SIGTERM], 143, True, 4.0),
+        ("cleanup hangs", [signal.SIGINT, signal.SIGINT], 130, True, 1.5),  # a second Ctrl-C: at once
+        ("exit hangs", [signal.SIGINT], 130, True, 4.0),  # stuck joining a thread after the block ended
+    ],
+)
+def test_a_stop_signal_ends_the_command_in_bounded_time_with_its_code(
+    tmp_path, behaviour, signals, code, forced, most_s
+):
+    process, child = _start(behaviour, tmp_path)
+    started = time.monotonic()
+    for number in signals:
+        os.killpg(process.pid, number)  # the foreground group, as a terminal's Ctrl-C
+        time.sleep(0.3)
+    try:
+        out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        psutil.Process(child).kill() if _alive(child) else None
+    seconds = time.monotonic() - started
+    assert process.returncode == code, (out, err)
+    assert seconds < most_s, f"{seconds:.1f} s\n{out}\n{err}"
+    reason = "interrupted by SIGINT (Ctrl-C)" if signals[0] == signal.SIGINT else "stopped by SIGTERM"
+    assert f"cleanup: {reason}" in out
+    assert ("Stopping at once" in err) == forced, err
+    if forced:  # the forced stop killed the child the cleanup never reached
+        assert not _alive(child)
+    # and told the callbacks of the blocks it stopped why (a block already left has none)
+    assert (f"on_force: {reason}; stopped at once" in out) == (behaviour == "cleanup hangs"), out
+
+
+def test_without_a_signal_the_block_leaves_handlers_and_threads_as_they_were():
+    from quantlab import stopping
+
+    before = {number: signal.getsignal(number) for number in stopping.STOP_SIGNALS}
+    with stopping.stop_on_signals(print) as watcher:
+        assert signal.getsignal(signal.SIGINT) == watcher.handle
+    assert {number: signal.getsignal(number) for number in stopping.STOP_SIGNALS} == before
+    deadline = time.monotonic() + 5
+    while any(thread.name == "stop-watcher" for thread in __import__("threading").enumerate()):
+        assert time.monotonic() < deadline, "the watcher thread outlived its block"
+        time.sleep(0.05)
+
+
+def test_seeded_interrupts_of_tiny_sweeps_stop_cleanly(tmp_path):
+    """The benchmark's checks on a handful of trials (the full run is in benchmarks/README.md): exit code, time to
+    exit within 30 s, no run RUNNING, every stopped run with its reason, no process left."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "interrupt_trials.py"),
+            "--trials",
+            "5",
+            "--seed",
+            "7",
+            "--recipes",
+            "core",
+            "--neighbours",
+            "quiet",
+            "--work-dir",
+            str(tmp_path / "trials"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    print(result.stdout)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "0 failed" in result.stdout
