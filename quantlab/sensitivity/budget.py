@@ -64,11 +64,16 @@ def best_mix(
     for column, (group, _) in enumerate(pairs):
         one_each[groups.index(group), column] = 1
     stored = np.array([[float(bits[group][fmt]) for group, fmt in pairs]])
+    costs = np.array([damage[group][fmt] for group, fmt in pairs], dtype=float)
+    # HiGHS stops within an absolute gap of 1e-6 of the objective: damages of 1e-7 (per-group KL) all look alike to
+    # it and it returns whatever mix it found first. Scaled so that the largest is 1, any gap it leaves is relative.
+    scale = float(np.abs(costs).max())
     result = milp(
-        c=np.array([damage[group][fmt] for group, fmt in pairs]),
+        c=costs / scale if scale > 0 else costs,
         constraints=[LinearConstraint(one_each, 1, 1), LinearConstraint(stored, -np.inf, budget)],
         integrality=np.ones(len(pairs)),
         bounds=Bounds(0, 1),
+        options={"mip_rel_gap": 0.0},
     )
     if result.x is None:  # feasible by the check above: a solver failure, said as one
         raise RuntimeError(f"scipy's milp found no mix: {result.message}")
