@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/interrupt_trials.py --trials 120 --seed 1 --work-dir /tmp/interrupts
 
 Configurations (drawn per trial, seeded): the executor (local, inprocess), the recipe (`core`: quantize,
-evaluate, damage and measure; `served`: quantize and serve through `transformers serve` under guidellm's
-load), and a CPU-bound neighbour process (none, or one busy core). Each configuration's life is measured
+evaluate, damage and measure, bf16 and fp8; `served`: the baseline alone, served through `transformers serve`
+under guidellm's load), and a CPU-bound neighbour process (none, or one busy core). Each configuration's life is measured
 first by one uninterrupted sweep; each trial then signals the sweep's process group (what a terminal's
 Ctrl-C does) at a moment drawn uniformly over that life: SIGINT, SIGTERM (a scheduler), or SIGINT twice
 one second apart (a user who presses again).
@@ -68,7 +68,9 @@ def recipe_for(shape: str, model: Path) -> dict:
             "measure": {"prompt_tokens": 8, "output_tokens": 4, "repeats": 1, "warmup": 0},
             "serving": {"enabled": False},
         }
+    # The baseline alone: its server's start, guidellm's load and the publishing, in half the time of two variants.
     return common | {
+        "variants": common["variants"][:1],
         "evals": {"tasks": []},
         "quality": {"enabled": False},
         "measure": {"enabled": False},

@@ -100,14 +100,20 @@ class _Watcher:
         self.say(f"Stopping at once ({why}): every process this sweep started is killed.")
         done = threading.Event()
 
+        failed: list[str] = []
+
         def callbacks() -> None:
             for callback in list(self.callbacks):
-                with contextlib.suppress(Exception):
+                try:
                     callback(f"{describe(signum)}; stopped at once ({why})")
+                except Exception as error:  # noqa: BLE001 - told below; the stop goes on
+                    failed.append(f"{type(error).__name__}: {error}")
             done.set()
 
         threading.Thread(target=callbacks, name="stop-callbacks", daemon=True).start()
-        done.wait(FORCE_CALLBACK_S)
+        if not done.wait(FORCE_CALLBACK_S) or failed:
+            what = "; ".join(failed) or f"no answer within {FORCE_CALLBACK_S:.0f} s"
+            self.say(f"Runs this sweep left RUNNING are marked KILLED by the next sweep of its recipe ({what}).")
         kill_descendants()  # anything a callback or the main thread started meanwhile
         with contextlib.suppress(Exception):
             sys.stdout.flush()

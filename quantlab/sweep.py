@@ -89,8 +89,9 @@ def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay
     log = Logbook(store, plan, options.log_retry_seconds, display.note)
     log.start()
     outcome = SweepOutcome(log.experiment_id, log.parent_run_id)
-    try:
-        with stopping.on_force(lambda why: log.abandon("KILLED", why)):  # a stop that cannot wait for this block
+    # A stop that cannot wait for this block (or for the abandoning below) ends the runs itself.
+    with stopping.on_force(lambda why: log.abandon("KILLED", why)):
+        try:
             log.describe_sweep()
             display.sweep_started(loaded.recipe.name, log.parent_run_id, plan)
             with _log_folder(options) as logs:
@@ -99,9 +100,9 @@ def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay
                 dispatch.others(baseline)
             if not outcome.unlogged and (why := log.publish()) is not None:  # else a later sweep publishes them
                 outcome.unlogged["frontier and report"] = why
-    except BaseException as error:
-        log.abandon("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED", stopping.reason(error))
-        raise
+        except BaseException as error:
+            log.abandon("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED", stopping.reason(error))
+            raise
     log.finish("FINISHED" if outcome.exit_code == 0 else "FAILED")
     return outcome
 

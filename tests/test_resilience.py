@@ -70,11 +70,20 @@ class Sweep:
     def text(self) -> str:
         return self.output.read_text(errors="replace")
 
-    def wait(self, timeout: float = 900) -> tuple[int, float]:
+    def wait(self, timeout: float = 900, dump_after: float | None = None) -> tuple[int, float]:
+        """Its exit code and seconds since it started; fails if it runs past `timeout`, with py-spy dumps of its
+        processes taken then, or already at `dump_after` seconds (a slow stop is caught before quantlab's own
+        watcher ends it, which would hide where it was stuck)."""
+        self.dumps = ""
+        if dump_after is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=dump_after)
+            if self.process.poll() is None:
+                self.dumps = self.py_spy_dumps()
         try:
             code = self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            dumps = self.py_spy_dumps()  # where each of its processes is stuck, before they are killed
+            dumps = self.dumps or self.py_spy_dumps()  # where each of its processes is stuck, before they are killed
             self.kill_group()
             pytest.fail(f"sweep still running after {timeout} s:\n{self.text()[-3000:]}\n{dumps}")
         return code, time.monotonic() - self.started
@@ -469,8 +478,9 @@ def test_interrupted_sweep_leaves_no_run_running(tmp_path, tiny_llama, sweeps, s
     assert sweep.process.poll() is None, sweep.text()[-3000:]
     signalled = time.monotonic()
     sweep.signal_group(signum)
-    code, _ = sweep.wait(timeout=60)
+    code, _ = sweep.wait(timeout=60, dump_after=10)
     print(f"stopped {time.monotonic() - signalled:.1f} s after {signal.Signals(signum).name}")
+    assert not sweep.dumps, f"still stopping 10 s after the signal:\n{sweep.text()[-3000:]}\n{sweep.dumps}"
     assert code == 128 + signum, sweep.text()[-3000:]  # 130 for Ctrl-C, 143 for SIGTERM
     assert not re.search(r"[✓✗] bf16", sweep.text()), sweep.text()[-3000:]  # interrupted: neither finished nor failed
     assert "Traceback" not in sweep.text() and "Run the same command again to resume" in sweep.text()
