@@ -168,7 +168,9 @@ def sweep(
         columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
         with _SweepProgress(*columns, console=out) as display:
             outcome = run_sweep(loaded, options, display)
-    except KeyboardInterrupt as error:  # Ctrl-C or SIGTERM (quantlab.stopping), however far the sweep got
+    except BaseException as error:  # Ctrl-C or SIGTERM (quantlab.stopping), however far the sweep got
+        if stopping.stopped(error) is None:
+            raise
         err.print(
             f"{stopping.reason(error).capitalize()}: this sweep's unfinished runs are marked KILLED. Run the same "
             "command again to resume; finished variants are copied, not recomputed."
@@ -293,14 +295,16 @@ def sensitivity_command(
         with _failure_logged(log, terminal):
             try:
                 outcome = run_sensitivity(loaded, variant, replace(options, log=log), progress)
-            except KeyboardInterrupt as error:
+            except CannotIsolate as error:  # found once the models are loaded: the runs it started are marked FAILED
+                raise bad_input("--by", "", str(error)) from None
+            except BaseException as error:
+                if stopping.stopped(error) is None:
+                    raise
                 terminal.print(
                     f"{stopping.reason(error).capitalize()}: the groups measured so far are kept; run the same "
                     "command again to go on."
                 )
                 raise typer.Exit(stopping.exit_code(error)) from None
-            except CannotIsolate as error:  # found once the models are loaded: the runs it started are marked FAILED
-                raise bad_input("--by", "", str(error)) from None
     log.unlink(missing_ok=True)
     _print_sensitivity(outcome, keep)
     uri = options.tracking_uri
@@ -901,11 +905,14 @@ def main() -> None:
             for problem in error.problems:  # escaped: a regex's [a-z] is not a style
                 err.print(f"[bold red]error:[/] {escape(str(problem))}")
             sys.exit(2)
-        except SystemExit as done:
-            # click turns a KeyboardInterrupt that no command caught into "Aborted!" and exit 1
-            if watcher is not None and watcher.first is not None and done.code in (1, None, 0):
-                sys.exit(128 + watcher.first)
-            raise
+        except BaseException as error:
+            # click turns a KeyboardInterrupt that no command caught into "Aborted!" and exit 1; a library can turn it
+            # into an error of its own (quantlab.stopping.stopped)
+            if watcher is None or watcher.first is None or isinstance(error, SystemExit) and error.code not in (0, 1):
+                raise
+            if not isinstance(error, SystemExit):
+                err.print(f"{stopping.describe(watcher.first).capitalize()}.")
+            sys.exit(128 + watcher.first)
 
 
 if __name__ == "__main__":

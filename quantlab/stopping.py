@@ -43,15 +43,27 @@ def describe(signum: int) -> str:
     return "interrupted by SIGINT (Ctrl-C)" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
 
 
-def exit_code(error: KeyboardInterrupt) -> int:
-    """130 for Ctrl-C (a KeyboardInterrupt raised by anything but `Stopped` too), 143 for SIGTERM."""
-    return error.exit_code if isinstance(error, Stopped) else 128 + signal.SIGINT
+def stopped(error: BaseException) -> Stopped | None:
+    """The stop behind `error`, or None when it is an error of its own. Any error raised once a stop signal was
+    caught counts as the stop: a library can turn the KeyboardInterrupt into an error of its own (a C extension
+    interrupted while it initialises raises "ImportError: initialization failed")."""
+    if isinstance(error, Stopped):
+        return error
+    if _active is not None and _active.first is not None:
+        return Stopped(_active.first)
+    return Stopped(signal.SIGINT) if isinstance(error, KeyboardInterrupt) else None
+
+
+def exit_code(error: BaseException) -> int:
+    """130 for Ctrl-C, 143 for SIGTERM."""
+    stop = stopped(error)
+    return stop.exit_code if stop is not None else 1
 
 
 def reason(error: BaseException) -> str:
     """Why a run ends: the signal that stopped the command, or the error that ended it."""
-    if isinstance(error, KeyboardInterrupt):
-        return str(error) if isinstance(error, Stopped) else describe(signal.SIGINT)
+    if (stop := stopped(error)) is not None:
+        return str(stop)
     return f"the sweep ended on {type(error).__name__}: {error}".rstrip(": ")
 
 

@@ -101,7 +101,7 @@ def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay
             if not outcome.unlogged and (why := log.publish()) is not None:  # else a later sweep publishes them
                 outcome.unlogged["frontier and report"] = why
         except BaseException as error:
-            log.abandon("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED", stopping.reason(error))
+            log.abandon("KILLED" if stopping.stopped(error) else "FAILED", stopping.reason(error))
             raise
     log.finish("FINISHED" if outcome.exit_code == 0 else "FAILED")
     return outcome

@@ -144,3 +144,23 @@ def test_seeded_interrupts_of_tiny_sweeps_stop_cleanly(tmp_path):
     print(result.stdout)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "0 failed" in result.stdout
+
+
+def test_an_error_raised_once_a_stop_signal_was_caught_counts_as_the_stop():
+    """A library can turn the KeyboardInterrupt into its own error (pybind11's module init: "ImportError:
+    initialization failed", seen when a SIGTERM landed while the recipe check imported scipy): once a stop signal was
+    caught, any error is the stop; before it, an error is its own, and a bare KeyboardInterrupt is Ctrl-C's."""
+    from quantlab import stopping
+
+    with stopping.stop_on_signals(print) as watcher:
+        assert stopping.stopped(ImportError("initialization failed")) is None
+        assert stopping.reason(ImportError("initialization failed")) == (
+            "the sweep ended on ImportError: initialization failed"
+        )
+        assert stopping.exit_code(KeyboardInterrupt()) == 130
+        watcher.first = signal.SIGTERM  # as the handler records it
+        try:
+            assert stopping.exit_code(ImportError("initialization failed")) == 143
+            assert stopping.reason(ImportError("initialization failed")) == "stopped by SIGTERM"
+        finally:
+            watcher.first = None  # the block then restores the handlers as after a quiet run
