@@ -7,6 +7,11 @@ signal to (`signal.set_wakeup_fd`): the watcher does not depend on the main thre
 which a thread blocked in C, or an interpreter stuck at exit joining a thread, never does. When the grace runs
 out, or at once on a second signal, the watcher stops the process itself: every process it started is SIGKILLed,
 the `on_force` callbacks get a few seconds (ending runs), and it exits 128 + the first signal's number.
+
+SIGINT is handled even when the process started with it ignored, which Python otherwise keeps: a process that a
+non-interactive shell starts in the background inherits SIGINT ignored (POSIX), and so did every sweep of a test
+suite run that way; Ctrl-C sent to such a sweep's group did nothing, and its runs stayed RUNNING. To keep a sweep out
+of a terminal's Ctrl-C, start it in a session of its own (`setsid quantlab sweep ...`).
 """
 
 from __future__ import annotations
@@ -72,7 +77,8 @@ class _Watcher:
 
     def __init__(self, grace_s: float, say: Callable[[str], None]):
         self.grace_s, self.say = grace_s, say
-        self.first: int | None = None  # the first stop signal
+        self.first: int | None = None  # the first stop signal, as the main thread's handler saw it
+        self.first_caught = signal.SIGINT  # the first stop signal, as the watcher read it
         self.callbacks: list[Callable[[str], object]] = []  # each told why the runs end
         self.read_end, self.write_end = os.pipe()
         os.set_blocking(self.write_end, False)  # set_wakeup_fd's demand: a signal handler never blocks
@@ -100,6 +106,7 @@ class _Watcher:
                 continue
             if first_at is None:
                 first_at = time.monotonic()
+                self.first_caught = caught[0]  # the main thread's handler may not have run yet
                 caught = caught[1:]
             if caught:
                 self.force(f"a second {signal.Signals(caught[0]).name}")
@@ -107,9 +114,9 @@ class _Watcher:
 
     def force(self, why: str) -> None:
         """Stop now: every process this one started is killed, the callbacks get their seconds, exit."""
-        signum = self.first or signal.SIGINT
+        signum = self.first or self.first_caught
         kill_descendants()
-        self.say(f"Stopping at once ({why}): every process this sweep started is killed.")
+        self.say(f"Stopping at once ({why}): every process this command started is killed.")
         done = threading.Event()
 
         failed: list[str] = []
