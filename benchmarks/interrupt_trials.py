@@ -15,7 +15,8 @@ started ended KILLED or FAILED with a reason, and that no process of the trial i
 trial starts carries a marker in its environment, found in /proc). A stop slower than --dump-after seconds
 gets a py-spy dump of every process of the trial, written beside the trial's output.
 
-A trial whose sweep ended before the signal reached it counts as `finished first`, not as an interrupt.
+A trial whose sweep ended before the signal reached it counts as `finished first`, not as an interrupt; so does
+one whose sweep had logged every run FINISHED and exited 0 (the signal landed while the interpreter was exiting).
 Printed: a line per trial, then a table by configuration and by moment (which processes were running when
 the signal landed), with the median and worst time to exit and the failures. Exit 1 if any trial failed.
 """
@@ -264,6 +265,10 @@ def run_trial(trial: Trial, recipe: Path, folder: Path, bound: float, dump_after
         trial.run_states = run_states(folder)
     except Exception as error:  # noqa: BLE001 - a store the stop left unreadable is this trial's failure
         trial.failures.append(f"store unreadable: {type(error).__name__}: {str(error)[:200]}")
+    statuses = {status for status, _ in trial.run_states.values()}
+    if trial.exit_code == 0 and statuses == {"FINISHED"} and not trial.leftovers:  # reached as it exited, work done
+        trial.finished_first = True
+        return trial
     expected = EXIT_CODES[trial.how]
     # Killed by the signal itself (before the interpreter installed quantlab's handlers, or after the sweep was done
     # and Python was finalizing): a shell reports 128 + the signal's number for that too.
