@@ -372,8 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         trial = Trial(number, *configuration, how=how, moment_s=draw.uniform(0, life), life_s=life)
         folder = args.work_dir / f"trial-{number:03d}"
         run_trial(trial, recipes[trial.recipe], folder, args.bound, args.dump_after)
-        if not trial.failures:
-            shutil.rmtree(folder, ignore_errors=True)  # a failed trial's folder is kept: its output, store, dumps
+        if not trial.failures and not (folder / "py-spy.txt").is_file():
+            shutil.rmtree(folder, ignore_errors=True)  # a failed or slow trial's folder is kept: output, store, dumps
         outcome = "finished first" if trial.finished_first else f"exit {trial.exit_code} in {trial.exit_s:.2f} s"
         outcome += " (forced)" if trial.forced else ""
         print(

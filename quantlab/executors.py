@@ -31,6 +31,7 @@ from multiprocessing import forkserver
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from quantlab import stopping
 from quantlab.errors import BadInput
 from quantlab.host_share import THREADS_ENV, HostShare, ThreadShare, local_share, thread_share, visible_cores
 from quantlab.jobs import VariantJob, VariantResult
@@ -286,6 +287,7 @@ class LocalExecutor:
                     except VariantFailed as failed:
                         yield job, failed, log_path
                 for variant in list(running):
+                    stopping.raise_if_stopped()  # a stop whose first raise was swallowed
                     outcome = variant.poll(on_stage, timeout=0.5 / len(running))
                     if outcome is not None:
                         running.remove(variant)

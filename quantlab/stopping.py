@@ -59,6 +59,16 @@ def stopped(error: BaseException) -> Stopped | None:
     return Stopped(signal.SIGINT) if isinstance(error, KeyboardInterrupt) else None
 
 
+def raise_if_stopped() -> None:
+    """`Stopped` if a stop signal was caught: for the places a long command passes often (a stage starting, an
+    executor's poll), since the first raise can be swallowed where it lands. A library that guards an optional import
+    with `except ImportError` loses it when the signal interrupts a C extension's initialisation (which turns it
+    into "ImportError: initialization failed"): an in-process sweep signalled while it loaded its model ran on to
+    the end (interrupt_trials seed 1, trial 34)."""
+    if _active is not None and _active.first is not None:
+        raise Stopped(_active.first)
+
+
 def exit_code(error: BaseException) -> int:
     """130 for Ctrl-C, 143 for SIGTERM."""
     stop = stopped(error)

@@ -192,6 +192,7 @@ class Dispatch:
         return outcomes
 
     def _stage(self, name: str, stage: str) -> None:
+        stopping.raise_if_stopped()  # a stop whose first raise was swallowed (quantlab.stopping.raise_if_stopped)
         self.log.stage(name)
         self.display.stage(name, stage)
 

@@ -164,3 +164,17 @@ def test_an_error_raised_once_a_stop_signal_was_caught_counts_as_the_stop():
             assert stopping.reason(ImportError("initialization failed")) == "stopped by SIGTERM"
         finally:
             watcher.first = None  # the block then restores the handlers as after a quiet run
+
+
+def test_a_stop_whose_first_raise_was_swallowed_is_raised_again_where_the_command_checks():
+    from quantlab import stopping
+
+    with stopping.stop_on_signals(print) as watcher:
+        stopping.raise_if_stopped()  # no signal: nothing
+        watcher.first = signal.SIGINT  # caught, and its Stopped lost (e.g. in an `except ImportError` of a library)
+        try:
+            with pytest.raises(stopping.Stopped, match=r"interrupted by SIGINT \(Ctrl-C\)"):
+                stopping.raise_if_stopped()
+        finally:
+            watcher.first = None
+    stopping.raise_if_stopped()  # outside the block: nothing
