@@ -258,7 +258,7 @@ def run_trial(trial: Trial, recipe: Path, folder: Path, bound: float, dump_after
             kill_marked(marker)
             sweep.wait()
         trial.exit_code = sweep.returncode
-    time.sleep(2.0)  # what the sweep stopped is given a moment to be reaped
+    time.sleep(1.0)  # what the sweep stopped is given a moment to be reaped (a server's guard polls every 0.2 s)
     trial.leftovers = [command for _, command in marked_processes(marker)]
     kill_marked(marker)
     try:
@@ -340,6 +340,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipes", default=",".join(RECIPES))
     parser.add_argument("--neighbours", default=",".join(NEIGHBOURS))
     parser.add_argument("--json", type=Path, help="write every trial here")
+    parser.add_argument(
+        "--lives-from",
+        type=Path,
+        help="take each configuration's life from an earlier run's --json instead of timing it",
+    )
     args = parser.parse_args(argv)
 
     shutil.rmtree(args.work_dir, ignore_errors=True)
@@ -356,7 +361,13 @@ def main(argv: list[str] | None = None) -> int:
         for kind in args.neighbours.split(",")
     ]
     lives = {}
+    if args.lives_from:
+        for earlier in json.loads(args.lives_from.read_text()):
+            lives[(earlier["executor"], earlier["recipe"], earlier["neighbour"])] = earlier["life_s"]
     for configuration in configurations:
+        if configuration in lives:
+            print(f"life of {' / '.join(configuration)}: {lives[configuration]:.1f} s (from {args.lives_from})")
+            continue
         executor, shape, kind = configuration
         lives[configuration] = measure_life(
             recipes[shape], args.work_dir / f"life-{executor}-{shape}-{kind}", executor, kind
