@@ -33,6 +33,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -186,15 +187,22 @@ def neighbour(kind: str, marker: str):
 def start_sweep(recipe: Path, folder: Path, executor: str, marker: str) -> subprocess.Popen:
     """`quantlab sweep` in a session of its own (a terminal's foreground group), with a fresh store and cache."""
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / "tmp"
-    tmp.mkdir(exist_ok=True)
+    # Short: the fork server's socket goes under TMPDIR, and an AF_UNIX path holds 107 bytes (a trial folder under
+    # pytest's tmp_path did not fit: "OSError: AF_UNIX path too long").
+    tmp = Path(tempfile.mkdtemp(prefix="qit-"))
     store = f"sqlite:///{folder / 'store.db'}"
     command = sweep_command(recipe, store, folder / "cache", "--executor", executor)
     env = {**os.environ, MARKER: marker, "TMPDIR": str(tmp), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     with (folder / "sweep.out").open("w") as sink:
-        return subprocess.Popen(
+        sweep = subprocess.Popen(
             command, cwd=folder, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+    sweep.scratch = tmp  # removed by `finished`
+    return sweep
+
+
+def finished(sweep: subprocess.Popen) -> None:
+    shutil.rmtree(sweep.scratch, ignore_errors=True)
 
 
 def measure_life(recipe: Path, folder: Path, executor: str, kind: str) -> float:
@@ -203,6 +211,7 @@ def measure_life(recipe: Path, folder: Path, executor: str, kind: str) -> float:
         started = time.monotonic()
         sweep = start_sweep(recipe, folder, executor, marker)
         code = sweep.wait()
+        finished(sweep)
         seconds = time.monotonic() - started
     if code != 0:
         raise SystemExit(
@@ -235,6 +244,7 @@ def run_trial(trial: Trial, recipe: Path, folder: Path, bound: float, dump_after
         if sweep.poll() is not None:
             trial.finished_first, trial.exit_code = True, sweep.returncode
             trial.run_states = run_states(folder)
+            finished(sweep)
             return trial
         trial.running_at_signal = describe_running(marked_processes(marker), sweep.pid)
         signalled = time.monotonic()
@@ -261,6 +271,7 @@ def run_trial(trial: Trial, recipe: Path, folder: Path, bound: float, dump_after
     time.sleep(1.0)  # what the sweep stopped is given a moment to be reaped (a server's guard polls every 0.2 s)
     trial.leftovers = [command for _, command in marked_processes(marker)]
     kill_marked(marker)
+    finished(sweep)
     try:
         trial.run_states = run_states(folder)
     except Exception as error:  # noqa: BLE001 - a store the stop left unreadable is this trial's failure

@@ -171,6 +171,8 @@ def sweep(
     except BaseException as error:  # Ctrl-C or SIGTERM (quantlab.stopping), however far the sweep got
         if stopping.stopped(error) is None:
             raise
+        # The fork server would otherwise finish its imports (seconds) before it sees that its sweep is gone.
+        stop_variant_processes()
         err.print(
             f"{stopping.reason(error).capitalize()}: this sweep's unfinished runs are marked KILLED. Run the same "
             "command again to resume; finished variants are copied, not recomputed."

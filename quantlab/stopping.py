@@ -12,6 +12,10 @@ SIGINT is handled even when the process started with it ignored, which Python ot
 non-interactive shell starts in the background inherits SIGINT ignored (POSIX), and so did every sweep of a test
 suite run that way; Ctrl-C sent to such a sweep's group did nothing, and its runs stayed RUNNING. To keep a sweep out
 of a terminal's Ctrl-C, start it in a session of its own (`setsid quantlab sweep ...`).
+
+One module-level variable, set with `global`: the watcher of the block the main thread is in. Signal handlers are
+the process's, one set at a time, so the watcher that handles them is the process's too; `on_force`, `stopped` and
+`raise_if_stopped` find it there, deep in a sweep, without every layer handing it on.
 """
 
 from __future__ import annotations
