@@ -186,7 +186,10 @@ def test_engine_support_is_each_methods_own_declaration():
     single = {name: method for name, method in METHODS.items() if name != "mixed"}  # mixed: a format per group
     refused_on_cpu = {m for m, method in single.items() if vllm.supports(method.stored_format, "cpu") is None}
     amx = "amx_tile" in host_cpu_flags()  # vLLM's CPU FP8 block kernels need AMX tiles
-    assert refused_on_cpu == {"nvfp4", "nvfp4a16", "mxfp4", "mxfp8", "w4a8_fp8"} | (set() if amx else {"fp8_block"})
+    avx512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= host_cpu_flags()  # and its W4A16 kernel AVX-512
+    assert refused_on_cpu == {"nvfp4", "nvfp4a16", "mxfp4", "mxfp8", "w4a8_fp8"} | (set() if amx else {"fp8_block"}) | (
+        set() if avx512 else {"awq_int4", "gptq_int4"}
+    )
     assert all(vllm.supports(method.stored_format, "cuda") for method in single.values())
     assert vllm.supports("NVFP4", "cuda").served_as.startswith("NVFP4A16")
     declared = METHODS["fp8_block"].served["vllm"]["cpu"]
@@ -220,28 +223,53 @@ def test_served_as_is_shown_in_the_report_table_and_by_pick():
     assert "Served as another format" in report and "under contention" not in report
 
 
-@pytest.mark.parametrize("amx", [True, False])
-def test_validate_refuses_fp8_blocks_on_vllm_where_the_cpu_has_no_amx(tmp_path, tiny_llama, monkeypatch, amx):
-    """The other kind of CPU is one this machine cannot become: its flags are set here (a fake, for that alone).
+AVX2 = frozenset({"avx", "avx2", "fma", "f16c"})
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"}
+AMX = AVX512 | {"amx_tile", "amx_bf16"}
+
+
+@pytest.mark.parametrize(
+    ("cpu", "flags", "refused"),
+    [
+        ("Sapphire Rapids", AMX, []),
+        (
+            "EPYC with AVX-512",
+            AVX512,
+            ["variant blocks: vLLM cannot serve FP8_BLOCK checkpoints on cpu: its kernels need CPU features this CPU "
+             "lacks (amx_tile)"],
+        ),
+        (
+            "EPYC with AVX2 alone",
+            AVX2,
+            ["variant awq: vLLM cannot serve W4A16 checkpoints on cpu: its kernels need CPU features this CPU lacks "
+             "(avx512f, avx512bw, avx512dq, avx512vl)",
+             "variant blocks: vLLM cannot serve FP8_BLOCK checkpoints on cpu: its kernels need CPU features this CPU "
+             "lacks (amx_tile)"],
+        ),
+    ],
+)  # fmt: skip
+def test_validate_refuses_what_vllm_has_no_kernel_for_on_this_cpu(
+    tmp_path, tiny_llama, monkeypatch, cpu, flags, refused
+):
+    """The other kinds of CPU are ones this machine cannot become: their flags are set here (a fake, for that alone).
     vLLM 0.32's CPU FP8 block kernels need AMX tiles; on an AMD EPYC its engine failed at start-up ("Failed to find
-    a kernel that can implement the ScaledMM linear layer ... requires AMX tile support")."""
+    a kernel that can implement the ScaledMM linear layer ... requires AMX tile support"). Its W4A16 kernel is in its
+    AVX-512 library alone: on an EPYC with AVX2 alone a W4A16 server died at its first request ("'_C' object has no
+    attribute 'cpu_gemm_wna16'")."""
     from quantlab.serving.engines import base
 
-    flags = frozenset({"avx512f", "avx512_bf16"} | ({"amx_tile", "amx_bf16"} if amx else set()))
     monkeypatch.setattr(base, "host_cpu_flags", lambda: flags)
     serving = {"engine": "vllm", "python": sys.executable}
-    recipe = tiny_recipe(
-        tiny_llama, variants=[{"name": "bf16", "method": "bf16"}, {"name": "blocks", "method": "fp8_block"}]
-    )
+    variants = [
+        {"name": "bf16", "method": "bf16"},
+        {"name": "fp8", "method": "fp8"},
+        {"name": "int8", "method": "int8"},
+        {"name": "awq", "method": "awq_int4", "params": {"group_size": 32}},
+        {"name": "blocks", "method": "fp8_block"},
+    ]
+    recipe = tiny_recipe(tiny_llama, variants=variants)
     problems = serving_problems(Recipe.model_validate(recipe | {"serving": serving}), tmp_path, "r.yaml", tmp_path)
-    refusals = [problem.message for problem in problems if problem.field == "serving.engine"]
-    if amx:
-        assert refusals == []
-    else:
-        assert refusals == [
-            "variant blocks: vLLM cannot serve FP8_BLOCK checkpoints on cpu: its kernels need CPU features this CPU "
-            "lacks (amx_tile)"
-        ]
+    assert [problem.message for problem in problems if problem.field == "serving.engine"] == refused
 
 
 def test_vllm_serves_fp8_blocks_on_this_cpu_with_the_kernel_declared(tmp_path, vllm_python):  # noqa: F811

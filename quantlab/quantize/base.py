@@ -44,6 +44,12 @@ class Support:
     cpu_flags: tuple[str, ...] = ()
 
 
+# vLLM's CPU build loads its AVX-512 ops library only where torch reports AVX-512 (F, BW, DQ and VL), else its AVX2
+# one, which has no `cpu_gemm_wna16`: a W4A16 server then starts, and dies when it first runs such a layer
+# ("'_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'", on an AMD EPYC with AVX2 alone).
+AVX512 = ("avx512f", "avx512bw", "avx512dq", "avx512vl")
+
+
 # engine name (quantlab.serving.engines.ENGINES) -> device ("cpu", "cuda") -> how it runs the method's checkpoints.
 # A device missing: that engine cannot serve them there (the recipe is refused before any work), unless the engine
 # has a generic path of its own (transformers serve dequantizes whatever it is given).
@@ -132,7 +138,10 @@ class GroupwiseInt4(Method):
     needs_calibration: ClassVar[bool] = True
     stored_format: ClassVar[str | None] = "W4A16"
     served: ClassVar[Served] = {
-        "vllm": {"cpu": Support("CPUWNA16LinearKernel"), "cuda": Support("Machete (Hopper) or Marlin W4A16")},
+        "vllm": {
+            "cpu": Support("CPUWNA16LinearKernel", cpu_flags=AVX512),
+            "cuda": Support("Machete (Hopper) or Marlin W4A16"),
+        },
     }
 
     @staticmethod
