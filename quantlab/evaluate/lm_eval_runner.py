@@ -166,8 +166,18 @@ def run_tasks(
     """Score an already loaded Hugging Face `model` on each requested task (see `score_tasks`)."""
     from lm_eval.models.huggingface import HFLM
 
-    language_model = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    language_model = HFLM(
+        pretrained=model, tokenizer=tokenizer, batch_size=batch_size, add_bos_token=adds_bos(tokenizer)
+    )
     return score_tasks(language_model, tasks, include_path, progress)
+
+
+def adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer's own encoding starts with its BOS token (Llama 3's does, SmolLM2's has none): both
+    scoring paths send exactly that. lm-eval's HFLM follows the tokenizer; its local-completions sends no BOS
+    unless told (`add_bos_token=False` by default), which would score the served model on other inputs."""
+    bos = tokenizer.bos_token_id
+    return bos is not None and tokenizer("x").input_ids[:1] == [bos]
 
 
 def served_language_model(
@@ -178,12 +188,15 @@ def served_language_model(
     (the engine batches them), generation as plain ones; tokens are counted with the checkpoint's own tokenizer,
     read locally (no hub, no remote tokenizer endpoint)."""
     from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from transformers import AutoTokenizer
 
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
     return LocalCompletionsAPI(
         base_url=f"{url}/v1/completions",
         model=model_name,
         tokenizer_backend="huggingface",
         tokenizer=str(tokenizer_path),
+        add_bos_token=adds_bos(tokenizer),
         num_concurrent=concurrency,
         batch_size=batch_size,
         max_length=max_length,
