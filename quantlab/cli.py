@@ -788,6 +788,18 @@ def pick_command(
     max_kld: Annotated[float | None, typer.Option(help="Largest allowed quality/kld_mean.")] = None,
     min_top1: Annotated[float | None, typer.Option(help="Smallest allowed quality/top1_agreement (0-1).")] = None,
     max_memory: Annotated[float | None, typer.Option(help="Largest allowed cost/peak_memory_bytes.")] = None,
+    candidates: Annotated[
+        str | None,
+        typer.Option(
+            help="How the choice among several candidates keeps its error rate: fixed_sequence (each at the full level, in a fixed order, stopping at the first not shown within every drop limit), bonferroni (each at the level / K), or none (each at the level: up to K times it for K candidates). Default: the recipe's policy (fixed_sequence unless it says otherwise)."
+        ),
+    ] = None,
+    sequence: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="VARIANT tested first by the fixed sequence, in the order given (repeatable); the rest follow by the objective, the one it rates worst first. Declare it before looking at the quality figures."
+        ),
+    ] = None,
     objective: Annotated[
         str | None,
         typer.Option(
@@ -811,7 +823,9 @@ def pick_command(
     A drop passes when the one-sided 97.5% upper bound of its paired drop is within the limit
     ("shown within the limit"; the level is the policy's one_sided_alpha, 2.5% by default). A variant
     must pass every limit: an intersection-union test, whose error rate is that level however many
-    limits there are, so it needs no correction. "Shown over the limit" (the lower bound beyond it)
+    limits there are, so it needs no correction. Among several candidates, the choice keeps that error
+    rate by testing them in a fixed sequence (--candidates), and says what its error rate is.
+    "Shown over the limit" (the lower bound beyond it)
     is Holm-corrected over the variant's drop checks. Otherwise the variant is undecided ("not
     enough evidence", with the documents that would settle it at the policy's power, 80% by
     default), which is not a pass. Each verdict says how many checks it rests on. With no limit
@@ -825,6 +839,8 @@ def pick_command(
     policy = _pick_policy(
         view, max_drop or [], max_kld=max_kld, min_top1_agreement=min_top1, max_peak_memory_bytes=max_memory
     )
+    if candidates is not None or sequence:
+        policy = _with_candidates(policy or view.settings.default_policy, candidates, sequence or [])
     decision = decide(view, policy, objective)
     record = record_pick(store, view, decision, register=register, alias=alias, model_name=model_name)
     if as_json:
@@ -877,12 +893,25 @@ def _pick_policy(view, max_drop: list[str], **bounds: float | None):
     return policy
 
 
+def _with_candidates(policy, candidates: str | None, sequence: list[str]):
+    """The policy with --candidates and --sequence applied, the flag named when its value is refused."""
+    from quantlab.policy import CandidateControl
+
+    known = [control.value for control in CandidateControl]
+    if candidates is not None and candidates not in known:
+        raise bad_input("--candidates", "", f"{candidates!r} is not one of {', '.join(known)}")
+    changes = {"candidates": CandidateControl(candidates)} if candidates is not None else {}
+    return policy.model_copy(update=changes | ({"sequence": sequence} if sequence else {}))
+
+
 def _print_decision(decision) -> None:
     """The summary, then each variant's verdict in words: the chosen one's evidence, the others' reasons, and
     warnings about speed figures timed while other work competed for the cores."""
     from rich.markup import escape
 
     out.print(decision.summary)
+    if decision.control is not None:
+        out.print(decision.control.words)
     for verdict in decision.verdicts:
         lines = [check.detail for check in verdict.checks] if verdict.name == decision.chosen else list(verdict.reasons)
         shown = f"{verdict.status.words}; {verdict.basis}" if verdict.checks else verdict.status.words

@@ -14,6 +14,7 @@ from enum import Enum
 from functools import partial
 from typing import Any
 
+from quantlab.candidates import ChoiceControl, SequenceError, control_choice, sequence_order
 from quantlab.frontier import Axis, VariantSummary, ensure_unique_names
 from quantlab.measure.contention import CONTENDED_TAG, CONTENTION_TAG
 from quantlab.metrics import EvalKey, paired_key, spec
@@ -21,17 +22,19 @@ from quantlab.paired import (
     Group,
     NonInferiority,
     Outcome,
-    agresti_min_se,
     float_slack,
     holm_alphas,
     non_inferiority,
     over_p,
+    paired_binary_non_inferiority,
+    paired_binary_over_p,
 )
 from quantlab.policy import (
     KLD_MEAN,
     Bound,
     DropRule,
     Policy,
+    PolicyError,
     format_change,
     format_value,
     unchecked_by_any_task,
@@ -80,7 +83,9 @@ class CheckResult:
 
 @dataclass(frozen=True)
 class _Evidence:
-    """A drop check with paired statistics, before the variant's checks are judged together."""
+    """A drop check with paired statistics, before the variant's checks are judged together. With `flips`
+    (correct_to_wrong, wrong_to_correct: 0/1 scores of one pool of documents) it is judged on Tango's score
+    bounds from them ("shown over" also needs the Wald bound on Agresti and Min's se over the limit), else on `se`."""
 
     rule: DropRule
     drop: float
@@ -88,10 +93,36 @@ class _Evidence:
     n: int
     df: float
     available: int | None
+    flips: tuple[int, int] | None = None
+
+    @property
+    def limit(self) -> float:
+        return self.rule.allowed or 0.0
+
+    @property
+    def bounds_name(self) -> str:
+        return "bounds" if self.flips is None else "bounds from the flips"
 
     @property
     def p_over(self) -> float:
-        return over_p(self.drop, self.se, self.rule.allowed or 0.0, self.df)
+        if self.flips is None:
+            return over_p(self.drop, self.se, self.limit, self.df)
+        return paired_binary_over_p(self.n, *self.flips, self.limit, higher_is_better=self.rule.spec.higher_is_better)
+
+    def judge(self, policy: Policy, over_alpha: float) -> NonInferiority:
+        """The check at the policy's level for "shown within", `over_alpha` (Holm's) for "shown over"."""
+        settings = {
+            "alpha": policy.one_sided_alpha,
+            "over_alpha": over_alpha,
+            "power": policy.power,
+            "available": self.available,
+        }
+        if self.flips is None:
+            return non_inferiority(self.drop, self.se, self.n, self.limit, df=self.df, **settings)
+        higher_is_better = self.rule.spec.higher_is_better
+        return paired_binary_non_inferiority(
+            self.n, *self.flips, self.limit, higher_is_better=higher_is_better, **settings
+        )
 
 
 def _drop_evidence(
@@ -115,14 +146,14 @@ def _drop_evidence(
         return result(CheckStatus.UNDECIDED, detail, outcome=Outcome.UNSURE, limit=rule.allowed)
     n = int(variant.value(paired_key(metric, "n")) or 0)
     df = variant.value(paired_key(metric, "df")) or math.inf  # not logged: 0/1 scores (or an older sweep)
-    flips = [variant.value(paired_key(metric, name)) for name in ("correct_to_wrong", "wrong_to_correct")]
-    if None not in flips:
-        # 0/1 scores of one pool of documents (a task, a size-weighted group): with no flip the plain paired
-        # se is 0, and five identical answers would "show" any limit; Agresti and Min's adjusted se says how
-        # little they show. (A group weighted otherwise logs no flips, and an se combined from its leaves' own.)
-        se, df = agresti_min_se(n, int(flips[0]), int(flips[1])), math.inf
+    logged_flips = [variant.value(paired_key(metric, name)) for name in ("correct_to_wrong", "wrong_to_correct")]
+    # 0/1 scores of one pool of documents (a task, a size-weighted group) are judged on their flips: the plain paired
+    # se is 0 without a flip, and five identical answers would "show" any limit; Wald bounds on any se of a difference
+    # of matched proportions are liberal at the limit (issue 45). A group weighted otherwise logs no flips, and an se
+    # combined from its leaves' own.
+    flips = None if None in logged_flips else (int(logged_flips[0]), int(logged_flips[1]))  # type: ignore[arg-type]
     drop = -diff if rule.spec.higher_is_better else diff
-    return _Evidence(rule, drop, se, n, df, documents_available(metric, n, documents))
+    return _Evidence(rule, drop, se, n, df, documents_available(metric, n, documents), flips)
 
 
 def documents_available(metric: str, n: int, documents: Mapping[str, int]) -> int | None:
@@ -146,18 +177,8 @@ def _drop_checks(evidence: Sequence[CheckResult | _Evidence], policy: Policy) ->
         if isinstance(item, CheckResult):
             judged.append(item)
             continue
-        found = non_inferiority(
-            item.drop,
-            item.se,
-            item.n,
-            item.rule.allowed or 0.0,
-            alpha=policy.one_sided_alpha,
-            over_alpha=levels[id(item)],
-            df=item.df,
-            power=policy.power,
-            available=item.available,
-        )
-        words = _verdict_words(item.rule, found, item.n, family, item.available, policy.power)
+        found = item.judge(policy, levels[id(item)])
+        words = _verdict_words(item.rule, found, item.n, family, item.available, policy.power, item.bounds_name)
         extra = {"n": item.n, "family": family, "documents_available": item.available, "is_drop": True}
         judged.append(
             CheckResult(
@@ -178,20 +199,29 @@ def confidence(alpha: float) -> str:
 
 
 def _verdict_words(
-    rule: DropRule, found: NonInferiority, n: int, family: int, available: int | None, power: float
+    rule: DropRule,
+    found: NonInferiority,
+    n: int,
+    family: int,
+    available: int | None,
+    power: float,
+    bounds_name: str = "bounds",
 ) -> str:
-    """'eval/x/acc: shown over the limit: drop 2.00 pts, one-sided 97.5% bounds [1.09 pts, 2.91 pts], limit 1 pt
-    (paired, n=1,000)': the bounds the verdict used (the lower one at Holm's level when several checks share the
-    variant), and for an undecided one how many documents would settle it, or what the task's documents can."""
+    """'eval/x/acc: shown over the limit: drop 2.50 pts, one-sided 97.5% bounds from the flips [1.40 pts, 3.75 pts],
+    limit 1 pt (paired, n=1,000)': the bounds the verdict used (the lower one at Holm's level when several checks
+    share the variant; `bounds_name` says where they come from: on 0/1 scores, the flips, the upper bound Tango's
+    score bound and the lower one the smaller of Tango's and the Wald bound on Agresti and Min's se, here the Wald
+    one, under Tango's 1.52 pts), and for an undecided one
+    how many documents would settle it, or what the task's documents can."""
 
     def amount(value: float) -> str:  # a drop is shown unsigned; a negative one (a gain) keeps its sign
         return format_change(rule.spec, value, signed=value < 0)
 
     if found.over_alpha == found.alpha:
-        bounds = f"one-sided {confidence(found.alpha)} bounds [{amount(found.lower)}, {amount(found.upper)}]"
+        bounds = f"one-sided {confidence(found.alpha)} {bounds_name} [{amount(found.lower)}, {amount(found.upper)}]"
     else:
         bounds = (
-            f"one-sided bounds [{amount(found.lower)} at {confidence(found.over_alpha)} (Holm, {family} checks), "
+            f"one-sided {bounds_name} [{amount(found.lower)} at {confidence(found.over_alpha)} (Holm, {family} checks), "
             f"{amount(found.upper)} at {confidence(found.alpha)}]"
         )
     t = f", t with {found.df:.3g} df" if math.isfinite(found.df) else ""
@@ -293,6 +323,7 @@ class Decision:
     unchecked: tuple[str, ...] = ()  # lm-eval scores max_drop_any_task could not check, with why
     warnings: tuple[str, ...] = ()  # cost figures measured while other work competed (cost_warnings)
     grouped: tuple[str, ...] = ()  # groups max_drop_any_task checked as one score, with how many scores they hold
+    control: ChoiceControl | None = None  # how the candidates were tested together: the choice's error rate
 
     def verdict(self, name: str) -> Verdict:
         return next(v for v in self.verdicts if v.name == name)
@@ -330,6 +361,7 @@ class Decision:
             "unchecked": list(self.unchecked),
             "grouped": list(self.grouped),
             "warnings": list(self.warnings),
+            "error_control": self.control.to_dict() if self.control else None,
             "variants": [asdict(verdict) for verdict in self.verdicts],  # str enums: their values in JSON
         }
 
@@ -414,6 +446,16 @@ def pick(
         if parsed is not None and counts and None not in counts:
             documents.setdefault(parsed.task, sum(counts))  # type: ignore[arg-type]
     bounds = policy.bounds()
+    candidates = {v.name: v.value(objective.metric) for v in variants if v.succeeded and v.name != baseline.name}
+    try:
+        order = sequence_order(candidates, policy.sequence, objective.higher_is_better)
+    except SequenceError as error:
+        refused = PolicyError(str(error))
+        refused.field, refused.recipe_field = "sequence", "frontier.default_policy.sequence"
+        raise refused from None
+    # Bonferroni's level for every candidate's claims, or the policy's (the fixed sequence keeps it).
+    level = ChoiceControl(policy.candidates, order, policy.one_sided_alpha).candidate_alpha
+    judging = policy if level == policy.one_sided_alpha else policy.model_copy(update={"one_sided_alpha": level})
     if (policy.max_drop or policy.max_drop_any_task is not None) and not baseline.succeeded:
         # Drops need a baseline that ran: when it failed, no variant can pass them.
         usable = f"baseline {baseline.name} succeeded (drops are measured against it)"
@@ -434,13 +476,18 @@ def pick(
         constraints = tuple(rule.constraint for rule in rules)
 
         def drop_results(variant: VariantSummary) -> list[CheckResult]:
-            return _drop_checks([_drop_evidence(rule, baseline, variant, documents) for rule in rules], policy)
+            return _drop_checks([_drop_evidence(rule, baseline, variant, documents) for rule in rules], judging)
 
     def evaluate(variant: VariantSummary) -> tuple[CheckResult, ...]:
         return (*drop_results(variant), *(_bound_check(bound, variant) for bound in bounds))
 
     checks: Checks = ((*constraints, *(bound.constraint for bound in bounds)), evaluate)
     judged = {variant.name: _judge(variant, checks, objective) for variant in variants}
+    within = {name: _shown_within_every_drop_limit(judged[name]) for name in order}
+    control = control_choice(policy.candidates, order, within, policy.one_sided_alpha, has_drop_limits=bool(rules))
+    for name in control.untested:
+        if judged[name].status is Status.COSTS_MORE:
+            judged[name] = replace(judged[name], status=Status.UNDECIDED, reasons=(control.untested_reason(name),))
 
     by_name = {variant.name: variant for variant in variants}
     satisfying = sorted(
@@ -472,7 +519,13 @@ def pick(
             for key, group in sorted(groups.items())
             if key in checked and key not in policy.max_drop and any_task
         ),
+        control=control,
     )
+
+
+def _shown_within_every_drop_limit(verdict: Verdict) -> bool:
+    drops = [check for check in verdict.checks if check.is_drop]
+    return verdict.status is not Status.FAILED and all(check.status is CheckStatus.PASSED for check in drops)
 
 
 def _judge(variant: VariantSummary, checks: Checks, objective: Axis) -> Verdict:

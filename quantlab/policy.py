@@ -111,6 +111,19 @@ FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 MetricName = Annotated[str, Field(min_length=1)]
 
 
+class CandidateControl(str, Enum):
+    """How the error rate of the choice is kept when several candidates could be shipped: each candidate shown
+    within its limits at the policy's level would let the chance of shipping some variant truly over its limits
+    grow with their number (with K candidates at their limits, about K times the level)."""
+
+    # Candidates tested one after another, each at the full level, stopping at the first not shown within every
+    # drop limit (later ones are not tested): the error rate stays the level, and the least aggressive are tested
+    # first, where the evidence is likeliest to hold.
+    FIXED_SEQUENCE = "fixed_sequence"
+    BONFERRONI = "bonferroni"  # every candidate's claims at level / K
+    NONE = "none"  # every candidate at the level: the choice's error rate is up to K times it
+
+
 class Policy(BaseModel):
     """What a variant must meet to be shipped. Every field is optional."""
 
@@ -128,6 +141,11 @@ class Policy(BaseModel):
     # test: its error rate is this level, whatever the number of limits). "Shown over" is claimed at this
     # family-wise rate over the variant's drop checks (Holm's step-down).
     one_sided_alpha: float = Field(default=0.025, gt=0, lt=0.5)
+    # How the choice among several candidates keeps that error rate (CandidateControl).
+    candidates: CandidateControl = CandidateControl.FIXED_SEQUENCE
+    # fixed_sequence: the candidates tested first, in this order; the rest follow by the objective, the one it
+    # rates worst (the least compressed, as a rule) first. The order must not come from the quality figures.
+    sequence: list[str] = Field(default_factory=list)
     # The power "about N documents would settle it" is given at.
     power: float = Field(default=0.8, ge=0.5, lt=1)
     max_kld: float | None = Field(default=None, ge=0, allow_inf_nan=False)  # bounds quality/kld_mean

@@ -153,11 +153,12 @@ def frontiers(view: SweepView) -> Frontiers:
 
 def decide(view: SweepView, policy: Policy | None = None, objective: str | None = None) -> Decision:
     """`quantlab pick`: an explicit policy (the CLI's flags), or the recipe's default policy. Flags name limits
-    only: a one-sided level or power the explicit policy does not set comes from the recipe's policy."""
+    only: a one-sided level, power or control of the candidates the explicit policy does not set comes from the
+    recipe's policy."""
     declared = merged_declared(view.variants)
     recipe_policy = view.settings.default_policy
     if policy is not None:
-        inherited = {"one_sided_alpha", "power"} - policy.model_fields_set
+        inherited = {"one_sided_alpha", "power", "candidates", "sequence"} - policy.model_fields_set
         policy = policy.model_copy(update={name: getattr(recipe_policy, name) for name in inherited})
     try:
         axis = Axis.of(objective, declared=declared) if objective else view.settings.objective_axis(declared)

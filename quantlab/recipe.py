@@ -349,6 +349,13 @@ def _problems_across_fields(data: dict, shown: str) -> list[Problem]:
     if isinstance(baseline, str) and variants_raw and baseline not in names:
         message = f"'{baseline}' is not a variant name{did_you_mean(baseline, names)}"
         problems.append(Problem(shown, "baseline", message))
+    sequence = section(section(data, "frontier"), "default_policy").get("sequence")
+    candidates = names - {baseline}
+    for index, name in enumerate(sequence if isinstance(sequence, list) and variants_raw else []):
+        if isinstance(name, str) and name not in candidates:
+            why = "the baseline is no candidate" if name == baseline else "not a variant name"
+            message = f"'{name}': {why}{did_you_mean(name, candidates) if name != baseline else ''}"
+            problems.append(Problem(shown, f"frontier.default_policy.sequence[{index}]", message))
     return problems
 
 

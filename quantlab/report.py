@@ -190,10 +190,11 @@ def decision_text(decision: Decision | None, variants: Sequence[VariantSummary])
         cost += f", {value / base:.0%} of the baseline {decision.baseline}'s {format_value(found, base)}"
     best = "highest" if objective.higher_is_better else "lowest"
     passing = sum(verdict.status in (Status.CHOSEN, Status.COSTS_MORE) for verdict in decision.verdicts)
+    rate = decision.control.brief if decision.control else ""
     return DecisionText(
         f"Ship {decision.chosen}: {cost}.",
         f"It has the {best} {found.label} of the {passing} of {len(decision.verdicts)} variants shown within "
-        f"{_limits(decision)}{rest}.",
+        f"{_limits(decision)}{rest}." + (f" The chance that the choice is over a limit: {rate}." if rate else ""),
     )
 
 

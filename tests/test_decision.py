@@ -6,10 +6,11 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from functools import partial
 
 import numpy as np
 import pytest
-from scipy import stats
+from scipy import optimize, stats
 
 from quantlab.decision import CheckStatus, DecisionError, Status, pick
 from quantlab.frontier import Axis, VariantSummary
@@ -20,9 +21,14 @@ from quantlab.paired import (
     Group,
     Outcome,
     PairedComparison,
+    agresti_min_se,
     combine,
     compare,
-    non_inferiority,
+    holm_alphas,
+    paired_binary_non_inferiority,
+    paired_binary_over_p,
+    tango_restricted_rate,
+    tango_statistic,
 )
 from quantlab.policy import Policy, PolicyError
 
@@ -124,6 +130,21 @@ def summaries(base_docs: DocumentScores, variant_docs: DocumentScores) -> list[V
     return [base, variant]
 
 
+def restricted_log_likelihood(q: float, worse: int, better: int, rest: int, delta: float) -> float:
+    """Of paired 0/1 scores with p_better = q and p_worse = q + delta (every cell observed)."""
+    return worse * math.log(q + delta) + better * math.log(q) + rest * math.log(1 - 2 * q - delta)
+
+
+def score_test_documents(worse_rate: float, better_rate: float, limit: float, z_level: float, z_power: float) -> float:
+    """The score test's sample size by hand, ((z_level sd_0 + z_power sd) / (limit - drop))^2: sd the per-document sd of
+    worse - better at these rates, sd_0 its null one at the limit, sqrt(2 q + limit (1 - limit)), q Tango's
+    restricted rate of wrong->right flips."""
+    drop = worse_rate - better_rate
+    sd = math.sqrt(worse_rate + better_rate - drop**2)
+    sd_0 = math.sqrt(2 * tango_restricted_rate(1, worse_rate, better_rate, limit) + limit * (1 - limit))
+    return ((z_level * sd_0 + z_power * sd) / (limit - drop)) ** 2
+
+
 def test_the_issue_example_is_shown_over_a_one_point_limit():
     # n = 1000, 0.60 -> 0.58 through 25 right->wrong and 5 wrong->right.
     variants = summaries(*documents(25, 5, 575, 395))
@@ -142,23 +163,34 @@ def test_the_issue_example_is_shown_over_a_one_point_limit():
     decision = decide(variants, only(max_drop={ACC: 1}, one_sided_alpha=0.05))
 
     (check,) = decision.verdict("int4").checks
-    # The verdict's se on 0/1 scores is Agresti and Min's: half a document added to each cell,
-    # sqrt((25.5 + 5.5) - (5.5 - 25.5)^2 / 1002) / 1002 = 0.5521 pts (the logged plain one: 0.5443).
-    se = math.sqrt(31 - 400 / 1002) / 1002
+    # 0/1 scores are judged on Tango's score bounds from the flips (issue 45): each is the null drop at which the
+    # score statistic meets the one-sided quantile, here 1.16 and 3.00 pts. "Shown over" also needs the Wald bound on
+    # Agresti and Min's se over the limit (Tango's is liberal where few documents flip), so the lower bound reported
+    # is the smaller of the two: 2.00 - 1.645 * 0.5521 = 1.09 pts, with se = sqrt(25.5 + 5.5 - 20^2 / 1002) / 1002.
+    tango_lower = optimize.brentq(lambda drop: tango_statistic(1000, 25, 5, drop) - Z95, 0.0, 0.02, xtol=1e-12)
+    wald_lower = 0.02 - Z95 * math.sqrt(31 - 20**2 / 1002) / 1002
+    assert agresti_min_se(1000, 25, 5) == pytest.approx(math.sqrt(31 - 20**2 / 1002) / 1002)
+    assert tango_lower == pytest.approx(0.01157, abs=1e-5) and wald_lower == pytest.approx(0.01092, abs=1e-5)
     assert check.outcome is Outcome.OVER and check.status is CheckStatus.FAILED
     assert check.drop == pytest.approx(0.02)
-    assert (check.lower, check.upper) == (pytest.approx(0.02 - Z95 * se), pytest.approx(0.02 + Z95 * se))
-    assert check.lower > 0.01  # even the optimistic end loses more than a point
+    assert check.lower == pytest.approx(min(tango_lower, wald_lower))
+    assert tango_statistic(1000, 25, 5, check.upper) == pytest.approx(-Z95)
+    assert check.lower > 0.01  # even the optimistic end of both tests loses more than a point
     assert check.detail == (
-        f"{ACC}: shown over the limit: drop 2.00 pts, one-sided 95% bounds "
-        "[1.09 pts, 2.91 pts], limit 1 pt (paired, n=1,000)"
+        f"{ACC}: shown over the limit: drop 2.00 pts, one-sided 95% bounds from the flips "
+        "[1.09 pts, 3.00 pts], limit 1 pt (paired, n=1,000)"
     )
     assert decision.verdict("int4").status is Status.REJECTED
     assert decision.chosen == "bf16"
-    # At the default one-sided 2.5% (issue 28) the same evidence does not show it: 2 - 1.96 * 0.5521 = 0.92 pts.
+    # At the default one-sided 2.5% (issue 28) the same evidence does not show it: Tango's lower bound is 0.997 pts,
+    # the Wald one 2.00 - 1.960 * 0.5521 = 0.918 pts, and the p of "shown over" the larger of theirs, 0.0350 (Wald's;
+    # Tango's 0.0253).
     (default,) = decide(variants, only(max_drop={ACC: 1})).verdict("int4").checks
-    assert default.outcome is Outcome.UNSURE and default.lower == pytest.approx(0.02 - Z * se)
-    assert "one-sided 97.5% bounds [0.92 pts, 3.08 pts]" in default.detail
+    assert default.outcome is Outcome.UNSURE and default.lower == pytest.approx(0.00918, abs=1e-5)
+    assert default.lower == pytest.approx(0.02 - Z * agresti_min_se(1000, 25, 5))
+    assert tango_statistic(1000, 25, 5, 0.00997) == pytest.approx(Z, abs=1e-3)
+    assert paired_binary_over_p(1000, 25, 5, 0.01) == pytest.approx(stats.norm.sf(0.01 / agresti_min_se(1000, 25, 5)))
+    assert "one-sided 97.5% bounds from the flips [0.92 pts, 3.22 pts]" in default.detail
 
 
 def test_the_same_flip_rate_is_undecided_on_40_documents_and_shown_within_on_4000():
@@ -168,32 +200,35 @@ def test_the_same_flip_rate_is_undecided_on_40_documents_and_shown_within_on_400
 
     (unsure,) = small.verdict("int4").checks
     assert unsure.outcome is Outcome.UNSURE and unsure.status is CheckStatus.UNDECIDED
-    # By hand (Agresti-Min): se = sqrt((2.5 + 2.5) - 0 / 42) / 42 = 5.32 pts; bounds +-10.4 pts.
-    small_se = math.sqrt(5) / 42
-    assert unsure.upper == pytest.approx(Z * small_se)
-    # Documents that settle it with 80% power: ((z_0.975 + z_0.8) * se * sqrt(40) / 0.01)^2
-    # = (2.801585 * 0.053239 * 6.324555 / 0.01)^2 = 94.33^2 = 8898.9 -> 8899.
-    assert pytest.approx(8898.9, abs=0.1) == ((Z + stats.norm.ppf(0.8)) * small_se * math.sqrt(40) / 0.01) ** 2
-    assert unsure.documents_needed == 8899
+    # Tango's upper bound: where the score statistic falls to -z_0.975, 12.52 pts.
+    assert tango_statistic(40, 2, 2, unsure.upper) == pytest.approx(-Z)
+    assert unsure.upper == pytest.approx(0.12519, abs=1e-5)
+    # Documents that settle it with 80% power, the score test's sample size at the same flip rates (5% each way):
+    # ((z_0.975 sd_0 + z_0.8 sd) / 0.01)^2, sd = sqrt(0.1) = 0.316228 the observed per-document sd of worse - better,
+    # sd_0 = sqrt(2 q + 0.01 * 0.99) = 0.317478 the null one at the limit, q = (sqrt(0.08^2 + 8 * 0.000495) + 0.08) / 4
+    # = 0.045446 (Tango's restricted rate): (1.959964 * 0.317478 + 0.841621 * 0.316228) / 0.01 = 88.839; 7892.3 -> 7893.
+    assert tango_restricted_rate(40, 2, 2, 0.01) == pytest.approx(0.045446, abs=1e-6)
+    assert unsure.documents_needed == 7893
     assert "not enough evidence" in unsure.detail
-    assert "about 8,899 documents would settle it (80% power)" in unsure.detail
+    assert "about 7,893 documents would settle it (80% power)" in unsure.detail
     assert small.verdict("int4").status is Status.UNDECIDED
     assert small.chosen == "bf16"  # "not enough evidence" is not a pass
-    assert "int4 would need ~8,899 documents" in small.summary
+    assert "int4 would need ~7,893 documents" in small.summary
 
     (within,) = large.verdict("int4").checks
-    # se = sqrt(401) / 4002 = 0.50 pts; upper bound 0.98 pts <= 1 pt.
-    assert within.upper == pytest.approx(Z * math.sqrt(401) / 4002)
+    # Upper bound 0.98 pts <= 1 pt.
+    assert tango_statistic(4000, 200, 200, within.upper) == pytest.approx(-Z)
     assert within.outcome is Outcome.WITHIN and within.upper < 0.01
     assert large.chosen == "int4"
 
 
 def test_the_documents_estimate_settles_it_at_that_size_with_the_policys_power():
-    # At the estimated size, with the same spread and drop, the expected upper bound sits z_0.8 standard errors
-    # inside the limit: the bound is within it in 80% of samples of that size.
-    spread = math.sqrt(5) / 42 * math.sqrt(40)
-    z = Z + stats.norm.ppf(0.8)
-    assert z * spread / math.sqrt(8899) <= 0.01 < z * spread / math.sqrt(8898)
+    """A simulation of the claim: 7,893 documents flipping 5% each way (the 40-document task's rates) are shown
+    within a point in about 80% of samples."""
+    rng = np.random.default_rng(45)
+    flips = rng.multinomial(7893, [0.05, 0.05, 0.9], size=1000)
+    shown = [paired_binary_non_inferiority(7893, int(b), int(c), 0.01).outcome is Outcome.WITHIN for b, c, _ in flips]
+    assert np.mean(shown) == pytest.approx(0.80, abs=0.03)
 
 
 # (limit, paired diff of quality/ppl, its se): lower is better, so the drop is +diff.
@@ -487,7 +522,8 @@ def test_verdicts_are_ordered_chosen_then_costs_more_undecided_rejected_failed()
         candidate("w8", se=0.05, **{WEIGHTS: 180e6}),
     ]
 
-    decision = decide(variants, Policy(max_drop_any_task=1))
+    # Each candidate on its own evidence (a fixed sequence would stop at w8: tests/test_candidates.py)
+    decision = decide(variants, Policy(max_drop_any_task=1, candidates="none"))
 
     assert [(v.name, v.status) for v in decision.verdicts] == [
         ("fp8", Status.CHOSEN),
@@ -540,11 +576,19 @@ def test_verdicts_agree_with_scipys_one_sided_bounds_on_random_documents(seed):
     (check,) = decide(summaries(base_docs, variant_docs), only(max_drop={ACC: 1})).verdict("int4").checks
 
     d = variant.astype(float) - base.astype(float)
-    # Agresti-Min's se of matched proportions, by hand from the flips.
-    to_wrong, to_right = float(np.sum(d < 0)) + 0.5, float(np.sum(d > 0)) + 0.5
-    mean, sem = d.mean(), math.sqrt(to_wrong + to_right - (to_right - to_wrong) ** 2 / 502) / 502
-    assert check.drop == pytest.approx(-mean)
-    assert check.upper == pytest.approx(-mean + stats.norm.ppf(0.975) * sem)
+    worse, better = int(np.sum(d < 0)), int(np.sum(d > 0))
+    assert check.drop == pytest.approx(-d.mean())
+    # Tango's upper bound by hand: there the score statistic, on the rate of wrong->right flips that maximises the
+    # likelihood under the null drop (found by scipy), is -z_0.975.
+    null = check.upper
+    log_likelihood = partial(
+        restricted_log_likelihood, worse=worse, better=better, rest=500 - worse - better, delta=null
+    )
+    rate = optimize.minimize_scalar(
+        lambda q: -log_likelihood(q), bounds=(max(0, -null), (1 - null) / 2), method="bounded", options={"xatol": 1e-12}
+    ).x
+    statistic = (worse - better - 500 * null) / math.sqrt(500 * (2 * rate + null * (1 - null)))
+    assert statistic == pytest.approx(-stats.norm.ppf(0.975), abs=1e-4)
     expected = Outcome.WITHIN if check.upper <= 0.01 else Outcome.OVER if check.lower > 0.01 else Outcome.UNSURE
     assert check.outcome is expected
 
@@ -553,7 +597,9 @@ def test_a_few_identical_answers_are_not_proof_of_no_loss():
     # 5 documents, no flip: the plain paired se is 0, but 5 documents cannot show a 1-point limit.
     (check,) = decide(summaries(*documents(0, 0, 3, 2)), only(max_drop={ACC: 1})).verdict("int4").checks
     assert check.drop == 0 and check.outcome is Outcome.UNSURE
-    assert check.upper == pytest.approx(Z * math.sqrt(1) / 7)  # Agresti-Min: sqrt(0.5 + 0.5) / (5 + 2)
+    # Tango's bound without flips solves 5 d / (1 - d) = z^2: d = z^2 / (5 + z^2) = 43.4 pts.
+    assert check.upper == pytest.approx(Z**2 / (5 + Z**2))
+    assert "one-sided 97.5% bounds from the flips [-43.45 pts, 43.45 pts]" in check.detail
     # With 10,000 identical answers the same limit is shown.
     (many,) = decide(summaries(*documents(0, 0, 6000, 4000)), only(max_drop={ACC: 1})).verdict("int4").checks
     assert many.outcome is Outcome.WITHIN
@@ -606,6 +652,10 @@ def test_the_hand_built_leaf_comparison_is_compares():
     assert (built.correct_to_wrong, built.wrong_to_correct) == (3, 1)
 
 
+def logged_flips(variant: VariantSummary, metric: str) -> tuple[int, int]:
+    return tuple(int(variant.value(paired_key(metric, name))) for name in ("correct_to_wrong", "wrong_to_correct"))
+
+
 def mmlu_sweep(rng: np.random.Generator, flip_rate: float) -> list[VariantSummary]:
     """Baseline and an fp8 variant that loses nothing on average: each question flips with probability
     `flip_rate`, either way alike. Logged as a sweep logs them: leaves, and the group combined from them."""
@@ -624,8 +674,8 @@ def mmlu_sweep(rng: np.random.Generator, flip_rate: float) -> list[VariantSummar
 @pytest.mark.parametrize("flip_rate", [0.02, 0.04, 0.06])
 def test_the_default_policy_passes_an_unharmed_variant_on_mmlu(flip_rate):
     """Issue 28: with every subject its own 1-point check the default policy could never pass such a variant
-    (24 subjects have under 163 questions: even no flip leaves the Agresti-Min bound above a point). By default
-    the group is one check, its size-weighted aggregate: 14,042 questions."""
+    (51 subjects have under 381 questions: even with no flip Tango's bound, z^2 / (n + z^2), is above a point).
+    By default the group is one check, its size-weighted aggregate: 14,042 questions."""
     rng = np.random.default_rng(2028)
     runs = 400
     passed = 0
@@ -638,7 +688,7 @@ def test_the_default_policy_passes_an_unharmed_variant_on_mmlu(flip_rate):
     assert passed / runs >= 0.95
 
 
-@pytest.mark.parametrize(("flip_rate", "uncorrected_at_least"), [(0.02, 0.0), (0.06, 0.10)])
+@pytest.mark.parametrize(("flip_rate", "uncorrected_at_least"), [(0.02, 0.005), (0.06, 0.20)])
 def test_named_mmlu_subjects_are_held_to_holms_family_wise_rate(flip_rate, uncorrected_at_least):
     """Every subject named: 57 checks. "Shown over" on any subject rejects the variant, so without a correction
     an unharmed variant is rejected by chance on some subject; Holm holds that to the policy's 2.5%. (Passing
@@ -652,14 +702,16 @@ def test_named_mmlu_subjects_are_held_to_holms_family_wise_rate(flip_rate, uncor
         rejected += verdict.status is Status.REJECTED
         # The same checks each at 2.5% alone, as before the correction.
         uncorrected += any(
-            non_inferiority(check.drop, (check.upper - check.drop) / Z, check.n, 0.01).outcome is Outcome.OVER
+            paired_binary_over_p(check.n, *logged_flips(variants[1], check.metric), 0.01) < 0.025
             for check in verdict.checks
         )
     assert len(verdict.checks) == 57 and {check.family for check in verdict.checks} == {57}
     assert verdict.basis == '57 checks: 57 drop limits ("over" Holm-corrected for 57)'
     assert verdict.status is not Status.COSTS_MORE
     assert rejected / runs <= 0.025
-    # Uncorrected, 57 chances at 2.5% each: about 19% of unharmed variants shown over at a 6% flip rate.
+    # Uncorrected, 57 chances at 2.5% each: 22% of unharmed variants shown over at a 6% flip rate (67 of 300), 0.7% at
+    # 2% (2 of 300), where few subjects flip enough to show anything. "Shown over" needs both Tango's and the Wald test
+    # on Agresti and Min's se: Tango's alone, the bolder where few documents flip, showed 36% and 7% (108 and 22).
     assert uncorrected >= rejected and uncorrected / runs >= uncorrected_at_least
 
 
@@ -685,10 +737,10 @@ def test_a_task_too_small_to_settle_a_limit_says_what_it_can_settle():
     decision = pick(variants, "bf16", only(max_drop={ACC: 1}), BY_SIZE, documents={"mmlu_dev": 40})
 
     (check,) = decision.verdict("int4").checks
-    # 8,899 documents needed (above); 40 can settle drop + (z_0.975 + z_0.8) * sd / sqrt(40) = 2.8016 * 5.32 pts = 14.9.
-    assert check.documents_available == 40 and check.documents_needed == 8899
-    assert check.best_limit == pytest.approx((Z + stats.norm.ppf(0.8)) * math.sqrt(5) / 42)
-    assert check.detail.endswith("; mmlu_dev has 40 documents: it can show a limit of 14.92 pts at best")
+    # 7,893 documents needed (above); 40 settle the limit at which the score test's sample size is 40: 17.89 pts.
+    assert check.documents_available == 40 and check.documents_needed == 7893
+    assert score_test_documents(0.05, 0.05, check.best_limit, Z, stats.norm.ppf(0.8)) == pytest.approx(40)
+    assert check.detail.endswith("; mmlu_dev has 40 documents: it can show a limit of 17.89 pts at best")
 
 
 def test_small_n_continuous_scores_use_students_t():
@@ -722,7 +774,92 @@ def test_a_limit_relative_to_a_baseline_of_zero_is_an_error():
 def test_the_policy_sets_the_level_and_the_power():
     variants = summaries(*documents(2, 2, 18, 18))
     (check,) = decide(variants, only(max_drop={ACC: 1}, one_sided_alpha=0.05, power=0.9)).verdict("int4").checks
-    spread = math.sqrt(5) / 42 * math.sqrt(40)
-    assert check.upper == pytest.approx(Z95 * math.sqrt(5) / 42)
-    assert check.documents_needed == math.ceil(((Z95 + stats.norm.ppf(0.9)) * spread / 0.01) ** 2)
-    assert "one-sided 95% bounds" in check.detail and "(90% power)" in check.detail
+    assert tango_statistic(40, 2, 2, check.upper) == pytest.approx(-Z95)
+    assert check.documents_needed == math.ceil(score_test_documents(0.05, 0.05, 0.01, Z95, stats.norm.ppf(0.9)))
+    assert "one-sided 95% bounds from the flips" in check.detail and "(90% power)" in check.detail
+
+
+# --------------------------------------------------------------------------------------
+# 0/1 checks with logged flips: Tango's score bounds (issue 45)
+# --------------------------------------------------------------------------------------
+
+ERRORS = "eval/mmlu_dev/error_rate"  # a 0/1 score where lower is better
+
+
+def binary_sweep(flips: dict[str, tuple[int, int]], n: int = 1000) -> list[VariantSummary]:
+    """Baseline and int4 on n 0/1 documents per metric, int4 with these (correct_to_wrong, wrong_to_correct) flips
+    (1 -> 0 and 0 -> 1 of the score, whatever its direction), logged as a sweep logs them."""
+    declared = {metric: Declared(metric != ERRORS, Scale.FRACTION) for metric in flips}
+    base_metrics, int4_metrics = {WEIGHTS: 270e6}, {WEIGHTS: 90e6}
+    for metric, (to_zero, to_one) in flips.items():
+        right = n // 2
+        comparison = compare("mmlu_dev", *documents(to_zero, to_one, right - to_zero, n - right - to_one))
+        base_metrics[metric] = comparison.baseline
+        int4_metrics |= {metric: comparison.variant}
+        int4_metrics |= {paired_key(metric, stat): value for stat, value in comparison.statistics().items()}
+    return [
+        VariantSummary("bf16", "bf16", True, base_metrics, is_baseline=True, declared=declared),
+        VariantSummary("int4", "int4", True, int4_metrics, declared=declared),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("metric", "flips", "limit", "higher_is_better"),
+    [
+        (ACC, (12, 7), 1, True),  # undecided: 0.5 pts lost, give or take 1
+        (ACC, (28, 3), 1, True),  # shown over
+        (ACC, (3, 3), 1, True),  # shown within
+        (ERRORS, (3, 12), 1, False),  # lower is better: 12 errors more, 3 fewer, 0.9 pts worse
+        (ERRORS, (12, 3), 1, False),  # 0.9 pts better
+    ],
+)
+def test_a_check_with_logged_flips_is_judged_on_tangos_score_bounds(metric, flips, limit, higher_is_better):
+    variants = binary_sweep({metric: flips})
+
+    (check,) = decide(variants, only(max_drop={metric: limit})).verdict("int4").checks
+
+    expected = paired_binary_non_inferiority(1000, *flips, limit / 100, higher_is_better=higher_is_better)
+    assert (check.outcome, check.drop, check.lower, check.upper, check.documents_needed) == (
+        expected.outcome,
+        pytest.approx(expected.drop),
+        pytest.approx(expected.lower),
+        pytest.approx(expected.upper),
+        expected.documents_needed,
+    )
+    worse, better = flips if higher_is_better else flips[::-1]
+    assert check.drop == pytest.approx((worse - better) / 1000)
+    assert f"one-sided 97.5% bounds from the flips [{100 * check.lower:.2f} pts" in check.detail
+    assert check.df is None  # the normal quantile
+
+
+def test_without_logged_flips_the_same_check_keeps_its_wald_bounds():
+    (with_flips, without) = (binary_sweep({ACC: (12, 7)}) for _ in range(2))
+    without[1] = VariantSummary(
+        "int4",
+        "int4",
+        True,
+        {key: value for key, value in without[1].metrics.items() if not key.endswith(("_to_wrong", "_to_correct"))},
+        declared=DECLARED,
+    )
+    se = without[1].value(paired_key(ACC, "se"))
+
+    (tango,) = decide(with_flips, only(max_drop={ACC: 1})).verdict("int4").checks
+    (wald,) = decide(without, only(max_drop={ACC: 1})).verdict("int4").checks
+
+    assert wald.upper == pytest.approx(0.005 + Z * se) and "one-sided 97.5% bounds [" in wald.detail
+    assert tango.upper > wald.upper  # 1.47 pts against 1.35 on the plain paired se
+    assert "Tango" not in wald.detail and "bounds from the flips" in tango.detail
+
+
+def test_holm_orders_the_checks_by_tangos_p_values():
+    flips = {ACC: (28, 3), CLOZE: (25, 5)}
+    variants = binary_sweep(flips)
+
+    checks = decide(variants, only(max_drop=dict.fromkeys(flips, 1))).verdict("int4").checks
+
+    # The p of "shown over" on 0/1 scores: the larger of Tango's and the Wald test's on Agresti and Min's se.
+    p_values = [paired_binary_over_p(1000, *flips[check.metric], 0.01) for check in checks]
+    assert [check.over_alpha for check in checks] == pytest.approx(holm_alphas(p_values, 0.025))
+    assert p_values[0] < 0.025 / 2 < 0.025 < p_values[1]  # 28/3 shown over at Holm's first rank, 25/5 not at all
+    assert [check.outcome for check in checks] == [Outcome.OVER, Outcome.UNSURE]
+    assert "one-sided bounds from the flips [" in checks[0].detail and "(Holm, 2 checks)" in checks[0].detail

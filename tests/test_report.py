@@ -293,7 +293,11 @@ def test_markdown_explains_quality_with_paired_intervals_ties_and_the_decision(s
     assert decision.verdict("awq-int4-g64").status is Status.REJECTED  # 10 points of mmlu, far over 1 point
     # The level the verdicts used, why "within every limit" needs no correction, and what "over" is corrected for.
     assert "the one-sided 97.5% upper bound of the paired drop" in report
-    assert "an intersection-union test whose error rate stays 2.5% however many limits there are" in report
+    assert (
+        "an intersection-union test whose error rate for that variant stays 2.5% however many limits it has" in report
+    )
+    # The choice among the candidates keeps its own error rate, and says so under the recommendation.
+    assert decision.control is not None and decision.control.words in report
     assert "with Holm's correction over the variant's drop checks" in report
     assert f"Why it qualifies ({decision.verdict(decision.chosen).basis};" in report
     # awq loses 20 mmlu answers and gains 4: a loss beyond the noise, explained by its flips.

@@ -214,7 +214,12 @@ def _logged_sweep(store, tmp_path) -> str:
     experiment = store.experiment_id("tiny")
     parent = tracking.start_sweep(store, experiment, "sweep tiny", {})
     store.log_files(
-        parent, {"recipe.yaml": "name: tiny\nbaseline: bf16\nmodel:\n  source: HuggingFaceTB/SmolLM2-135M\n"}
+        parent,
+        {
+            "recipe.yaml": "name: tiny\nbaseline: bf16\nmodel:\n  source: HuggingFaceTB/SmolLM2-135M\n"
+            # fp8 first: w8, tested next and shown over, ends the fixed sequence (int4 is never tested)
+            "frontier:\n  default_policy:\n    sequence: [fp8, w8, int4]\n"
+        },
     )
     baseline = _scores(1200)
     for name, right, size in (("bf16", 1200, 270e6), ("fp8", 1199, 170e6), ("int4", 900, 100e6), ("w8", 1000, 200e6)):
