@@ -193,8 +193,8 @@ _FIXED: dict[str, tuple[bool | None, Scale, str]] = {
     # Served behind a real server under guidellm's load (quantlab.serving), on this machine. The best load level
     # meeting the recipe's service levels (serving.slo) gives goodput and the dollar figure.
     "cost/serving/usd_per_mtok": (False, Scale.USD, "USD per million output tokens (served, at goodput)"),
-    # Goodput (DistServe, vLLM): the highest load level whose share of requests meeting every per-request SLO
-    # reaches serving.slo.attainment (default 90%); its requests/s (all its requests, not only those within SLO),
+    # Goodput (DistServe's): the highest load level whose share of requests meeting every per-request SLO
+    # reaches serving.slo.attainment (default 90%), none after the first level shown below it; its requests/s (all its requests, not only those within SLO),
     # output tokens/s and mean requests in flight. The tag quantlab.serving.goodput_definition states the SLOs.
     "cost/serving/goodput_tokens_per_s": (True, Scale.TOKENS_PER_S, "output tokens/s at goodput (SLO share met)"),
     "cost/serving/goodput_requests_per_s": (True, Scale.REQUESTS_PER_S, "goodput: requests/s with the SLO share met"),
@@ -223,6 +223,11 @@ _FIXED: dict[str, tuple[bool | None, Scale, str]] = {
     "cost/serving/<level>/incomplete": (None, Scale.COUNT, "requests cut off at {level}"),
     # share of the level's requests meeting every per-request SLO (guidellm's count; errored ones miss)
     "cost/serving/<level>/slo_attainment": (True, Scale.FRACTION, "requests within every SLO at {level}"),
+    # its exact (Clopper-Pearson) one-sided 95% bounds, from the requests judged (quantlab.serving.goodput)
+    "cost/serving/<level>/slo_attainment_lower": (True, Scale.FRACTION, "95% lower bound: within SLO at {level}"),
+    "cost/serving/<level>/slo_attainment_upper": (True, Scale.FRACTION, "95% upper bound: within SLO at {level}"),
+    # vLLM's request goodput: requests completed within every SLO per second at the level
+    "cost/serving/<level>/good_requests_per_s": (True, Scale.REQUESTS_PER_S, "requests/s within every SLO at {level}"),
     "cost/serving/<level>/concurrency": (None, Scale.COUNT, "mean requests in flight at {level}"),
     # Documents whose 0/1 score differs from the baseline's (a group: the sum of its leaves), then by direction.
     "quality/flips/<task>": (False, Scale.COUNT, "{task} answer flips"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ import torch
 
 from quantlab.measure.bandwidth import probe_path, sweep_bandwidth
 from quantlab.measure.modeled import ModelShape
-from quantlab.serving.goodput import goodput_level, misses, summarize
+from quantlab.serving.goodput import clopper_pearson, goodput_level, misses, not_counted, summarize
 from quantlab.serving.levels import LoadLevel, load_levels, min_requests, supports
 from quantlab.serving.load import scenario
 from quantlab.serving.measured import WARMUP_WAVES, level_requests
@@ -201,9 +202,61 @@ def test_a_level_below_the_share_says_why():
     assert misses(_level("c4", 3, None), slo) == "guidellm judged no request against the SLOs"
     summary = summarize([_level("c4", 3, 0.5)], slo, None, None)
     assert summary.to_tags("transformers")["quantlab.serving.goodput_definition"] == (
-        "the highest load level (by requests/s) with at least 90% of requests with TTFT <= 500 ms and ITL <= 100 ms"
+        "DistServe's: the highest load level (by requests/s) with at least 90% of requests with TTFT <= 500 ms and "
+        "ITL <= 100 ms, none counted after the first level shown below that share (95% exact upper bound)"
     )
     assert summary.unavailable()["goodput"] == "c4: 50% of requests within every SLO < 90%"
+
+
+def _judged(label: str, in_flight: float, rps: float, within: int, of: int) -> LoadLevel:
+    """A level whose `within` of `of` requests met every SLO, at `in_flight` mean requests in flight."""
+    return replace(_level(label, rps, within / of), concurrency=in_flight, succeeded=of)
+
+
+@pytest.mark.parametrize(
+    ("levels", "best", "why_not"),
+    [
+        # 10 of 20 at c4: its 95% upper bound, 70%, is under 90%; c8's lucky 20 of 20 after it does not count
+        (
+            [_judged("c1", 1, 1, 20, 20), _judged("c4", 4, 3, 10, 20), _judged("c8", 8, 5, 20, 20)],
+            "c1",
+            {
+                "c4": "50% of requests within every SLO < 90%",
+                "c8": "not counted: c4 before it is shown below 90% within every SLO (50% of 20 requests, 95% upper "
+                "bound 69.8%)",
+            },
+        ),
+        # 17 of 20 at c4 misses 90%, but is not shown below it (upper bound 96%): c8 still counts
+        ([_judged("c1", 1, 1, 20, 20), _judged("c4", 4, 3, 17, 20), _judged("c8", 8, 5, 20, 20)], "c8", {}),
+        # listed out of order: taken by requests in flight
+        ([_judged("c8", 8, 5, 20, 20), _judged("c1", 1, 1, 20, 20), _judged("c4", 4, 3, 2, 20)], "c1", {}),
+    ],
+)
+def test_no_level_counts_after_the_first_shown_below_the_goal(levels, best, why_not):
+    slo = ServiceLevels()
+    found = goodput_level(levels, slo)
+    assert (found.label if found else None) == best
+    if why_not:
+        assert not_counted(levels, slo) == why_not
+
+
+@pytest.mark.parametrize(
+    ("successes", "trials", "lower", "upper"),
+    [
+        (8, 8, 0.05 ** (1 / 8), 1.0),  # the issue's 8 of 8: over 69% at 95%
+        (0, 8, 0.0, 1 - 0.05 ** (1 / 8)),
+        (10, 20, 0.3020, 0.6980),  # scipy.stats.binomtest(10, 20).proportion_ci(0.90, "exact")
+        (17, 20, 0.6563, 0.9578),
+    ],
+)
+def test_attainment_bounds_are_clopper_pearsons(successes, trials, lower, upper):
+    assert clopper_pearson(successes, trials, 0.05) == pytest.approx((lower, upper), abs=1e-4)
+    level = _judged("c4", 4, 3, successes, trials)
+    metrics = summarize([level], ServiceLevels(), None, None).to_metrics()
+    assert metrics["cost/serving/c4/slo_attainment_lower"] == pytest.approx(lower, abs=1e-4)
+    assert metrics["cost/serving/c4/slo_attainment_upper"] == pytest.approx(upper, abs=1e-4)
+    # vLLM's request goodput: 3 requests/s over 20 requests is a 6.67 s window
+    assert metrics["cost/serving/c4/good_requests_per_s"] == pytest.approx(successes / (trials / 3))
 
 
 def test_requests_cut_off_by_the_time_limit_do_not_remove_goodput():

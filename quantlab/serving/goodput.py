@@ -1,11 +1,17 @@
 """From measured load levels to what a release manager pays: goodput, dollars per million output tokens there,
 and measured peak throughput against the modeled ceiling. Pure functions.
 
-Goodput as DistServe (Zhong et al., OSDI 2024) and vLLM's benchmarks define it: the highest load a server sustains
-while at least a stated share of its requests (serving.slo.attainment, default 90%) meets every per-request latency
-limit. A level's share is guidellm's own per-request count (`slo_attainment`: errored requests miss; requests cut
-off by the level's time limit are left out, as guidellm leaves them out of every figure), so no percentile of a
-small sample stands in for it; "highest load" is the level's measured requests/s.
+Goodput as DistServe (Zhong et al., OSDI 2024) defines it: the highest load a server sustains while at least a
+stated share of its requests (serving.slo.attainment, default 90%) meets every per-request latency limit. (vLLM's
+benchmark calls "request goodput" the SLO-conforming completions per second at one level: logged per level as
+`good_requests_per_s`.) A level's share is guidellm's own per-request count (`slo_attainment`: errored requests
+miss; requests cut off by the level's time limit are left out, as guidellm leaves them out of every figure), so no
+percentile of a small sample stands in for it; "highest load" is the level's measured requests/s.
+
+A share counted over a few requests is itself noisy (8 of 8 within the SLO shows the true share over 69% only, at
+95%), so levels are taken in the order of their load (mean requests in flight), and none counts after the first
+whose share is shown below the goal (its exact one-sided 95% upper bound under it): a lucky high level does not
+count after a lower one failed. Each level's exact (Clopper-Pearson) 95% bounds on its share are logged.
 """
 
 from __future__ import annotations
@@ -37,11 +43,82 @@ def misses(level: LoadLevel, slo: ServiceLevels) -> str | None:
     return None
 
 
+ATTAINMENT_CONFIDENCE = 0.95  # one-sided, each bound of a level's share
+
+
+def judged(level: LoadLevel) -> int:
+    """The requests guidellm judged against the SLOs: the successful ones and the errored ones (which miss)."""
+    return level.succeeded + level.errors
+
+
+def attainment_bounds(level: LoadLevel) -> tuple[float, float] | None:
+    """Exact (Clopper-Pearson) one-sided 95% lower and upper bounds on the level's true share of requests within
+    every SLO, from its judged requests; None where guidellm judged none."""
+    n = judged(level)
+    if level.slo_attainment is None or n == 0:
+        return None
+    return clopper_pearson(round(level.slo_attainment * n), n, 1 - ATTAINMENT_CONFIDENCE)
+
+
+def clopper_pearson(successes: int, trials: int, alpha: float) -> tuple[float, float]:
+    """One-sided (1 - alpha) exact bounds on a binomial proportion: the beta quantiles of Clopper and Pearson (1934)."""
+    from scipy.special import betaincinv  # scipy.special alone: scipy.stats costs a half-second import per sweep
+
+    lower = 0.0 if successes == 0 else float(betaincinv(successes, trials - successes + 1, alpha))
+    upper = 1.0 if successes == trials else float(betaincinv(successes + 1, trials - successes, 1 - alpha))
+    return lower, upper
+
+
+def shown_below(level: LoadLevel, slo: ServiceLevels) -> str | None:
+    """Why the level's share is shown below the goal (its upper bound under it); None when it is not."""
+    bounds = attainment_bounds(level)
+    if bounds is None or bounds[1] >= slo.attainment:
+        return None
+    return (
+        f"{level.label} before it is shown below {_percent(slo.attainment)} within every SLO "
+        f"({level.slo_attainment:.0%} of {judged(level)} requests, {ATTAINMENT_CONFIDENCE:.0%} upper bound "
+        f"{_percent(bounds[1])})"
+    )
+
+
+def by_load(levels: Sequence[LoadLevel]) -> list[LoadLevel]:
+    """The levels from the lightest load to the heaviest: mean requests in flight grows with the load offered, and
+    keeps growing past saturation, where requests/s levels off."""
+    return sorted(levels, key=lambda level: level.concurrency)
+
+
 def goodput_level(levels: Sequence[LoadLevel], slo: ServiceLevels) -> LoadLevel | None:
-    """The highest load (measured requests/s) among the levels whose SLO attainment reaches `slo.attainment`; None
-    if none does."""
-    meeting = [level for level in levels if misses(level, slo) is None]
-    return max(meeting, key=lambda level: level.requests_per_s, default=None)
+    """The highest load (measured requests/s) among the levels whose SLO attainment reaches `slo.attainment`, up to
+    the first level shown below it (none after that one counts); None if none does."""
+    counted = []
+    for level in by_load(levels):
+        if shown_below(level, slo) is not None:
+            break
+        if misses(level, slo) is None:
+            counted.append(level)
+    return max(counted, key=lambda level: level.requests_per_s, default=None)
+
+
+def not_counted(levels: Sequence[LoadLevel], slo: ServiceLevels) -> dict[str, str]:
+    """Each level that does not count toward goodput, and why."""
+    why: dict[str, str] = {}
+    stopped = None
+    for level in by_load(levels):
+        if stopped is not None:
+            why[level.label] = f"not counted: {stopped}"
+            continue
+        if (missed := misses(level, slo)) is not None:
+            why[level.label] = missed
+        stopped = shown_below(level, slo)
+    return why
+
+
+def good_requests_per_s(level: LoadLevel) -> float | None:
+    """vLLM's request goodput at one level: requests completed within every SLO per second of the measured window."""
+    if level.slo_attainment is None or level.succeeded == 0:
+        return None
+    window_s = level.succeeded / level.requests_per_s if level.requests_per_s > 0 else math.inf
+    return level.slo_attainment * judged(level) / window_s
 
 
 def _percent(share: float) -> str:
@@ -82,6 +159,12 @@ class ServingSummary:
             for level in self.levels
             for name, value in level.figures().items()
         }
+        for level in self.levels:
+            if (bounds := attainment_bounds(level)) is not None:
+                metrics[f"cost/serving/{level.label}/slo_attainment_lower"] = bounds[0]
+                metrics[f"cost/serving/{level.label}/slo_attainment_upper"] = bounds[1]
+            if (good := good_requests_per_s(level)) is not None:
+                metrics[f"cost/serving/{level.label}/good_requests_per_s"] = good
         metrics["cost/serving/peak_tokens_per_s"] = self.peak.output_tokens_per_s
         if self.modeled_tokens_per_s:
             metrics["cost/serving/modeled_tokens_per_s"] = self.modeled_tokens_per_s
@@ -102,7 +185,10 @@ class ServingSummary:
         return found | {UNAVAILABLE_TAG + name: why for name, why in self.unavailable().items()}
 
     def definition(self) -> str:
-        return f"the highest load level (by requests/s) with {describe(self.slo)}"
+        return (
+            f"DistServe's: the highest load level (by requests/s) with {describe(self.slo)}, none counted after the "
+            f"first level shown below that share ({ATTAINMENT_CONFIDENCE:.0%} exact upper bound)"
+        )
 
     def unavailable(self) -> dict[str, str]:
         """Figures left out, and why (logged as tags: never a silent gap)."""
@@ -123,5 +209,5 @@ def summarize(
     levels: Sequence[LoadLevel], slo: ServiceLevels, price: Price | None, modeled_tokens_per_s: float | None
 ) -> ServingSummary:
     best = goodput_level(levels, slo)
-    why = "; ".join(f"{level.label}: {misses(level, slo)}" for level in levels) if best is None else ""
+    why = "; ".join(f"{label}: {reason}" for label, reason in not_counted(levels, slo).items()) if best is None else ""
     return ServingSummary(tuple(levels), slo, best, why, price, modeled_tokens_per_s)
