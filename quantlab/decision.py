@@ -262,8 +262,12 @@ def _bound_check(bound: Bound, variant: VariantSummary) -> CheckResult:
     return result(CheckStatus.PASSED if passed else CheckStatus.FAILED, shown)
 
 
-# The checks of a policy: their limits in words (CheckResult.constraint), and every verdict on one variant.
-Checks = tuple[tuple[str, ...], Callable[[VariantSummary], tuple[CheckResult, ...]]]
+@dataclass(frozen=True)
+class Checks:
+    """The checks of a policy, made concrete against the baseline."""
+
+    constraints: tuple[str, ...]  # the policy's limits in words, as checked (CheckResult.constraint)
+    judge: Callable[[VariantSummary], tuple[CheckResult, ...]]  # every verdict on one variant
 
 
 # --- The decision ---
@@ -481,7 +485,7 @@ def pick(
     def evaluate(variant: VariantSummary) -> tuple[CheckResult, ...]:
         return (*drop_results(variant), *(_bound_check(bound, variant) for bound in bounds))
 
-    checks: Checks = ((*constraints, *(bound.constraint for bound in bounds)), evaluate)
+    checks = Checks((*constraints, *(bound.constraint for bound in bounds)), evaluate)
     judged = {variant.name: _judge(variant, checks, objective) for variant in variants}
     within = {name: _shown_within_every_drop_limit(judged[name]) for name in order}
     control = control_choice(policy.candidates, order, within, policy.one_sided_alpha, has_drop_limits=bool(rules))
@@ -510,7 +514,7 @@ def pick(
         baseline=baseline.name,
         objective=objective,
         policy=policy,
-        checks=checks[0],
+        checks=checks.constraints,
         verdicts=tuple(sorted(judged.values(), key=listed)),
         unchecked=tuple(unchecked_by_any_task(baseline.metrics, baseline.declared, groups) if any_task else ()),
         warnings=cost_warnings(variants, [objective.metric, *(bound.metric for bound in bounds)]),
@@ -531,7 +535,7 @@ def _shown_within_every_drop_limit(verdict: Verdict) -> bool:
 def _judge(variant: VariantSummary, checks: Checks, objective: Axis) -> Verdict:
     if not variant.succeeded:
         return Verdict(variant.name, Status.FAILED, ("failed",), None, ())
-    results = checks[1](variant)
+    results = checks.judge(variant)
     failed = [result.detail for result in results if result.status is CheckStatus.FAILED]
     undecided = [result for result in results if result.status is CheckStatus.UNDECIDED]
     objective_value = variant.value(objective.metric)

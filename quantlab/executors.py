@@ -190,7 +190,12 @@ def run_local(
     return outcome
 
 
-_preloaded_for: str | None = None  # the spec the running fork server preloaded
+@dataclass
+class _ForkServer:
+    preloaded_for: str | None = None  # the spec the running fork server preloaded
+
+
+_FORK_SERVER = _ForkServer()  # the process's one fork server, as the stdlib keeps it
 # Variables the libraries' own imports set (sklearn's and threadpoolctl's defaults, torch inductor's cache folder,
 # lm-eval's hub download mode): checking a recipe can import them after the fork server started, which imports them
 # too. Not a change of environment: counted as one, every sweep that checked a new model's widths started its fork
@@ -205,7 +210,6 @@ def start_variant_processes(loaded: LoadedRecipe) -> multiprocessing.context.Bas
     background from the moment it starts: each variant is a fresh fork of it, as isolated as a
     spawned interpreter without paying the imports again. One per sweep; a server left by an
     earlier sweep with other needs or another environment is replaced."""
-    global _preloaded_for
     # _stop is the stdlib's only way to restart its fork server (stop_variant_processes).
     if "forkserver" not in multiprocessing.get_all_start_methods() or not hasattr(forkserver._forkserver, "_stop"):  # noqa: SLF001
         return multiprocessing.get_context("spawn")
@@ -222,7 +226,7 @@ def start_variant_processes(loaded: LoadedRecipe) -> multiprocessing.context.Bas
             ).hexdigest(),
         }
     )
-    if spec != _preloaded_for:
+    if spec != _FORK_SERVER.preloaded_for:
         stop_variant_processes()
         forkserver.set_forkserver_preload(["quantlab.preload"])
         os.environ[PRELOAD_ENV] = spec
@@ -230,7 +234,7 @@ def start_variant_processes(loaded: LoadedRecipe) -> multiprocessing.context.Bas
             forkserver.ensure_running()
         finally:
             del os.environ[PRELOAD_ENV]
-        _preloaded_for = spec
+        _FORK_SERVER.preloaded_for = spec
     return multiprocessing.get_context("forkserver")
 
 
@@ -243,12 +247,11 @@ def _tells_servers_apart(variable: str) -> bool:
 def stop_variant_processes() -> None:
     """End the fork server now, without waiting for its imports: for a sweep that ends before its variants,
     or one whose needs the running server does not meet (its forked variants, if any, live on)."""
-    global _preloaded_for
     server = forkserver._forkserver  # noqa: SLF001 - see start_variant_processes
     if getattr(server, "_forkserver_pid", None) is not None:
         os.kill(server._forkserver_pid, signal.SIGKILL)  # noqa: SLF001
         server._stop()  # noqa: SLF001 - reaps it and removes its socket
-    _preloaded_for = None
+    _FORK_SERVER.preloaded_for = None
 
 
 def _death_reason(exitcode: int | None) -> str:

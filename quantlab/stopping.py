@@ -13,8 +13,8 @@ non-interactive shell starts in the background inherits SIGINT ignored (POSIX), 
 suite run that way; Ctrl-C sent to such a sweep's group did nothing, and its runs stayed RUNNING. To keep a sweep out
 of a terminal's Ctrl-C, start it in a session of its own (`setsid quantlab sweep ...`).
 
-One module-level variable, set with `global`: the watcher of the block the main thread is in. Signal handlers are
-the process's, one set at a time, so the watcher that handles them is the process's too; `on_force`, `stopped` and
+One piece of module state, `_CURRENT`: the watcher of the block the main thread is in. Signal handlers are the
+process's, one set at a time, so the watcher that handles them is the process's too; `on_force`, `stopped` and
 `raise_if_stopped` find it there, deep in a sweep, without every layer handing it on.
 """
 
@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import psutil
 
@@ -58,8 +59,9 @@ def stopped(error: BaseException) -> Stopped | None:
     interrupted while it initialises raises "ImportError: initialization failed")."""
     if isinstance(error, Stopped):
         return error
-    if _active is not None and _active.first is not None:
-        return Stopped(_active.first)
+    watcher = _CURRENT.watcher
+    if watcher is not None and watcher.first is not None:
+        return Stopped(watcher.first)
     return Stopped(signal.SIGINT) if isinstance(error, KeyboardInterrupt) else None
 
 
@@ -69,8 +71,9 @@ def raise_if_stopped() -> None:
     with `except ImportError` loses it when the signal interrupts a C extension's initialisation (which turns it
     into "ImportError: initialization failed"): an in-process sweep signalled while it loaded its model ran on to
     the end (interrupt_trials seed 1, trial 34)."""
-    if _active is not None and _active.first is not None:
-        raise Stopped(_active.first)
+    watcher = _CURRENT.watcher
+    if watcher is not None and watcher.first is not None:
+        raise Stopped(watcher.first)
 
 
 def exit_code(error: BaseException) -> int:
@@ -155,7 +158,14 @@ class _Watcher:
 
 
 _BLOCK_ENDED = 0  # not a signal number: what `stop_on_signals` writes to its watcher when the block ends
-_active: _Watcher | None = None  # the watcher of the `stop_on_signals` block the main thread is in
+
+
+@dataclass
+class _Current:
+    watcher: _Watcher | None = None  # of the `stop_on_signals` block the main thread is in
+
+
+_CURRENT = _Current()
 
 
 @contextlib.contextmanager
@@ -163,7 +173,6 @@ def stop_on_signals(say: Callable[[str], None], grace_s: float = GRACE_S) -> Ite
     """SIGINT and SIGTERM stop the block with `Stopped`; the watcher bounds how long that takes (module docstring).
     `say` prints one line to the user (from the watcher's thread). Yields the watcher (its `first` is the first
     stop signal caught); None outside the main thread, whose signal handlers these are."""
-    global _active
     if threading.current_thread() is not threading.main_thread():
         yield None
         return
@@ -171,11 +180,11 @@ def stop_on_signals(say: Callable[[str], None], grace_s: float = GRACE_S) -> Ite
     previous = {number: signal.signal(number, watcher.handle) for number in STOP_SIGNALS}
     previous_fd = signal.set_wakeup_fd(watcher.write_end, warn_on_full_buffer=False)
     threading.Thread(target=watcher.watch, name="stop-watcher", daemon=True).start()
-    _active = watcher
+    _CURRENT.watcher = watcher
     try:
         yield watcher
     finally:
-        _active = None
+        _CURRENT.watcher = None
         # After a stop signal the process is on its way out: the watcher stays in charge of its exit (an interpreter
         # can hang at exit, joining a thread), a second signal included. Without one, all is as it was.
         if watcher.first is None:
@@ -190,7 +199,7 @@ def stop_on_signals(say: Callable[[str], None], grace_s: float = GRACE_S) -> Ite
 def on_force(callback: Callable[[str], object]) -> Iterator[None]:
     """While the block runs, a forced stop calls `callback` with why (e.g. to end the sweep's runs with that reason);
     no-op outside `stop_on_signals`."""
-    watcher = _active
+    watcher = _CURRENT.watcher
     if watcher is not None:
         watcher.callbacks.append(callback)
     try:
