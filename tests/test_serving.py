@@ -413,6 +413,48 @@ def test_a_served_variant_logs_consistent_figures(served):
     assert _gone(str(model), timeout=5) and _gone(str(scratch / "quantlab-load-small-"), timeout=5)  # with the stage
 
 
+TWO_STREAMS = FAST.model_copy(update={"concurrency": [2], "requests_per_level": 4})
+
+
+@pytest.fixture(scope="module")
+def served_then_killed(tmp_path_factory, tiny_llama):
+    """One server's life: a load with no single-stream level (the measure stage times batch size 1 there), then the
+    server killed while a stage uses it, which the stage sees as a refused connection."""
+    work = tmp_path_factory.mktemp("served-then-killed")
+    recipe = Recipe.model_validate(tiny_recipe(tiny_llama.path, serving=TWO_STREAMS.model_dump()))
+    with (
+        pytest.raises(ServerFailed) as failure,
+        VariantServer(tiny_llama.path, "dies", None, recipe, "cpu", torch.float32, work, work) as server,
+    ):
+        served = server.ready()
+        server.launch_early()  # guidellm, as the runner starts it
+        load = serve_load(served, TWO_STREAMS, MeasureSettings(), REPO, torch.float32, {}, work, None)
+        (engine,) = psutil.Process(served.server.process.pid).children()  # under its guard: the server itself
+        engine.send_signal(signal.SIGKILL)
+        served.server.process.wait(timeout=10)  # the guard ends as the server did
+        raise ConnectionRefusedError(f"Cannot connect to {served.server.url}")
+    return load, failure.value, served.server.url
+
+
+def test_a_load_without_a_single_stream_level_still_says_whether_it_was_contended(served_then_killed):
+    """Goodput and $/Mtok are timings too: the verdict comes with every profile, not only where the load times
+    batch size 1 (where the measure stage times it, it gives its own too, and the run's combines both)."""
+    load, _, _ = served_then_killed
+    assert load.tags["quantlab.cost_contended"] in ("true", "false")
+    assert load.tags["quantlab.cost.contention"].split(":")[0] in ("contended", "not contended")
+    assert "cost/decode_tokens_per_s" not in load.metrics  # batch size 1 is the measure stage's here
+    assert load.metrics["cost/serving/c2/output_tokens_per_s"] > 0
+
+
+def test_a_server_that_dies_while_a_stage_uses_it_fails_the_variant_with_its_own_end(served_then_killed, tiny_llama):
+    """The stage sees a refused connection; the variant fails with what the server said (its exit and log's tail)."""
+    _, failure, url = served_then_killed
+    first = str(failure).splitlines()[0]
+    assert first.startswith("the transformers server killed by SIGKILL; its log ends: "), first
+    assert str(failure).endswith(f"(the stage saw ConnectionRefusedError: Cannot connect to {url})")
+    assert _gone(str(tiny_llama.path), timeout=5)
+
+
 def test_a_server_that_never_becomes_healthy_fails_with_its_log_and_is_stopped(tmp_path, tiny_llama):
     def command_for(port: int) -> list[str]:
         return _transformers_serve(tiny_llama.path, port)

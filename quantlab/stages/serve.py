@@ -6,8 +6,8 @@ engine, version, interpreter, command line, the kernels it chose, hardware, pric
 `serving.*`), tags for what is absent, and artifacts (guidellm's report, the throughput-latency chart).
 The measure stage's copy bandwidth and weight sizes give the modeled ceiling the measured peak is set against.
 Where the load has a single-stream level, it is the variant's batch-1 timing (`single_stream`): the measure stage
-leaves that batch size to it, and this stage logs its `cost/decode_tokens_per_s`, TTFT and ITL medians, and whether
-other work competed for the cores while guidellm ran.
+leaves that batch size to it, and this stage logs its `cost/decode_tokens_per_s` and TTFT and ITL medians. Whatever
+the profile, it says whether other work competed for the cores while guidellm ran (quantlab.cost.contended).
 The server's and guidellm's logs go beside the variant's own log, kept as artifacts whether the stage succeeds or
 fails.
 """
@@ -25,6 +25,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from quantlab.errors import first_line
 from quantlab.host_share import visible_cores
 from quantlab.jobs import side_log
 from quantlab.measure.contention import CONTENDED_TAG, CONTENTION_TAG, LoadMonitor, judge_contention
@@ -37,7 +38,7 @@ from quantlab.serving.engines import Engine, Launch, Support
 from quantlab.serving.engines.base import shown_command
 from quantlab.serving.environments import chosen_engine, engine_python, installed_version, python_problem
 from quantlab.serving.goodput import SERVING_TAG, UNAVAILABLE_TAG, ServingSummary, summarize
-from quantlab.serving.launcher import RunningServer, launched_server, wait_healthy
+from quantlab.serving.launcher import RunningServer, ServerFailed, launched_server, wait_healthy
 from quantlab.serving.levels import LoadLevel, load_levels
 from quantlab.serving.load import LoadGenerator, scenario, warm_up
 from quantlab.serving.pricing import fastest_prefill, modeled_served_tokens_per_s, serving_price
@@ -161,8 +162,18 @@ class VariantServer:
     def __enter__(self) -> VariantServer:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: object) -> None:
+        # A server that died while a stage used it shows there as a refused connection: the variant fails with the
+        # server's own end (its exit and its log's tail) instead, read before stopping it rewrites the exit code.
+        died = None
+        if isinstance(error, Exception) and not isinstance(error, ServerFailed) and self._launched is not None:
+            died = self._launched.server.died()
         self._scope.close()
+        if died is not None:
+            first, *tail = died.splitlines()
+            last = next((line.strip() for line in reversed(tail) if line.strip()), "")
+            seen = f"(the stage saw {type(error).__name__}: {first_line(error)})"
+            raise ServerFailed("\n".join([f"{first} {last}".strip(), *tail, seen])) from error
 
     def launch_early(self) -> None:
         if self.device == "cpu" and self.recipe.needs_server and self._launched is None:
@@ -327,7 +338,7 @@ def serve_load(
     stream: SingleStream | None = None,
 ) -> ServingOutcome:
     """guidellm's load on the running server, summarized; with what served it (the server's own facts). `stream`:
-    the batch-1 figures are this stage's to log (`single_stream`), from its level, and the verdict on contention."""
+    the batch-1 figures are this stage's to log (`single_stream`), from its level."""
     if served is None:
         return ServingOutcome(tags={UNAVAILABLE_TAG + "serving": "serving.enabled is false in the recipe"})
     facts = ServingOutcome(params=served.params(), tags=served.tags())
@@ -349,6 +360,8 @@ def serve_load(
     levels = load_levels(report)
     _check_output_lengths(levels, settings)
     timed = _single_stream_outcome(levels, stream, measure.batch_sizes[0], cost_metrics, load.reading)
+    verdict = judge_contention(load.reading)  # for every profile: goodput and $/Mtok are timings too
+    judged = ServingOutcome(tags={CONTENDED_TAG: str(verdict.contended).lower(), CONTENTION_TAG: verdict.reason})
     shape = ModelShape.from_config(config_dict(served.checkpoint / "config.json"))
     peak = max(levels, key=lambda level: level.output_tokens_per_s)
     summary = summarize(
@@ -362,6 +375,7 @@ def serve_load(
     return (
         facts
         | timed
+        | judged
         | ServingOutcome(
             metrics=summary.to_metrics(),
             params=_load_params(summary),
@@ -378,8 +392,8 @@ def _single_stream_outcome(
     cost_metrics: dict[str, float],
     load: LoadReading,
 ) -> ServingOutcome:
-    """The batch-1 figures from the single-stream level, each under its `cost/` name (or why it is absent), and the
-    verdict on what competed with the load; nothing when the measure stage timed batch size 1 itself."""
+    """The batch-1 figures from the single-stream level, each under its `cost/` name (or why it is absent), and what
+    else kept the cores busy meanwhile; nothing when the measure stage timed batch size 1 itself."""
     if stream is None:
         return ServingOutcome()
     level = next((level for level in levels if level.label == stream.level), None)
@@ -398,9 +412,7 @@ def _single_stream_outcome(
         for name, value in figures.items()
         if not math.isfinite(value)
     }
-    verdict = judge_contention(load)
-    tags = {CONTENDED_TAG: str(verdict.contended).lower(), CONTENTION_TAG: verdict.reason} | absent
-    return ServingOutcome(metrics=found | load.to_metrics(), tags=tags)
+    return ServingOutcome(metrics=found | load.to_metrics(), tags=absent)
 
 
 def _workers(device: str) -> int | None:
