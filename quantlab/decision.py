@@ -17,7 +17,7 @@ from typing import Any
 from quantlab.candidates import ChoiceControl, SequenceError, control_choice, sequence_order
 from quantlab.frontier import Axis, VariantSummary, ensure_unique_names
 from quantlab.measure.contention import CONTENDED_TAG, CONTENTION_TAG
-from quantlab.metrics import EvalKey, paired_key, spec
+from quantlab.metrics import EvalKey, paired_key, spec, why_unavailable
 from quantlab.paired import (
     Group,
     NonInferiority,
@@ -236,14 +236,12 @@ def _verdict_words(
         if found.best_limit is not None and available is not None:
             task = EvalKey.parse(rule.metric)
             name = task.task if task is not None else rule.metric
-            if found.drop < found.limit:
-                text += (
-                    f"; {name} has {available:,} documents: it can show a limit of {amount(found.best_limit)} at best"
-                )
-            else:
-                text += (
-                    f"; {name} has {available:,} documents: it can show a drop over {amount(found.best_limit)} at most"
-                )
+            reach = "a limit of" if found.drop < found.limit else "a drop over"
+            most = "best" if found.drop < found.limit else "most"
+            text += (
+                f"; {name} has {available:,} documents: at {power:.0%} power they can show {reach} "
+                f"{amount(found.best_limit)} at {most}"
+            )
     return text
 
 
@@ -252,7 +250,8 @@ def _bound_check(bound: Bound, variant: VariantSummary) -> CheckResult:
     result = partial(CheckResult, bound.constraint, metric)
     value = variant.value(metric)
     if value is None:
-        return result(CheckStatus.FAILED, f"missing metric {metric}")
+        why = why_unavailable(metric, variant.tags)
+        return result(CheckStatus.FAILED, f"missing metric {metric}" + (f" ({why})" if why else ""))
     passed = value <= limit + float_slack(limit) if upper else value >= limit - float_slack(limit)
     contract = spec(metric, variant.declared)
     shown = f"{metric} is {format_value(contract, value)}"
@@ -286,7 +285,7 @@ class Status(str, Enum):  # in the order verdicts are listed
         return _STATUS_WORDS.get(self, self.value)
 
 
-_STATUS_WORDS = {Status.COSTS_MORE: "shown within every limit, costs more", Status.UNDECIDED: "not enough evidence"}
+_STATUS_WORDS = {Status.COSTS_MORE: "passes every limit, costs more", Status.UNDECIDED: "not enough evidence"}
 _RANK = {status: rank for rank, status in enumerate(Status)}
 
 
@@ -350,8 +349,19 @@ class Decision:
         better = " Better by the objective but not shown within the limits:" if undecided else ""
         return (
             f"Chosen: {self.chosen}, the best by {objective} at {_shown(self.objective, best)} among "
-            f"{passing} of {len(self.verdicts)} variants shown within every limit.{better}{_would_need(undecided)}"
+            f"{passing} of {len(self.verdicts)} variants {self.passing_words}.{better}{_would_need(undecided)}"
         )
+
+    @property
+    def passing_words(self) -> str:
+        """What passing the policy means: a drop limit is shown within (a claim at the policy's level), a bound on a
+        logged figure is met (a plain comparison)."""
+        kinds = {check.is_drop for verdict in self.verdicts for check in verdict.checks}
+        if kinds == {False}:
+            return "meeting every limit"
+        if kinds == {True, False}:
+            return "shown within every drop limit and meeting every bound"
+        return "shown within every limit"
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON decision record."""
@@ -379,10 +389,28 @@ def _would_need(undecided: Sequence[Verdict]) -> str:
     words = []
     for verdict in undecided:
         unpaired = [c.metric for c in verdict.checks if c.status is CheckStatus.UNDECIDED and c.drop is None]
-        parts = [f"would need ~{verdict.documents_needed:,} documents"] if verdict.documents_needed else []
+        parts = (
+            [f"would need ~{verdict.documents_needed:,} documents{_more_than_it_has(verdict)}"]
+            if verdict.documents_needed
+            else []
+        )
         parts += [f"has no paired statistics for {', '.join(unpaired)}"] if unpaired else []
         words.append(f"{verdict.name} {' and '.join(parts) or 'is not shown within the limits'}")
     return f" {'; '.join(words)}." if words else ""
+
+
+def _more_than_it_has(verdict: Verdict) -> str:
+    """' (its task has 1,172: more are needed, or a wider limit)' where the documents needed exceed the task's."""
+    neediest = max(
+        (check for check in verdict.checks if check.documents_needed is not None),
+        key=lambda check: check.documents_needed or 0,
+        default=None,
+    )
+    available = neediest.documents_available if neediest is not None else None
+    if available is None or verdict.documents_needed is None or verdict.documents_needed <= available:
+        return ""
+    task = EvalKey.parse(neediest.metric) if neediest is not None else None
+    return f" ({task.task if task else 'its task'} has {available:,}: more documents, or a wider limit)"
 
 
 def contended(variant: VariantSummary) -> bool:

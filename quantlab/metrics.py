@@ -6,10 +6,12 @@ A key with no entry, or an lm-eval score whose direction was not recorded, gets 
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from enum import Enum
+from fractions import Fraction
 
 EVAL_PREFIX = "eval/"
 PAIRED_PREFIX = "quality/paired/"
@@ -352,3 +354,29 @@ def declared_from_tags(tags: Mapping[str, str]) -> dict[str, Declared]:
         except (KeyError, ValueError):
             continue  # a tag this version cannot read counts as undeclared, and gets named
     return found
+
+
+def supports(percentile: float, requests: int) -> bool:
+    """Whether `requests` observations support a nearest-rank `percentile` (0-100): its rank, ceil(q n / 100), falls
+    below the top one, i.e. n >= 100 / (100 - q) - p50 from 2 requests, p90 from 10, p99 from 100. Below that, what
+    is called the percentile is the maximum (or, interpolated, next to it): no percentile of that name is logged."""
+    q = Fraction(str(percentile))
+    return requests > 0 and math.ceil(q * requests / 100) < requests
+
+
+def min_requests(percentile: float) -> int:
+    """The fewest observations that support `percentile` (`supports`)."""
+    return math.ceil(100 / (100 - Fraction(str(percentile))))
+
+
+COST_TAG_PREFIX = "quantlab.cost."  # tags of the measure stage's figures; + "unavailable.<figure>": why one is absent
+SERVING_TAG_PREFIX = "quantlab.serving."  # the serve stage's, alike
+
+
+def why_unavailable(metric: str, tags: Mapping[str, str]) -> str | None:
+    """Why a run logged no `metric` (`cost/<figure>` or `cost/serving/<figure>`), as the run's tags say; None if
+    they do not."""
+    figure = metric.removeprefix("cost/")
+    serving = figure.removeprefix("serving/")
+    keys = [f"{SERVING_TAG_PREFIX}unavailable.{serving}"] if serving != figure else []
+    return next((tags[key] for key in [*keys, f"{COST_TAG_PREFIX}unavailable.{figure}"] if key in tags), None)

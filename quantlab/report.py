@@ -172,7 +172,7 @@ def decision_text(decision: Decision | None, variants: Sequence[VariantSummary])
     others = [verdict for verdict in decision.verdicts if verdict.name != decision.chosen]
     if decision.chosen is None:
         return DecisionText(
-            "Ship nothing: no variant is shown within every limit of the policy.",
+            "Ship nothing: no variant passes every limit of the policy.",
             f"Checked against {_limits(decision)}: {_names(others)}.",
         )
     objective = decision.objective
@@ -184,7 +184,7 @@ def decision_text(decision: Decision | None, variants: Sequence[VariantSummary])
     if decision.chosen == decision.baseline:
         return DecisionText(
             f"Ship {decision.chosen}, the baseline ({cost}).",
-            f"No other variant is shown within {_limits(decision)}{rest}.",
+            f"No other variant passes {_limits(decision)}{rest}.",
         )
     if value is not None and base:
         cost += f", {value / base:.0%} of the baseline {decision.baseline}'s {format_value(found, base)}"
@@ -193,7 +193,7 @@ def decision_text(decision: Decision | None, variants: Sequence[VariantSummary])
     rate = decision.control.brief if decision.control else ""
     return DecisionText(
         f"Ship {decision.chosen}: {cost}.",
-        f"It has the {best} {found.label} of the {passing} of {len(decision.verdicts)} variants shown within "
+        f"It has the {best} {found.label} of the {passing} of {len(decision.verdicts)} variants that pass "
         f"{_limits(decision)}{rest}." + (f" The chance that the choice is over a limit: {rate}." if rate else ""),
     )
 

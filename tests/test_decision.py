@@ -740,7 +740,9 @@ def test_a_task_too_small_to_settle_a_limit_says_what_it_can_settle():
     # 7,893 documents needed (above); 40 settle the limit at which the score test's sample size is 40: 17.89 pts.
     assert check.documents_available == 40 and check.documents_needed == 7893
     assert score_test_documents(0.05, 0.05, check.best_limit, Z, stats.norm.ppf(0.8)) == pytest.approx(40)
-    assert check.detail.endswith("; mmlu_dev has 40 documents: it can show a limit of 17.89 pts at best")
+    assert check.detail.endswith("; mmlu_dev has 40 documents: at 80% power they can show a limit of 17.89 pts at best")
+    # The summary says the documents needed are more than the task has.
+    assert "int4 would need ~7,893 documents (mmlu_dev has 40: more documents, or a wider limit)" in decision.summary
 
 
 def test_small_n_continuous_scores_use_students_t():
@@ -863,3 +865,27 @@ def test_holm_orders_the_checks_by_tangos_p_values():
     assert p_values[0] < 0.025 / 2 < 0.025 < p_values[1]  # 28/3 shown over at Holm's first rank, 25/5 not at all
     assert [check.outcome for check in checks] == [Outcome.OVER, Outcome.UNSURE]
     assert "one-sided bounds from the flips [" in checks[0].detail and "(Holm, 2 checks)" in checks[0].detail
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"max_drop": {ACC: 1}}, "shown within every limit"),  # a claim at the policy's level
+        ({"max_kld": 0.1}, "meeting every limit"),  # a plain comparison of a logged figure
+        ({"max_drop": {ACC: 1}, "max_kld": 0.1}, "shown within every drop limit and meeting every bound"),
+    ],
+)
+def test_a_bound_on_a_logged_figure_is_met_not_shown_within(fields, words):
+    decision = decide([baseline(), candidate("fp8")], only(**fields))
+    assert decision.passing_words == words
+    assert decision.summary.startswith("Chosen: fp8,") and f"variants {words}." in decision.summary
+
+
+def test_a_bound_on_a_figure_the_run_left_out_says_why():
+    """A bound on a tail the timings could not support rejects the variant with the run's own reason."""
+    why = "3 timed runs: a p99 needs at least 100 (the p99 of 3 is their maximum)"
+    fp8 = candidate("fp8", drop=(TTFT,))
+    fp8 = VariantSummary(fp8.name, fp8.method, True, fp8.metrics, {"quantlab.cost.unavailable.ttft_ms_p99": why})
+    decision = decide([baseline(), fp8], only(at_most={TTFT: 200.0}))
+    (reason,) = decision.verdict("fp8").reasons
+    assert reason == f"missing metric {TTFT} ({why})"

@@ -5,11 +5,12 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from tiny import tiny_llama_config
 
-from quantlab.measure.cost import measure_cost
+from quantlab.measure.cost import _percentile, measure_cost
 from quantlab.measure.settings import MeasureSettings
 from quantlab.stages.measure import measure
 
@@ -20,11 +21,7 @@ MEASURED_KEYS = [
     "cost/prefill_tokens_per_s",
     "cost/decode_tokens_per_s",
     "cost/ttft_ms_p50",
-    "cost/ttft_ms_p90",
-    "cost/ttft_ms_p99",
     "cost/itl_ms_p50",
-    "cost/itl_ms_p90",
-    "cost/itl_ms_p99",
     "cost/roofline_efficiency",
 ]
 MODELED_KEYS = [
@@ -80,16 +77,33 @@ def test_every_measured_and_modeled_key_is_there_and_positive(report):
     assert metrics["cost/bits_per_weight"] == pytest.approx(32.0)
 
 
-def test_percentiles_are_ordered(report):
-    metrics = report.to_metrics()
-    for prefix in ("cost/ttft_ms", "cost/itl_ms"):
-        assert metrics[f"{prefix}_p50"] <= metrics[f"{prefix}_p90"] <= metrics[f"{prefix}_p99"]
+def test_a_tail_percentile_is_logged_only_where_the_timings_support_it(report):
+    """2 timed runs of 4 tokens: their TTFT p99 would be their maximum, not a tail; 6 decode steps no ITL p90."""
+    metrics, tags = report.to_metrics(), report.to_tags()
+    for figure in ("ttft_ms_p90", "ttft_ms_p99", "itl_ms_p90", "itl_ms_p99"):
+        assert f"cost/{figure}" not in metrics, figure
+    assert tags["quantlab.cost.unavailable.ttft_ms_p99"] == (
+        "2 timed runs: a p99 needs at least 100 (the p99 of 2 is their maximum)"
+    )
+    assert tags["quantlab.cost.unavailable.itl_ms_p90"].startswith("6 decode steps: a p90 needs at least 10")
+
+
+@pytest.mark.parametrize(
+    ("count", "q", "kept"),
+    [(2, 50, True), (3, 90, False), (10, 90, True), (99, 99, False), (100, 99, True), (1, 50, True)],
+)
+def test_which_percentiles_a_count_supports(count, q, kept):
+    values = [float(value) for value in range(1, count + 1)]
+    found = _percentile(values, q, "runs")
+    assert isinstance(found, float) is kept
+    if kept:
+        assert found == pytest.approx(np.percentile(values, q)) and found <= max(values)
 
 
 def test_other_batch_sizes_carry_their_size_in_the_key(report):
     metrics = report.to_metrics()
     assert metrics["cost/decode_tokens_per_s_bs2"] > 0
-    assert "cost/ttft_ms_p99_bs2" in metrics
+    assert "cost/ttft_ms_p50_bs2" in metrics
     assert not any(key.endswith("_bs1") for key in metrics)
 
 

@@ -489,21 +489,21 @@ C, M, U, R = Status.CHOSEN, Status.COSTS_MORE, Status.UNDECIDED, Status.REJECTED
         pytest.param(  # 135 / 270 = 50%, by hand
             _decision("fp8", [("fp8", C), ("bf16", M), ("int4", R)], ONE),
             "Ship fp8: weight size 135.0 MB, 50% of the baseline bf16's 270.0 MB.",
-            "It has the lowest weight size of the 2 of 3 variants shown within every limit of the policy "
+            "It has the lowest weight size of the 2 of 3 variants that pass every limit of the policy "
             "(eval/mmlu_dev/acc at most 1 pt worse than the baseline, at 97.5% one-sided confidence); "
-            "bf16: shown within every limit, costs more; int4: rejected.",
+            "bf16: passes every limit, costs more; int4: rejected.",
             id="a-cheaper-variant",
         ),
         pytest.param(
             _decision("bf16", [("bf16", C), ("int4", U), ("fp8", U)], THREE),
             "Ship bf16, the baseline (weight size 270.0 MB).",
-            "No other variant is shown within all 3 limits of the policy (at 97.5% one-sided confidence); "
+            "No other variant passes all 3 limits of the policy (at 97.5% one-sided confidence); "
             "int4, fp8: not enough evidence.",
             id="the-baseline",
         ),
         pytest.param(
             _decision(None, [("int4", R), ("fp8", U), ("bf16", R)], ONE),
-            "Ship nothing: no variant is shown within every limit of the policy.",
+            "Ship nothing: no variant passes every limit of the policy.",
             "Checked against every limit of the policy (eval/mmlu_dev/acc at most 1 pt worse than the baseline, "
             "at 97.5% one-sided confidence): int4, bf16: rejected; fp8: not enough evidence.",
             id="nothing",
@@ -511,8 +511,8 @@ C, M, U, R = Status.CHOSEN, Status.COSTS_MORE, Status.UNDECIDED, Status.REJECTED
         pytest.param(  # a bound on a logged figure is a comparison, not a test: no confidence named
             _decision("int4", [("int4", C), ("fp8", M), ("bf16", M)], ("quality/kld_mean at most 0.1",), drop=False),
             "Ship int4: weight size 81.0 MB, 30% of the baseline bf16's 270.0 MB.",
-            "It has the lowest weight size of the 3 of 3 variants shown within every limit of the policy "
-            "(quality/kld_mean at most 0.1); fp8, bf16: shown within every limit, costs more.",
+            "It has the lowest weight size of the 3 of 3 variants that pass every limit of the policy "
+            "(quality/kld_mean at most 0.1); fp8, bf16: passes every limit, costs more.",
             id="a-bound-only",
         ),
         pytest.param(

@@ -277,7 +277,7 @@ def test_publish_puts_the_decision_on_the_parent_and_keeps_the_runs_view(store, 
     assert run.tags[tracking.CHOSEN] == run.tags[tracking.METRICS_OF] == "fp8"  # as pick decides below
     assert run.tags[tracking.POLICY].startswith("eval/mmlu_dev/acc at most 1 pt worse than the baseline; then")
     verdicts = {run.variant: run.tags[tracking.VERDICT] for run in tracking.child_runs(store, parent)}
-    costs_more = "shown within every limit, costs more"  # w8 loses 10 points, int4 15: both over 1 point
+    costs_more = "passes every limit, costs more"  # w8 loses 10 points, int4 15: both over 1 point
     assert verdicts == {"fp8": "chosen", "bf16": costs_more, "int4": "rejected", "w8": "rejected"}
     assert {name: run.tags[f"{tracking.VERDICT}.{name}"] for name in verdicts} == verdicts
     assert run.metrics["cost/weight_bytes"] == 170e6 and run.metrics[paired_key(MMLU, "diff")] < 0

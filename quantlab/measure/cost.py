@@ -48,8 +48,9 @@ from quantlab.measure.timing import (
     time_generation,
 )
 from quantlab.measure.trackers import EnergyTracker, MemoryReading, MemoryTracker
+from quantlab.metrics import COST_TAG_PREFIX, min_requests, supports
 
-TAG_PREFIX = "quantlab.cost."
+TAG_PREFIX = COST_TAG_PREFIX
 PERCENTILES = (50, 90, 99)
 
 # Figures of the whole measurement window, read off a MeasuredCost (those of one batch size are BatchFigures' fields).
@@ -77,12 +78,12 @@ class BatchFigures:
     batch_size: int
     prefill_tokens_per_s: float  # median over repeats
     decode_tokens_per_s: float  # median over repeats
-    ttft_ms_p50: float  # percentiles over repeats
-    ttft_ms_p90: float
-    ttft_ms_p99: float
+    ttft_ms_p50: float  # percentiles over repeats, a tail only where they support it (str: why not)
+    ttft_ms_p90: float | str
+    ttft_ms_p99: float | str
     itl_ms_p50: float  # percentiles over every decode step of every repeat
-    itl_ms_p90: float
-    itl_ms_p99: float
+    itl_ms_p90: float | str
+    itl_ms_p99: float | str
     energy_joules_per_token: float | str
     local_roofline_decode_tokens_per_s: float | str
     roofline_efficiency: float | str
@@ -100,12 +101,20 @@ class BatchFigures:
             batch_size=timings[0].batch_size,
             prefill_tokens_per_s=float(np.median([timing.prefill_tokens_per_s for timing in timings])),
             decode_tokens_per_s=decode,
-            **{f"ttft_ms_p{q}": float(np.percentile(ttft_ms, q)) for q in PERCENTILES},
-            **{f"itl_ms_p{q}": float(np.percentile(itl_ms, q)) for q in PERCENTILES},
+            **{f"ttft_ms_p{q}": _percentile(ttft_ms, q, "timed runs") for q in PERCENTILES},
+            **{f"itl_ms_p{q}": _percentile(itl_ms, q, "decode steps") for q in PERCENTILES},
             energy_joules_per_token=joules if isinstance(joules, str) else joules / generated,
             local_roofline_decode_tokens_per_s=local_roofline,
             roofline_efficiency=local_roofline if isinstance(local_roofline, str) else decode / local_roofline,
         )
+
+
+def _percentile(values: Sequence[float], q: int, what: str) -> float | str:
+    """The `q`th percentile where the values support it (`quantlab.metrics.supports`: a p99 from 100, a p90 from
+    10), else why not: the p99 of 3 runs is their maximum, not a tail. A median is always kept."""
+    if q == 50 or supports(q, len(values)):
+        return float(np.percentile(values, q))
+    return f"{len(values)} {what}: a p{q} needs at least {min_requests(q)} (the p{q} of {len(values)} is their maximum)"
 
 
 BATCH_FIGURES = tuple(field.name for field in fields(BatchFigures) if field.name != "batch_size")

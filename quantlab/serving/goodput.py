@@ -20,10 +20,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from quantlab.metrics import SERVING_TAG_PREFIX
 from quantlab.serving.levels import LoadLevel
 from quantlab.serving.settings import ServiceLevels
 
-SERVING_TAG = "quantlab.serving."  # facts the report shows beside the figures
+SERVING_TAG = SERVING_TAG_PREFIX  # facts the report shows beside the figures
 UNAVAILABLE_TAG = SERVING_TAG + "unavailable."  # + figure: why it was not logged
 
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
+
+from quantlab.metrics import min_requests, supports
 
 REPORT_VERSION = 2
 LATENCIES = ("ttft_ms", "itl_ms", "tpot_ms")
@@ -88,19 +89,6 @@ class LoadLevel:
             for name, q in self.PERCENTILES.items()
             if not supports(q, n)
         }
-
-
-def supports(percentile: float, requests: int) -> bool:
-    """Whether `requests` observations support a nearest-rank `percentile` (0-100): its rank, ceil(q n / 100), falls
-    below the top one, i.e. n >= 100 / (100 - q) - p50 from 2 requests, p90 from 10, p99 from 100. Below that, what
-    is called the percentile is the maximum."""
-    q = Fraction(str(percentile))
-    return requests > 0 and math.ceil(q * requests / 100) < requests
-
-
-def min_requests(percentile: float) -> int:
-    """The fewest requests that support `percentile` (`supports`)."""
-    return math.ceil(100 / (100 - Fraction(str(percentile))))
 
 
 class ReportError(ValueError):
