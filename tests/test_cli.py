@@ -49,18 +49,6 @@ BROKEN = {
     "escaping experiment": ({"name": "../escape"}, "name: must be 1-64 letters"),
     "missing file": ({"calibration": {"source": "missing.txt"}}, "calibration.source: no such file"),
     "missing recipe": (None, "no such recipe file"),
-    "unknown in sequence": (
-        {"frontier": {"default_policy": {"sequence": ["awq", "fp9"]}}},
-        "frontier.default_policy.sequence[1]: 'fp9': not a variant name (did you mean 'fp8'?)",
-    ),
-    "baseline in sequence": (
-        {"frontier": {"default_policy": {"sequence": ["bf16"]}}},
-        "frontier.default_policy.sequence[0]: 'bf16': the baseline is no candidate",
-    ),
-    "unknown control": (
-        {"frontier": {"default_policy": {"candidates": "holm"}}},
-        "frontier.default_policy.candidates: ",
-    ),
 }
 
 

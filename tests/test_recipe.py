@@ -80,6 +80,17 @@ def _variant(name, method, **params):
         ({"model": {"source": "not a model"}}, "model.source", "not a local path"),
         ({"model": {"source": "pkg://no_such_package/model.gguf"}}, "model.source", "not installed"),
         ({"quality": {"window": 1}}, "quality.window", "greater than 1"),
+        (
+            {"frontier": {"default_policy": {"sequence": ["awq", "fp9"]}}},
+            "frontier.default_policy.sequence[1]",
+            "'fp9': not a variant name (did you mean 'fp8'?)",
+        ),
+        (
+            {"frontier": {"default_policy": {"sequence": ["bf16"]}}},
+            "frontier.default_policy.sequence[0]",
+            "'bf16': the baseline is no candidate",
+        ),
+        ({"frontier": {"default_policy": {"candidates": "holm"}}}, "frontier.default_policy.candidates", "'none'"),
         ({"quality": {"contexts": [1024, 256]}}, "quality.contexts", "not strictly increasing"),
         ({"quality": {"contexts": [1, 256]}}, "quality.contexts[0]", "greater than 1"),
         ({"quality": {"context_windows": 0}}, "quality.context_windows", "greater than 0"),
