@@ -28,7 +28,13 @@ from quantlab.models import (
 )
 from quantlab.quantize import METHODS
 from quantlab.recipe import LoadedRecipe, Recipe, parse_recipe, read_recipe, section
-from quantlab.serving.environments import EngineMissing, chosen_engine, engine_python, python_problem
+from quantlab.serving.environments import (
+    EngineMissing,
+    chosen_engine,
+    engine_python,
+    python_problem,
+    serving_device,
+)
 from quantlab.serving.load import PROMPT_FILE_SUFFIXES
 
 RECIPE_CHECKS_DIR = "recipe-checks"  # under the cache root: what `check_recipe` looked up
@@ -145,9 +151,7 @@ def serving_problems(recipe: Recipe, base_dir: Path, shown: str, cache_root: Pat
         return []
     # A recipe for a GPU checked where none is (validate's offline check of the GPU recipe) is checked as for the
     # GPU, but the engine's environment is that machine's to have, as the hub is: it is not looked for here.
-    cuda_here = recipe.runtime.device != "cpu" and cuda_available()
-    elsewhere = recipe.runtime.device == "cuda" and not cuda_here
-    device = "cuda" if recipe.runtime.device != "cpu" and (elsewhere or cuda_here) else "cpu"
+    device, elsewhere = serving_device(recipe.runtime.device)
     engine = chosen_engine(settings, device, cache_root)
     problems = []
     try:
@@ -157,7 +161,7 @@ def serving_problems(recipe: Recipe, base_dir: Path, shown: str, cache_root: Pat
     else:
         if python is not None and (problem := python_problem(engine, python)) is not None:
             problems.append(Problem(shown, "serving.python", problem))
-    for variant in recipe.variants:
+    for index, variant in enumerate(recipe.variants):
         stored = METHODS[variant.method].stored_format
         if engine.supports(stored, device) is None:
             what = f"{stored} checkpoints" if stored else "this model"
@@ -166,6 +170,8 @@ def serving_problems(recipe: Recipe, base_dir: Path, shown: str, cache_root: Pat
                 f": {why}" if why else ""
             )
             problems.append(Problem(shown, "serving.engine", message))
+        for field_name, why in METHODS[variant.method].check_served(variant.params, engine.name):
+            problems.append(Problem(shown, f"variants[{index}] ({variant.name}).params.{field_name}", why))
     if recipe.evals.engine != "reference" and not engine.scores_prompts:
         message = (
             f"{recipe.evals.engine} scoring goes through the server, and {engine.label} returns no prompt "
@@ -182,16 +188,6 @@ def serving_problems(recipe: Recipe, base_dir: Path, shown: str, cache_root: Pat
         elif not path.is_file():
             problems.append(Problem(shown, "serving.prompts", f"no such file: {path}"))
     return problems
-
-
-def cuda_available() -> bool:
-    """torch.cuda.is_available(), without importing torch (about 2 s of every sweep's start, an unchanged re-run's
-    largest part) where no NVIDIA device node exists (Linux: /dev/nvidia*; WSL 2: /dev/dxg)."""
-    if not any(Path("/dev").glob("nvidia*")) and not Path("/dev/dxg").exists():
-        return False
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def ignore_problems(patterns: Sequence[str], modules: Mapping[str, Sequence[str]]) -> list[tuple[str, str]]:

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from quantlab.metrics import Declared, MetricSpec, Scale, is_eval_score, paired_key
+from quantlab.metrics import PAIRED_PREFIX, Declared, MetricSpec, Scale, is_eval_score, paired_key
 from quantlab.metrics import spec as metric_spec
 from quantlab.metrics import unknown_directions as contract_unknown_directions
 from quantlab.paired import STATISTICS, DocumentScores, Group, NotPaired, PairedComparison, combine, compare
@@ -165,10 +165,10 @@ def no_noise(metric: str, first: str, second: str) -> None:
     """Point comparison everywhere (tests, and sweeps that logged no paired figures)."""
 
 
-def logged_comparison(variant: VariantSummary, metric: str) -> PairedComparison | None:
-    """The variant-minus-baseline figures its run logged under `quality/paired/<metric>/...`."""
+def logged_comparison(variant: VariantSummary, metric: str, prefix: str = PAIRED_PREFIX) -> PairedComparison | None:
+    """The paired figures its run logged under `<prefix><metric>/...` (default: variant minus baseline)."""
     value = variant.value(metric)
-    figures = {name: variant.value(paired_key(metric, name)) for name in STATISTICS}
+    figures = {name: variant.value(paired_key(metric, name, prefix)) for name in STATISTICS}
     return None if value is None else PairedComparison.logged(value, figures)
 
 

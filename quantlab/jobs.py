@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 StageReporter = Callable[[str], None]
 # Processes a variant runs beside itself, whose logs go next to its own (`<variant>.<process>.log`) and are kept
 # as its run's artifacts, whether it succeeds or fails.
-SIDE_PROCESSES = ("server", "guidellm")
+SIDE_PROCESSES = ("server", "scoring-server", "guidellm")
 SAMPLES_FORMAT = 2  # version of the per-document record a variant run keeps (samples.json)
 
 

@@ -17,6 +17,8 @@ EVAL_PREFIX = "eval/"
 PAIRED_PREFIX = "quality/paired/"
 # The variant's own scores on its serving engine against the same variant loaded in transformers (evals.engine: both).
 ENGINE_VS_REFERENCE_PREFIX = "quality/engine_vs_reference/"
+# The baseline served twice, the second pass against the first: the engine's own variation (its floor)
+ENGINE_FLOOR_PREFIX = "quality/engine_floor/"
 # Token damage through the serving engine's prompt log-probabilities (quality/served/<figure of quality/...>);
 # its KL is over the engine's top-k tokens plus one bucket for the rest: kld_topk_*, a lower bound of the exact KL.
 SERVED_QUALITY_PREFIX = "quality/served/"
@@ -291,6 +293,7 @@ def spec(key: str, declared: Mapping[str, Declared] | None = None) -> MetricSpec
     for prefix, describe, directional in (
         (PAIRED_PREFIX, "paired", True),
         (ENGINE_VS_REFERENCE_PREFIX, "engine - reference, paired", False),
+        (ENGINE_FLOOR_PREFIX, "engine - engine (the baseline served twice), paired", False),
         (KV_CACHE_PREFIX, "KV cache quantized - not, paired", True),
     ):
         metric_key, _, statistic = key.removeprefix(prefix).rpartition("/")
@@ -300,6 +303,11 @@ def spec(key: str, declared: Mapping[str, Declared] | None = None) -> MetricSpec
             scale = PAIRED_STATISTICS[statistic] or base.scale
             label = f"{base.label}: {describe} {statistic}"
             return MetricSpec(key, f"{prefix}<metric>/{statistic}", higher, scale, label)
+    if key.startswith(ENGINE_FLOOR_PREFIX + "served/"):
+        base = spec(SERVED_QUALITY_PREFIX + key.removeprefix(ENGINE_FLOOR_PREFIX + "served/"), declared)
+        if base.entry:
+            label = f"{base.label}, the baseline served twice"
+            return MetricSpec(key, "quality/engine_floor/served/<figure>", None, base.scale, label)
     if key.startswith(SERVED_QUALITY_PREFIX):
         figure = key.removeprefix(SERVED_QUALITY_PREFIX)
         base = spec("quality/" + figure.replace("kld_topk_", "kld_"), declared)

@@ -23,6 +23,7 @@ from quantlab.jobs import SAMPLES_FORMAT, BaselineOutputs, VariantJob
 from quantlab.kept_results import KeptResult
 from quantlab.models import ModelSource, checkpoint_identity, materialized, resolve_source
 from quantlab.recipe import LoadedRecipe
+from quantlab.serving.environments import engine_identity
 from quantlab.tracking import RunRecord
 
 
@@ -113,6 +114,8 @@ def make_plan(
         "baseline": identities[recipe.baseline],
         "samples_format": SAMPLES_FORMAT,
     }
+    if recipe.needs_server:
+        shared["engine"] = engine_identity(recipe.serving, recipe.runtime.device, cache_root)
     run_keys = {name: cache.cache_key({"checkpoint": identity, **shared}) for name, identity in identities.items()}
     keys = {name: cache.cache_key(identity) for name, identity in identities.items()}
     targets = {name: cache.checkpoint_dir(cache_root, name, keys[name]) for name in names}

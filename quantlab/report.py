@@ -11,6 +11,7 @@ from pathlib import Path
 import jinja2
 
 from quantlab.decision import Decision, Status, Verdict, confidence, cost_warnings, served_as_notes
+from quantlab.engine_noise import engine_noise
 from quantlab.frontier import (
     DAMAGE_METRICS,
     FrontierResult,
@@ -20,6 +21,7 @@ from quantlab.frontier import (
     find_baseline,
     format_diff,
     logged_keys,
+    merged_declared,
     quality_metrics,
 )
 from quantlab.metrics import Scale, paired_key
@@ -494,7 +496,42 @@ def render_markdown(
         failed=[v.name for v in variants if not v.succeeded],
         serving=serving_table(variants),
         serving_chart=SERVING_CHART,
+        engine_floor=engine_floor_table(variants),
     )
+
+
+WITHIN, BEYOND = "within the engine's own noise", "beyond the engine's own noise"
+
+
+def engine_floor_table(variants: Sequence[VariantSummary]) -> Table | None:
+    """Each served difference beside the engine's floor (the baseline served twice) and whether it is within it;
+    None when the baseline logged no floor."""
+    found = engine_noise(variants)
+    if found is None:
+        return None
+    declared = merged_declared(variants)
+    rows = []
+    for score in found.scores:
+        spec = metric_spec(score.score, declared)
+        floor = describe_comparison(score.floor, spec)
+        for index, judged in enumerate(score.judged or (None,)):
+            first = (spec.label, floor) if index == 0 else ("", "")
+            if judged is None:
+                rows.append((*first, "", "", ""))
+                continue
+            shown = f"{judged.what}: {describe_comparison(judged.comparison, spec)}"
+            rows.append((*first, judged.variant, shown, WITHIN if judged.within else BEYOND))
+    for token in found.tokens:
+        spec = metric_spec(f"quality/served/{token.figure}")
+        floor = format_value(spec, token.floor)
+        for index, (name, value, within) in enumerate(token.variants or ((None, None, None),)):
+            first = (spec.label, floor) if index == 0 else ("", "")
+            if name is None:
+                rows.append((*first, "", "", ""))
+                continue
+            rows.append((*first, name, format_value(spec, value), WITHIN if within else BEYOND))
+    headers = ("score", "the baseline served twice", "variant", "served difference", "against the floor")
+    return Table(headers, tuple(rows))
 
 
 def serving_table(variants: Sequence[VariantSummary]) -> Table | None:

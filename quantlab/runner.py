@@ -33,6 +33,7 @@ def run_variant(
     from quantlab.quantize import METHODS
     from quantlab.stages.evaluate import (
         answer_damage,
+        engine_floor,
         engine_vs_reference,
         evaluate_served,
         evaluate_tasks,
@@ -92,11 +93,17 @@ def run_variant(
             )
         del model, tokenizer  # the server loads its own copy
         with stage("start server"):
-            served = server.ready()
+            served = server.ready(scoring=True)  # prefix caching off: each answer as if served alone
         with stage("evaluate on engine"):
             served_scores = evaluate_served(served, recipe.evals, job.loaded.include_path, report)
         with stage("damage on engine"):
             served_tokens = served_token_damage(served, recipe.quality, tokens.reference_dir)
+        with stage("engine floor"):  # the baseline served again, otherwise batched: the engine against itself
+            floor = engine_floor(
+                served, job, recipe.evals, job.loaded.include_path, report, served_scores, served_tokens
+            )
+        with stage("start server"):
+            served = server.ready(scoring=False)  # the load's levels: the engine as users serve it
         with stage("serve"), host.timing():
             serving = serve_load(
                 served, recipe.serving, recipe.measure, recipe_dir, dtype, cost_metrics, job.log_dir, stream
@@ -106,15 +113,21 @@ def run_variant(
     scores = served_scores if recipe.evals.engine != "reference" else reference_scores
     answers = answer_damage(scores, job.baseline)
     agreement = engine_vs_reference(reference_scores, served_scores)
-    quality = {**tokens.metrics, **served_tokens.metrics, **answers.metrics, **agreement.metrics}
+    quality = {**tokens.metrics, **served_tokens.metrics, **answers.metrics, **agreement.metrics, **floor.metrics}
     return VariantResult(
         checkpoint=str(checkpoint.path),
         content_key=checkpoint.key,
         reused_checkpoint=checkpoint.reused,
         stage_seconds=seconds,
         metrics={**scores.metrics, **quality, **cost_metrics, **serving.metrics},
-        params={**variant_params(job.loaded, variant, source, device, dtype, host), **scores.params, **serving.params},
+        params={
+            **variant_params(job.loaded, variant, source, device, dtype, host),
+            **scores.params,
+            **serving.params,
+            **server.scoring_params(),
+        },
         tags={**cost_tags, **tokens.tags, **served_tokens.tags, **scores.tags, **answers.tags, **agreement.tags}
+        | floor.tags
         | serving.tags
         | contention_over(cost_tags, serving.tags),
         baseline_outputs=BaselineOutputs(

@@ -4,28 +4,12 @@ does; SmolLM2's, the tiny model's, does not: the BOS tokenizer here is SmolLM2's
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
+from tiny import with_bos_template
 
 from quantlab.evaluate.lm_eval_runner import adds_bos, served_language_model
 
 PAIRS = [("The capital of France is", " Paris"), ("Question: 2 + 2 =", " 4"), ("def f(x):\n    return", " x")]
-
-
-def _with_bos_template(source, target):
-    """A copy of the tiny model whose tokenizer prepends its BOS token, as Llama 3's does."""
-    from tokenizers.processors import TemplateProcessing
-    from transformers import AutoTokenizer
-
-    shutil.copytree(source, target)
-    tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
-    bos, bos_id = tokenizer.bos_token, tokenizer.bos_token_id
-    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, bos_id)]
-    )
-    tokenizer.save_pretrained(target)
-    return target
 
 
 @pytest.mark.parametrize("bos", [True, False])
@@ -33,7 +17,7 @@ def test_served_scoring_encodes_every_pair_as_the_reference_does(tmp_path, tiny_
     from lm_eval.models.huggingface import HFLM
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    checkpoint = _with_bos_template(tiny_llama.path, tmp_path / "bos") if bos else tiny_llama.path
+    checkpoint = with_bos_template(tiny_llama.path, tmp_path / "bos") if bos else tiny_llama.path
     tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
     assert adds_bos(tokenizer) is bos
     model = AutoModelForCausalLM.from_pretrained(checkpoint)

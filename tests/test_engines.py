@@ -22,7 +22,7 @@ from mlflow.tracking import MlflowClient
 from scipy.special import log_softmax, rel_entr
 from test_resilience import Sweep, _init_store, _sweep_args, _wait_until, sweeps  # noqa: F401 - sweeps: a fixture
 from test_sweep import quantlab
-from tiny import save_tiny_llama
+from tiny import save_tiny_llama, with_bos_template
 
 from quantlab.cache import default_root
 from quantlab.evaluate.served_damage import parse_prompt_logprobs, topk_kld
@@ -162,6 +162,40 @@ def test_vllm_gpu_command_line_is_tensor_parallel_and_sized_from_free_memory(tmp
     assert "VLLM_CPU_OMP_THREADS_BIND" not in VLLM.environment(gpu)
 
 
+# (device, scoring, kv cache) -> what the vLLM server is started with beyond its defaults
+@pytest.mark.parametrize(
+    "device, scoring, kv_cache, flags, variables",
+    [
+        ("cpu", False, "auto", [], []),
+        ("cpu", True, "auto", ["--no-enable-prefix-caching"], []),  # no batch-invariant kernels on CPU
+        ("cuda", True, "auto", ["--no-enable-prefix-caching"], ["VLLM_BATCH_INVARIANT"]),
+        ("cuda", False, "auto", [], []),  # the load's levels: vLLM as users serve it
+        ("cpu", False, "fp8", ["--kv-cache-dtype"], []),
+        ("cuda", True, "fp8", ["--kv-cache-dtype", "--no-enable-prefix-caching"], ["VLLM_BATCH_INVARIANT"]),
+    ],
+)
+def test_a_scoring_vllm_server_turns_prefix_caching_off_and_the_kv_cache_is_served_as_declared(
+    tmp_path, device, scoring, kv_cache, flags, variables
+):
+    started = launch(tmp_path, device=device, scoring=scoring, kv_cache_dtype=kv_cache)
+    found = options(VLLM.command(Path("python"), started))
+    assert [flag for flag in ("--kv-cache-dtype", "--no-enable-prefix-caching") if flag in found] == flags
+    if kv_cache != "auto":
+        assert found["--kv-cache-dtype"] == kv_cache
+    environment = VLLM.environment(started)
+    assert [name for name in ("VLLM_BATCH_INVARIANT",) if name in environment] == variables
+    assert VLLM.kv_cache_served(started) == ("fp8" if kv_cache == "fp8" else started.dtype)
+    if scoring:
+        assert VLLM.scoring_params(started)["prefix_caching"].startswith("off")
+        assert VLLM.scoring_params(started)["batch_invariant"].startswith("no" if device == "cpu" else "VLLM_")
+
+
+def test_transformers_serve_keeps_a_declared_fp8_kv_cache_in_its_compute_dtype(tmp_path):
+    started = launch(tmp_path, kv_cache_dtype="fp8")
+    assert ENGINES["transformers"].kv_cache_served(started) == started.dtype
+    assert "--kv-cache-dtype" not in ENGINES["transformers"].command(Path("python"), started)
+
+
 @pytest.mark.parametrize(
     ("free", "total", "share"),
     [
@@ -218,6 +252,18 @@ def test_an_engine_without_an_environment_says_how_to_make_one(tmp_path, monkeyp
             {},
             "evals.engine: served scoring goes through the server, and transformers serve returns no prompt "
             "log-probabilities: set serving.engine: vllm (or evals.engine: reference)",
+        ),
+        (  # checked as for the GPU it names (none here): vLLM's W4A8-FP8 kernel is Hopper's, groups of 128
+            {
+                "runtime": {"device": "cuda"},
+                "serving": {"engine": "vllm"},
+                "variants": [
+                    {"name": "bf16", "method": "bf16"},
+                    {"name": "w4a8", "method": "w4a8_fp8", "params": {"group_size": 32}},
+                ],
+            },
+            {},
+            "variants[1] (w4a8).params.group_size: vLLM's W4A8-FP8 kernels take groups of 128 only, not 32",
         ),
     ],
 )
@@ -397,7 +443,8 @@ def test_fp8_scaled_mm_on_cpu_equals_torchs_own_op_within_bf16_rounding(vllm_pyt
 
 def vllm_recipe(model: Path, **changes) -> dict:
     served = {
-        "variants": [{"name": "bf16", "method": "bf16"}, {"name": "fp8", "method": "fp8"}]
+        # fp8 with its KV cache in FP8 too: the server must store it so (--kv-cache-dtype fp8)
+        "variants": [{"name": "bf16", "method": "bf16"}, {"name": "fp8", "method": "fp8", "kv_cache": "fp8"}]
         + ([{"name": "awq", "method": "awq_int4", "params": {"group_size": 32}}] if VLLM_CPU_SERVES_W4A16 else []),
         "evals": {
             "include_path": str(REPO / "evals"),
@@ -419,7 +466,8 @@ def vllm_recipe(model: Path, **changes) -> dict:
 @pytest.fixture(scope="module")
 def vllm_sweep(tmp_path_factory, vllm_python):
     work = tmp_path_factory.mktemp("vllm-sweep")
-    model = sharp_tiny_llama(work / "model")
+    # A tokenizer that adds BOS (as Llama 3's): both paths must feed it, or served and reference scores part
+    model = with_bos_template(sharp_tiny_llama(work / "sharp"), work / "model")
     path = write(work / "recipe.yaml", vllm_recipe(model))
     uri = f"sqlite:///{work / 'store.db'}"
     done = quantlab(*_sweep_args(path, uri, work / "cache"), cwd=work, timeout=1500)
@@ -431,11 +479,11 @@ def vllm_sweep(tmp_path_factory, vllm_python):
         run.data.tags["quantlab.variant"]: run
         for run in client.search_runs([experiment.experiment_id], "tags.`quantlab.role` = 'variant'")
     }
-    return done, runs, left
+    return done, runs, left, client
 
 
 def test_vllm_serves_each_checkpoint_with_the_kernel_expected(vllm_sweep):
-    done, runs, left = vllm_sweep
+    done, runs, left, _ = vllm_sweep
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert left == []  # the servers, engine cores and workers went with their variants
     kernels = {
@@ -456,10 +504,57 @@ def test_vllm_serves_each_checkpoint_with_the_kernel_expected(vllm_sweep):
         assert run.data.metrics["cost/serving/c1/output_tokens_per_s"] > 0
 
 
+def test_scoring_servers_run_without_prefix_caching_and_the_load_with_vllms_default(vllm_sweep, tmp_path):
+    """What the command asked for, and what vLLM says it did (its engine config line), for both servers of each
+    variant; the fp8 variant's KV cache in FP8 on both, as its modeled cost counts it."""
+    _, runs, _, client = vllm_sweep
+    for name, run in runs.items():
+        params = run.data.params
+        assert "--no-enable-prefix-caching" in params["served.scoring.command"]
+        assert "--no-enable-prefix-caching" not in params["served.command"]
+        assert params["served.scoring.prefix_caching"].startswith("off")
+        assert params["served.scoring.batch_invariant"].startswith("no: ")  # CPU: vLLM has none
+        logs = {}
+        for process in ("scoring-server", "server"):
+            path = client.download_artifacts(run.info.run_id, f"logs/{process}.log", str(tmp_path / name))
+            logs[process] = Path(path).read_text(errors="replace")
+        assert "enable_prefix_caching=False" in logs["scoring-server"]
+        assert "enable_prefix_caching=True" in logs["server"]
+        kv = "fp8" if name == "fp8" else "auto"
+        assert all(f"kv_cache_dtype={kv}" in text for text in logs.values()), name
+        assert params["served.kv_cache_dtype"] == ("fp8" if name == "fp8" else "bfloat16")
+    assert (
+        runs["fp8"].data.metrics["cost/kv_bytes_per_token"] == runs["bf16"].data.metrics["cost/kv_bytes_per_token"] / 2
+    )
+
+
+def test_the_baseline_served_twice_is_the_floor_the_report_reads_served_differences_against(vllm_sweep, tmp_path):
+    _, runs, _, client = vllm_sweep
+    bf16 = runs["bf16"].data
+    floor = {key: value for key, value in bf16.metrics.items() if key.startswith("quality/engine_floor/")}
+    assert floor["quality/engine_floor/eval/pydoc_cloze/acc/n"] == 16  # every document, served again
+    # The same weights on the same engine, otherwise batched: at most one near-tie moves
+    flips = floor["quality/engine_floor/eval/pydoc_cloze/acc/correct_to_wrong"]
+    assert flips + floor["quality/engine_floor/eval/pydoc_cloze/acc/wrong_to_correct"] <= 1
+    assert floor["quality/engine_floor/served/top1_agreement"] >= 0.95
+    assert 0 <= floor["quality/engine_floor/served/kld_topk_mean"] < 0.01
+    assert "served twice by vLLM" in bf16.tags["quantlab.quality.engine_floor"]
+    assert not any(key.startswith("quality/engine_floor/") for key in runs["fp8"].data.metrics)  # the baseline's
+    (experiment,) = [e for e in client.search_experiments() if e.name == "tiny"]
+    (parent,) = client.search_runs([experiment.experiment_id], "tags.`quantlab.role` = 'sweep'")
+    report = Path(client.download_artifacts(parent.info.run_id, "report.md", str(tmp_path))).read_text()
+    section = report.split("## The engine against itself", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|") and "fp8" in line]
+    assert any("engine - reference" in row for row in rows) and any("served drop" in row for row in rows)
+    assert all(
+        row.rstrip(" |").endswith(("within the engine's own noise", "beyond the engine's own noise")) for row in rows
+    )
+
+
 def test_bf16_scored_through_vllm_agrees_with_the_reference(vllm_sweep):
     """Tolerance: BF16 on vLLM against float32 in transformers may flip a near-tie document; at most one of 16
     (paired difference within 1/16) and the served perplexity within 1% of the reference's."""
-    _, runs, _ = vllm_sweep
+    _, runs, _, _ = vllm_sweep
     metrics = runs["bf16"].data.metrics
     for score in ("acc", "acc_norm"):
         assert abs(metrics[f"quality/engine_vs_reference/eval/pydoc_cloze/{score}/diff"]) <= 1 / 16
@@ -470,7 +565,7 @@ def test_bf16_scored_through_vllm_agrees_with_the_reference(vllm_sweep):
 
 
 def test_quantized_variants_are_compared_with_the_baseline_on_the_engine(vllm_sweep):
-    _, runs, _ = vllm_sweep
+    _, runs, _, _ = vllm_sweep
     for name in ("fp8", "awq") if VLLM_CPU_SERVES_W4A16 else ("fp8",):
         metrics = runs[name].data.metrics
         assert 0 < metrics["quality/served/kld_topk_mean"] <= metrics["quality/served/kld_topk_max"]
@@ -510,6 +605,6 @@ def test_sigkill_of_the_sweep_leaves_no_vllm_process(tmp_path, vllm_python, swee
 
 
 def test_validate_asks_for_cuda_without_importing_torch_and_agrees_with_it():
-    from quantlab.checks import cuda_available
+    from quantlab.serving.environments import cuda_available
 
     assert cuda_available() == torch.cuda.is_available()

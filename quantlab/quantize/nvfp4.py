@@ -21,7 +21,8 @@ class Nvfp4(PresetMethod):
                 "CUTLASS / FlashInfer NVFP4 W4A4 on Blackwell (SM >= 100); MarlinNvFp4LinearKernel (weight-only) "
                 "on Hopper and older",
                 "vLLM runs W4A4 FP4 natively only on Blackwell: elsewhere the activations stay BF16 (unless "
-                "VLLM_USE_NVFP4_CT_EMULATIONS=1, an emulation), so a Hopper figure describes NVFP4A16",
+                "`--linear-backend emulation`, a dequantizing emulation for testing), so a Hopper figure describes "
+                "NVFP4A16",
                 served_as="NVFP4A16 (weight-only) below Blackwell",
             ),
         },

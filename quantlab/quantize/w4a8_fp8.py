@@ -10,6 +10,8 @@ from pydantic import Field
 
 from quantlab.quantize.base import GroupwiseInt4, PresetMethod, Served, Support, divides_widths, preset_scheme
 
+VLLM_GROUP_SIZE = 128
+
 
 class W4A8Fp8(PresetMethod):
     class Params(PresetMethod.Params):
@@ -25,7 +27,9 @@ class W4A8Fp8(PresetMethod):
         "vllm": {
             "cuda": Support(
                 "CutlassW4A8LinearKernel on Hopper (SM 90) with groups of 128",
-                "vLLM has W4A8-FP8 kernels for Hopper only, and for group size 128 only",
+                "vLLM has W4A8-FP8 kernels for Hopper only, for groups of 128 only, and it converts the "
+                "checkpoint's BF16 group scales to FP8 at load: what it serves rounds the scales once more than "
+                "what the reference scored",
             ),
         },
     }
@@ -45,3 +49,10 @@ class W4A8Fp8(PresetMethod):
     @staticmethod
     def check_model(params: Params, linear_widths: dict[str, int]) -> list[tuple[str, str]]:
         return divides_widths("group_size", params.group_size, linear_widths)
+
+    @staticmethod
+    def check_served(params: Params, engine: str) -> list[tuple[str, str]]:
+        if engine == "vllm" and params.group_size != VLLM_GROUP_SIZE:
+            why = f"vLLM's W4A8-FP8 kernels take groups of {VLLM_GROUP_SIZE} only, not {params.group_size}"
+            return [("group_size", why)]
+        return []

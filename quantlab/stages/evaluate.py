@@ -13,6 +13,7 @@ from quantlab import cache
 from quantlab.corpora import load_texts
 from quantlab.evaluate.damage import flip_metrics, paired_flips, recovery
 from quantlab.metrics import (
+    ENGINE_FLOOR_PREFIX,
     ENGINE_VS_REFERENCE_PREFIX,
     PAIRED_PREFIX,
     Declared,
@@ -24,6 +25,7 @@ from quantlab.paired import DocumentScores, Group, NotPaired, PairedComparison, 
 
 if TYPE_CHECKING:
     from quantlab.evaluate.lm_eval_runner import TaskDataset, TaskRequest, TaskScores
+    from quantlab.evaluate.served_damage import ServedPass
     from quantlab.jobs import BaselineOutputs, StageReporter, VariantJob
     from quantlab.recipe import EvalSettings, QualitySettings
     from quantlab.stages.serve import ServedVariant
@@ -51,12 +53,15 @@ class DamageOutcome:
     reference_dir: str | None = None  # token_damage: the baseline's stored pass
     documents: dict[str, DocumentScores] = field(default_factory=dict)  # token_damage: quality/<figure> -> per token
     artifacts: dict[str, str] = field(default_factory=dict)  # answer_damage: flips/<task>.jsonl
+    served: ServedPass | None = None  # served_token_damage: the engine's pass, which the baseline's floor repeats
 
 
 NOTE_TAG = "quantlab.eval_note/"  # + score key: why a score has no per-document analysis or pairing
 UNKNOWN_DIRECTION_TAG = "quantlab.direction_unknown"  # scores lm-eval declared no direction for
 SKIPPED_TAG = "quantlab.quality.skipped"
 SERVED_DAMAGE_TAG = "quantlab.quality.served_kld"  # how quality/served/kld_topk_* was computed
+SERVED_WINDOWS_AT_ONCE = 4  # token windows in flight at once in a served pass
+ENGINE_FLOOR_TAG = "quantlab.quality.engine_floor"  # how the baseline's second served pass differed from its first
 
 
 def evaluate_tasks(
@@ -118,15 +123,69 @@ def served_token_damage(
 ) -> DamageOutcome:
     """Perplexity, top-1 agreement and a top-k KL through the engine's prompt log-probabilities, against the
     baseline's stored pass (quality/served/...)."""
-    from quantlab.evaluate.served_damage import served_token_comparison
+    from quantlab.evaluate.served_damage import served_pass, served_token_comparison
 
     if served is None or not served.engine.scores_prompts or not settings.enabled or baseline_reference is None:
         return DamageOutcome({})
-    tokens = served_token_comparison(
-        served.server.url, str(served.checkpoint), Path(baseline_reference), served.launch.top_logprobs, 4
-    )
-    method = f"KL over the engine's top {served.launch.top_logprobs} tokens plus one bucket for the rest: a lower bound"
-    return DamageOutcome(tokens.metrics(), {SERVED_DAMAGE_TAG: method})
+    url, name, top_k = served.server.url, str(served.checkpoint), served.launch.top_logprobs
+    found = served_pass(url, name, Path(baseline_reference), top_k, SERVED_WINDOWS_AT_ONCE)
+    tokens = served_token_comparison(found, Path(baseline_reference))
+    method = f"KL over the engine's top {top_k} tokens plus one bucket for the rest: a lower bound"
+    return DamageOutcome(tokens.metrics(), {SERVED_DAMAGE_TAG: method}, baseline_reference, served=found)
+
+
+def engine_floor(
+    served: ServedVariant | None,
+    job: VariantJob,
+    settings: EvalSettings,
+    include_path: Path | None,
+    report: StageReporter,
+    scores: EvalOutcome,
+    tokens: DamageOutcome,
+) -> DamageOutcome:
+    """The baseline served a second time, at another concurrency and batch size (its token windows in reverse
+    order), against its first served pass: the same weights on the same engine (quality/engine_floor/...). What the
+    engine varies by itself is the noise a served difference is read against: engine against reference, a
+    variant's served drop. Only the baseline's run logs it; nothing without a server that scores."""
+    from quantlab.evaluate.served_damage import served_pass, served_twice
+
+    if served is None or not job.is_baseline or not (scores.documents or tokens.served is not None):
+        return DamageOutcome({})
+    metrics: dict[str, float] = {}
+    notes: dict[str, str] = {}
+    passes = []
+    if scores.documents:
+        again = settings.model_copy(
+            update={
+                "served_concurrency": _other(settings.served_concurrency),
+                "batch_size": _other(settings.batch_size),
+            }
+        )
+        second = evaluate_served(served, again, include_path, lambda step: report(f"engine floor: {step}"))
+        comparisons, unpaired, _ = _compare_documents(scores.documents, second.documents)
+        metrics |= _paired_metrics(comparisons, ENGINE_FLOOR_PREFIX)
+        notes |= {NOTE_TAG + key: f"engine floor not paired: {why}" for key, why in unpaired.items()}
+        passes.append(
+            f"tasks at concurrency {settings.served_concurrency}, batch {settings.batch_size}, then at "
+            f"{again.served_concurrency}, batch {again.batch_size}"
+        )
+    if tokens.served is not None:
+        report("engine floor: token log-probabilities")
+        url, name, top_k = served.server.url, str(served.checkpoint), served.launch.top_logprobs
+        reference_dir = Path(tokens.reference_dir or "")
+        second = served_pass(url, name, reference_dir, top_k, _other(SERVED_WINDOWS_AT_ONCE), reverse=True)
+        metrics |= served_twice(tokens.served, second).metrics(ENGINE_FLOOR_PREFIX + "served/")
+        passes.append(
+            f"token windows {SERVED_WINDOWS_AT_ONCE} at a time, then {_other(SERVED_WINDOWS_AT_ONCE)} at a time, "
+            "last first"
+        )
+    what = f"{served.variant} served twice by {served.engine.label}: " + "; ".join(passes)
+    return DamageOutcome(metrics, notes | {ENGINE_FLOOR_TAG: what})
+
+
+def _other(setting: int) -> int:
+    """Another concurrency or batch size than `setting`: one where it is more, else two."""
+    return 1 if setting > 1 else 2
 
 
 def eval_outcome(tasks: list[TaskScores]) -> EvalOutcome:

