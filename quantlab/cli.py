@@ -910,6 +910,8 @@ def _print_decision(decision) -> None:
     from rich.markup import escape
 
     out.print(decision.summary)
+    if decision.selection_words:
+        out.print(escape(decision.selection_words))
     if decision.control is not None:
         out.print(decision.control.words)
     for verdict in decision.verdicts:

@@ -22,12 +22,15 @@ from quantlab.paired import (
     Group,
     NonInferiority,
     Outcome,
+    agresti_min_se,
     float_slack,
     holm_alphas,
     non_inferiority,
     over_p,
     paired_binary_non_inferiority,
     paired_binary_over_p,
+    quantile,
+    selection_adjusted_interval,
 )
 from quantlab.policy import (
     KLD_MEAN,
@@ -79,6 +82,11 @@ class CheckResult:
     family: int | None = None  # drop checks of this variant that "shown over" is corrected for (Holm)
     documents_available: int | None = None  # documents the task has, where known
     is_drop: bool = False  # a drop limit (paired, against the baseline), not a bound on a logged figure
+    # Shown within: the drop's two-sided 95% interval given that it passed (`selection_adjusted_interval`); None: no
+    # finite bound that side
+    selected_low: float | None = None
+    selected_high: float | None = None
+    selected_words: str = ""  # "eval/x/acc: drop 1.00 pt [-2.10 pts, 5.40 pts]"
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,17 @@ class _Evidence:
         if self.flips is None:
             return over_p(self.drop, self.se, self.limit, self.df)
         return paired_binary_over_p(self.n, *self.flips, self.limit, higher_is_better=self.rule.spec.higher_is_better)
+
+    def selected(self, alpha: float) -> dict[str, float | None]:
+        """The drop's interval given that its one-sided (1 - alpha) bound was within the limit: on its se, or on 0/1
+        scores Agresti and Min's with the Wald bound standing in for Tango's (a normal approximation)."""
+        se = self.se if self.flips is None else agresti_min_se(self.n, *self.flips)
+        threshold = self.limit - quantile(1 - alpha, self.df) * se
+        low, high = selection_adjusted_interval(self.drop, se, threshold, df=self.df)
+        finite_or_none = {
+            name: value if math.isfinite(value) else None for name, value in (("low", low), ("high", high))
+        }
+        return {"selected_low": finite_or_none["low"], "selected_high": finite_or_none["high"]}
 
     def judge(self, policy: Policy, over_alpha: float) -> NonInferiority:
         """The check at the policy's level for "shown within", `over_alpha` (Holm's) for "shown over"."""
@@ -180,12 +199,26 @@ def _drop_checks(evidence: Sequence[CheckResult | _Evidence], policy: Policy) ->
         found = item.judge(policy, levels[id(item)])
         words = _verdict_words(item.rule, found, item.n, family, item.available, policy.power, item.bounds_name)
         extra = {"n": item.n, "family": family, "documents_available": item.available, "is_drop": True}
+        if found.outcome is Outcome.WITHIN:
+            extra |= item.selected(found.alpha)
+            extra["selected_words"] = _selected_words(
+                item.rule, found.drop, extra["selected_low"], extra["selected_high"]
+            )
         judged.append(
             CheckResult(
                 item.rule.constraint, item.rule.metric, _BY_OUTCOME[found.outcome], words, **_record(found), **extra
             )
         )
     return judged
+
+
+def _selected_words(rule: DropRule, drop: float, low: float | None, high: float | None) -> str:
+    def amount(value: float) -> str:
+        return format_change(rule.spec, value, signed=value < 0)
+
+    shown_low = "no lower bound" if low is None else amount(low)
+    shown_high = "no upper bound" if high is None else amount(high)
+    return f"{rule.metric}: drop {amount(drop)} [{shown_low}, {shown_high}]"
 
 
 def _record(found: NonInferiority) -> dict[str, Any]:
@@ -353,6 +386,23 @@ class Decision:
         )
 
     @property
+    def selection_words(self) -> str:
+        """What passing did to the chosen variant's drops, with their intervals given that they passed; "" when
+        nothing was chosen or it has no drop shown within (the baseline, bounds alone)."""
+        if self.chosen is None:
+            return ""
+        shown = [check.selected_words for check in self.verdict(self.chosen).checks if check.selected_words]
+        if not shown:
+            return ""
+        return (
+            f"{self.chosen}'s figures are selected: it was chosen for passing its checks, which favours draws that "
+            "came out low, so its observed drops flatter it. Its drops with 95% intervals given that they passed "
+            "(conditional inference on the normal approximation, truncated where the check passes): "
+            + "; ".join(shown)
+            + "."
+        )
+
+    @property
     def passing_words(self) -> str:
         """What passing the policy means: a drop limit is shown within (a claim at the policy's level), a bound on a
         logged figure is met (a plain comparison)."""
@@ -376,6 +426,7 @@ class Decision:
             "grouped": list(self.grouped),
             "warnings": list(self.warnings),
             "error_control": self.control.to_dict() if self.control else None,
+            "selection": self.selection_words,
             "variants": [asdict(verdict) for verdict in self.verdicts],  # str enums: their values in JSON
         }
 

@@ -420,6 +420,42 @@ def non_inferiority(
     return NonInferiority(outcome, drop, lower, upper, limit, needed, **settings, best_limit=best)
 
 
+def selection_adjusted_interval(
+    drop: float, se: float, threshold: float, level: float = 0.95, df: float = math.inf
+) -> tuple[float, float]:
+    """The two-sided `level` interval of the true drop of a variant chosen because its observed drop was at most
+    `threshold` (its upper bound within the limit): the drop's sampling distribution truncated to that event, and
+    the interval of true drops under which the observed one is not in either tail (conditional inference for a
+    selected estimate, Lee, Sun, Sun and Taylor 2016). Among chosen variants it covers the truth at `level`; the
+    plain interval does not, as passing favours draws that came out low (the winner's curse). Normal (or Student's
+    t with `df`) around the drop; a drop far below the threshold gets the plain interval back."""
+    if not (math.isfinite(se) and se > 0 and math.isfinite(threshold)) or drop > threshold:
+        return _interval(drop, se, df)
+    from scipy.optimize import brentq
+
+    special = _special()
+
+    def log_cdf(z: float) -> float:
+        return float(special.log_ndtr(z)) if math.isinf(df) else math.log(max(float(special.stdtr(df, z)), 1e-300))
+
+    def selected_below(true_drop: float) -> float:
+        """P(observed <= drop | observed <= threshold) at `true_drop`: falls from 1 to 0 as the true drop rises."""
+        return math.exp(log_cdf((drop - true_drop) / se) - log_cdf((threshold - true_drop) / se))
+
+    tail = (1 - level) / 2
+    low, high = drop - 60 * se, drop + 60 * se + (threshold - drop)
+
+    def solve(target: float) -> float | None:
+        if selected_below(high) >= target:  # no true drop in reach puts the observed one in this tail
+            return None
+        return brentq(lambda true_drop: selected_below(true_drop) - target, low, high, xtol=se * 1e-6)
+
+    lower, upper = solve(1 - tail), solve(tail)
+    # An observed drop at the threshold itself says nothing of how large the true one may be: no finite upper bound;
+    # the lower one is then the plain one (selection removed only draws above the threshold).
+    return (_interval(drop, se, df)[0] if lower is None else lower), (math.inf if upper is None else upper)
+
+
 def _outcome(lower: float, upper: float, limit: float) -> Outcome:
     edge = limit + float_slack(limit)
     return Outcome.WITHIN if upper <= edge else Outcome.OVER if lower > edge else Outcome.UNSURE

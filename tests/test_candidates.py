@@ -199,3 +199,60 @@ def test_uncorrected_the_chance_grows_with_the_candidates():
     drops = rng.normal(LIMIT_PTS, SE_PTS, size=(DRAWS, 10))
     rate = np.mean([_ships_over("none", 10, row) for row in drops])
     assert rate > 0.15  # 1 - 0.975^10 = 22%
+
+
+# --- the chosen variant's figures, adjusted for having been chosen ---
+
+TRUE_DROP_PTS, SELECTED_SE_PTS = 0.7, 0.25
+
+
+def test_the_chosen_variants_adjusted_interval_covers_its_true_drop_at_95_percent():
+    """Three candidates each truly 0.7 pt down (observed ~ N(0.7, 0.25) pt, limit 1 pt: one passes when its draw
+    is at most 0.51 pt, 22% of the time), the cheapest passing one shipped (each candidate's own pass is what
+    selects it: their draws are independent). Its plain 95% interval covers the truth 89% of the time; the interval
+    given that it passed, 95% (three binomial standard errors allowed). Seeded, 1,500 draws."""
+    rng = np.random.default_rng(2)
+    adjusted, plain = [], []
+    z = stats.norm.ppf(0.975)
+    se = SELECTED_SE_PTS / 100
+    for drops in rng.normal(TRUE_DROP_PTS, SELECTED_SE_PTS, size=(1500, 3)):
+        variants = [baseline(), *(_sized(f"c{i}", 200e6 - i * 1e6, drops[i], se) for i in range(3))]
+        decision = decide(variants, only(max_drop={ACC: LIMIT_PTS}, candidates="none"))
+        if decision.chosen == "bf16":
+            continue
+        (check,) = decision.verdict(decision.chosen).checks
+        truth = TRUE_DROP_PTS / 100
+        high = math.inf if check.selected_high is None else check.selected_high
+        adjusted.append(check.selected_low <= truth <= high)
+        plain.append(abs(check.drop - truth) <= z * se)
+    chosen = len(adjusted)
+    assert chosen > 600  # about half the draws ship one
+    assert np.mean(adjusted) >= 0.95 - 3 * math.sqrt(0.05 * 0.95 / chosen), np.mean(adjusted)
+    assert np.mean(plain) < np.mean(adjusted) - 0.02  # the winner's curse the adjustment removes
+
+
+def test_the_recommendation_says_its_figures_are_selected_with_the_adjusted_intervals():
+    # A drop of 0.5 pt with se 0.2 pt passes a 1-pt limit near its edge (bound 0.89 pt): given that it passed, the
+    # truth may be larger than its plain interval [0.11, 0.89] pts says ([0.13, 1.89] pts); at the edge itself (0.6
+    # pt, bound 0.99 pt) nothing bounds it above; far within the limit the plain interval stands.
+    near = decide([baseline(), _sized("fp8", 170e6, 0.5, 0.2 / 100)], only(max_drop={ACC: LIMIT_PTS}))
+    (check,) = near.verdict("fp8").checks
+    assert check.selected_high > check.drop + 2 * z_plain(check) and check.selected_low > check.drop - z_plain(check)
+    edge = decide([baseline(), _sized("fp8", 170e6, 0.6, 0.2 / 100)], only(max_drop={ACC: LIMIT_PTS}))
+    (at_edge,) = edge.verdict("fp8").checks
+    assert at_edge.selected_high is None and at_edge.selected_words.endswith("no upper bound]")
+    far = decide([baseline(), _sized("fp8", 170e6, 0.2, 0.1 / 100)], only(max_drop={ACC: LIMIT_PTS}))
+    (plain,) = far.verdict("fp8").checks
+    assert plain.selected_low == pytest.approx(plain.drop - z_plain(plain), rel=1e-3)
+    assert plain.selected_high == pytest.approx(plain.drop + z_plain(plain), rel=1e-3)
+    decision = near
+    assert decision.chosen == "fp8"
+    words = decision.selection_words
+    assert words.startswith("fp8's figures are selected") and check.selected_words in words
+    assert decision.to_dict()["selection"] == words
+    assert decide([baseline()], only(max_drop={ACC: LIMIT_PTS})).selection_words == ""  # the baseline: no drop
+
+
+def z_plain(check) -> float:
+    """The plain two-sided 95% half-width of a check's drop, from its one-sided bound."""
+    return (check.upper - check.drop) * stats.norm.ppf(0.975) / stats.norm.ppf(1 - check.alpha)
