@@ -81,6 +81,7 @@ class CheckResult:
     best_limit: float | None = None  # undecided, needing more documents than the task has: the limit they can settle
     family: int | None = None  # drop checks of this variant that "shown over" is corrected for (Holm)
     documents_available: int | None = None  # documents the task has, where known
+    unit: str = "documents"  # what `n` and `documents_needed` count: per-token figures count scoring windows
     is_drop: bool = False  # a drop limit (paired, against the baseline), not a bound on a logged figure
     # Shown within: the drop's two-sided 95% interval given that it passed (`selection_adjusted_interval`); None: no
     # finite bound that side
@@ -102,6 +103,13 @@ class _Evidence:
     df: float
     available: int | None
     flips: tuple[int, int] | None = None
+    # Per-token figures are sampled by scoring window (their se clusters on windows): n and the advice count windows
+    windows: int | None = None
+    tokens: int | None = None
+
+    @property
+    def unit(self) -> str:
+        return "documents" if self.windows is None else "scoring windows"
 
     @property
     def limit(self) -> float:
@@ -137,7 +145,7 @@ class _Evidence:
             "available": self.available,
         }
         if self.flips is None:
-            return non_inferiority(self.drop, self.se, self.n, self.limit, df=self.df, **settings)
+            return non_inferiority(self.drop, self.se, self.windows or self.n, self.limit, df=self.df, **settings)
         higher_is_better = self.rule.spec.higher_is_better
         return paired_binary_non_inferiority(
             self.n, *self.flips, self.limit, higher_is_better=higher_is_better, **settings
@@ -172,6 +180,9 @@ def _drop_evidence(
     # combined from its leaves' own.
     flips = None if None in logged_flips else (int(logged_flips[0]), int(logged_flips[1]))  # type: ignore[arg-type]
     drop = -diff if rule.spec.higher_is_better else diff
+    if EvalKey.parse(metric) is None and math.isfinite(df):  # a per-token figure: its df is its windows less one
+        windows = int(round(df)) + 1
+        return _Evidence(rule, drop, se, windows, df, None, flips, windows=windows, tokens=n)
     return _Evidence(rule, drop, se, n, df, documents_available(metric, n, documents), flips)
 
 
@@ -197,8 +208,16 @@ def _drop_checks(evidence: Sequence[CheckResult | _Evidence], policy: Policy) ->
             judged.append(item)
             continue
         found = item.judge(policy, levels[id(item)])
-        words = _verdict_words(item.rule, found, item.n, family, item.available, policy.power, item.bounds_name)
-        extra = {"n": item.n, "family": family, "documents_available": item.available, "is_drop": True}
+        words = _verdict_words(
+            item.rule, found, item.n, family, item.available, policy.power, item.bounds_name, item.tokens
+        )
+        extra = {
+            "n": item.n,
+            "family": family,
+            "documents_available": item.available,
+            "is_drop": True,
+            "unit": item.unit,
+        }
         if found.outcome is Outcome.WITHIN:
             extra |= item.selected(found.alpha)
             extra["selected_words"] = _selected_words(
@@ -239,6 +258,7 @@ def _verdict_words(
     available: int | None,
     power: float,
     bounds_name: str = "bounds",
+    tokens: int | None = None,
 ) -> str:
     """'eval/x/acc: shown over the limit: drop 2.50 pts, one-sided 97.5% bounds from the flips [1.40 pts, 3.75 pts],
     limit 1 pt (paired, n=1,000)': the bounds the verdict used (the lower one at Holm's level when several checks
@@ -258,13 +278,15 @@ def _verdict_words(
             f"{amount(found.upper)} at {confidence(found.alpha)}]"
         )
     t = f", t with {found.df:.3g} df" if math.isfinite(found.df) else ""
-    text = f"{rule.metric}: {found.outcome.value}: drop {amount(found.drop)}, {bounds}, limit {rule.words} (paired, n={n:,}{t})"
+    paired = f"n={n:,}" if tokens is None else f"n={tokens:,} tokens in {n:,} scoring windows"
+    unit = "documents" if tokens is None else "scoring windows"
+    text = f"{rule.metric}: {found.outcome.value}: drop {amount(found.drop)}, {bounds}, limit {rule.words} (paired, {paired}{t})"
     if found.outcome is Outcome.UNSURE:
         needed = found.documents_needed
         text += (
-            f"; about {needed:,} documents would settle it ({power:.0%} power)"
+            f"; about {needed:,} {unit} would settle it ({power:.0%} power)"
             if needed
-            else "; more documents would settle it"
+            else f"; more {unit} would settle it"
         )
         if found.best_limit is not None and available is not None:
             task = EvalKey.parse(rule.metric)
@@ -332,6 +354,7 @@ class Verdict:
     # UNDECIDED: about how many documents would settle its undecided checks (None: none says;
     # checks without paired statistics need those first).
     documents_needed: int | None = None
+    needed_unit: str = "documents"  # what documents_needed counts (per-token checks: scoring windows)
 
     @property
     def basis(self) -> str:
@@ -441,7 +464,7 @@ def _would_need(undecided: Sequence[Verdict]) -> str:
     for verdict in undecided:
         unpaired = [c.metric for c in verdict.checks if c.status is CheckStatus.UNDECIDED and c.drop is None]
         parts = (
-            [f"would need ~{verdict.documents_needed:,} documents{_more_than_it_has(verdict)}"]
+            [f"would need ~{verdict.documents_needed:,} {verdict.needed_unit}{_more_than_it_has(verdict)}"]
             if verdict.documents_needed
             else []
         )
@@ -624,10 +647,14 @@ def _judge(variant: VariantSummary, checks: Checks, objective: Axis) -> Verdict:
     reasons = (*failed, *(result.detail for result in undecided))
     if failed:
         return Verdict(variant.name, Status.REJECTED, reasons, objective_value, results)
-    needed = max((r.documents_needed for r in undecided if r.documents_needed is not None), default=None)
+    neediest = max(
+        (r for r in undecided if r.documents_needed is not None), key=lambda r: r.documents_needed or 0, default=None
+    )
+    needed = neediest.documents_needed if neediest is not None else None
     # Passing every check is COSTS_MORE until ranked (the best becomes CHOSEN).
     status = Status.UNDECIDED if undecided else Status.COSTS_MORE
-    return Verdict(variant.name, status, reasons, objective_value, results, needed)
+    unit = neediest.unit if neediest is not None else "documents"
+    return Verdict(variant.name, status, reasons, objective_value, results, needed, unit)
 
 
 def _quality_tie_break(verdict: Verdict, variant: VariantSummary) -> tuple[float, float]:

@@ -889,3 +889,25 @@ def test_a_bound_on_a_figure_the_run_left_out_says_why():
     decision = decide([baseline(), fp8], only(at_most={TTFT: 200.0}))
     (reason,) = decision.verdict("fp8").reasons
     assert reason == f"missing metric {TTFT} ({why})"
+
+
+def test_a_per_token_limit_counts_its_evidence_and_its_advice_in_scoring_windows():
+    """Perplexity's paired figures are per token, their se clustered on the corpus' scoring windows (df = windows - 1):
+    the advice is in windows, not in "documents" that are tokens."""
+    ratio = "quality/ln_ppl_ratio"
+    logged = {
+        paired_key(ratio, "diff"): 0.004,
+        paired_key(ratio, "se"): 0.003,
+        paired_key(ratio, "n"): 4096,
+        paired_key(ratio, "df"): 15,  # 16 windows
+    }
+    runs = [
+        VariantSummary("bf16", "bf16", True, {ratio: 0.0, WEIGHTS: 2.0}, is_baseline=True),
+        VariantSummary("fp8", "fp8", True, {ratio: 0.004, WEIGHTS: 1.0, **logged}),
+    ]
+    decision = pick(runs, "bf16", only(max_drop={ratio: 0.01}), BY_SIZE)
+    (check,) = decision.verdict("fp8").checks
+    assert check.outcome is Outcome.UNSURE and check.n == 16 and check.unit == "scoring windows"
+    assert "(paired, n=4,096 tokens in 16 scoring windows, t with 15 df)" in check.detail
+    assert f"about {check.documents_needed:,} scoring windows would settle it" in check.detail
+    assert f"fp8 would need ~{check.documents_needed:,} scoring windows" in decision.summary
