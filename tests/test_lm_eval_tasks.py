@@ -160,6 +160,47 @@ def test_nested_groups_aggregate_over_all_their_leaves():
     assert tasks["a1"].primary.documents.values == {0: 1.0, 1: 1.0, 2: 0.0}
 
 
+@pytest.mark.parametrize(
+    ("top_by_size", "mid_by_size", "weights"),
+    [
+        (True, True, [0.3, 0.2, 0.5]),  # one pool of documents
+        (False, False, [0.25, 0.25, 0.5]),  # a mean of means at each level (lm-eval's longbench): 1/2 x 1/2
+        (False, True, [0.3, 0.2, 0.5]),  # the plain mean of mid (3/5) and b1 (2/5), mid's leaves by size
+        (True, False, [0.25, 0.25, 0.5]),  # mid (5 documents) and b1 (5) by size, mid a mean of its two leaves
+    ],
+)
+def test_nested_groups_weigh_each_leaf_by_the_product_of_the_weights_down_the_tree(top_by_size, mid_by_size, weights):
+    """The group values lm-eval's own aggregation gives (aggregate_subtask_metrics, weight_by_size per group) are
+    reproduced by the leaves' per-document scores and the weights quantlab finds, which pair and flip as one score."""
+    from lm_eval.api.metrics import aggregate_subtask_metrics
+
+    accs = {"a1": [1.0, 1.0, 0.0], "a2": [0.0, 1.0], "b1": [1.0, 0.0, 0.0, 0.0, 1.0]}
+    means = {name: sum(values) / len(values) for name, values in accs.items()}
+    mid = aggregate_subtask_metrics([means["a1"], means["a2"]], [3, 2], mid_by_size)
+    top = aggregate_subtask_metrics([mid, means["b1"]], [5, 5], top_by_size)
+    results = _results(
+        [_leaf(name, values) for name, values in accs.items()],
+        {"top": ["mid", "b1"], "mid": ["a1", "a2"]},
+        {"top": top, "mid": mid},
+        {"top": {"acc": True}, "mid": {"acc": True}},
+    )
+    found = {t.task: t.primary for t in read_results(TaskRequest("top"), results)}
+    assert found["top"].leaves == ("eval/a1/acc", "eval/a2/acc", "eval/b1/acc")
+    assert found["top"].weights == pytest.approx(weights) and found["top"].note is None
+    assert sum(w * means[leaf.split("/")[1]] for w, leaf in zip(weights, found["top"].leaves)) == pytest.approx(top)
+
+
+def test_a_group_no_weighting_reproduces_is_named_with_why():
+    results = _results(
+        [_leaf("a1", [1.0, 1.0, 0.0]), _leaf("a2", [0.0, 1.0]), _leaf("b1", [1.0, 0.0, 0.0, 0.0, 1.0])],
+        {"top": ["mid", "b1"], "mid": ["a1", "a2"]},
+        {"top": 0.9, "mid": 3 / 5},  # no weighting of mid and b1 gives 0.9
+        {"top": {"acc": True}, "mid": {"acc": True}},
+    )
+    top = next(t.primary for t in read_results(TaskRequest("top"), results) if t.task == "top")
+    assert top.leaves == () and "neither the size-weighted nor the plain mean" in top.note
+
+
 def test_one_call_s_results_split_into_what_each_request_would_have_got_alone():
     c1 = _leaf("c1", [1.0, 0.0])
     combined = _results(

@@ -339,11 +339,7 @@ def read_results(request: TaskRequest, results: Mapping[str, Any]) -> list[TaskS
     structure: Mapping[str, list[str]] = results.get("group_subtasks") or {}
     reported = results.get("results") or {}
     leaves = {task: _leaf_scores(task, request, results) for task in reported if task not in structure}
-    groups = [
-        _group_scores(group, results, _leaves_under(group, structure), leaves)
-        for group in structure
-        if group in reported
-    ]
+    groups = [_group_scores(group, results, structure, leaves) for group in structure if group in reported]
     return [group for group in groups if group.scores] + [leaf for leaf in leaves.values() if leaf.scores]
 
 
@@ -375,19 +371,21 @@ def _leaf_scores(task: str, request: TaskRequest, results: Mapping[str, Any]) ->
 
 
 def _group_scores(
-    group: str, results: Mapping[str, Any], leaf_names: list[str], leaves: Mapping[str, TaskScores]
+    group: str, results: Mapping[str, Any], structure: Mapping[str, list[str]], leaves: Mapping[str, TaskScores]
 ) -> TaskScores:
     """lm-eval's aggregate scores of a group, each with the leaf scores and weights that reproduce it."""
     scores = []
     for score in reported_scores(group, results):
-        parts = [
-            leaf
-            for name in leaf_names
-            for leaf in (leaves[name].scores if name in leaves else [])
-            if (leaf.metric, leaf.filter) == (score.metric, score.filter)
-        ]
-        sizes = [leaves[p.task].settings.documents for p in parts]
-        weights, note = group_weights([p.value for p in parts], sizes, score.value)
+        weighted, note = tree_weights(group, score.metric, score.filter, structure, results, leaves)
+        parts = [leaf for leaf, _ in weighted or []]
+        weights = [weight for _, weight in weighted] if weighted is not None else None
+        if weighted is None:  # the leaves that would have counted, for the group's scale
+            parts = [
+                leaf
+                for name in _leaves_under(group, structure)
+                for leaf in (leaves[name].scores if name in leaves else [])
+                if (leaf.metric, leaf.filter) == (score.metric, score.filter)
+            ]
         not_means = [p for p in parts if p.documents is None or p.documents.aggregation is not Aggregation.MEAN]
         if weights is not None and not_means:
             # combine() adds weighted differences: right for means, not for perplexities.
@@ -400,6 +398,47 @@ def _group_scores(
         leaf_keys = tuple(p.key for p in parts) if weights else ()
         scores.append(replace(score, scale=scale, leaves=leaf_keys, weights=tuple(weights or ()), note=note))
     return TaskScores(group, scores, is_group=True)
+
+
+def tree_weights(
+    node: str,
+    metric: str,
+    filter_name: str,
+    structure: Mapping[str, list[str]],
+    results: Mapping[str, Any],
+    leaves: Mapping[str, TaskScores],
+) -> tuple[list[tuple[Score, float]] | None, str | None]:
+    """Each leaf score's weight in `node`'s value of (`metric`, `filter_name`): down the group tree, at each group the
+    weights over its children that reproduce lm-eval's value for it (size-weighted, else the plain mean: lm-eval's
+    weight_by_size), multiplied along the path (a mean of sub-group means weighs a leaf by 1/children at each level).
+    None and why where some group's value is reproduced by neither."""
+    children: list[tuple[list[tuple[Score, float]], float, int]] = []  # (its leaves' weights within it, value, size)
+    for child in structure.get(node, []):
+        if child in structure:
+            inner, note = tree_weights(child, metric, filter_name, structure, results, leaves)
+            value = next(
+                (s.value for s in reported_scores(child, results) if (s.metric, s.filter) == (metric, filter_name)),
+                None,
+            )
+            if inner is None or value is None:
+                return None, f"{child}: {note or f'lm-eval reported no {metric} for it'}"
+            size = sum(leaves[leaf.task].settings.documents for leaf, _ in inner)
+            children.append((inner, value, size))
+        elif child in leaves:
+            found = next((s for s in leaves[child].scores if (s.metric, s.filter) == (metric, filter_name)), None)
+            if found is not None:  # a leaf without this metric does not count towards it, in lm-eval either
+                children.append(([(found, 1.0)], found.value, leaves[child].settings.documents))
+    reported = next(
+        (s.value for s in reported_scores(node, results) if (s.metric, s.filter) == (metric, filter_name)), math.nan
+    )
+    weights, note = group_weights([value for _, value, _ in children], [size for _, _, size in children], reported)
+    if weights is None:
+        return None, note
+    return [
+        (leaf, weight * inner_weight)
+        for weight, (inner, _, _) in zip(weights, children)
+        for leaf, inner_weight in inner
+    ], None
 
 
 def reported_scores(task: str, results: Mapping[str, Any]) -> Iterator[Score]:
