@@ -431,8 +431,6 @@ def selection_adjusted_interval(
     t with `df`) around the drop; a drop far below the threshold gets the plain interval back."""
     if not (math.isfinite(se) and se > 0 and math.isfinite(threshold)) or drop > threshold:
         return _interval(drop, se, df)
-    from scipy.optimize import brentq
-
     special = _special()
 
     def log_cdf(z: float) -> float:
@@ -448,7 +446,7 @@ def selection_adjusted_interval(
     def solve(target: float) -> float | None:
         if selected_below(high) >= target:  # no true drop in reach puts the observed one in this tail
             return None
-        return brentq(lambda true_drop: selected_below(true_drop) - target, low, high, xtol=se * 1e-6)
+        return _crossing(lambda true_drop: selected_below(true_drop) - target, low, high)
 
     lower, upper = solve(1 - tail), solve(tail)
     # An observed drop at the threshold itself says nothing of how large the true one may be: no finite upper bound;
