@@ -3,10 +3,10 @@ job and result, and the baseline's outputs that later variants compare against."
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from quantlab.paired import DocumentScores, Group, documents_from_json, documents_to_json
 from quantlab.recipe import LoadedRecipe
@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from quantlab.models import ModelSource
 
 StageReporter = Callable[[str], None]
+V = TypeVar("V")
 # Processes a variant runs beside itself, whose logs go next to its own (`<variant>.<process>.log`) and are kept
 # as its run's artifacts, whether it succeeds or fails.
 SIDE_PROCESSES = ("server", "scoring-server", "guidellm")
@@ -78,6 +79,19 @@ class VariantJob:
     @property
     def is_baseline(self) -> bool:
         return self.variant == self.loaded.recipe.baseline
+
+
+def disjoint_union(kind: str, parts: Mapping[str, Mapping[str, V]]) -> dict[str, V]:
+    """Every stage's `kind` (metrics, params, ...) in one dict, by stage name; RuntimeError naming both stages where two
+    give the same key, which a plain merge would let the later one overwrite unseen."""
+    merged: dict[str, V] = {}
+    owner: dict[str, str] = {}
+    for stage, entries in parts.items():
+        for key, value in entries.items():
+            if key in owner:
+                raise RuntimeError(f"{kind} {key!r} comes from both the {owner[key]} and the {stage} stage")
+            merged[key], owner[key] = value, stage
+    return merged
 
 
 def side_log(log_dir: Path, variant: str, process: str) -> Path:

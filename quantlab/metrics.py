@@ -244,6 +244,11 @@ _FIXED: dict[str, tuple[bool | None, Scale, str]] = {
     "measure/cpu_seconds_per_wall_second": (None, Scale.RATIO, "own CPU s per wall s while timing"),
     "measure/other_cores_busy": (None, Scale.RATIO, "cores other work kept busy while timing"),
     "measure/threads": (None, Scale.COUNT, "torch threads while timing"),
+    # The same facts while the serve stage timed its load (the server and guidellm are its own work)
+    "measure/serve/load_1m": (None, Scale.RATIO, "1-minute load average while serving"),
+    "measure/serve/cpu_seconds_per_wall_second": (None, Scale.RATIO, "the load's own CPU s per wall s"),
+    "measure/serve/other_cores_busy": (None, Scale.RATIO, "cores other work kept busy while serving"),
+    "measure/serve/threads": (None, Scale.COUNT, "the server's threads while serving"),
 }
 _PATTERNS = {re.compile(re.sub(r"<(\w+)>", r"(?P<\1>[^/]+)", re.escape(entry))): entry for entry in _FIXED}
 

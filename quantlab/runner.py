@@ -13,7 +13,7 @@ from importlib.metadata import version
 from typing import TYPE_CHECKING
 
 from quantlab.host_share import HostShare
-from quantlab.jobs import BaselineOutputs, StageReporter, VariantJob, VariantResult
+from quantlab.jobs import BaselineOutputs, StageReporter, VariantJob, VariantResult, disjoint_union
 
 if TYPE_CHECKING:
     import torch
@@ -113,29 +113,63 @@ def run_variant(
     scores = served_scores if recipe.evals.engine != "reference" else reference_scores
     answers = answer_damage(scores, job.baseline)
     agreement = engine_vs_reference(reference_scores, served_scores)
-    quality = {**tokens.metrics, **served_tokens.metrics, **answers.metrics, **agreement.metrics, **floor.metrics}
+    # Each figure from one stage: a key two stages both gave would keep the later one's unseen.
+    metrics = disjoint_union(
+        "metric",
+        {
+            "evaluate": scores.metrics,
+            "damage": tokens.metrics,
+            "damage on engine": served_tokens.metrics,
+            "answer damage": answers.metrics,
+            "engine against reference": agreement.metrics,
+            "engine floor": floor.metrics,
+            "measure": cost_metrics,
+            "serve": serving.metrics,
+        },
+    )
+    params = disjoint_union(
+        "param",
+        {
+            "variant": variant_params(job.loaded, variant, source, device, dtype, host),
+            "evaluate": scores.params,
+            "serve": serving.params,
+            "scoring server": server.scoring_params(),
+        },
+    )
+    # Both timed stages give a contention verdict: the variant's is the one over both.
+    verdicts = contention_over(cost_tags, serving.tags)
+    tags = disjoint_union(
+        "tag",
+        {
+            "measure": _without(cost_tags, verdicts),
+            "damage": tokens.tags,
+            "damage on engine": served_tokens.tags,
+            "evaluate": scores.tags,
+            "answer damage": answers.tags,
+            "engine against reference": agreement.tags,
+            "engine floor": floor.tags,
+            "serve": _without(serving.tags, verdicts),
+            "contention": verdicts,
+        },
+    )
     return VariantResult(
         checkpoint=str(checkpoint.path),
         content_key=checkpoint.key,
         reused_checkpoint=checkpoint.reused,
         stage_seconds=seconds,
-        metrics={**scores.metrics, **quality, **cost_metrics, **serving.metrics},
-        params={
-            **variant_params(job.loaded, variant, source, device, dtype, host),
-            **scores.params,
-            **serving.params,
-            **server.scoring_params(),
-        },
-        tags={**cost_tags, **tokens.tags, **served_tokens.tags, **scores.tags, **answers.tags, **agreement.tags}
-        | floor.tags
-        | serving.tags
-        | contention_over(cost_tags, serving.tags),
+        metrics=metrics,
+        params=params,
+        tags=tags,
         baseline_outputs=BaselineOutputs(
             tokens.reference_dir, scores.documents | tokens.documents, scores.groups, scores.scores, scores.primary
         ),
-        artifacts={**answers.artifacts, **serving.artifacts},
+        artifacts=disjoint_union("artifact", {"answer damage": answers.artifacts, "serve": serving.artifacts}),
         datasets=scores.datasets,
     )
+
+
+def _without(tags: dict[str, str], replaced: dict[str, str]) -> dict[str, str]:
+    return {key: value for key, value in tags.items() if key not in replaced}
 
 
 def variant_params(

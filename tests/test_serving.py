@@ -397,7 +397,7 @@ def test_a_served_variant_logs_consistent_figures(served):
     # The load's verdict counts the server and guidellm as the stage's own work, not as other work.
     assert outcome.tags["quantlab.cost_contended"] in ("true", "false")
     assert outcome.tags["quantlab.cost.contention"].split(":")[0] in ("contended", "not contended")
-    assert metrics["measure/cpu_seconds_per_wall_second"] > 0.5, outcome.tags["quantlab.cost.contention"]
+    assert metrics["measure/serve/cpu_seconds_per_wall_second"] > 0.5, outcome.tags["quantlab.cost.contention"]
     # Continuous batching: four streams on the same server decode together.
     assert metrics["cost/serving/c4/output_tokens_per_s"] > metrics["cost/serving/c1/output_tokens_per_s"]
     assert metrics["cost/serving/peak_tokens_per_s"] == metrics["cost/serving/c4/output_tokens_per_s"]

@@ -63,14 +63,15 @@ class LoadReading:
             return None
         return max(0.0, self.cores_busy_seconds / self.wall_seconds - self.own_cores)
 
-    def to_metrics(self) -> dict[str, float]:
+    def to_metrics(self, prefix: str = "measure/") -> dict[str, float]:
+        """`prefix`: the stage that timed (the measure stage's `measure/`, the serve stage's `measure/serve/`)."""
         metrics = {
-            "measure/load_1m": self.load_1m,
-            "measure/cpu_seconds_per_wall_second": self.own_cores,
-            "measure/threads": float(self.threads),
+            f"{prefix}load_1m": self.load_1m,
+            f"{prefix}cpu_seconds_per_wall_second": self.own_cores,
+            f"{prefix}threads": float(self.threads),
         }
         if self.other_cores is not None:
-            metrics["measure/other_cores_busy"] = self.other_cores
+            metrics[f"{prefix}other_cores_busy"] = self.other_cores
         return metrics
 
     def describe(self) -> str:

@@ -57,6 +57,8 @@ class DamageOutcome:
 
 
 NOTE_TAG = "quantlab.eval_note/"  # + score key: why a score has no per-document analysis or pairing
+# ... + score key + one of these: why one comparison of it was not paired (each stage's note under its own key)
+PAIRED_NOTE, ENGINE_NOTE, FLOOR_NOTE = "/paired", "/engine_vs_reference", "/engine_floor"
 UNKNOWN_DIRECTION_TAG = "quantlab.direction_unknown"  # scores lm-eval declared no direction for
 SKIPPED_TAG = "quantlab.quality.skipped"
 SERVED_DAMAGE_TAG = "quantlab.quality.served_kld"  # how quality/served/kld_topk_* was computed
@@ -114,7 +116,8 @@ def engine_vs_reference(reference: EvalOutcome, served: EvalOutcome) -> DamageOu
     comparisons, unpaired, _ = _compare_documents(reference.documents, served.documents)
     metrics = _paired_metrics(comparisons, ENGINE_VS_REFERENCE_PREFIX)
     return DamageOutcome(
-        metrics, {NOTE_TAG + key: f"engine vs reference not paired: {why}" for key, why in unpaired.items()}
+        metrics,
+        {NOTE_TAG + key + ENGINE_NOTE: f"engine vs reference not paired: {why}" for key, why in unpaired.items()},
     )
 
 
@@ -164,7 +167,7 @@ def engine_floor(
         second = evaluate_served(served, again, include_path, lambda step: report(f"engine floor: {step}"))
         comparisons, unpaired, _ = _compare_documents(scores.documents, second.documents)
         metrics |= _paired_metrics(comparisons, ENGINE_FLOOR_PREFIX)
-        notes |= {NOTE_TAG + key: f"engine floor not paired: {why}" for key, why in unpaired.items()}
+        notes |= {NOTE_TAG + key + FLOOR_NOTE: f"engine floor not paired: {why}" for key, why in unpaired.items()}
         passes.append(
             f"tasks at concurrency {settings.served_concurrency}, batch {settings.batch_size}, then at "
             f"{again.served_concurrency}, batch {again.batch_size}"
@@ -292,7 +295,7 @@ def answer_damage(scores: EvalOutcome, baseline: BaselineOutputs | None) -> Dama
             base, variant = reference.documents[key].values, scores.documents[key].values
             artifacts[f"flips/{task}.jsonl"] = _flips_jsonl(task, base, variant, scores.labels.get(task, {}))
     metrics |= recovery(reference.scores, scores.scores)
-    tags = {NOTE_TAG + key: f"not paired: {note}" for key, note in notes.items()}
+    tags = {NOTE_TAG + key + PAIRED_NOTE: f"not paired: {note}" for key, note in notes.items()}
     return DamageOutcome(metrics, tags, artifacts=artifacts)
 
 

@@ -476,7 +476,7 @@ def _single_stream_outcome(
         for name, value in figures.items()
         if not math.isfinite(value)
     }
-    return ServingOutcome(metrics=found | load.to_metrics(), tags=absent)
+    return ServingOutcome(metrics=found | load.to_metrics("measure/serve/"), tags=absent)
 
 
 def _workers(device: str) -> int | None:
