@@ -281,7 +281,7 @@ class VariantServer:
                 + (f": {why}" if (why := engine.why_not(self.stored_format, device)) else "")
             )
         shape = ModelShape.from_config(config_dict(self.checkpoint / "config.json"))
-        engine_dtype = "bfloat16" if engine.name == "vllm" else str(self.dtype).removeprefix("torch.")
+        engine_dtype = engine.compute_dtype(str(self.dtype).removeprefix("torch."))
         threads = torch.get_num_threads()
         launch = server_launch(self.checkpoint, settings, self.recipe, shape, device, engine_dtype, threads)
         launch = replace(launch, scoring=scoring, kv_cache_dtype=_declared_kv_cache(self.checkpoint))

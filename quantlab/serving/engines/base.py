@@ -86,6 +86,10 @@ class Engine(ABC):
         """Variables the server needs beyond the sweep's own environment."""
         return {"OMP_NUM_THREADS": str(launch.threads)}
 
+    def compute_dtype(self, variant_dtype: str) -> str:
+        """The dtype its server computes in, given the variant's ("float32" on a CPU without BF16 matmuls)."""
+        return variant_dtype
+
     def scoring_params(self, launch: Launch) -> dict[str, str]:
         """What makes a scoring server's answers independent of its other requests, and what the engine has not got
         (`served.scoring.*` params)."""

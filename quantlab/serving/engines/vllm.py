@@ -79,6 +79,9 @@ class VLLM(Engine):
             variables["VLLM_BATCH_INVARIANT"] = "1"  # its Triton kernels: a request's numbers whatever its batch
         return variables
 
+    def compute_dtype(self, variant_dtype: str) -> str:
+        return "bfloat16"  # its CPU kernels (FP8, W4A16, attention) take BF16 activations
+
     def scoring_params(self, launch: Launch) -> dict[str, str]:
         invariant = (
             "no: vLLM's batch-invariant kernels are Triton, for GPUs"
