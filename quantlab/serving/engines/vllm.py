@@ -80,7 +80,7 @@ class VLLM(Engine):
         return variables
 
     def compute_dtype(self, variant_dtype: str) -> str:
-        return "bfloat16"  # its CPU kernels (FP8, W4A16, attention) take BF16 activations
+        return "bfloat16"  # the precision its quantized kernels are declared for, on CPU and GPU alike
 
     def scoring_params(self, launch: Launch) -> dict[str, str]:
         invariant = (
