@@ -118,6 +118,9 @@ class ServedVariant:
 
     def tags(self) -> dict[str, str]:
         kernel = "; ".join(f"{kernel} for {layer}" for layer, kernel in sorted(self.kernels.items()))
+        # transformers reports its kernels by declaration (it logs none); vLLM names none for unquantized layers
+        if not kernel and self.stored_format is not None and self.engine.reports_kernels:
+            kernel = f"not reported by the engine (declared: {self.support.kernel})"
         found = {SERVING_TAG + "engine": self.engine.name, SERVING_TAG + "kernel": kernel or self.support.kernel}
         if self.support.served_as:
             found[SERVING_TAG + "served_as"] = self.support.served_as

@@ -75,6 +75,7 @@ class Engine(ABC):
     module: ClassVar[str]  # what must import in its Python
     scores_prompts: ClassVar[bool]  # answers echo + logprobs and prompt_logprobs: lm-eval and damage through it
     weights_metric: ClassVar[str]  # the cost/* figure of the weights it holds in memory
+    reports_kernels: ClassVar[bool] = True  # its log names the kernel of each quantized layer type (`kernels`)
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ()  # KV-cache formats it stores as declared (else: compute dtype)
     builds: ClassVar[dict[str, str]] = {}  # distribution -> who makes it, where that is not the engine's project
 

@@ -23,6 +23,7 @@ class TransformersServe(Engine):
     # Its /v1/completions returns no prompt log-probabilities (no echo): lm-eval cannot score through it.
     scores_prompts: ClassVar[bool] = False
     weights_metric: ClassVar[str] = "cost/loaded_weight_bytes"  # as loaded here: dequantized on CPU
+    reports_kernels: ClassVar[bool] = False  # it logs no kernel choice: `kernels` gives the declared path
 
     def command(self, python: Path, launch: Launch) -> list[str]:
         # The checkpoint is loaded before /health answers; concurrent requests are decoded together.
