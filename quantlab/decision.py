@@ -176,7 +176,7 @@ def _drop_evidence(
     logged_flips = [variant.value(paired_key(metric, name)) for name in ("correct_to_wrong", "wrong_to_correct")]
     # 0/1 scores of one pool of documents (a task, a size-weighted group) are judged on their flips: the plain paired
     # se is 0 without a flip, and five identical answers would "show" any limit; Wald bounds on any se of a difference
-    # of matched proportions are liberal at the limit (issue 45). A group weighted otherwise logs no flips, and an se
+    # of matched proportions are liberal at the limit (quantlab.paired). A group weighted otherwise logs no flips, and an se
     # combined from its leaves' own.
     flips = None if None in logged_flips else (int(logged_flips[0]), int(logged_flips[1]))  # type: ignore[arg-type]
     drop = -diff if rule.spec.higher_is_better else diff

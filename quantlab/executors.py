@@ -198,8 +198,8 @@ class _ForkServer:
 _FORK_SERVER = _ForkServer()  # the process's one fork server, as the stdlib keeps it
 # Variables the libraries' own imports set (sklearn's and threadpoolctl's defaults, torch inductor's cache folder,
 # lm-eval's hub download mode): checking a recipe can import them after the fork server started, which imports them
-# too. Not a change of environment: counted as one, every sweep that checked a new model's widths started its fork
-# server twice (the second one's imports, 7.6 s here, before the first variant of a tiny sweep could start).
+# too. Not a change of environment: counted as one, a sweep that checked a new model's widths would start its fork
+# server twice, paying its imports again before the first variant could start.
 SET_BY_IMPORTS = frozenset(
     {"KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "TORCHINDUCTOR_CACHE_DIR", "HF_XET_HIGH_PERFORMANCE"}
 )

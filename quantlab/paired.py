@@ -326,7 +326,7 @@ def _upper_tail(z: float, df: float = math.inf) -> float:
 
 def _special():  # noqa: ANN202 - the scipy.special module
     # scipy.special's Student t and binomial (cephes, as scipy.stats uses: the same values) on every sweep's path (the
-    # frontier's intervals and tests): it imports in a third of scipy.stats' time (0.26 s against 0.72 s here).
+    # frontier's intervals and tests): it imports in a fraction of scipy.stats' time.
     from scipy import special
 
     return special
@@ -496,13 +496,12 @@ def holm_alphas(p_values: Sequence[float], alpha: float) -> list[float]:
 #
 # There the drop is a difference of matched proportions, (worse - better) / n from the discordant pairs. Wald
 # bounds on it, even on Agresti and Min's adjusted se, are liberal at the limit: at a true drop of exactly the limit
-# they showed it within in 3.5% of samples at n = 300 (2% of documents flipping, a 1-point limit) and 4.7% at n = 40
-# (10%, 5 points), against the nominal 2.5% (issue 45). Tango's (1998) score test keeps "shown within" near its
-# level (1.3% to 2.3% in the cells tests/test_paired.py enumerates where the limit is within reach), and like
+# they show it within more often than the nominal level (exact enumeration: tests/test_paired.py). Tango's (1998)
+# score test keeps "shown within" at or under its level in the cells that test enumerates, and like
 # Agresti-Min it never lets a few identical answers show a limit: with no flip its upper bound is z^2 / (n + z^2),
 # above 0 for any finite n. On the other claim it is the bolder one where few documents flip: its "shown over", which
-# rejects a variant, erred in 4.4% of samples at n = 300 with 2% flipping, where the Wald bound on Agresti and Min's
-# se erred in 0.6%. So "shown over" needs both lower bounds over the limit: its error is at most the smaller of the two
+# rejects a variant, errs more often than the Wald bound on Agresti and Min's se there. So "shown over" needs both
+# lower bounds over the limit: its error is at most the smaller of the two
 # tests'.
 
 

@@ -224,7 +224,7 @@ def score_tasks(
     scored: dict[int, list[TaskScores]] = {}
     with contextlib.ExitStack() as restore:
         # lm-eval adds torch's environment report to every result (`add_env_info`: torch.utils.collect_env runs
-        # `pip list` and other commands, about 1 s per call here); quantlab reads none of it, and logs the
+        # `pip list` and other commands, seconds per call); quantlab reads none of it, and logs the
         # library versions in the variant's own params (runner).
         restore.enter_context(patch.object(evaluator, "add_env_info", lambda results: None))
         # lm-eval logs every request batch at INFO; keep its warnings (overridden settings among them).

@@ -1,7 +1,7 @@
 """One copy-bandwidth probe per sweep, host and device, shared by the sweep's variants.
 
 Every modeled ceiling divides by the measured bandwidth, and one probe differs from the next by tens of percent on
-a busy machine (43.8 / 54.0 / 74.2 tok/s ceilings for weights of equal size, issue 28): a ceiling per variant from
+a busy machine: a ceiling per variant from
 its own probe would make a ratio against it differ between variants for no reason of theirs. So the first variant
 of a sweep to measure on a host takes the probe, under the host's timing lock (alone), and leaves it in the sweep's
 own folder (its log folder: shared by its variants, on every host of a Ray cluster, and gone with the sweep); the

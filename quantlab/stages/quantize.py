@@ -120,8 +120,8 @@ def _build(
 ) -> None:
     import torch
 
-    # CPUs without BF16 matmul instructions emulate them ~10x slower (AWQ's grid search takes most
-    # of an hour for 135M params): calibrate in float32 there (an exact upcast of BF16 weights),
+    # CPUs without BF16 matmul instructions emulate them many times slower (AWQ's grid search would
+    # take most of an hour for a 135M model): calibrate in float32 there (an exact upcast of BF16 weights),
     # then store what the method leaves unquantized as BF16, as on a GPU.
     compute_dtype = default_dtype(device)
     model, tokenizer = load_source_model(source, compute_dtype, device)

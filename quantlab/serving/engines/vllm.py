@@ -68,12 +68,12 @@ class VLLM(Engine):
             # Bound to the variant's own cores; with a share smaller than the machine, placed by the OS.
             bind = ",".join(map(str, launch.bind_cpus)) if launch.bind_cpus else "nobind"
             variables["VLLM_CPU_OMP_THREADS_BIND"] = bind
-            # One engine step may exceed vLLM's 300 s default on a few cores: the embedded FP8 checkpoint's served
-            # evaluation (a 2048-token step on the generic FP8 kernel) killed its engine core at 300 s here.
+            # One engine step may exceed vLLM's 300 s default on a few cores (a long prompt on the generic FP8
+            # kernel): past it vLLM kills its engine core, and the variant with it.
             variables["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = "3600"
             variables["PYTHONPATH"] = python_path_with(CPU_SITE)
             # vLLM's CPU build torch.compiles helpers even with --enforce-eager: each server's first prompt-logprobs
-            # request spent 12 s compiling here (bf16, fp8 and awq alike), and eager ran as fast afterwards.
+            # request would pay the compile, for no gain over eager on these shapes.
             variables["TORCHDYNAMO_DISABLE"] = "1"
         elif launch.scoring:
             variables["VLLM_BATCH_INVARIANT"] = "1"  # its Triton kernels: a request's numbers whatever its batch
