@@ -242,7 +242,7 @@ class VariantServer:
         """`served.scoring.*`: the server the variant was scored through, and what kept its answers deterministic
         (nothing when no stage scored through a server)."""
         scored = self._scored_on
-        if scored is None:
+        if scored is None or not scored.engine.scores_prompts:  # an engine that cannot score is only served
             return {}
         found = {"command": scored.command, **scored.engine.scoring_params(scored.launch)}
         return {f"served.scoring.{name}": value for name, value in found.items()}
