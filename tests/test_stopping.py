@@ -118,6 +118,53 @@ def test_without_a_signal_the_block_leaves_handlers_and_threads_as_they_were():
         time.sleep(0.05)
 
 
+# quantlab's own entry point with one more command that has no stop handling of its own (as the sweep command
+# before its imports are done): typer turns the KeyboardInterrupt into exit 130, click into "Aborted!" and exit 1.
+PLAIN_COMMAND = """
+import sys, time
+from quantlab import cli
+
+@cli.app.command("nap")
+def nap(abort: bool = False) -> None:
+    print("ready", flush=True)
+    try:
+        time.sleep(600)
+    except KeyboardInterrupt:
+        if abort:
+            import typer
+            raise typer.Abort() from None
+        raise
+
+sys.argv = ["quantlab", "nap", *sys.argv[1:]]
+cli.main()
+"""
+
+
+@pytest.mark.parametrize(
+    ("sent", "flags", "code", "line"),
+    [
+        (signal.SIGTERM, [], 143, "Stopped by SIGTERM."),
+        (signal.SIGINT, [], 130, "Interrupted by SIGINT (Ctrl-C)."),
+        (signal.SIGTERM, ["--abort"], 143, "Stopped by SIGTERM."),
+    ],
+)
+def test_a_command_without_stop_handling_exits_with_the_signals_code(sent, flags, code, line):
+    """SIGTERM is 143 wherever it lands: typer's exit 130 for a KeyboardInterrupt no command caught (a scheduler's
+    SIGTERM during the sweep command's imports exited 130, in silence) and click's exit 1 are the signal's."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", PLAIN_COMMAND, *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert process.stdout.readline().strip() == "ready"
+    os.killpg(process.pid, sent)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == code, err
+    assert err.strip().splitlines()[-1] == line
+
+
 def test_seeded_interrupts_of_tiny_sweeps_stop_cleanly(tmp_path):
     """The benchmark's checks on a handful of trials (the full run is in benchmarks/README.md): exit code, time to
     exit within 30 s, no run RUNNING, every stopped run with its reason, no process left."""

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -36,11 +37,24 @@ def swept(tmp_path_factory, tiny_llama):
     path = write(work / "recipe.yaml", recipe)
     uri = f"sqlite:///{work / 'store.db'}"
     result = quantlab("sweep", str(path), "--tracking-uri", uri, "--cache-dir", str(work / "cache"), cwd=work)
-    return work, uri, result
+    fork_servers = [  # the sweep's own, by its working folder on the server's path: looked for as the sweep exits
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if "multiprocessing.forkserver" in " ".join(p.info["cmdline"] or [])
+        and str(work) in " ".join(p.info["cmdline"])
+    ]
+    return work, uri, result, fork_servers
+
+
+def test_the_fork_server_ends_with_the_sweep(swept):
+    """Stopped by the command before it exits, not left to notice its parent's exit: an interrupt benchmark's sweep
+    signalled as it exited left it running."""
+    *_, fork_servers = swept
+    assert fork_servers == []
 
 
 def test_failed_variant_gives_exit_1_and_others_still_finish(swept):
-    _, uri, result = swept
+    _, uri, result, _ = swept
     assert result.returncode == 1, result.stdout + result.stderr
     runs = _variant_runs(uri)
     assert {name: run.info.status for name, run in runs.items()} == {
@@ -51,7 +65,7 @@ def test_failed_variant_gives_exit_1_and_others_still_finish(swept):
 
 
 def test_failed_run_keeps_reason_and_traceback(swept):
-    _, uri, _ = swept
+    _, uri, _, _ = swept
     failed = _variant_runs(uri)["awq"]
     assert "calibration.num_samples" in failed.data.tags["quantlab.failure"]
     client = MlflowClient(uri)
@@ -62,7 +76,7 @@ def test_failed_run_keeps_reason_and_traceback(swept):
 
 
 def test_run_layout_follows_the_contract(swept):
-    _, uri, _ = swept
+    _, uri, _, _ = swept
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("tiny")
     parent = client.search_runs(
@@ -99,7 +113,7 @@ def _sweep_fp8_again(work: Path, uri: str, *flags: str) -> subprocess.CompletedP
 
 
 def test_unchanged_variants_are_copied_not_recomputed(swept):
-    work, uri, _ = swept
+    work, uri, _, _ = swept
     result = _sweep_fp8_again(work, uri)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Reused (unchanged, not recomputed): bf16, fp8" in result.stdout
@@ -114,7 +128,7 @@ def test_unchanged_variants_are_copied_not_recomputed(swept):
 
 
 def test_force_recomputes_every_variant_and_the_reference(swept):
-    work, uri, _ = swept
+    work, uri, _, _ = swept
     before = _variant_runs(uri, newest=True)
     reference = Path(before["bf16"].data.tags["quantlab.reference_dir"]) / "reference.json"
     written = reference.stat().st_mtime_ns
