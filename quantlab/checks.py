@@ -170,6 +170,8 @@ def serving_problems(recipe: Recipe, base_dir: Path, shown: str, cache_root: Pat
                 f": {why}" if why else ""
             )
             problems.append(Problem(shown, "serving.engine", message))
+        if variant.kv_cache is not None and (why := engine.kv_cache_problem(variant.kv_cache.format, device)):
+            problems.append(Problem(shown, f"variants[{index}] ({variant.name}).kv_cache", why))
         for field_name, why in METHODS[variant.method].check_served(variant.params, engine.name):
             problems.append(Problem(shown, f"variants[{index}] ({variant.name}).params.{field_name}", why))
     if recipe.evals.engine != "reference" and not engine.scores_prompts:

@@ -908,10 +908,10 @@ def _print_decision(decision) -> None:
     from rich.markup import escape
 
     out.print(decision.summary)
-    if decision.selection_words:
-        out.print(escape(decision.selection_words))
     if decision.control is not None:
         out.print(decision.control.words)
+    if decision.selection_words:
+        out.print(escape(decision.selection_words))
     for verdict in decision.verdicts:
         lines = [check.detail for check in verdict.checks] if verdict.name == decision.chosen else list(verdict.reasons)
         shown = f"{verdict.status.words}; {verdict.basis}" if verdict.checks else verdict.status.words

@@ -331,6 +331,7 @@ def test_pick_states_the_error_rate_of_the_choice_and_takes_the_candidates_contr
         "The chance of shipping a variant truly over a drop limit is at most 2.5%: the 3 candidates tested in a "
         "fixed sequence (w8, fp8, int4), each at 2.5%"
     )
+    assert result.stdout.splitlines()[2].startswith("w8's figures are selected")  # with its adjusted intervals
     uncorrected = _pick(picked_store, "--json", "--max-drop", f"{ACC}=1", "--candidates", "none")
     assert json.loads(uncorrected.stdout)["error_control"]["error_rate"] == pytest.approx(0.075)
     declared = _pick(picked_store, "--json", "--sequence", "int4", "--sequence", "w8")

@@ -38,6 +38,8 @@ from recipes import REPO, tiny_recipe, write
 VLLM = ENGINES["vllm"]
 # vLLM's CPU build has its W4A16 kernel in its AVX-512 library alone (what AVX2 alone does: tests/test_formats.py)
 VLLM_CPU_SERVES_W4A16 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= host_cpu_flags()
+VLLM_CPU_STORES_FP8_KV = VLLM_CPU_SERVES_W4A16  # its CPU attention's FP8 KV cache needs the same AVX-512
+FP8_KV = {"kv_cache": "fp8"} if VLLM_CPU_STORES_FP8_KV else {}
 
 
 def options(command: list[str]) -> dict[str, str | None]:
@@ -443,8 +445,8 @@ def test_fp8_scaled_mm_on_cpu_equals_torchs_own_op_within_bf16_rounding(vllm_pyt
 
 def vllm_recipe(model: Path, **changes) -> dict:
     served = {
-        # fp8 with its KV cache in FP8 too: the server must store it so (--kv-cache-dtype fp8)
-        "variants": [{"name": "bf16", "method": "bf16"}, {"name": "fp8", "method": "fp8", "kv_cache": "fp8"}]
+        # fp8 with its KV cache in FP8 too where vLLM's CPU attention can store it (AVX-512): --kv-cache-dtype fp8
+        "variants": [{"name": "bf16", "method": "bf16"}, {"name": "fp8", "method": "fp8"} | FP8_KV]
         + ([{"name": "awq", "method": "awq_int4", "params": {"group_size": 32}}] if VLLM_CPU_SERVES_W4A16 else []),
         "evals": {
             "include_path": str(REPO / "evals"),
@@ -506,7 +508,7 @@ def test_vllm_serves_each_checkpoint_with_the_kernel_expected(vllm_sweep):
 
 def test_scoring_servers_run_without_prefix_caching_and_the_load_with_vllms_default(vllm_sweep, tmp_path):
     """What the command asked for, and what vLLM says it did (its engine config line), for both servers of each
-    variant; the fp8 variant's KV cache in FP8 on both, as its modeled cost counts it."""
+    variant; the fp8 variant's KV cache in FP8 on both where vLLM can store it so, as its modeled cost counts it."""
     _, runs, _, client = vllm_sweep
     for name, run in runs.items():
         params = run.data.params

@@ -272,6 +272,27 @@ def test_validate_refuses_what_vllm_has_no_kernel_for_on_this_cpu(
     assert [problem.message for problem in problems if problem.field == "serving.engine"] == refused
 
 
+@pytest.mark.parametrize(
+    ("flags", "refused"),
+    [
+        (AVX512, []),
+        (AVX2, ["vLLM's fp8 KV cache on CPU needs AVX-512 or AMX; this CPU lacks avx512f, avx512bw, avx512dq, avx512vl"]),
+    ],
+)  # fmt: skip
+def test_validate_refuses_an_fp8_kv_cache_vllm_cannot_store_on_this_cpu(
+    tmp_path, tiny_llama, monkeypatch, flags, refused
+):
+    """vLLM 0.32's CPU attention stores an FP8 KV cache with AVX-512 or AMX alone: on an EPYC with AVX2 its engine
+    failed at start-up ("FP8 KV cache on CPU requires x86 with AVX-512 or AMX"). The other CPU is faked (its flags)."""
+    from quantlab.serving.engines import base
+
+    monkeypatch.setattr(base, "host_cpu_flags", lambda: flags)
+    variants = [{"name": "bf16", "method": "bf16"}, {"name": "fp8", "method": "fp8", "kv_cache": "fp8"}]
+    recipe = tiny_recipe(tiny_llama, variants=variants) | {"serving": {"engine": "vllm", "python": sys.executable}}
+    problems = serving_problems(Recipe.model_validate(recipe), tmp_path, "r.yaml", tmp_path)
+    assert [p.message for p in problems if p.field == "variants[1] (fp8).kv_cache"] == refused
+
+
 def test_vllm_serves_fp8_blocks_on_this_cpu_with_the_kernel_declared(tmp_path, vllm_python):  # noqa: F811
     """The preset's 128x128 blocks need widths that 128 divides, the fused q/k/v outputs too: the tiny Llama with
     head size 32 and as many KV heads as heads (128 wide everywhere). vLLM 0.32's CPU build chooses an AMX kernel:

@@ -96,6 +96,10 @@ class Engine(ABC):
         (`served.scoring.*` params)."""
         return {"prefix_caching": "the engine's default (quantlab sets nothing)", "batch_invariant": "no"}
 
+    def kv_cache_problem(self, kv_cache_dtype: str, device: str) -> str | None:
+        """Why this engine cannot start with the KV cache a checkpoint declares on `device`; None: it can."""
+        return None
+
     def kv_cache_served(self, launch: Launch) -> str:
         """The KV cache as this server stores it (`served.kv_cache_dtype`)."""
         return launch.kv_cache_dtype if launch.kv_cache_dtype in self.kv_cache_dtypes else launch.dtype

