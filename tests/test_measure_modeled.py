@@ -8,6 +8,7 @@ from tiny import tiny_llama_config
 from quantlab.measure.checkpoint import CheckpointFacts, TensorFact
 from quantlab.measure.modeled import (
     ModelShape,
+    declared_kv_cache_dtype,
     decode_roofline_tokens_per_s,
     kv_cache_bytes_per_token,
     kv_cache_element_bytes,
@@ -285,3 +286,16 @@ def test_modeled_cost_reads_a_saved_checkpoint(tmp_path):
     assert cost.parameter_count == parameters
     assert cost.bits_per_weight == pytest.approx(16.0)
     assert cost.kv_bytes_per_token == 2 * 2 * 16 * 2 * 2  # layers x kv heads x head dim x K,V x BF16
+
+
+@pytest.mark.parametrize(
+    ("scheme", "declared"),
+    [
+        ({"type": "float", "num_bits": 8, "strategy": "tensor"}, "fp8"),  # llm-compressor's FP8 KV cache
+        ({"type": "int", "num_bits": 8}, "auto"),  # no engine quantlab drives stores an INT8 cache as declared
+        (None, "auto"),
+    ],
+)
+def test_the_kv_cache_a_checkpoint_declares(scheme, declared):
+    quantization = {"quant_method": "compressed-tensors"} | ({"kv_cache_scheme": scheme} if scheme else {})
+    assert declared_kv_cache_dtype({"quantization_config": quantization}) == declared

@@ -122,12 +122,23 @@ def kv_cache_element_bytes(config: Any, kv_cache_dtype: KvCacheDtype = "auto") -
     if kv_cache_dtype != "auto":
         return _DTYPE_BYTES[kv_cache_dtype]
     values = config_dict(config)
-    quantization = values.get("quantization_config") or {}
-    scheme = quantization.get("kv_cache_scheme") if isinstance(quantization, Mapping) else None
-    if isinstance(scheme, Mapping) and scheme.get("num_bits"):
+    scheme = _kv_cache_scheme(values)
+    if scheme.get("num_bits"):
         return scheme["num_bits"] / 8
     dtype = str(values.get("dtype") or values.get("torch_dtype") or "").removeprefix("torch.")
     return _DTYPE_BYTES.get(dtype, 2)  # servers keep the KV cache in BF16/FP16 unless told otherwise
+
+
+def declared_kv_cache_dtype(config: Any) -> KvCacheDtype:
+    """ "fp8" where the checkpoint declares an FP8 KV cache (compressed-tensors `kv_cache_scheme`), else "auto"."""
+    scheme = _kv_cache_scheme(config_dict(config))
+    return "fp8" if scheme.get("type") == "float" and scheme.get("num_bits") == 8 else "auto"
+
+
+def _kv_cache_scheme(values: Mapping[str, Any]) -> Mapping[str, Any]:
+    quantization = values.get("quantization_config") or {}
+    scheme = quantization.get("kv_cache_scheme") if isinstance(quantization, Mapping) else None
+    return scheme if isinstance(scheme, Mapping) else {}
 
 
 def kv_cache_bytes_per_token(shape: ModelShape, element_bytes: float) -> float:

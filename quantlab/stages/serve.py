@@ -31,7 +31,13 @@ from quantlab.jobs import side_log
 from quantlab.measure.contention import CONTENDED_TAG, CONTENTION_TAG, LoadMonitor, judge_contention
 from quantlab.measure.cost import TAG_PREFIX as COST_TAG_PREFIX
 from quantlab.measure.cost import SingleStream, batch_figure_name
-from quantlab.measure.modeled import ModelShape, config_dict, kv_cache_bytes_per_token
+from quantlab.measure.modeled import (
+    ModelShape,
+    config_dict,
+    declared_kv_cache_dtype,
+    kv_cache_bytes_per_token,
+    kv_cache_element_bytes,
+)
 from quantlab.measure.provenance import cpu_model_name
 from quantlab.serving.chart import throughput_latency_chart
 from quantlab.serving.engines import Engine, Launch, Support
@@ -287,9 +293,11 @@ class VariantServer:
         engine_dtype = engine.compute_dtype(str(self.dtype).removeprefix("torch."))
         threads = torch.get_num_threads()
         launch = server_launch(self.checkpoint, settings, self.recipe, shape, device, engine_dtype, threads)
-        launch = replace(launch, scoring=scoring, kv_cache_dtype=_declared_kv_cache(self.checkpoint))
-        if engine.kv_cache_served(launch) == launch.kv_cache_dtype:
-            launch = replace(launch, kv_bytes_per_token=int(kv_cache_bytes_per_token(shape, 1)))  # FP8: a byte each
+        kv_cache = declared_kv_cache_dtype(self.checkpoint / "config.json")
+        launch = replace(launch, scoring=scoring, kv_cache_dtype=kv_cache)
+        if engine.kv_cache_served(launch) == kv_cache:  # stored as declared: its own bytes per element
+            element = kv_cache_element_bytes(self.checkpoint / "config.json", kv_cache)
+            launch = replace(launch, kv_bytes_per_token=int(kv_cache_bytes_per_token(shape, element)))
         environment = engine.environment(launch)
         scratch = self._server_scope.enter_context(
             tempfile.TemporaryDirectory(prefix=f"quantlab-serve-{self.variant}-")
@@ -316,13 +324,6 @@ def _scoring_differs(engine: Engine, launch: Launch) -> bool:
     return engine.command(python, scoring) != engine.command(python, serving) or engine.environment(
         scoring
     ) != engine.environment(serving)
-
-
-def _declared_kv_cache(checkpoint: Path) -> str:
-    """ "fp8" where the checkpoint declares an FP8 KV cache (compressed-tensors `kv_cache_scheme`), else "auto"."""
-    quantization = config_dict(checkpoint / "config.json").get("quantization_config") or {}
-    scheme = quantization.get("kv_cache_scheme") or {}
-    return "fp8" if scheme.get("type") == "float" and scheme.get("num_bits") == 8 else "auto"
 
 
 def _gpu_name(device: str) -> str | None:
