@@ -60,9 +60,12 @@ def missing_files(data: dict, base_dir: Path, shown: str) -> list[Problem]:
     return problems
 
 
-def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None, hub_optional: bool = False) -> LoadedRecipe:
+def check_recipe(
+    loaded: LoadedRecipe, cache_root: Path | None = None, hub_optional: bool = False, nodes_install_engine: bool = False
+) -> LoadedRecipe:
     """The model's config (layer widths and module names against each method's params) and lm-eval's task index.
-    Raises BadInput.
+    Raises BadInput. `nodes_install_engine`: the variants run on cluster nodes, each of which installs the serving
+    engine it lacks (--executor ray), so that this machine need not have it.
 
     Both are slow to find out and fixed by content: with `cache_root`, what `remember_lookups` kept
     there is read instead, and the recipe comes back with what this check looked up. A hub model
@@ -136,16 +139,19 @@ def check_recipe(loaded: LoadedRecipe, cache_root: Path | None = None, hub_optio
                 f"evals.tasks: the data of {', '.join(hub_tasks)} (lm-eval downloads it when a sweep runs, "
                 "unless the Hugging Face datasets cache has it)"
             )
-    problems += serving_problems(recipe, loaded.path.parent, shown, cache_root or cache.default_root())
+    root = cache_root or cache.default_root()
+    problems += serving_problems(recipe, loaded.path.parent, shown, root, nodes_install_engine)
     if problems:
         raise BadInput(problems)
     return replace(loaded, lookups=tuple(lookups), needs_hub=tuple(needs_hub))
 
 
-def serving_problems(recipe: Recipe, base_dir: Path, shown: str, cache_root: Path) -> list[Problem]:
-    """What stops the stages that need a server on this machine: its engine's environment or guidellm missing, a
-    variant's format the engine cannot serve here, a served evaluation on an engine that cannot score prompts, a
-    prompts file absent."""
+def serving_problems(
+    recipe: Recipe, base_dir: Path, shown: str, cache_root: Path, nodes_install_engine: bool = False
+) -> list[Problem]:
+    """What stops the stages that need a server on this machine: its engine's environment (unless the nodes that run
+    the variants install it) or guidellm missing, a variant's format the engine cannot serve here, a served
+    evaluation on an engine that cannot score prompts, a prompts file absent."""
     settings = recipe.serving
     if not recipe.needs_server:
         return []
@@ -157,10 +163,21 @@ def serving_problems(recipe: Recipe, base_dir: Path, shown: str, cache_root: Pat
     try:
         python = None if elsewhere else engine_python(engine, settings.python, cache_root, device)
     except EngineMissing as missing:
-        problems.append(Problem(shown, "serving.engine", str(missing)))
+        if not nodes_install_engine:
+            problems.append(Problem(shown, "serving.engine", str(missing)))
     else:
         if python is not None and (problem := python_problem(engine, python)) is not None:
             problems.append(Problem(shown, "serving.python", problem))
+    for name in settings.plugins:
+        plugin = engine.plugins.get(name)
+        if plugin is None:
+            message = (
+                f"{name} is no plugin of {engine.label}, the engine serving here (serving.engine: {settings.engine})"
+            )
+            problems.append(Problem(shown, "serving.plugins", message))
+        elif device not in plugin.devices:
+            message = f"{name} applies to {engine.label} on {', '.join(plugin.devices)}, not {device}"
+            problems.append(Problem(shown, "serving.plugins", message))
     for index, variant in enumerate(recipe.variants):
         stored = METHODS[variant.method].stored_format
         if engine.supports(stored, device) is None:
@@ -280,11 +297,13 @@ def validate(
     cache_root: Path | None = None,
     hub_optional: bool = False,
     parsed: Callable[[LoadedRecipe], object] = lambda loaded: None,
+    nodes_install_engine: bool = False,
 ) -> LoadedRecipe:
     """Everything a sweep needs to know before spending compute, in two passes that each report every
     problem: the file (its schema and the files it names), then `check_recipe`. Raises BadInput.
-    `parsed` sees the file's recipe between the two (the sweep starts its variants' imports there)."""
+    `parsed` sees the file's recipe between the two (the sweep starts its variants' imports there);
+    `nodes_install_engine`: see `check_recipe`."""
     text, data = read_recipe(path)
     loaded = parse_recipe(path, text, data, missing_files(data, Path(path).resolve().parent, str(Path(path))))
     parsed(loaded)
-    return check_recipe(loaded, cache_root, hub_optional)
+    return check_recipe(loaded, cache_root, hub_optional, nodes_install_engine)

@@ -157,7 +157,8 @@ def sweep(
         # The local executor's fork server imports the libraries while the recipe is checked (both take seconds).
         early = start_variant_processes if executor == "local" else lambda loaded: None
         try:
-            loaded = validate(recipe, cache_root, parsed=early)
+            # Ray's nodes install the engine they lack (quantlab.serving.environments.ensure_engine), not this one.
+            loaded = validate(recipe, cache_root, parsed=early, nodes_install_engine=executor == "ray")
             uri = tracking.open_store(tracking_uri).uri
         except BaseException:
             stop_variant_processes()

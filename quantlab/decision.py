@@ -42,7 +42,7 @@ from quantlab.policy import (
     format_value,
     unchecked_by_any_task,
 )
-from quantlab.serving.goodput import SERVING_TAG
+from quantlab.serving.goodput import NOT_STOCK_TAG, SERVING_TAG
 
 
 class DecisionError(ValueError):
@@ -517,12 +517,20 @@ def cost_warnings(variants: Sequence[VariantSummary], rests_on: Sequence[str] = 
 def served_as_notes(variants: Sequence[VariantSummary]) -> tuple[str, ...]:
     """One line per variant its engine ran as another format than the one stored (a weight-only fallback, an
     emulation: the method's declaration for that engine and device, `quantlab.quantize.base.Support.served_as`)."""
-    return tuple(
+    served_as = tuple(
         f"{variant.name}: served as {label} by {variant.tags.get(SERVING_TAG + 'engine', 'its engine')} on this "
         f"hardware; its serving figures describe that format, not {variant.method} as stored"
         for variant in variants
         if (label := variant.tags.get(SERVING_TAG + "served_as"))
     )
+    not_stock = tuple(
+        f"{variant.name}: served with quantlab's engine plugin {plugins}, not the stock "
+        f"{variant.tags.get(SERVING_TAG + 'engine', 'engine')}: its serving figures are not what users get, and no "
+        "cost decision rests on them"
+        for variant in variants
+        if (plugins := variant.tags.get(NOT_STOCK_TAG))
+    )
+    return served_as + not_stock
 
 
 def pick(
@@ -588,7 +596,9 @@ def pick(
         return (*drop_results(variant), *(_bound_check(bound, variant) for bound in bounds))
 
     checks = Checks((*constraints, *(bound.constraint for bound in bounds)), evaluate)
-    judged = {variant.name: _judge(variant, checks, objective) for variant in variants}
+    # Timed figures: a server's load, and the batch-1 timing the serve stage takes from its single-stream level.
+    timed = [metric for metric in (objective.metric, *(bound.metric for bound in bounds)) if spec(metric).timed]
+    judged = {variant.name: _judge(variant, checks, objective, timed) for variant in variants}
     within = {name: _shown_within_every_drop_limit(judged[name]) for name in order}
     control = control_choice(policy.candidates, order, within, policy.one_sided_alpha, has_drop_limits=bool(rules))
     for name in control.untested:
@@ -634,11 +644,16 @@ def _shown_within_every_drop_limit(verdict: Verdict) -> bool:
     return verdict.status is not Status.FAILED and all(check.status is CheckStatus.PASSED for check in drops)
 
 
-def _judge(variant: VariantSummary, checks: Checks, objective: Axis) -> Verdict:
+def _judge(variant: VariantSummary, checks: Checks, objective: Axis, timed: Sequence[str] = ()) -> Verdict:
     if not variant.succeeded:
         return Verdict(variant.name, Status.FAILED, ("failed",), None, ())
     results = checks.judge(variant)
     failed = [result.detail for result in results if result.status is CheckStatus.FAILED]
+    if timed and (plugins := variant.tags.get(NOT_STOCK_TAG)):
+        failed.append(
+            f"served with quantlab's engine plugin {plugins} (not the stock engine): kept out of a decision on "
+            + ", ".join(timed)
+        )
     undecided = [result for result in results if result.status is CheckStatus.UNDECIDED]
     objective_value = variant.value(objective.metric)
     if objective_value is None:

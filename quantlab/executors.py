@@ -22,11 +22,12 @@ import multiprocessing.connection
 import os
 import pickle
 import signal
+import socket
 import sys
 import threading
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing import forkserver
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -334,7 +335,8 @@ class InProcessExecutor:
 @dataclass(frozen=True)
 class RayExecutor:
     """One Ray task per variant, all at once, each with the resources its recipe asks for. Workers
-    write the cache and `log_dir`: on a multi-node cluster both must be on a shared file system."""
+    write the cache and `log_dir`: on a multi-node cluster both must be on a shared file system. A node without
+    the variant's serving engine installs it (VariantJob.node)."""
 
     address: str | None
 
@@ -374,7 +376,15 @@ class RayExecutor:
 
 def _ray_task(job: VariantJob, log_path: str, share: ThreadShare) -> VariantResult:
     output_to(log_path)
-    return run_variant(job, host=HostShare.fixed(share))
+    # The driver cannot prepare the nodes Ray picks: the variant's own node installs what it lacks (its engine).
+    return run_variant(replace(job, node=ray_node()), host=HostShare.fixed(share))
+
+
+def ray_node() -> str:
+    """The node this Ray task runs on, for people: its host and Ray's id for it (several nodes may share a host)."""
+    import ray
+
+    return f"{socket.gethostname()} (Ray node {ray.get_runtime_context().get_node_id()})"
 
 
 # --executor's choices, each made from the sweep's --ray-address and --parallel.

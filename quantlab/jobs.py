@@ -75,6 +75,9 @@ class VariantJob:
     log_dir: Path | None = None  # where the variant's log is written: its server's and load generator's go beside it
     # The recipe's model as the sweep's plan resolved it (a GGUF file is hashed once per sweep); None: the runner does.
     source: ModelSource | None = None
+    # The cluster node that runs it, named for people ("host (Ray node id)"); there, its serving engine is installed
+    # where missing. None: the sweep's own machine, where a missing engine is the user's to install.
+    node: str | None = None
 
     @property
     def is_baseline(self) -> bool:

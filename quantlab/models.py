@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Literal
 
 from quantlab import cache, fake_quant
 from quantlab.errors import bad_input
+from quantlab.quantize.cpu_loading import cpu_decompression, upcast_decompressed
 
 if TYPE_CHECKING:
     import torch
@@ -382,26 +383,6 @@ def load_checkpoint(checkpoint: Path, dtype: torch.dtype, device: str) -> Loaded
     model, tokenizer = _load(checkpoint, dtype, device, {}, cpu_decompression())
     upcast_decompressed(model, dtype)
     return model, tokenizer
-
-
-def cpu_decompression() -> dict:
-    """`from_pretrained` arguments that decompress a compressed-tensors checkpoint once, at load, on a CPU.
-
-    compressed-tensors 0.19 otherwise decompresses on every forward, and MX and NVFP4 weights come back as BF16
-    whatever the compute dtype (their E8M0 / FP8 scales are BF16): a float32 activation then meets a BF16 weight
-    ("expected m1 and m2 to have the same dtype"). The forward still rounds the activations to the format on every
-    pass. `upcast_decompressed` after it. `transformers serve` on CPU loads MX and NVFP4 checkpoints this way too
-    (serving/engines/transformers_site)."""
-    from transformers.utils.quantization_config import CompressedTensorsConfig
-
-    return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
-
-
-def upcast_decompressed(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Decompressed weights and scales in the compute dtype (exact: every narrower float is a subset of it)."""
-    for parameter in model.parameters():
-        if parameter.is_floating_point() and parameter.dtype != dtype:
-            parameter.data = parameter.data.to(dtype)
 
 
 def rowwise_fp8(quantization_config: dict) -> bool:

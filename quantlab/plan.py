@@ -19,6 +19,7 @@ from pathlib import Path
 
 from quantlab import cache, disk, kept_results
 from quantlab.errors import BadInput, Problem
+from quantlab.evaluate.lm_eval_runner import SERVED_SCORING_PROTOCOL
 from quantlab.jobs import SAMPLES_FORMAT, BaselineOutputs, VariantJob
 from quantlab.kept_results import KeptResult
 from quantlab.models import ModelSource, checkpoint_identity, materialized, resolve_source
@@ -116,6 +117,8 @@ def make_plan(
     }
     if recipe.needs_server:
         shared["engine"] = engine_identity(recipe.serving, recipe.runtime.device, cache_root)
+    if recipe.evals.engine != "reference":
+        shared["served_scoring"] = SERVED_SCORING_PROTOCOL
     run_keys = {name: cache.cache_key({"checkpoint": identity, **shared}) for name, identity in identities.items()}
     keys = {name: cache.cache_key(identity) for name, identity in identities.items()}
     targets = {name: cache.checkpoint_dir(cache_root, name, keys[name]) for name in names}

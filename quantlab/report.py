@@ -28,7 +28,7 @@ from quantlab.metrics import Scale, paired_key
 from quantlab.metrics import spec as metric_spec
 from quantlab.policy import format_change, format_value
 from quantlab.serving.chart import throughput_latency_chart
-from quantlab.serving.goodput import SERVING_TAG, UNAVAILABLE_TAG
+from quantlab.serving.goodput import NOT_STOCK_TAG, SERVING_TAG, UNAVAILABLE_TAG
 from quantlab.serving.levels import levels_from_metrics
 
 KEY_COST_METRICS = (
@@ -547,7 +547,10 @@ def serving_table(variants: Sequence[VariantSummary]) -> Table | None:
         kernel = tags.get(SERVING_TAG + "kernel", "?")
         if served_as := tags.get(SERVING_TAG + "served_as"):
             kernel += f" (served as {served_as})"
-        rows.append((variant.name, tags.get(SERVING_TAG + "engine", "?"), kernel, level, *cells))
+        engine = tags.get(SERVING_TAG + "engine", "?")
+        if plugins := tags.get(NOT_STOCK_TAG):
+            engine += f" with quantlab's plugin {plugins} (not stock)"
+        rows.append((variant.name, engine, kernel, level, *cells))
     labels = tuple(metric_spec(key).label for key in SERVING_FIGURES)
     return Table(("variant", "engine", "kernel", "goodput level", *labels), tuple(rows))
 

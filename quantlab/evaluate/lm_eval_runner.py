@@ -161,15 +161,64 @@ def task_manager_for(names: Sequence[str], include_path: Path | None) -> TaskMan
 
 
 def run_tasks(
-    model, tokenizer, tasks: list[TaskRequest], include_path: Path | None, batch_size: int, progress=lambda step: None
+    model,
+    tokenizer,
+    tasks: list[TaskRequest],
+    include_path: Path | None,
+    batch_size: int,
+    progress=lambda step: None,
+    max_length: int | None = None,
 ) -> list[TaskScores]:
-    """Score an already loaded Hugging Face `model` on each requested task (see `score_tasks`)."""
+    """Score an already loaded Hugging Face `model` on each requested task (see `score_tasks`); `max_length`: HFLM's
+    (`scoring_max_length`), None: lm-eval's own for the model (`model_context`)."""
     from lm_eval.models.huggingface import HFLM
 
     language_model = HFLM(
-        pretrained=model, tokenizer=tokenizer, batch_size=batch_size, add_bos_token=adds_bos(tokenizer)
+        pretrained=model,
+        tokenizer=tokenizer,
+        batch_size=batch_size,
+        add_bos_token=adds_bos(tokenizer),
+        max_length=max_length,
     )
     return score_tasks(language_model, tasks, include_path, progress)
+
+
+# How many more tokens than HFLM's max_length lm-eval's TemplateAPI (local-completions) must be given to score the
+# same windows. HFLM's max_length counts what the model is fed, and it never feeds the last scored token (the logits
+# before it score it); a completion request carries that token too, since a server scores prompt tokens only, and
+# generates one more, even an echo that only scores its prompt (`max_tokens: 1`). So api_models.py keeps a token for
+# the generated one (`self.max_length = max_length - 1`) and its rolling windows one fewer again
+# (`loglikelihood_rolling`: `max_seq_len=self.max_length - 1`).
+SERVED_MAX_LENGTH_MARGIN = 2
+# How a variant scored through its server is scored, in its run key: a recipe's kept served scores from another
+# protocol are not reused (2: both paths in the windows of one max_length).
+SERVED_SCORING_PROTOCOL = 2
+
+
+def model_context(model, tokenizer) -> int:
+    """The max_length lm-eval's HFLM takes for `model` when given none: its config's, else its tokenizer's, else
+    lm-eval's default (HFLM.max_length)."""
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.models.utils import resolve_max_length
+
+    return resolve_max_length(model.config, tokenizer, default=HFLM._DEFAULT_MAX_LENGTH)
+
+
+def scoring_max_length(model_context: int, server_max_model_len: int | None) -> int:
+    """The max_length both scoring paths score with, as HFLM counts it: the tokens of a rolling perplexity window
+    (wikitext's), and the longest (context, continuation) scored. `server_max_model_len`: the longest request of the
+    server the variant is also scored through (None: scored in process only, the model's own context). A served
+    window is sent with SERVED_MAX_LENGTH_MARGIN more tokens, so a server's limit shortens the windows of both paths
+    alike: otherwise one perplexity would be two, scored in windows of different lengths."""
+    if server_max_model_len is None:
+        return model_context
+    length = min(model_context, server_max_model_len - SERVED_MAX_LENGTH_MARGIN)
+    if length < 1:
+        raise ValueError(
+            f"a server that accepts {server_max_model_len} tokens a request leaves no token to score "
+            f"(lm-eval sends {SERVED_MAX_LENGTH_MARGIN} beyond each window)"
+        )
+    return length
 
 
 def adds_bos(tokenizer) -> bool:
@@ -186,12 +235,12 @@ def served_language_model(
     """lm-eval's `local-completions` against a running OpenAI-compatible server: loglikelihood requests go as
     `echo: true, logprobs: 1` completions, `batch_size` prompts per request and `concurrency` requests in flight
     (the engine batches them), generation as plain ones; tokens are counted with the checkpoint's own tokenizer,
-    read locally (no hub, no remote tokenizer endpoint)."""
-    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    read locally (no hub, no remote tokenizer endpoint). `max_length` as HFLM counts it (`scoring_max_length`): the
+    requests carry the tokens HFLM given it scores, and need a server that accepts SERVED_MAX_LENGTH_MARGIN more."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
-    return LocalCompletionsAPI(
+    return _served_completions_class()(
         base_url=f"{url}/v1/completions",
         model=model_name,
         tokenizer_backend="huggingface",
@@ -199,10 +248,33 @@ def served_language_model(
         add_bos_token=adds_bos(tokenizer),
         num_concurrent=concurrency,
         batch_size=batch_size,
-        max_length=max_length,
+        # TemplateAPI's rolling windows are its max_length less the margin, and it cuts a (context, continuation)
+        # pair to its max_length less one: given this, both are HFLM's at `max_length` (huggingface.py: windows of
+        # `max_seq_len=self.max_length`, pairs cut to `[-(self.max_length + 1):]`).
+        max_length=max_length + SERVED_MAX_LENGTH_MARGIN,
         max_retries=3,
         timeout=600,
     )
+
+
+@functools.cache
+def _served_completions_class() -> type:
+    """LocalCompletionsAPI whose generation requests keep HFLM's context: the one request type that one max_length
+    cannot align. lm-eval is imported where a served model is built, not with this module."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    class ServedCompletions(LocalCompletionsAPI):
+        def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+            # Both keep a context of max_length less max_gen_toks (api_models.py `max_context_len`, huggingface.py
+            # `max_ctx_len`), but `self.max_length` here is HFLM's plus one (the margin less the token TemplateAPI
+            # keeps for generating): a context cut at the limit would keep one token more than the reference's.
+            self.max_length -= 1
+            try:
+                return super().generate_until(requests, disable_tqdm=disable_tqdm)
+            finally:
+                self.max_length += 1
+
+    return ServedCompletions
 
 
 def score_tasks(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -59,7 +59,10 @@ BUILTIN_ACCELERATORS: Mapping[str, AcceleratorSpec] = {
 }
 
 
-def distinct(values: list[int], what: str) -> list[int]:
+Distinct = TypeVar("Distinct", int, str)
+
+
+def distinct(values: list[Distinct], what: str) -> list[Distinct]:
     """`values` unchanged; ValueError naming the repeated ones (a pydantic field validator's message)."""
     repeated = sorted({value for value in values if values.count(value) > 1})
     if repeated:

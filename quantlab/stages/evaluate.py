@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from quantlab.evaluate.lm_eval_runner import TaskDataset, TaskRequest, TaskScores
     from quantlab.evaluate.served_damage import ServedPass
     from quantlab.jobs import BaselineOutputs, StageReporter, VariantJob
-    from quantlab.recipe import EvalSettings, QualitySettings
+    from quantlab.recipe import EvalSettings, QualitySettings, Recipe
     from quantlab.stages.serve import ServedVariant
 
 
@@ -64,20 +64,41 @@ SKIPPED_TAG = "quantlab.quality.skipped"
 SERVED_DAMAGE_TAG = "quantlab.quality.served_kld"  # how quality/served/kld_topk_* was computed
 SERVED_WINDOWS_AT_ONCE = 4  # token windows in flight at once in a served pass
 ENGINE_FLOOR_TAG = "quantlab.quality.engine_floor"  # how the baseline's second served pass differed from its first
+MAX_LENGTH_PARAM = "eval.max_length"  # the tokens of a rolling perplexity window, on every path that scored the tasks
+
+
+def evaluation_max_length(model, tokenizer, recipe: Recipe, checkpoint: Path) -> int | None:
+    """The max_length (as lm-eval's HFLM counts it) the variant's tasks are scored with, chosen once for both paths:
+    the model's own where only the reference scores, else what the variant's server accepts allows
+    (`scoring_max_length`). None: no task to score."""
+    from quantlab.evaluate.lm_eval_runner import model_context, scoring_max_length
+    from quantlab.stages.serve import served_max_model_len
+
+    if not recipe.evals.tasks:
+        return None
+    served = served_max_model_len(checkpoint, recipe.serving) if recipe.evals.engine != "reference" else None
+    return scoring_max_length(model_context(model, tokenizer), served)
 
 
 def evaluate_tasks(
-    model, tokenizer, settings: EvalSettings, include_path: Path | None, report: StageReporter
+    model, tokenizer, settings: EvalSettings, include_path: Path | None, report: StageReporter, max_length: int | None
 ) -> EvalOutcome:
+    """`max_length`: `evaluation_max_length`'s."""
     from quantlab.evaluate.lm_eval_runner import run_tasks
 
     if not settings.tasks or settings.engine == "served":
         return EvalOutcome()
     requests = task_requests(settings)
     scores = run_tasks(
-        model, tokenizer, requests, include_path, settings.batch_size, progress=lambda step: report(f"evaluate: {step}")
+        model,
+        tokenizer,
+        requests,
+        include_path,
+        settings.batch_size,
+        progress=lambda step: report(f"evaluate: {step}"),
+        max_length=max_length,
     )
-    return eval_outcome(scores)
+    return _with_max_length(eval_outcome(scores), max_length)
 
 
 def task_requests(settings: EvalSettings) -> list[TaskRequest]:
@@ -88,26 +109,40 @@ def task_requests(settings: EvalSettings) -> list[TaskRequest]:
 
 
 def evaluate_served(
-    served: ServedVariant | None, settings: EvalSettings, include_path: Path | None, report: StageReporter
+    served: ServedVariant | None,
+    settings: EvalSettings,
+    include_path: Path | None,
+    report: StageReporter,
+    max_length: int | None,
 ) -> EvalOutcome:
     """The recipe's tasks scored through the variant's own server (evals.engine: served or both): lm-eval's
-    local-completions, the engine's kernels; per-document scores as from the reference."""
-    from quantlab.evaluate.lm_eval_runner import score_tasks, served_language_model
+    local-completions, the engine's kernels; per-document scores as from the reference, in its windows
+    (`max_length`: `evaluation_max_length`'s)."""
+    from quantlab.evaluate.lm_eval_runner import SERVED_MAX_LENGTH_MARGIN, score_tasks, served_language_model
 
-    if served is None or settings.engine == "reference" or not settings.tasks:
+    if served is None or settings.engine == "reference" or not settings.tasks or max_length is None:
         return EvalOutcome()
+    if max_length + SERVED_MAX_LENGTH_MARGIN > served.launch.max_model_len:
+        raise RuntimeError(
+            f"scoring max_length {max_length} needs a server that accepts {max_length + SERVED_MAX_LENGTH_MARGIN} "
+            f"tokens a request; {served.variant}'s accepts {served.launch.max_model_len}"
+        )
     requests = task_requests(settings)
     model = served_language_model(
         served.server.url,
         str(served.checkpoint),
         served.checkpoint,
         settings.served_concurrency,
-        served.launch.max_model_len,
+        max_length,
         settings.batch_size,
     )
-    return eval_outcome(
-        score_tasks(model, requests, include_path, progress=lambda step: report(f"evaluate on engine: {step}"))
-    )
+    scores = score_tasks(model, requests, include_path, progress=lambda step: report(f"evaluate on engine: {step}"))
+    return _with_max_length(eval_outcome(scores), max_length)
+
+
+def _with_max_length(outcome: EvalOutcome, max_length: int | None) -> EvalOutcome:
+    # One name for a perplexity scored in windows of any length: the length goes with it.
+    return replace(outcome, params=outcome.params | {MAX_LENGTH_PARAM: str(max_length)})
 
 
 def engine_vs_reference(reference: EvalOutcome, served: EvalOutcome) -> DamageOutcome:
@@ -145,6 +180,7 @@ def engine_floor(
     report: StageReporter,
     scores: EvalOutcome,
     tokens: DamageOutcome,
+    max_length: int | None,
 ) -> DamageOutcome:
     """The baseline served a second time, at another concurrency and batch size (its token windows in reverse
     order), against its first served pass: the same weights on the same engine (quality/engine_floor/...). What the
@@ -164,7 +200,7 @@ def engine_floor(
                 "batch_size": _other(settings.batch_size),
             }
         )
-        second = evaluate_served(served, again, include_path, lambda step: report(f"engine floor: {step}"))
+        second = evaluate_served(served, again, include_path, lambda step: report(f"engine floor: {step}"), max_length)
         comparisons, unpaired, _ = _compare_documents(scores.documents, second.documents)
         metrics |= _paired_metrics(comparisons, ENGINE_FLOOR_PREFIX)
         notes |= {NOTE_TAG + key + FLOOR_NOTE: f"engine floor not paired: {why}" for key, why in unpaired.items()}

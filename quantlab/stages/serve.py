@@ -19,6 +19,7 @@ import gc
 import json
 import math
 import os
+import sys
 import tempfile
 from dataclasses import dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, version
@@ -42,8 +43,8 @@ from quantlab.measure.provenance import cpu_model_name
 from quantlab.serving.chart import throughput_latency_chart
 from quantlab.serving.engines import Engine, Launch, Support
 from quantlab.serving.engines.base import shown_command
-from quantlab.serving.environments import chosen_engine, engine_python, installed_version, python_problem
-from quantlab.serving.goodput import SERVING_TAG, UNAVAILABLE_TAG, ServingSummary, summarize
+from quantlab.serving.environments import chosen_engine, ensure_engine, installed_version, python_problem
+from quantlab.serving.goodput import NOT_STOCK_TAG, SERVING_TAG, UNAVAILABLE_TAG, ServingSummary, summarize
 from quantlab.serving.launcher import RunningServer, ServerFailed, launched_server, wait_healthy
 from quantlab.serving.levels import LoadLevel, load_levels
 from quantlab.serving.load import LoadGenerator, scenario, warm_up
@@ -97,6 +98,7 @@ class ServedVariant:
     hardware: str
     gpu_name: str | None
     load: LoadGenerator | None  # guidellm, started (None: serving.enabled is false)
+    engine_origin: str  # where its environment came from on this machine (found, configured, installed on a node)
 
     @property
     def checkpoint(self) -> Path:
@@ -108,6 +110,7 @@ class ServedVariant:
             "served.engine": self.engine.name,
             "served.engine_version": engine_version,
             "served.python": str(self.python),
+            "served.engine_environment": self.engine_origin,
             "served.command": self.command,
             "served.hardware": self.hardware,
             "served.expected_kernel": self.support.kernel,
@@ -120,7 +123,14 @@ class ServedVariant:
             found["served.kernel_note"] = self.support.note
         if self.support.served_as:
             found["served.served_as"] = self.support.served_as
+        if plugins := self.plugins():
+            found["served.plugins"] = plugins
         return found
+
+    def plugins(self) -> str:
+        """quantlab's plugins this server loaded, each with its digest and what it changes; "" for the stock engine."""
+        chosen = [self.engine.plugins[name] for name in self.launch.plugins]
+        return "; ".join(f"{plugin.identity()}, not stock {self.engine.label}: {plugin.changes}" for plugin in chosen)
 
     def tags(self) -> dict[str, str]:
         kernel = "; ".join(f"{kernel} for {layer}" for layer, kernel in sorted(self.kernels.items()))
@@ -130,6 +140,8 @@ class ServedVariant:
         found = {SERVING_TAG + "engine": self.engine.name, SERVING_TAG + "kernel": kernel or self.support.kernel}
         if self.support.served_as:
             found[SERVING_TAG + "served_as"] = self.support.served_as
+        if self.launch.plugins:
+            found[NOT_STOCK_TAG] = ", ".join(self.launch.plugins)
         return found
 
 
@@ -139,6 +151,7 @@ class _Launched:
 
     engine: Engine
     python: Path
+    engine_origin: str
     launch: Launch
     support: Support
     environment: dict[str, str]
@@ -164,9 +177,11 @@ class VariantServer:
         dtype: torch.dtype,
         cache_root: Path,
         log_dir: Path | None,
+        node: str | None = None,
     ) -> None:
+        """`node`: the cluster node it runs on (VariantJob.node), which installs the engine where it lacks it."""
         self.checkpoint, self.variant, self.stored_format, self.recipe = checkpoint, variant, stored_format, recipe
-        self.device, self.dtype, self.cache_root, self.log_dir = device, dtype, cache_root, log_dir
+        self.device, self.dtype, self.cache_root, self.log_dir, self.node = device, dtype, cache_root, log_dir, node
         self._scope = contextlib.ExitStack()  # the load generator, for the variant's life
         self._server_scope = contextlib.ExitStack()  # the server now running, with its scratch folder
         self._launched: _Launched | None = None
@@ -239,6 +254,7 @@ class VariantServer:
                 gpu_name or f"CPU: {cpu_model_name()}, {launch.threads} of {visible_cores()} cores",
                 gpu_name,
                 self._load_generator() if self.recipe.serving.enabled else None,
+                launched.engine_origin,
             )
             if launch.scoring:
                 self._scored_on = self._served
@@ -280,7 +296,8 @@ class VariantServer:
         if device == "cuda":
             torch.cuda.empty_cache()
         engine = chosen_engine(settings, device, self.cache_root)
-        python = engine_python(engine, settings.python, self.cache_root, device)
+        found = ensure_engine(engine, settings.python, self.cache_root, device, self.node, _say)
+        python = found.python
         if (problem := python_problem(engine, python)) is not None:
             raise RuntimeError(f"serving.python: {problem}")
         support = engine.supports(self.stored_format, device)
@@ -313,7 +330,7 @@ class VariantServer:
                 command_for, engine.name, server_log, {**os.environ, **environment, **_QUIET}, settings.port
             )
         )
-        self._launched = _Launched(engine, python, launch, support, environment, server)
+        self._launched = _Launched(engine, python, found.origin, launch, support, environment, server)
         return self._launched
 
 
@@ -326,6 +343,10 @@ def _scoring_differs(engine: Engine, launch: Launch) -> bool:
     ) != engine.environment(serving)
 
 
+def _say(line: str) -> None:
+    print(f"quantlab: {line}", file=sys.stderr, flush=True)  # the variant's log, beside the stages' own lines
+
+
 def _gpu_name(device: str) -> str | None:
     import torch
 
@@ -334,6 +355,13 @@ def _gpu_name(device: str) -> str | None:
 
 # The server reads the local checkpoint only, and writes its log as it goes.
 _QUIET = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def served_max_model_len(checkpoint: Path, settings: ServingSettings) -> int:
+    """The longest request the variant's server accepts: the recipe's, else the model's own up to
+    MAX_DEFAULT_MODEL_LEN. The evaluate stage reads it before the server starts, to score in process as it will."""
+    positions = int(config_dict(checkpoint / "config.json").get("max_position_embeddings") or MAX_DEFAULT_MODEL_LEN)
+    return settings.max_model_len or min(positions, MAX_DEFAULT_MODEL_LEN)
 
 
 def server_launch(
@@ -348,8 +376,7 @@ def server_launch(
     """How the variant's server is started: sized for the load's streams and the served evaluation's requests."""
     import torch
 
-    positions = int(config_dict(checkpoint / "config.json").get("max_position_embeddings") or MAX_DEFAULT_MODEL_LEN)
-    max_model_len = settings.max_model_len or min(positions, MAX_DEFAULT_MODEL_LEN)
+    max_model_len = served_max_model_len(checkpoint, settings)
     streams = max(max(settings.concurrency), settings.requests_per_level if settings.profile == "sweep" else 0)
     per_stream = (-(-(settings.prompt_tokens + settings.output_tokens) // CACHE_BLOCK_TOKENS) + 1) * CACHE_BLOCK_TOKENS
     tokens = streams * per_stream if settings.enabled else 0
@@ -372,6 +399,7 @@ def server_launch(
         gpu_memory_utilization=gpu_memory_utilization(*torch.cuda.mem_get_info()) if device == "cuda" else None,
         top_logprobs=settings.top_logprobs,
         extra=tuple(settings.server_args),
+        plugins=tuple(settings.plugins),
     )
 
 

@@ -8,6 +8,7 @@ One engine is one file beside this one plus one line in the registry (`quantlab.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import re
 from abc import ABC, abstractmethod
@@ -44,6 +45,31 @@ class Launch:
     # in flight or was served before; False: the engine's serving defaults, as users run it (the load's levels).
     scoring: bool = False
     kv_cache_dtype: str = "auto"  # "fp8": the checkpoint's FP8 KV cache with its calibrated scales
+    plugins: tuple[str, ...] = ()  # serving.plugins: quantlab's plugins the engine loads (`Engine.plugins`)
+
+
+@dataclass(frozen=True)
+class EnginePlugin:
+    """A plugin of quantlab's that an engine loads through its own extension point (vLLM: `vllm.general_plugins`),
+    opt-in per recipe (`serving.plugins`). What it runs is not the stock engine: its served figures say so, and
+    no cost decision rests on them."""
+
+    name: str  # the recipe's serving.plugins entry
+    folder: Path  # on the server's PYTHONPATH: the package, and the dist-info through which the engine finds it
+    entry_point: str  # its name in the engine's plugin group
+    devices: tuple[str, ...]  # where it applies
+    changes: str  # what differs from the stock engine, for people
+
+    def digest(self) -> str:
+        """sha256 of its files (paths and contents): the plugin's identity in a run's key and params."""
+        hashed = hashlib.sha256()
+        for path in sorted(p for p in self.folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+            hashed.update(str(path.relative_to(self.folder)).encode() + b"\0" + path.read_bytes() + b"\0")
+        return hashed.hexdigest()
+
+    def identity(self) -> str:
+        """ "name sha256:<first 12>", as the run key and `served.plugins` record it."""
+        return f"{self.name} sha256:{self.digest()[:12]}"
 
 
 @dataclass(frozen=True)
@@ -78,6 +104,7 @@ class Engine(ABC):
     reports_kernels: ClassVar[bool] = True  # its log names the kernel of each quantized layer type (`kernels`)
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ()  # KV-cache formats it stores as declared (else: compute dtype)
     builds: ClassVar[dict[str, str]] = {}  # distribution -> who makes it, where that is not the engine's project
+    plugins: ClassVar[dict[str, EnginePlugin]] = {}  # quantlab's plugins for it, by serving.plugins name
 
     @abstractmethod
     def command(self, python: Path, launch: Launch) -> list[str]:
@@ -146,9 +173,10 @@ def host_cpu_flags() -> frozenset[str]:
     return frozenset(found.group(1).split()) if found else frozenset()
 
 
-def python_path_with(site: Path) -> str:
-    """PYTHONPATH with `site` first: its sitecustomize.py runs at start-up in every Python process of the server."""
-    return os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+def python_path_with(folders: Sequence[Path]) -> str:
+    """PYTHONPATH with `folders` first: what they hold is importable (and its distributions found) in every Python
+    process of the server."""
+    return os.pathsep.join(filter(None, [*map(str, folders), os.environ.get("PYTHONPATH")]))
 
 
 def shown_command(command: Sequence[str], environment: Mapping[str, str]) -> str:

@@ -1,5 +1,6 @@
 """`transformers serve` with continuous batching, from quantlab's own environment. On CPU it decompresses every
-compressed-tensors checkpoint to the compute dtype: what it serves is the format's rounding, not its kernels."""
+compressed-tensors checkpoint to the compute dtype: what it serves is the format's rounding, not its kernels; there it
+starts through quantlab's entry module (`transformers_entry`), which loads those checkpoints as quantlab scores them."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import json
 from pathlib import Path
 from typing import Any, ClassVar
 
-from quantlab.serving.engines.base import HOST, Engine, Launch, Support, python_path_with
+from quantlab.serving.engines.base import HOST, Engine, Launch, Support
 
 # What `transformers serve` needs instead of ignore_eos; a JSON string, as its request schema types it.
 FIXED_LENGTH = json.dumps({"eos_token_id": -1})
 CACHE_BLOCK_TOKENS = 32
-CPU_SITE = Path(__file__).with_name("transformers_site")
+STOCK_ENTRY = "transformers.cli.transformers"
+CPU_ENTRY = "quantlab.serving.engines.transformers_entry"  # the same command line, quantlab's loading on CPU
 
 
 class TransformersServe(Engine):
@@ -27,7 +29,8 @@ class TransformersServe(Engine):
 
     def command(self, python: Path, launch: Launch) -> list[str]:
         # The checkpoint is loaded before /health answers; concurrent requests are decoded together.
-        command = [str(python), "-m", "transformers.cli.transformers", "serve", str(launch.checkpoint)]
+        entry = CPU_ENTRY if launch.device == "cpu" else STOCK_ENTRY
+        command = [str(python), "-m", entry, "serve", str(launch.checkpoint)]
         command += ["--continuous-batching", "--host", HOST, "--port", str(launch.port), "--device", launch.device]
         command += ["--dtype", launch.dtype, "--log-level", "warning"]
         if launch.device == "cpu":
@@ -37,13 +40,6 @@ class TransformersServe(Engine):
             command += ["--cb-block-size", str(CACHE_BLOCK_TOKENS), "--cb-num-blocks", str(blocks)]
             command += ["--cb-max-batch-tokens", str(launch.batch_tokens)]
         return [*command, *launch.extra]
-
-    def environment(self, launch: Launch) -> dict[str, str]:
-        variables = super().environment(launch)
-        if launch.device == "cpu":
-            # MX and NVFP4 weights decompress to BF16 and meet float32 activations: upcast at load, as quantlab does.
-            variables["PYTHONPATH"] = python_path_with(CPU_SITE)
-        return variables
 
     def request_body(self, output_tokens: int) -> dict[str, Any]:
         # guidellm adds vLLM's ignore_eos, which transformers serve rejects (HTTP 422): null removes it.

