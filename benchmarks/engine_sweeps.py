@@ -1,12 +1,14 @@
 """The embedded sweep on transformers alone against the same sweep scored and served on vLLM, side by side in one run.
 
-Runs `quantlab sweep --force` on recipes/smollm2-135m.yaml (transformers serve, reference scores) and then on
-recipes/smollm2-135m-vllm.yaml (the same variants; serving.engine: vllm, evals.engine: both), each into a store and
-a cold cache of its own (the GGUF's conversion, every checkpoint and reference pass built in both), and prints:
+Runs `quantlab sweep --force` on recipes/smollm2-135m.yaml (transformers serve, reference scores; `--only` the
+vLLM recipe's variants) and then on recipes/smollm2-135m-vllm.yaml (serving.engine: vllm, evals.engine: both), each
+into a store and a cold cache of its own (the GGUF's conversion, every checkpoint and reference pass built in both),
+and prints:
 
 1. each sweep's wall time and their ratio (the engine issue's goal: vLLM + both within 1.5x);
 2. per variant: the kernel vLLM chose, served output tokens/s and TTFT p50 at each level on each engine and their
-   ratio (vLLM / transformers serve), and the accuracy served against the reference with the paired 95% interval.
+   ratio (vLLM / transformers serve), and the accuracy served against the reference with the paired 95% interval;
+3. the engine's floor (the baseline served twice) beside them, and the plugins each vLLM server loaded.
 
 Needs `quantlab engine install vllm --cpu` first. Run it alone on the machine:
 
@@ -35,10 +37,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def vllm_variants() -> list[str]:
+    import yaml
+
+    return [variant["name"] for variant in yaml.safe_load(RECIPES["vllm"].read_text())["variants"]]
+
+
 def sweep(engine: str, work: Path) -> float:
     store = f"sqlite:///{work / engine / 'mlflow.db'}"
     (work / engine).mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "quantlab", "sweep", str(RECIPES[engine]), "--tracking-uri", store, "--force"]
+    if engine == "transformers":  # the same variants on both
+        command += [argument for name in vllm_variants() for argument in ("--only", name)]
     command += ["--cache-dir", str(work / engine / "cache")]  # each cold: GGUF conversion and checkpoints built
     started = time.perf_counter()
     with open(work / engine / "sweep.log", "w") as log:
@@ -121,6 +131,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"top-k KL {served.get('kld_topk_mean', float('nan')):.4f} (exact reference KL "
             f"{run.data.metrics.get('quality/kld_mean', float('nan')):.4f}), tail mass {served.get('kld_topk_tail_mass', float('nan')):.3f}"
         )
+    print("\nthe engine's floor (the baseline served twice, otherwise batched):")
+    for name, run in vllm.items():
+        for key, value in sorted(run.data.metrics.items()):
+            if key.startswith("quality/engine_floor/") and key.endswith(("/diff", "top1_agreement", "kld_topk_mean")):
+                print(f"  {name:<14}{key.removeprefix('quality/engine_floor/'):<40} {value:+.4f}")
+        print(f"  {name:<14}plugins: {run.data.params.get('served.plugins', 'none (stock vLLM)')}")
     stages = {
         engine: {n: r.data.metrics for n, r in runs.items()} for engine, runs in (("transformers", hf), ("vllm", vllm))
     }
