@@ -17,7 +17,7 @@ from typing import Any
 from quantlab.candidates import ChoiceControl, SequenceError, control_choice, sequence_order
 from quantlab.frontier import Axis, VariantSummary, ensure_unique_names
 from quantlab.measure.contention import CONTENDED_TAG, CONTENTION_TAG
-from quantlab.metrics import EvalKey, paired_key, spec, why_unavailable
+from quantlab.metrics import EvalKey, adaptive_key, paired_key, spec, why_unavailable
 from quantlab.paired import (
     Group,
     NonInferiority,
@@ -106,6 +106,9 @@ class _Evidence:
     # Per-token figures are sampled by scoring window (their se clusters on windows): n and the advice count windows
     windows: int | None = None
     tokens: int | None = None
+    # Adaptive evaluation: the nominal level of the stage its task stopped at as a share of the policy's (1: every
+    # document scored at once): its claims are tested at the policy's levels times this, as its stages were.
+    level_share: float = 1.0
 
     @property
     def unit(self) -> str:
@@ -139,8 +142,8 @@ class _Evidence:
     def judge(self, policy: Policy, over_alpha: float) -> NonInferiority:
         """The check at the policy's level for "shown within", `over_alpha` (Holm's) for "shown over"."""
         settings = {
-            "alpha": policy.one_sided_alpha,
-            "over_alpha": over_alpha,
+            "alpha": policy.one_sided_alpha * self.level_share,
+            "over_alpha": over_alpha * self.level_share,
             "power": policy.power,
             "available": self.available,
         }
@@ -183,7 +186,10 @@ def _drop_evidence(
     if EvalKey.parse(metric) is None and math.isfinite(df):  # a per-token figure: its df is its windows less one
         windows = int(round(df)) + 1
         return _Evidence(rule, drop, se, windows, df, None, flips, windows=windows, tokens=n)
-    return _Evidence(rule, drop, se, n, df, documents_available(metric, n, documents), flips)
+    parsed = EvalKey.parse(metric)
+    share = variant.value(adaptive_key(parsed.task, "level_share")) if parsed is not None else None
+    available = documents_available(metric, n, documents)
+    return _Evidence(rule, drop, se, n, df, available, flips, level_share=1.0 if share is None else min(share, 1.0))
 
 
 def documents_available(metric: str, n: int, documents: Mapping[str, int]) -> int | None:

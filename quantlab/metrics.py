@@ -25,6 +25,11 @@ SERVED_QUALITY_PREFIX = "quality/served/"
 # A variant's quantized KV cache against the same checkpoint with it off (quantlab.evaluate.contexts), per token.
 KV_CACHE_PREFIX = "quality/kv_cache/"
 STDERR_SUFFIX = "_stderr"
+# Adaptive evaluation: quality/adaptive/<task>/<figure> (the entries below), the tag quantlab.adaptive/<task> (why its
+# task stopped where it did, in words) and the param eval.adaptive (the design: stages, spending, seed, level).
+ADAPTIVE_PREFIX = "quality/adaptive/"
+ADAPTIVE_TAG_PREFIX = "quantlab.adaptive/"
+ADAPTIVE_PARAM = "eval.adaptive"
 NO_FILTER = "none"
 
 
@@ -130,6 +135,11 @@ PAIRED_STATISTICS: dict[str, Scale | None] = {
     "correct_to_wrong": Scale.COUNT,  # 0/1 scores only: documents right for the baseline, wrong for the variant
     "wrong_to_correct": Scale.COUNT,  # 0/1 scores only: documents wrong for the baseline, right for the variant
 }
+
+
+def adaptive_key(task: str, figure: str) -> str:
+    """quality/adaptive/<task>/<figure>: documents_used, documents_total, stage or level_share."""
+    return f"{ADAPTIVE_PREFIX}{task}/{figure}"
 
 
 def paired_key(metric_key: str, statistic: str, prefix: str = PAIRED_PREFIX) -> str:
@@ -238,6 +248,13 @@ _FIXED: dict[str, tuple[bool | None, Scale, str]] = {
     "quality/flips/<task>/correct_to_wrong": (False, Scale.COUNT, "{task} right-to-wrong flips"),
     "quality/flips/<task>/wrong_to_correct": (True, Scale.COUNT, "{task} wrong-to-right flips"),
     "quality/mcnemar_p/<task>": (None, Scale.P_VALUE, "{task} McNemar p"),  # exact McNemar p of the primary 0/1 score
+    # Adaptive evaluation (evals.adaptive, quantlab.adaptive), per requested task (group, tag) and each task under it:
+    # documents it scored and has, the stage it stopped at (1-based), and that stage's nominal one-sided level as a
+    # share of the policy's: the final verdict tests the drop limits on its scores at the policy's levels times it.
+    "quality/adaptive/<task>/documents_used": (None, Scale.COUNT, "{task} documents scored (adaptive)"),
+    "quality/adaptive/<task>/documents_total": (None, Scale.COUNT, "{task} documents it has (adaptive)"),
+    "quality/adaptive/<task>/stage": (None, Scale.COUNT, "{task} stage it stopped at (adaptive)"),
+    "quality/adaptive/<task>/level_share": (None, Scale.RATIO, "{task} level share of its last stage (adaptive)"),
     "time/<stage>_seconds": (False, Scale.SECONDS, "{stage} time"),  # wall seconds of one stage of the variant's run
     # What competed with the measure stage's timed generations (measure.contention): facts about the machine.
     "measure/load_1m": (None, Scale.RATIO, "1-minute load average while timing"),  # the higher, before or after

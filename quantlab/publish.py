@@ -76,8 +76,9 @@ def read_sweep(store: tracking.TrackingStore, parent_run_id: str) -> SweepView:
         if variant.succeeded and (samples := _samples(store, run.run_id)) is not None:
             documents[variant.name] = samples.documents
             groups |= samples.groups
-        if variant.succeeded:
-            task_sizes |= task_documents(run.params)
+        if variant.succeeded:  # the most any run scored: adaptive evaluation stops a variant's task early
+            for task, count in task_documents(run.params).items():
+                task_sizes[task] = max(task_sizes.get(task, 0), count)
     variants.sort(key=lambda v: (not v.is_baseline, v.name))
     settings = FrontierSettings.model_validate(recipe.get("frontier") or {})
     baseline = recipe.get("baseline") or next((v.name for v in variants if v.is_baseline), "")

@@ -26,6 +26,7 @@ from pydantic import (
     model_serializer,
 )
 
+from quantlab.adaptive import Spending
 from quantlab.errors import BadInput, Problem, bad_input, did_you_mean
 from quantlab.frontier import FrontierSettings
 from quantlab.measure.settings import MeasureSettings
@@ -165,6 +166,53 @@ class EvalSettings(StrictModel):
     served_concurrency: int = Field(
         4, gt=0, le=4096, description="Requests lm-eval keeps in flight against the server (served, both)."
     )
+    adaptive: bool = Field(
+        False,
+        description="Score each variant's tasks in stages and stop a task once every drop limit of "
+        "frontier.default_policy on its scores is shown within, or one is shown over (the baseline scores every "
+        "document). Each stage's claims are tested at the level adaptive_spending allows by then, and the final "
+        "verdict at the level of the stage the task stopped at, so each check keeps the policy's error rate. A task "
+        "scored with few-shot examples, or with no drop limit on its scores, runs every document.",
+    )
+    adaptive_stages: list[Annotated[float, Field(gt=0, le=1)]] = Field(
+        default_factory=lambda: [0.25, 0.5, 0.75, 1.0],
+        description="adaptive: the share of each task's documents scored by the end of each stage, increasing, the "
+        "last 1. More stages stop sooner on clear verdicts and cost a little level at the last one.",
+    )
+    adaptive_spending: Spending = Field(
+        Spending.OBRIEN_FLEMING,
+        description="adaptive: how the policy's one-sided level is spent over the stages (Lan-DeMets). "
+        "obrien_fleming: almost nothing early, so a stop needs overwhelming evidence and a task that runs every "
+        "document is judged at nearly the full level; pocock: evenly, earlier stops and a stricter last stage.",
+    )
+    adaptive_seed: int = Field(
+        0, ge=0, description="adaptive: seeds the one random order of each task's documents that every variant shares."
+    )
+
+    @field_validator("adaptive_stages")
+    @classmethod
+    def _stages_end_at_every_document(cls, stages: list[float]) -> list[float]:
+        if any(later <= earlier for earlier, later in zip(stages, stages[1:])):
+            raise ValueError(f"{stages} is not strictly increasing")
+        if not stages or stages[-1] != 1:
+            raise ValueError(f"{stages} must end with 1 (the last stage scores every document)")
+        return stages
+
+    @field_validator("adaptive")
+    @classmethod
+    def _adaptive_on_one_path(cls, adaptive: bool, info: ValidationInfo) -> bool:
+        if adaptive and info.data.get("engine") == "both":
+            raise ValueError(
+                "adaptive evaluation stops each path's tasks where its own scores settle them, so the two paths of "
+                "engine: both would score different documents: choose engine: reference or served"
+            )
+        return adaptive
+
+    @model_serializer(mode="wrap")
+    def _adaptive_left_out(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Without adaptive evaluation, the dump (part of every run's key) is what it was before it existed.
+        data = handler(self)
+        return data if self.adaptive else {k: v for k, v in data.items() if not k.startswith("adaptive")}
 
 
 class QualitySettings(StrictModel):

@@ -32,6 +32,7 @@ def run_variant(
     from quantlab.models import load_checkpoint, materialize, pick_device, pick_dtype, resolve_source
     from quantlab.quantize import METHODS
     from quantlab.stages.evaluate import (
+        adaptive_plan,
         answer_damage,
         engine_floor,
         engine_vs_reference,
@@ -83,8 +84,9 @@ def run_variant(
         server.launch_early()  # on CPU it starts while the reference stages run; a GPU's server waits for our model
         with stage("evaluate"):
             max_length = evaluation_max_length(model, tokenizer, recipe, checkpoint.path)  # the server's windows too
+            plan = adaptive_plan(recipe, job)  # None: every document (evals.adaptive off, or the baseline)
             reference_scores = evaluate_tasks(
-                model, tokenizer, recipe.evals, job.loaded.include_path, report, max_length
+                model, tokenizer, recipe.evals, job.loaded.include_path, report, max_length, plan
             )
         with stage("damage"):
             tokens = token_damage(model, tokenizer, recipe.quality, recipe_dir, job, checkpoint.key)
@@ -99,7 +101,7 @@ def run_variant(
         with stage("start server"):
             served = server.ready(scoring=True)  # prefix caching off: each answer as if served alone
         with stage("evaluate on engine"):
-            served_scores = evaluate_served(served, recipe.evals, job.loaded.include_path, report, max_length)
+            served_scores = evaluate_served(served, recipe.evals, job.loaded.include_path, report, max_length, plan)
         with stage("damage on engine"):
             served_tokens = served_token_damage(served, recipe.quality, tokens.reference_dir)
         with stage("engine floor"):  # the baseline served again, otherwise batched: the engine against itself

@@ -171,16 +171,20 @@ def run_tasks(
 ) -> list[TaskScores]:
     """Score an already loaded Hugging Face `model` on each requested task (see `score_tasks`); `max_length`: HFLM's
     (`scoring_max_length`), None: lm-eval's own for the model (`model_context`)."""
+    return score_tasks(hf_language_model(model, tokenizer, batch_size, max_length), tasks, include_path, progress)
+
+
+def hf_language_model(model, tokenizer, batch_size: int, max_length: int | None = None):
+    """lm-eval's HFLM around the already loaded `model`, as `run_tasks` scores it."""
     from lm_eval.models.huggingface import HFLM
 
-    language_model = HFLM(
+    return HFLM(
         pretrained=model,
         tokenizer=tokenizer,
         batch_size=batch_size,
         add_bos_token=adds_bos(tokenizer),
         max_length=max_length,
     )
-    return score_tasks(language_model, tasks, include_path, progress)
 
 
 # How many more tokens than HFLM's max_length lm-eval's TemplateAPI (local-completions) must be given to score the
@@ -278,7 +282,12 @@ def _served_completions_class() -> type:
 
 
 def score_tasks(
-    language_model, tasks: list[TaskRequest], include_path: Path | None, progress=lambda step: None
+    language_model,
+    tasks: list[TaskRequest],
+    include_path: Path | None,
+    progress=lambda step: None,
+    samples: Mapping[str, Sequence[int]] | None = None,
+    cache: Path | None = None,
 ) -> list[TaskScores]:
     """Score `language_model` (an lm-eval LM: the loaded model, or a served one) on each requested task, in order,
     each with its own settings.
@@ -286,6 +295,11 @@ def score_tasks(
     A group (e.g. "mmlu") yields its aggregate scores under its own name (when its YAML asks
     lm-eval to aggregate), then one entry per leaf task; a tag yields its leaf tasks only.
     Requests with the same settings and no task in common share one lm-eval call (`batches`).
+
+    `samples`: leaf task -> the documents (ids) to score, lm-eval's own selection, in place of each request's
+    `limit` (a leaf not named scores all of its documents). `cache`: lm-eval's request cache (a SQLite file this
+    path names), which answers a request scored before from there: a later call on more of the same documents
+    scores only the new ones.
     """
     from unittest.mock import patch
 
@@ -299,6 +313,11 @@ def score_tasks(
         # `pip list` and other commands, seconds per call); quantlab reads none of it, and logs the
         # library versions in the variant's own params (runner).
         restore.enter_context(patch.object(evaluator, "add_env_info", lambda results: None))
+        if cache is not None:
+            # lm-eval's request cache hooks itself into the model, which would go on writing to it after this call.
+            from lm_eval.api.model import CacheHook
+
+            restore.callback(language_model.set_cache_hook, CacheHook(None))
         # lm-eval logs every request batch at INFO; keep its warnings (overridden settings among them).
         for logger in map(logging.getLogger, ("lm_eval", "lm-eval")):
             restore.callback(logger.setLevel, logger.level)
@@ -310,7 +329,9 @@ def score_tasks(
                 model=language_model,
                 tasks=[tasks[i].name for i in batch],
                 num_fewshot=first.num_fewshot,  # None keeps the task YAML's own shots
-                limit=first.limit,
+                limit=first.limit if samples is None else None,
+                samples={name: sorted(ids) for name, ids in samples.items()} if samples is not None else None,
+                use_cache=str(cache) if cache is not None else None,
                 gen_kwargs=dict(first.gen_kwargs) if first.gen_kwargs else None,
                 apply_chat_template=first.apply_chat_template,
                 fewshot_as_multiturn=first.multiturn,

@@ -4,29 +4,36 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
-from quantlab import cache
+from quantlab import adaptive, cache
 from quantlab.corpora import load_texts
 from quantlab.evaluate.damage import flip_metrics, paired_flips, recovery
 from quantlab.metrics import (
+    ADAPTIVE_PARAM,
+    ADAPTIVE_TAG_PREFIX,
     ENGINE_FLOOR_PREFIX,
     ENGINE_VS_REFERENCE_PREFIX,
     PAIRED_PREFIX,
     Declared,
+    EvalKey,
+    adaptive_key,
     declared_tags,
     paired_key,
     unknown_directions,
 )
 from quantlab.paired import DocumentScores, Group, NotPaired, PairedComparison, combine, compare
+from quantlab.policy import DropRule, PolicyError
 
 if TYPE_CHECKING:
     from quantlab.evaluate.lm_eval_runner import TaskDataset, TaskRequest, TaskScores
     from quantlab.evaluate.served_damage import ServedPass
     from quantlab.jobs import BaselineOutputs, StageReporter, VariantJob
+    from quantlab.policy import Policy
     from quantlab.recipe import EvalSettings, QualitySettings, Recipe
     from quantlab.stages.serve import ServedVariant
 
@@ -42,6 +49,9 @@ class EvalOutcome:
     tags: dict[str, str] = field(default_factory=dict)  # declarations, notes, unknown directions
     labels: dict[str, dict[int, str]] = field(default_factory=dict)  # task -> doc id -> short text
     datasets: tuple[TaskDataset, ...] = ()
+    # Score keys scored on a subset of the baseline's documents (adaptive evaluation stopped their task early): paired
+    # with the baseline on those documents alone.
+    sampled: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,7 @@ class DamageOutcome:
     served: ServedPass | None = None  # served_token_damage: the engine's pass, which the baseline's floor repeats
 
 
+V = TypeVar("V")
 NOTE_TAG = "quantlab.eval_note/"  # + score key: why a score has no per-document analysis or pairing
 # ... + score key + one of these: why one comparison of it was not paired (each stage's note under its own key)
 PAIRED_NOTE, ENGINE_NOTE, FLOOR_NOTE = "/paired", "/engine_vs_reference", "/engine_floor"
@@ -80,25 +91,225 @@ def evaluation_max_length(model, tokenizer, recipe: Recipe, checkpoint: Path) ->
     return scoring_max_length(model_context(model, tokenizer), served)
 
 
+@dataclass(frozen=True)
+class AdaptivePlan:
+    """What adaptive evaluation of one variant needs from outside its evaluate stage (`adaptive_plan`)."""
+
+    baseline: BaselineOutputs  # every document of every task, scored by the baseline
+    policy: Policy  # the recipe's default policy: the drop limits a task's stages settle
+    alpha: float  # the one-sided level the variant's claims are judged at (the policy's, or its Bonferroni share)
+
+
+def adaptive_plan(recipe: Recipe, job: VariantJob) -> AdaptivePlan | None:
+    """None where the variant scores every document: adaptive evaluation off, or the baseline itself (every variant
+    pairs its documents with the baseline's)."""
+    from quantlab.policy import CandidateControl
+
+    if not recipe.evals.adaptive or job.is_baseline or job.baseline is None:
+        return None
+    policy = recipe.frontier.default_policy
+    candidates = len(recipe.variants) - 1
+    # `pick` tests each candidate at the policy's level, or under Bonferroni at its share: the stages spend that.
+    split = candidates if policy.candidates is CandidateControl.BONFERRONI and candidates > 1 else 1
+    return AdaptivePlan(job.baseline, policy, policy.one_sided_alpha / split)
+
+
 def evaluate_tasks(
-    model, tokenizer, settings: EvalSettings, include_path: Path | None, report: StageReporter, max_length: int | None
+    model,
+    tokenizer,
+    settings: EvalSettings,
+    include_path: Path | None,
+    report: StageReporter,
+    max_length: int | None,
+    plan: AdaptivePlan | None = None,
 ) -> EvalOutcome:
-    """`max_length`: `evaluation_max_length`'s."""
-    from quantlab.evaluate.lm_eval_runner import run_tasks
+    """`max_length`: `evaluation_max_length`'s; `plan`: `adaptive_plan`'s (None: every document)."""
+    from quantlab.evaluate.lm_eval_runner import hf_language_model, run_tasks
 
     if not settings.tasks or settings.engine == "served":
         return EvalOutcome()
     requests = task_requests(settings)
+    progress = lambda step: report(f"evaluate: {step}")  # noqa: E731
+    if plan is not None:
+        language_model = hf_language_model(model, tokenizer, settings.batch_size, max_length)
+        return _with_max_length(
+            adaptive_outcome(language_model, requests, include_path, progress, settings, plan), max_length
+        )
     scores = run_tasks(
-        model,
-        tokenizer,
-        requests,
-        include_path,
-        settings.batch_size,
-        progress=lambda step: report(f"evaluate: {step}"),
-        max_length=max_length,
+        model, tokenizer, requests, include_path, settings.batch_size, progress=progress, max_length=max_length
     )
     return _with_max_length(eval_outcome(scores), max_length)
+
+
+def adaptive_outcome(
+    language_model,
+    requests: list[TaskRequest],
+    include_path: Path | None,
+    progress: Callable[[str], None],
+    settings: EvalSettings,
+    plan: AdaptivePlan,
+) -> EvalOutcome:
+    """The requested tasks scored in stages (`quantlab.adaptive`): a stage of every task still running, then each one's
+    drop checks judged at the stage's level; a task stops once they are settled. What it scored, with where and why
+    each task stopped (quality/adaptive/<task>/..., the tag quantlab.adaptive/<task>)."""
+    import tempfile
+
+    from quantlab.evaluate.lm_eval_runner import task_manager_for, task_names
+
+    manager = task_manager_for([request.name for request in requests], include_path)
+    under = [task_names(request.name, manager.task_index) for request in requests]
+    designs = [_design(names, plan, settings) for names in under]
+    scored: list[list[TaskScores]] = [[] for _ in requests]
+    stopped: dict[int, adaptive.StageResult] = {}
+    stage = [0] * len(requests)
+    rules: tuple[DropRule, ...] | None = None
+    with tempfile.TemporaryDirectory(prefix="quantlab-adaptive-") as scratch:
+        # lm-eval's request cache: a later stage re-asks for the documents of the earlier ones and scores only the new.
+        score = partial(_score_stage, language_model, include_path, progress, Path(scratch) / "requests")
+        for index, request in enumerate(requests):
+            if designs[index] is None:  # nothing of the baseline's to pair per document: scored as without adaptive
+                scored[index] = score(request, None, 0)
+                stopped[index] = adaptive.StageResult(
+                    request.name, 0, 1, _documents(scored[index]), _documents(scored[index]), 1.0, 1.0,
+                    adaptive.StopReason.NOT_ADAPTIVE, "the baseline has no per-document scores for it",
+                )  # fmt: skip
+        while running := [index for index in range(len(requests)) if index not in stopped]:
+            for index in running:
+                scored[index] = score(requests[index], designs[index], stage[index])
+            if rules is None:  # the scores' directions and scales are lm-eval's: known once every task has run once
+                rules = _drop_rules(plan, [task for tasks in scored for task in tasks])
+            for index in running:
+                design = designs[index]
+                if design is None:
+                    continue  # stopped before the loop
+                found = _stage_verdict(
+                    requests[index].name, under[index], design, stage[index], scored[index], plan, rules
+                )
+                if found is None:
+                    stage[index] += 1
+                    continue
+                if not found.sequential and stage[index] < design.stages - 1:  # nothing to settle: every document
+                    last = design.stages - 1
+                    scored[index] = score(requests[index], design, last)
+                    found = replace(found, stage=last, documents_used=design.used(last))
+                stopped[index] = found
+    tasks = [task for found in scored for task in found]
+    outcome = eval_outcome(tasks)
+    results = [stopped[index] for index in range(len(requests))]
+    return replace(
+        outcome,
+        metrics=outcome.metrics | _adaptive_metrics(results, under),
+        params=outcome.params | {ADAPTIVE_PARAM: _adaptive_words(settings, plan)},
+        tags=outcome.tags | {ADAPTIVE_TAG_PREFIX + found.task: found.words for found in results},
+        sampled=frozenset(
+            score.key
+            for found, names, tasks_of in zip(results, under, scored)
+            if found.documents_used < found.documents_total
+            for task in tasks_of
+            for score in task.scores
+        ),
+    )
+
+
+def _design(names: set[str], plan: AdaptivePlan, settings: EvalSettings) -> adaptive.Design | None:
+    """The stages of one request, over its leaves the baseline scored per document; None where it has none."""
+    baseline = plan.baseline
+    orders = {
+        task: adaptive.document_order(list(baseline.documents[key].values), settings.adaptive_seed, task)
+        for task in sorted(names)
+        if (key := baseline.primary.get(task)) in baseline.documents
+    }
+    if not orders:
+        return None
+    return adaptive.design(orders, settings.adaptive_stages, plan.alpha, settings.adaptive_spending)
+
+
+def _score_stage(
+    language_model,
+    include_path: Path | None,
+    progress: Callable[[str], None],
+    cache: Path,
+    request: TaskRequest,
+    design: adaptive.Design | None,
+    stage: int,
+) -> list[TaskScores]:
+    """`request` scored on the documents of `design`'s `stage` (None: all, as without adaptive evaluation)."""
+    from quantlab.evaluate.lm_eval_runner import score_tasks
+
+    if design is None:
+        return score_tasks(language_model, [request], include_path, progress, cache=cache)
+    shown = f"stage {stage + 1} of {design.stages}, {design.used(stage):,} of {design.total:,} documents: "
+    samples = design.samples(stage)
+    return score_tasks(language_model, [request], include_path, lambda step: progress(shown + step), samples, cache)
+
+
+def _drop_rules(plan: AdaptivePlan, tasks: list[TaskScores]) -> tuple[DropRule, ...]:
+    """The policy's drop limits made concrete against the baseline, as `pick` makes them; none where the policy does
+    not fit the scores (`pick` names that; every task then runs every document)."""
+    declared = {score.key: Declared(score.higher_is_better, score.scale) for task in tasks for score in task.scores}
+    try:
+        return plan.policy.drop_rules(plan.baseline.scores, declared, plan.baseline.groups)
+    except PolicyError:
+        return ()
+
+
+FEW_SHOT = "scored with few-shot examples, which lm-eval draws in document order: a subset would change the prompts"
+
+
+def _stage_verdict(
+    request: str,
+    names: set[str],
+    design: adaptive.Design,
+    stage: int,
+    tasks: list[TaskScores],
+    plan: AdaptivePlan,
+    rules: tuple[DropRule, ...],
+) -> adaptive.StageResult | None:
+    """Whether `stage` ends the request's task, and why; None: on to the next stage."""
+
+    def result(reason: adaptive.StopReason, detail: str = "") -> adaptive.StageResult:
+        level, share = design.levels[stage], design.share(stage)
+        return adaptive.StageResult(
+            request, stage, design.stages, design.used(stage), design.total, level, share, reason, detail
+        )
+
+    if any(task.settings is not None and task.settings.num_fewshot > 0 for task in tasks):
+        return result(adaptive.StopReason.NOT_ADAPTIVE, FEW_SHOT)
+    mine = [rule for rule in rules if (key := EvalKey.parse(rule.metric)) is not None and key.task in names]
+    if not mine:
+        return result(adaptive.StopReason.UNCHECKED)
+    scores = replace(eval_outcome(tasks, quiet=True), sampled=frozenset(score.key for t in tasks for score in t.scores))
+    comparisons = paired_comparisons(_on_documents_of(plan.baseline, scores), scores)[0]
+    outcomes = adaptive.stage_outcomes(mine, comparisons, design.levels[stage], len(rules), plan.policy.power)
+    reason = adaptive.stop_after(outcomes, last=stage == design.stages - 1)
+    return None if reason is None else result(reason)
+
+
+def _documents(tasks: list[TaskScores]) -> int:
+    return sum(task.settings.documents for task in tasks if task.settings is not None)
+
+
+def _adaptive_metrics(results: list[adaptive.StageResult], under: list[set[str]]) -> dict[str, float]:
+    """Per request: documents used and had, the stage it stopped at; for every task under a request whose claims were
+    tested in stages, the level share its drop checks are judged at (`pick` reads it by the check's task)."""
+    metrics: dict[str, float] = {}
+    for found, names in zip(results, under):
+        metrics |= {
+            adaptive_key(found.task, "documents_used"): found.documents_used,
+            adaptive_key(found.task, "documents_total"): found.documents_total,
+            adaptive_key(found.task, "stage"): found.stage + 1,
+        }
+        if found.sequential:
+            metrics |= {adaptive_key(name, "level_share"): found.level_share for name in sorted(names | {found.task})}
+    return metrics
+
+
+def _adaptive_words(settings: EvalSettings, plan: AdaptivePlan) -> str:
+    stages = ", ".join(f"{fraction:g}" for fraction in settings.adaptive_stages)
+    return (
+        f"stages at [{stages}] of each task's documents, {settings.adaptive_spending.value} spending of a one-sided "
+        f"{plan.alpha:g}, document order seed {settings.adaptive_seed}"
+    )
 
 
 def task_requests(settings: EvalSettings) -> list[TaskRequest]:
@@ -114,10 +325,11 @@ def evaluate_served(
     include_path: Path | None,
     report: StageReporter,
     max_length: int | None,
+    plan: AdaptivePlan | None = None,
 ) -> EvalOutcome:
     """The recipe's tasks scored through the variant's own server (evals.engine: served or both): lm-eval's
     local-completions, the engine's kernels; per-document scores as from the reference, in its windows
-    (`max_length`: `evaluation_max_length`'s)."""
+    (`max_length`: `evaluation_max_length`'s; `plan`: `adaptive_plan`'s, None: every document)."""
     from quantlab.evaluate.lm_eval_runner import SERVED_MAX_LENGTH_MARGIN, score_tasks, served_language_model
 
     if served is None or settings.engine == "reference" or not settings.tasks or max_length is None:
@@ -136,8 +348,10 @@ def evaluate_served(
         max_length,
         settings.batch_size,
     )
-    scores = score_tasks(model, requests, include_path, progress=lambda step: report(f"evaluate on engine: {step}"))
-    return _with_max_length(eval_outcome(scores), max_length)
+    progress = lambda step: report(f"evaluate on engine: {step}")  # noqa: E731
+    if plan is not None:
+        return _with_max_length(adaptive_outcome(model, requests, include_path, progress, settings, plan), max_length)
+    return _with_max_length(eval_outcome(score_tasks(model, requests, include_path, progress=progress)), max_length)
 
 
 def _with_max_length(outcome: EvalOutcome, max_length: int | None) -> EvalOutcome:
@@ -223,12 +437,14 @@ def engine_floor(
 
 
 def _other(setting: int) -> int:
-    """Another concurrency or batch size than `setting`: one where it is more, else two."""
-    return 1 if setting > 1 else 2
+    """Another concurrency or batch size than `setting`: half of it where it is more than one, else two. Any other
+    batching regroups the requests (what the floor measures); halving keeps the second pass near the first's cost,
+    where one request at a time would be the slowest pass an engine can be asked for."""
+    return setting // 2 if setting > 1 else 2
 
 
-def eval_outcome(tasks: list[TaskScores]) -> EvalOutcome:
-    """What the runner logs and keeps from the scored tasks (pure)."""
+def eval_outcome(tasks: list[TaskScores], quiet: bool = False) -> EvalOutcome:
+    """What the runner logs and keeps from the scored tasks; `quiet`: without the notes in the variant's log."""
     scores = [score for task in tasks for score in task.scores]
     values = {score.key: score.value for score in scores}
     declared = {score.key: Declared(score.higher_is_better, score.scale) for score in scores}
@@ -248,7 +464,7 @@ def eval_outcome(tasks: list[TaskScores]) -> EvalOutcome:
     if unknown := unknown_directions(values, declared):
         tags[UNKNOWN_DIRECTION_TAG] = ", ".join(unknown)
         lines.insert(0, f"direction unknown (lm-eval declared no higher_is_better): {tags[UNKNOWN_DIRECTION_TAG]}")
-    for line in lines:
+    for line in [] if quiet else lines:
         print(f"quantlab: {line}", file=sys.stderr, flush=True)  # the variant's log, beside lm-eval's warnings
     return EvalOutcome(
         metrics=values | {score.stderr_key: score.stderr for score in scores if score.stderr is not None},
@@ -310,16 +526,8 @@ def answer_damage(scores: EvalOutcome, baseline: BaselineOutputs | None) -> Dama
     """Paired statistics of every analysable lm-eval score against the baseline (groups through
     their leaves), flips and exact McNemar for 0/1 primary scores (a group's flips are its
     leaves'), and recovery of every score. The baseline compares itself with itself: its own zeros."""
-    reference = baseline if baseline is not None else scores  # both have .documents and .scores
-    comparisons, notes, missing = _compare_documents(reference.documents, scores.documents)
-    notes |= dict.fromkeys(missing, "the baseline has no per-document scores for it")
-    for key, parts in scores.groups.items():
-        missing = [leaf for leaf in parts.leaves if leaf not in comparisons]
-        if missing:
-            notes[key] = f"no paired comparison for its leaves {', '.join(missing)}"
-            continue
-        comparisons[key] = combine([comparisons[leaf] for leaf in parts.leaves], parts.weights)
-
+    reference = _on_documents_of(baseline, scores) if baseline is not None else scores  # .documents and .scores
+    comparisons, notes = paired_comparisons(reference, scores)
     metrics = _paired_metrics(comparisons)
     artifacts: dict[str, str] = {}
     for task, key in scores.primary.items():
@@ -333,6 +541,51 @@ def answer_damage(scores: EvalOutcome, baseline: BaselineOutputs | None) -> Dama
     metrics |= recovery(reference.scores, scores.scores)
     tags = {NOTE_TAG + key + PAIRED_NOTE: f"not paired: {note}" for key, note in notes.items()}
     return DamageOutcome(metrics, tags, artifacts=artifacts)
+
+
+def paired_comparisons(
+    reference: BaselineOutputs | EvalOutcome, scores: EvalOutcome
+) -> tuple[dict[str, PairedComparison], dict[str, str]]:
+    """Every analysable score of `scores` paired with `reference`'s (groups through their leaves), and why the others
+    were not."""
+    comparisons, notes, missing = _compare_documents(reference.documents, scores.documents)
+    notes |= dict.fromkeys(missing, "the baseline has no per-document scores for it")
+    for key, parts in scores.groups.items():
+        missing = [leaf for leaf in parts.leaves if leaf not in comparisons]
+        if missing:
+            notes[key] = f"no paired comparison for its leaves {', '.join(missing)}"
+            continue
+        comparisons[key] = combine([comparisons[leaf] for leaf in parts.leaves], parts.weights)
+    return comparisons, notes
+
+
+def _on_documents_of(baseline: BaselineOutputs, scores: EvalOutcome) -> BaselineOutputs:
+    """The baseline on the documents `scores` scored where adaptive evaluation stopped a task early (its `sampled`
+    keys): their per-document scores, and the scores they aggregate to (a group's with the variant's leaf weights),
+    so that pairs, flips and recovery compare like with like. A variant document the baseline lacks stays, to be
+    refused as not paired."""
+    if not scores.sampled:
+        return baseline
+    documents = dict(baseline.documents)
+    for key in scores.sampled & baseline.documents.keys() & scores.documents.keys():
+        mine, theirs = scores.documents[key].values.keys(), baseline.documents[key]
+        if mine <= theirs.values.keys():
+            documents[key] = replace(
+                theirs,
+                values=_only(theirs.values, mine),
+                weights=_only(theirs.weights, mine),
+                clusters=_only(theirs.clusters, mine),
+            )
+    values = {key: documents[key].aggregate() for key in scores.sampled & documents.keys()}
+    for key in scores.sampled & scores.groups.keys():
+        group = scores.groups[key]
+        if all(leaf in values for leaf in group.leaves):
+            values[key] = sum(weight * values[leaf] for leaf, weight in zip(group.leaves, group.weights))
+    return replace(baseline, documents=documents, scores=baseline.scores | values)
+
+
+def _only(mapping: Mapping[int, V], documents: Collection[int]) -> dict[int, V]:
+    return {doc: value for doc, value in mapping.items() if doc in documents}
 
 
 def _compare_documents(
