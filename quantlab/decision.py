@@ -17,7 +17,14 @@ from typing import Any
 from quantlab.candidates import ChoiceControl, SequenceError, control_choice, sequence_order
 from quantlab.frontier import Axis, VariantSummary, ensure_unique_names
 from quantlab.measure.contention import CONTENDED_TAG, CONTENTION_TAG
-from quantlab.metrics import EvalKey, adaptive_key, paired_key, spec, why_unavailable
+from quantlab.metrics import (
+    EvalKey,
+    adaptive_key,
+    paired_key,
+    rests_on_contention,
+    spec,
+    why_unavailable,
+)
 from quantlab.paired import (
     Group,
     NonInferiority,
@@ -361,6 +368,12 @@ class Verdict:
     # checks without paired statistics need those first).
     documents_needed: int | None = None
     needed_unit: str = "documents"  # what documents_needed counts (per-token checks: scoring windows)
+    # A measured objective's 95% bound on the unfavourable side (`objective_bound`): what it is ranked by
+    objective_bound: float | None = None
+
+    @property
+    def ranked_by(self) -> float | None:
+        return self.objective_value if self.objective_bound is None else self.objective_bound
 
     @property
     def basis(self) -> str:
@@ -409,8 +422,11 @@ class Decision:
             return f"{head}; nothing chosen (objective: {objective}).{_would_need(undecided)}"
         passing = sum(v.status in (Status.CHOSEN, Status.COSTS_MORE) for v in self.verdicts)
         better = " Better by the objective but not shown within the limits:" if undecided else ""
+        bound = self.verdict(self.chosen).objective_bound
+        side = "lower" if self.objective.higher_is_better else "upper"
+        ranked = "" if bound is None else f" (ranked by its 95% {side} bound, {_shown(self.objective, bound)})"
         return (
-            f"Chosen: {self.chosen}, the best by {objective} at {_shown(self.objective, best)} among "
+            f"Chosen: {self.chosen}, the best by {objective} at {_shown(self.objective, best)}{ranked} among "
             f"{passing} of {len(self.verdicts)} variants {self.passing_words}.{better}{_would_need(undecided)}"
         )
 
@@ -493,6 +509,34 @@ def _more_than_it_has(verdict: Verdict) -> str:
     return f" ({task.task if task else 'its task'} has {available:,}: more documents, or a wider limit)"
 
 
+def objective_bound(variant: VariantSummary, objective: Axis) -> float | None:
+    """The end of a measured objective's logged 95% interval that is worse for the variant (the upper end of a cost,
+    the lower end of a throughput): a variant ranks ahead on its bound, not on one lucky draw. None where the run
+    logged no interval; infinity for an interval unbounded on that side."""
+    end = "ci95_low" if objective.higher_is_better else "ci95_high"
+    low, high = (variant.value(f"{objective.metric}/{name}") for name in ("ci95_low", "ci95_high"))
+    if low is None and high is None:
+        return None
+    found = variant.value(f"{objective.metric}/{end}")
+    return found if found is not None else (-math.inf if objective.higher_is_better else math.inf)
+
+
+def _ranked_value(variant: VariantSummary, objective: Axis) -> float | None:
+    bound = objective_bound(variant, objective)
+    return variant.value(objective.metric) if bound is None else bound
+
+
+def left_out(variants: Sequence[VariantSummary], rests_on: Sequence[str]) -> tuple[str, ...]:
+    """One line per variant left out of the decision because a figure it `rests_on` was timed on a load level other
+    work competed with, after the serve stage's re-runs."""
+    lines = []
+    for variant in variants:
+        reasons = [why for metric in dict.fromkeys(rests_on) if (why := rests_on_contention(metric, variant.tags))]
+        if variant.succeeded and reasons:
+            lines.append(f"{variant.name}: left out of the decision: {'; '.join(reasons)}")
+    return tuple(lines)
+
+
 def contended(variant: VariantSummary) -> bool:
     """Whether the variant's speed figures were measured while other work competed for its cores."""
     return variant.succeeded and variant.tags.get(CONTENDED_TAG) == "true"
@@ -508,6 +552,7 @@ def cost_warnings(variants: Sequence[VariantSummary], rests_on: Sequence[str] = 
         for variant in flagged
     ]
     timings = list(dict.fromkeys(metric for metric in rests_on if spec(metric).timed))
+    lines += left_out(variants, timings)
     if flagged and timings:
         names = ", ".join(variant.name for variant in flagged)
         lines.insert(
@@ -566,7 +611,7 @@ def pick(
         if parsed is not None and counts and None not in counts:
             documents.setdefault(parsed.task, sum(counts))  # type: ignore[arg-type]
     bounds = policy.bounds()
-    candidates = {v.name: v.value(objective.metric) for v in variants if v.succeeded and v.name != baseline.name}
+    candidates = {v.name: _ranked_value(v, objective) for v in variants if v.succeeded and v.name != baseline.name}
     try:
         order = sequence_order(candidates, policy.sequence, objective.higher_is_better)
     except SequenceError as error:
@@ -614,7 +659,7 @@ def pick(
     by_name = {variant.name: variant for variant in variants}
     satisfying = sorted(
         (verdict for verdict in judged.values() if verdict.status is Status.COSTS_MORE),
-        key=lambda v: (objective.sort_key(v.objective_value), *_quality_tie_break(v, by_name[v.name]), v.name),  # type: ignore[arg-type]
+        key=lambda v: (objective.sort_key(v.ranked_by), *_quality_tie_break(v, by_name[v.name]), v.name),  # type: ignore[arg-type]
     )
     chosen = satisfying[0] if satisfying else None
     if chosen is not None:
@@ -660,6 +705,7 @@ def _judge(variant: VariantSummary, checks: Checks, objective: Axis, timed: Sequ
             f"served with quantlab's engine plugin {plugins} (not the stock engine): kept out of a decision on "
             + ", ".join(timed)
         )
+    failed += [f"left out: {why}" for metric in timed if (why := rests_on_contention(metric, variant.tags))]
     undecided = [result for result in results if result.status is CheckStatus.UNDECIDED]
     objective_value = variant.value(objective.metric)
     if objective_value is None:
@@ -675,7 +721,8 @@ def _judge(variant: VariantSummary, checks: Checks, objective: Axis, timed: Sequ
     # Passing every check is COSTS_MORE until ranked (the best becomes CHOSEN).
     status = Status.UNDECIDED if undecided else Status.COSTS_MORE
     unit = neediest.unit if neediest is not None else "documents"
-    return Verdict(variant.name, status, reasons, objective_value, results, needed, unit)
+    bound = objective_bound(variant, objective)
+    return Verdict(variant.name, status, reasons, objective_value, results, needed, unit, bound)
 
 
 def _quality_tie_break(verdict: Verdict, variant: VariantSummary) -> tuple[float, float]:
@@ -687,6 +734,12 @@ def _quality_tie_break(verdict: Verdict, variant: VariantSummary) -> tuple[float
 
 
 def _costs_more_reason(verdict: Verdict, chosen: Verdict, objective: Axis) -> str:
+    if verdict.objective_bound is not None or chosen.objective_bound is not None:
+        side = "lower" if objective.higher_is_better else "upper"
+        value, best = _shown(objective, verdict.ranked_by), _shown(objective, chosen.ranked_by)
+        if verdict.ranked_by == chosen.ranked_by:
+            return f"ties {chosen.name} on the 95% {side} bound of {objective.metric} ({value}) and loses the tie-break"
+        return f"ranks after {chosen.name} by the 95% {side} bound of {objective.metric}: {value} vs {best}"
     value, best = _shown(objective, verdict.objective_value), _shown(objective, chosen.objective_value)
     if verdict.objective_value == chosen.objective_value:
         return (

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from quantlab.metrics import PAIRED_PREFIX, Declared, MetricSpec, Scale, is_eval_score, paired_key
+from quantlab.metrics import PAIRED_PREFIX, Declared, MetricSpec, Scale, is_eval_score, paired_key, rests_on_contention
 from quantlab.metrics import spec as metric_spec
 from quantlab.metrics import unknown_directions as contract_unknown_directions
 from quantlab.paired import STATISTICS, DocumentScores, Group, NotPaired, PairedComparison, combine, compare
@@ -226,6 +226,9 @@ class FrontierPoint:
     tied_with: tuple[str, ...] = ()  # quality differences within the paired noise
     is_baseline: bool = False
     vs_baseline: PairedComparison | None = None  # on the quality axis: this variant minus the baseline
+    # A measured cost's 95% interval over its runs (`<cost>/ci95_low`, `/ci95_high`); None: a point figure
+    cost_interval: tuple[float, float] | None = None
+    cost_tied_with: tuple[str, ...] = ()  # cost intervals that overlap: neither is cheaper beyond the noise
 
     @property
     def on_front(self) -> bool:
@@ -283,12 +286,31 @@ def quality_margin(pair: AxisPair, first: FrontierPoint, second: FrontierPoint, 
     return Margin(low, high, found is not None)
 
 
+def cost_interval(variant: VariantSummary, metric: str) -> tuple[float, float] | None:
+    """The 95% interval its run logged beside a measured cost (`<metric>/ci95_low`, `/ci95_high`; a missing end is
+    unbounded, e.g. dollars at a throughput interval that reaches zero); None where it logged neither."""
+    low, high = (variant.value(f"{metric}/{end}") for end in ("ci95_low", "ci95_high"))
+    if low is None and high is None:
+        return None
+    return (-math.inf if low is None else low, math.inf if high is None else high)
+
+
+def cost_order(axis: Axis, first: FrontierPoint, second: FrontierPoint) -> int:
+    """1 where the first is better on cost beyond the noise, -1 where the second is, 0 for a tie: their cost
+    intervals overlap (a point figure is an interval of one value, so two points tie only when equal)."""
+    a = first.cost_interval or (first.cost, first.cost)
+    b = second.cost_interval or (second.cost, second.cost)
+    if a[0] <= b[1] and b[0] <= a[1]:
+        return 0
+    return 1 if axis.is_better(first.cost, second.cost) else -1
+
+
 def dominates(pair: AxisPair, first: FrontierPoint, second: FrontierPoint, margin: Margin) -> bool:
-    """First costs no more, is at least as good on quality beyond the noise, and is strictly better on one axis;
-    a quality interval straddling 0 is a tie within noise, where neither dominates on quality."""
-    costs_no_more = not pair.cost.is_better(second.cost, first.cost)
-    strictly = pair.cost.is_better(first.cost, second.cost) or margin.low > 0
-    return costs_no_more and margin.low >= 0 and strictly
+    """First costs no more (its cost is not worse beyond the noise), is at least as good on quality beyond the
+    noise, and is strictly better on one axis beyond the noise; a quality interval straddling 0, or overlapping
+    cost intervals, are ties within noise, where neither dominates on that axis."""
+    cost = cost_order(pair.cost, first, second)
+    return cost >= 0 and margin.low >= 0 and (cost > 0 or margin.low > 0)
 
 
 def pareto_front(variants: Sequence[VariantSummary], pair: AxisPair, noise: Noise = no_noise) -> FrontierResult:
@@ -301,15 +323,22 @@ def pareto_front(variants: Sequence[VariantSummary], pair: AxisPair, noise: Nois
     metrics = (pair.quality.metric, pair.cost.metric)
     for variant in variants:
         missing = [metric for metric in metrics if variant.value(metric) is None]
-        if not variant.succeeded or missing:
-            reason = "missing metric " + ", ".join(missing) if variant.succeeded else "failed"
-            excluded.append(Exclusion(variant.name, reason))
+        contended = [why for metric in metrics if (why := rests_on_contention(metric, variant.tags)) is not None]
+        if not variant.succeeded or missing or contended:
+            reason = "missing metric " + ", ".join(missing) if missing else "; ".join(contended)
+            excluded.append(Exclusion(variant.name, reason if variant.succeeded else "failed"))
             continue
         quality, cost = (variant.value(metric) for metric in metrics)
         versus = noise(pair.quality.metric, reference, variant.name) if reference not in (None, variant.name) else None
         placed.append(
             FrontierPoint(
-                variant.name, variant.method, quality, cost, is_baseline=variant.is_baseline, vs_baseline=versus
+                variant.name,
+                variant.method,
+                quality,
+                cost,
+                is_baseline=variant.is_baseline,
+                vs_baseline=versus,
+                cost_interval=cost_interval(variant, pair.cost.metric),
             )
         )
     margins = {(a.name, b.name): quality_margin(pair, a, b, noise) for a in placed for b in placed if a is not b}
@@ -320,6 +349,9 @@ def pareto_front(variants: Sequence[VariantSummary], pair: AxisPair, noise: Nois
             point,
             dominated_by=tuple(sorted(o.name for o, margin in others if dominates(pair, o, point, margin))),
             tied_with=tuple(sorted(o.name for o, margin in others if margin.low < 0 < margin.high)),
+            cost_tied_with=tuple(
+                sorted(o.name for o, _ in others if cost_order(pair.cost, o, point) == 0 and o.cost != point.cost)
+            ),
         )
 
     judged = sorted(

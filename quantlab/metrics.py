@@ -267,6 +267,23 @@ _FIXED: dict[str, tuple[bool | None, Scale, str]] = {
     "measure/serve/other_cores_busy": (None, Scale.RATIO, "cores other work kept busy while serving"),
     "measure/serve/threads": (None, Scale.COUNT, "the server's threads while serving"),
 }
+# A load level run several times (serving.repeats): how many runs its figures pool, and a served figure's two-sided
+# 95% t interval over them (quantlab.serving.intervals), whose ends follow the figure's direction.
+_FIXED["cost/serving/<level>/runs"] = (None, Scale.COUNT, "runs of {level}")
+SERVING_INTERVAL_FIGURES = (
+    *(
+        f"cost/serving/<level>/{figure}"
+        for figure in ("output_tokens_per_s", "requests_per_s", "ttft_ms_p50", "itl_ms_p50", "good_requests_per_s")
+    ),
+    "cost/serving/goodput_tokens_per_s",
+    "cost/serving/goodput_requests_per_s",
+    "cost/serving/usd_per_mtok",
+)
+_FIXED |= {
+    f"{figure}/{end}": (_FIXED[figure][0], _FIXED[figure][1], f"{_FIXED[figure][2]}, 95% interval {side}")
+    for figure in SERVING_INTERVAL_FIGURES
+    for end, side in (("ci95_low", "low"), ("ci95_high", "high"))
+}
 _PATTERNS = {re.compile(re.sub(r"<(\w+)>", r"(?P<\1>[^/]+)", re.escape(entry))): entry for entry in _FIXED}
 
 # The entries timed on this machine (MetricSpec.timed): the measure stage's batch figures, the load and copy timings,
@@ -401,6 +418,39 @@ def min_requests(percentile: float) -> int:
 
 COST_TAG_PREFIX = "quantlab.cost."  # tags of the measure stage's figures; + "unavailable.<figure>": why one is absent
 SERVING_TAG_PREFIX = "quantlab.serving."  # the serve stage's, alike
+
+
+# The serve stage's load levels still contended after its re-runs: comma-separated labels, and each one's reason.
+CONTENDED_LEVELS_TAG = SERVING_TAG_PREFIX + "contended_levels"
+LEVEL_CONTENTION_TAG = SERVING_TAG_PREFIX + "contention."  # + level
+# "<level>: <key>, <key>": the batch-1 figures (`cost/...`) the serve stage took from its single-stream level
+SINGLE_STREAM_FIGURES_TAG = SERVING_TAG_PREFIX + "single_stream_figures"
+# Served figures that rest on every level: goodput stops at the first level shown below the SLO share, and the peak
+# is the fastest of them.
+_ALL_LEVELS = ("usd_per_mtok", "goodput_tokens_per_s", "goodput_requests_per_s", "goodput_concurrency")
+_ALL_LEVELS += ("peak_tokens_per_s", "peak_vs_modeled")
+
+
+def rests_on_contention(metric: str, tags: Mapping[str, str]) -> str | None:
+    """Why `metric` rests on a load level other work competed with (the run's tags say which, after the serve
+    stage's re-runs); None when it does not. Such a figure is logged, and no frontier or choice rests on it."""
+    levels = [label for label in tags.get(CONTENDED_LEVELS_TAG, "").split(",") if label]
+    if not levels:
+        return None
+    figure = metric.removeprefix("cost/serving/")
+    first = figure.split("/")[0]
+    if figure != metric:
+        found = [first] if first in levels else levels if first in _ALL_LEVELS else []
+    else:
+        level, _, keys = tags.get(SINGLE_STREAM_FIGURES_TAG, "").partition(": ")
+        found = [level] if level in levels and metric.split("/ci95_")[0] in keys.split(", ") else []
+    if not found:
+        return None
+    shown = ", ".join(found)
+    return (
+        f"{metric} rests on load level {shown}, timed while other work competed for the server's cores "
+        f"({tags.get(LEVEL_CONTENTION_TAG + found[0], 'contended').removeprefix('contended: ')})"
+    )
 
 
 def why_unavailable(metric: str, tags: Mapping[str, str]) -> str | None:

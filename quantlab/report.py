@@ -24,7 +24,7 @@ from quantlab.frontier import (
     merged_declared,
     quality_metrics,
 )
-from quantlab.metrics import Scale, paired_key
+from quantlab.metrics import CONTENDED_LEVELS_TAG, Scale, paired_key
 from quantlab.metrics import spec as metric_spec
 from quantlab.policy import format_change, format_value
 from quantlab.serving.chart import throughput_latency_chart
@@ -541,9 +541,11 @@ def serving_table(variants: Sequence[VariantSummary]) -> Table | None:
         return None
     rows = []
     for variant in served:
-        cells = [format_value(metric_spec(key), variant.value(key)) for key in SERVING_FIGURES]
+        cells = [_with_interval(variant, key) for key in SERVING_FIGURES]
         tags = variant.tags
         level = tags.get(SERVING_TAG + "goodput_level") or "none: " + tags.get(UNAVAILABLE_TAG + "goodput", "?")
+        if contended := tags.get(CONTENDED_LEVELS_TAG):
+            level += f" (contended: {contended}; no decision rests on these figures)"
         kernel = tags.get(SERVING_TAG + "kernel", "?")
         if served_as := tags.get(SERVING_TAG + "served_as"):
             kernel += f" (served as {served_as})"
@@ -553,6 +555,17 @@ def serving_table(variants: Sequence[VariantSummary]) -> Table | None:
         rows.append((variant.name, engine, kernel, level, *cells))
     labels = tuple(metric_spec(key).label for key in SERVING_FIGURES)
     return Table(("variant", "engine", "kernel", "goodput level", *labels), tuple(rows))
+
+
+def _with_interval(variant: VariantSummary, key: str) -> str:
+    """ "12.3 tok/s [10.1, 14.5]": a served figure and its 95% interval over the level's runs, where it has one."""
+    found = metric_spec(key)
+    text = format_value(found, variant.value(key))
+    low, high = (variant.value(f"{key}/{end}") for end in ("ci95_low", "ci95_high"))
+    if low is None and high is None:
+        return text
+    ends = [format_value(found, end) if end is not None else "unbounded" for end in (low, high)]
+    return f"{text} [{ends[0]}, {ends[1]}]"
 
 
 def render_serving_chart(variants: Sequence[VariantSummary], path: Path, model: str) -> Path | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 from pydantic import ValidationError
@@ -504,3 +505,43 @@ def test_frontiers_to_dict_is_json_with_ties_and_intervals():
     assert points["fp8"]["interval"][0] < points["fp8"]["quality"] < points["fp8"]["interval"][1]
     assert frontier["excluded"] == [{"name": "gone", "reason": "failed"}]
     assert frontier["no_paired_noise"] == []
+
+
+# --- measured costs with intervals ------------------------------------------------------------------------------
+
+USD = "cost/serving/usd_per_mtok"
+KLD_VS_USD = AxisPair(Axis(KLD, False), Axis(USD, False))
+
+
+def _served(name: str, kld: float, usd: float, ends: tuple[float, float] | None, tags: dict | None = None):
+    interval = {} if ends is None else {f"{USD}/ci95_low": ends[0], f"{USD}/ci95_high": ends[1]}
+    metrics = {KLD: kld, USD: usd} | interval
+    return VariantSummary(name, name, True, metrics, tags or {}, is_baseline=name == "bf16")
+
+
+def test_a_variant_is_cheaper_only_beyond_the_cost_noise():
+    """fp8's dollars overlap bf16's: a tie on cost, where bf16's lower KL dominates it. On the point figures alone
+    fp8 would be cheaper, and on the front. int4 is cheaper beyond the noise."""
+    with_noise = [
+        _served("bf16", 0.0, 3.0, (2.8, 3.2)),
+        _served("fp8", 0.02, 2.9, (2.7, 3.1)),
+        _served("int4", 0.1, 1.0, (0.9, 1.1)),
+    ]
+    result = pareto_front(with_noise, KLD_VS_USD)
+    assert dominated(result) == {"fp8": ("bf16",)} and result.on_front == ("int4", "bf16")
+    assert result.point("fp8").cost_tied_with == ("bf16",) and result.point("int4").cost_tied_with == ()
+    assert result.point("fp8").cost_interval == (2.7, 3.1)
+    points_only = [_served(v.name, v.metrics[KLD], v.metrics[USD], None) for v in with_noise]
+    assert dominated(pareto_front(points_only, KLD_VS_USD)) == {}
+
+
+def test_a_cost_resting_on_a_contended_level_is_left_out_of_the_frontier_with_why():
+    tags = {"quantlab.serving.contended_levels": "c4", "quantlab.serving.contention.c4": "contended: 1.02 cores"}
+    variants = [_served("bf16", 0.0, 3.0, None), _served("fp8", 0.02, 1.0, None, tags)]
+    result = pareto_front(variants, KLD_VS_USD)
+    assert [point.name for point in result.points] == ["bf16"]
+    (exclusion,) = result.excluded
+    assert exclusion.name == "fp8" and exclusion.reason.startswith(f"{USD} rests on load level c4")
+    # The weight size does not rest on the load: fp8 stays on that frontier
+    sized = [replace(v, metrics=v.metrics | {WEIGHTS: 1e6}) for v in variants]
+    assert pareto_front(sized, AxisPair(Axis(KLD, False), Axis(WEIGHTS, False))).excluded == ()

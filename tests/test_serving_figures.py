@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -128,22 +129,27 @@ def test_the_warm_up_leaves_each_stream_s_first_two_waves_out_of_the_real_report
 
 
 @pytest.mark.parametrize(
-    ("requests", "concurrency", "sent"),
-    [(8, [1, 4], [12, 32]), (128, [1, 8, 32, 64], [172, 184, 256, 512]), (100, [2], [136])],
+    ("requests", "concurrency", "sent", "share"),
+    [
+        # a quarter would send 12 and 32 (44): two waves of 4 streams are most of what c4 sends, a half sends 42
+        (8, [1, 4], [18, 24], 0.5),
+        (128, [1, 8, 32, 64], [172, 184, 256, 512], 0.25),
+        (100, [2], [136], 0.25),
+    ],
 )
-def test_each_level_sends_its_warm_up_on_top_of_the_requests_it_measures(tmp_path, requests, concurrency, sent):
+def test_each_level_sends_its_warm_up_on_top_of_the_requests_it_measures(tmp_path, requests, concurrency, sent, share):
     """guidellm leaves out the first int(share * sent) + 1 requests to complete, and TTFT's window the up to
-    streams - 1 others then in flight: a quarter of what a level sends covers two waves of its streams, and the rest
-    less streams is at least requests_per_level."""
-    settings = ServingSettings(requests_per_level=requests, concurrency=concurrency, slo={"ttft_ms": 700})
+    streams - 1 others then in flight: the share of what a level sends covers two waves of its streams, and the rest
+    less streams is at least requests_per_level; of a quarter and a half, the one that sends fewer in all."""
+    settings = ServingSettings(requests_per_level=requests, concurrency=concurrency, slo={"ttft_ms": 700}, repeats=1)
     found = scenario(settings, "transformers", "http://127.0.0.1:9", tmp_path, None, tmp_path / "r.json")
     spec = found["spec"]
-    assert spec["profile"]["warmup"] == {"percent": 0.25, "mode": "requests"}
+    assert spec["profile"]["warmup"] == {"percent": share, "mode": "requests"}
     assert spec["metrics"]["slo"] == {"ttft_ms": 700, "tpot_ms": 200}  # guidellm's tpot_ms is each request's ITL
     counts = [level["constraints[0].count"] for level in found["benchmarks"]]
-    assert counts == sent == [level_requests(settings, streams)[0] for streams in concurrency]
+    assert counts == sent == [level_requests(settings, streams, Fraction(share))[0] for streams in concurrency]
     for streams, count in zip(concurrency, counts):
-        warmup = int(0.25 * count)
+        warmup = int(share * count)
         assert warmup >= 2 * streams and count - warmup - streams >= requests
     # guidellm's data worker makes no more requests ahead than the busiest level sends (its default: 4096)
     assert spec["data_loader"] == {"kind": "pytorch", "prefetch_factor": max(sent)}
@@ -203,8 +209,11 @@ def test_a_level_below_the_share_says_why():
     summary = summarize([_level("c4", 3, 0.5)], slo, None, None)
     assert summary.to_tags("transformers")["quantlab.serving.goodput_definition"] == (
         "DistServe's: the highest load level (by requests/s) with at least 90% of requests with TTFT <= 500 ms and "
-        "ITL <= 100 ms, none counted after the first level shown below that share (95% exact upper bound)"
+        "ITL <= 100 ms, none counted after the first level shown below that share (95% exact upper bound). vLLM's "
+        "request goodput (requests within every SLO per second at one level) is each level's good_requests_per_s"
     )
+    runs = summarize([_level("c4", 3, 0.5)] * 3, slo, None, None).definition()
+    assert "each level's share counted over the requests of its 3 runs" in runs
     assert summary.unavailable()["goodput"] == "c4: 50% of requests within every SLO < 90%"
 
 

@@ -88,14 +88,16 @@ class Contention:
     reason: str
 
 
-def judge_contention(reading: LoadReading) -> Contention:
+def judge_contention(reading: LoadReading, load_average: bool = True) -> Contention:
     """Whether other work competed for the variant's cores while it was timed (pure). Either is enough:
 
     - CPU time: other processes kept more of this process's cores busy than its threads left free, by
       more than OTHER_CORES_MARGIN (plus what the counters' ticks cannot resolve over so short a window);
     - load: the machine's 1-minute load average held more runnable threads besides the variant's than the
       CPUs its threads leave free, by more than LOAD_MARGIN.
-    Its own threads beyond its cores (QUANTLAB_THREADS set too high) are not other work: not contention."""
+    Its own threads beyond its cores (QUANTLAB_THREADS set too high) are not other work: not contention.
+    `load_average` False: CPU time alone where it is known, for a window of seconds, which the 1-minute average (a
+    minute of the past, other windows mostly) cannot judge."""
     found: list[str] = []
     checked: list[str] = []
     others = reading.other_cores
@@ -108,6 +110,8 @@ def judge_contention(reading: LoadReading) -> Contention:
             f"({reading.threads} threads; limit {limit:.2f})"
         )
         (found if others > limit else checked).append(words)
+    if others is not None and not load_average:
+        return Contention(bool(found), ("contended: " if found else "not contended: ") + "; ".join(found + checked))
     load_others = max(0.0, reading.load_1m - reading.threads)
     load_limit = max(0, reading.machine_cpus - reading.threads) + max(LOAD_MARGIN, LOAD_SHARE * reading.machine_cpus)
     words = (
@@ -157,6 +161,64 @@ def _own_cpu_seconds(process: psutil.Process, tree: bool) -> float:
     return total
 
 
+@dataclass(frozen=True)
+class Sample:
+    """The counters a reading is the difference of, read at one moment."""
+
+    at: float  # seconds since the epoch (guidellm's clock for its levels' windows)
+    load_1m: float
+    cpu_seconds: float  # the monitored process tree's
+    cores_busy_seconds: float | None
+
+
+def reading_between(
+    samples: list[Sample], start: float, end: float, threads: int, cores: int, machine_cpus: int
+) -> LoadReading | None:
+    """What competed with the work between `start` and `end` (a load level's window), from the samples that
+    bracket it: the last one at or before `start` and the first at or after `end` (the window grows by up to a
+    sampling period each side); None where the samples do not cover it."""
+    before = [sample for sample in samples if sample.at <= start]
+    after = [sample for sample in samples if sample.at >= end]
+    if not before or not after:
+        return None
+    first, last = before[-1], after[0]
+    busy = (
+        None
+        if first.cores_busy_seconds is None or last.cores_busy_seconds is None
+        else last.cores_busy_seconds - first.cores_busy_seconds
+    )
+    return LoadReading(
+        threads=threads,
+        cores=cores,
+        machine_cpus=machine_cpus,
+        load_before=first.load_1m,
+        load_after=last.load_1m,
+        wall_seconds=last.at - first.at,
+        cpu_seconds=last.cpu_seconds - first.cpu_seconds,
+        cores_busy_seconds=busy,
+    )
+
+
+class LoadSampler:
+    """Counters read now and then (`sample()`, e.g. while polling a load generator), so that each part of the work
+    gets its own reading afterwards (`between`). `tree`: the process's descendants' CPU time is its own work."""
+
+    def __init__(self, threads: int, tree: bool = True) -> None:
+        self.threads, self.tree = threads, tree
+        self.samples: list[Sample] = []
+        self._cpus = _cpus()
+        self._process = psutil.Process()
+
+    def sample(self) -> None:
+        busy = _busy_seconds(self._cpus)
+        cpu = _own_cpu_seconds(self._process, self.tree)
+        self.samples.append(Sample(time.time(), psutil.getloadavg()[0], cpu, busy))
+
+    def between(self, start: float, end: float) -> LoadReading | None:
+        machine = os.cpu_count() or len(self._cpus)
+        return reading_between(self.samples, start, end, self.threads, len(self._cpus), machine)
+
+
 class LoadMonitor:
     """Around the timed part of a stage: `reading` once it exits. `tree`: the work timed runs in this process's
     descendants too (the serve stage's server and load generator), so their CPU time is its own, not other work."""
@@ -195,3 +257,20 @@ class LoadMonitor:
             cpu_seconds=cpu - self._cpu,
             cores_busy_seconds=None if busy is None or self._busy is None else busy - self._busy,
         )
+
+
+QUIET_WINDOW_S = 1.0
+
+
+def wait_until_quiet(threads: int, timeout_s: float, window_s: float = QUIET_WINDOW_S) -> LoadReading | None:
+    """Waits, a window at a time, until other work keeps no more of the cores busy than `judge_contention` allows
+    for `threads` (CPU time alone); the quiet window's reading, or None once `timeout_s` passed without one (at
+    least one window is read)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with LoadMonitor(threads, tree=True) as monitor:
+            time.sleep(window_s)
+        if not judge_contention(monitor.reading, load_average=False).contended:
+            return monitor.reading
+        if time.monotonic() + window_s > deadline:
+            return None

@@ -12,15 +12,22 @@ A share counted over a few requests is itself noisy (8 of 8 within the SLO shows
 95%), so levels are taken in the order of their load (mean requests in flight), and none counts after the first
 whose share is shown below the goal (its exact one-sided 95% upper bound under it): a lucky high level does not
 count after a lower one failed. Each level's exact (Clopper-Pearson) 95% bounds on its share are logged.
+
+A level run several times (serving.repeats) counts its share over every request of its runs, and its figures are
+means over the runs with 95% t intervals (quantlab.serving.intervals): goodput's throughput and dollar figure carry
+the interval of the goodput level's runs. A level whose runs other work competed with, after the serve stage's
+re-runs, is named in a tag (CONTENDED_LEVELS_TAG): its figures are logged, and no decision rests on them
+(quantlab.metrics.rests_on_contention).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
-from quantlab.metrics import SERVING_TAG_PREFIX
+from quantlab.metrics import CONTENDED_LEVELS_TAG, LEVEL_CONTENTION_TAG, SERVING_TAG_PREFIX
+from quantlab.serving.intervals import CI_STATISTICS, INTERVAL_FIGURES, Interval, interval_of, pooled, runs_by_level
 from quantlab.serving.levels import LoadLevel
 from quantlab.serving.settings import ServiceLevels
 
@@ -141,20 +148,37 @@ class Price:
     source: str  # where the price comes from, logged beside the dollar figure
 
 
+def _with_interval(metrics: dict[str, float], key: str, found: Interval | None) -> None:
+    if found is not None:
+        metrics |= {f"{key}/{name}": end for name, end in zip(CI_STATISTICS, (found.low, found.high))}
+
+
+def usd_interval(price_per_hour: float, tokens: Interval) -> tuple[float, float]:
+    """Dollars per million tokens at the two ends of a throughput interval: the cheaper end at the faster one; no
+    upper end (infinity) where the interval reaches zero throughput."""
+    high = usd_per_million_tokens(price_per_hour, tokens.low) if tokens.low > 0 else math.inf
+    return usd_per_million_tokens(price_per_hour, tokens.high), high
+
+
 @dataclass(frozen=True)
 class ServingSummary:
     """A variant's serving figures as the metric contract names them (`cost/serving/...`)."""
 
-    levels: tuple[LoadLevel, ...]
+    levels: tuple[LoadLevel, ...]  # each level's runs pooled (quantlab.serving.intervals.pooled)
     slo: ServiceLevels
     goodput: LoadLevel | None
     why_no_goodput: str
     price: Price | None
     modeled_tokens_per_s: float | None  # prefill + decode ceiling on the serving hardware at the peak's concurrency
+    runs: dict[str, tuple[LoadLevel, ...]] = field(default_factory=dict)  # level -> its runs (absent: one run)
+    contended: dict[str, str] = field(default_factory=dict)  # level -> why its runs are contended, after re-runs
 
     @property
     def peak(self) -> LoadLevel:
         return max(self.levels, key=lambda level: level.output_tokens_per_s)
+
+    def runs_of(self, level: LoadLevel) -> tuple[LoadLevel, ...]:
+        return self.runs.get(level.label, (level,))
 
     def to_metrics(self) -> dict[str, float]:
         metrics = {
@@ -163,34 +187,58 @@ class ServingSummary:
             for name, value in level.figures().items()
         }
         for level in self.levels:
+            key, runs = f"cost/serving/{level.label}", self.runs_of(level)
+            metrics[f"{key}/runs"] = len(runs)
+            for name in INTERVAL_FIGURES:
+                _with_interval(metrics, f"{key}/{name}", interval_of(runs, lambda run, name=name: getattr(run, name)))
             if (bounds := attainment_bounds(level)) is not None:
-                metrics[f"cost/serving/{level.label}/slo_attainment_lower"] = bounds[0]
-                metrics[f"cost/serving/{level.label}/slo_attainment_upper"] = bounds[1]
-            if (good := good_requests_per_s(level)) is not None:
-                metrics[f"cost/serving/{level.label}/good_requests_per_s"] = good
+                metrics[f"{key}/slo_attainment_lower"] = bounds[0]
+                metrics[f"{key}/slo_attainment_upper"] = bounds[1]
+            good = interval_of(runs, good_requests_per_s)
+            if good is not None:  # the mean over the runs, as the interval around it
+                metrics[f"{key}/good_requests_per_s"] = good.mean
+                _with_interval(metrics, f"{key}/good_requests_per_s", good)
+            elif (rate := good_requests_per_s(level)) is not None:
+                metrics[f"{key}/good_requests_per_s"] = rate
         metrics["cost/serving/peak_tokens_per_s"] = self.peak.output_tokens_per_s
         if self.modeled_tokens_per_s:
             metrics["cost/serving/modeled_tokens_per_s"] = self.modeled_tokens_per_s
             metrics["cost/serving/peak_vs_modeled"] = self.peak.output_tokens_per_s / self.modeled_tokens_per_s
         if self.goodput is not None:
+            runs = self.runs_of(self.goodput)
+            tokens = interval_of(runs, lambda run: run.output_tokens_per_s)
             metrics["cost/serving/goodput_tokens_per_s"] = self.goodput.output_tokens_per_s
+            _with_interval(metrics, "cost/serving/goodput_tokens_per_s", tokens)
             metrics["cost/serving/goodput_requests_per_s"] = self.goodput.requests_per_s
+            _with_interval(
+                metrics, "cost/serving/goodput_requests_per_s", interval_of(runs, lambda run: run.requests_per_s)
+            )
             metrics["cost/serving/goodput_concurrency"] = self.goodput.concurrency
             if self.price is not None and self.goodput.output_tokens_per_s > 0:
                 usd = usd_per_million_tokens(self.price.usd_per_hour, self.goodput.output_tokens_per_s)
                 metrics["cost/serving/usd_per_mtok"] = usd
+                if tokens is not None:
+                    low, high = usd_interval(self.price.usd_per_hour, tokens)
+                    metrics |= {"cost/serving/usd_per_mtok/ci95_low": low, "cost/serving/usd_per_mtok/ci95_high": high}
         return {key: value for key, value in metrics.items() if math.isfinite(value)}
 
     def to_tags(self, engine: str) -> dict[str, str]:
         found = {SERVING_TAG + "engine": engine, SERVING_TAG + "goodput_definition": self.definition()}
         if self.goodput is not None:
             found[SERVING_TAG + "goodput_level"] = self.goodput.label
+        if self.contended:
+            found[CONTENDED_LEVELS_TAG] = ",".join(self.contended)
+            found |= {LEVEL_CONTENTION_TAG + label: why for label, why in self.contended.items()}
         return found | {UNAVAILABLE_TAG + name: why for name, why in self.unavailable().items()}
 
     def definition(self) -> str:
+        runs = max((len(self.runs_of(level)) for level in self.levels), default=1)
+        pooled_words = f", each level's share counted over the requests of its {runs} runs" if runs > 1 else ""
         return (
             f"DistServe's: the highest load level (by requests/s) with {describe(self.slo)}, none counted after the "
-            f"first level shown below that share ({ATTAINMENT_CONFIDENCE:.0%} exact upper bound)"
+            f"first level shown below that share ({ATTAINMENT_CONFIDENCE:.0%} exact upper bound){pooled_words}. "
+            "vLLM's request goodput (requests within every SLO per second at one level) is each level's "
+            "good_requests_per_s"
         )
 
     def unavailable(self) -> dict[str, str]:
@@ -205,12 +253,25 @@ class ServingSummary:
             why["peak_vs_modeled"] = "no modeled ceiling (the measure stage's bandwidth and weights are needed)"
         for level in self.levels:
             why |= {f"{level.label}/{name}": reason for name, reason in level.left_out().items()}
+            if len(self.runs_of(level)) < 2:
+                why[f"{level.label}/ci95"] = (
+                    f"one run of {level.label}: no interval (serving.repeats, or a profile whose levels run once)"
+                )
         return why
 
 
 def summarize(
-    levels: Sequence[LoadLevel], slo: ServiceLevels, price: Price | None, modeled_tokens_per_s: float | None
+    runs: Sequence[LoadLevel],
+    slo: ServiceLevels,
+    price: Price | None,
+    modeled_tokens_per_s: float | None,
+    contended: Mapping[str, str] | None = None,
 ) -> ServingSummary:
+    """The variant's serving figures from guidellm's runs (a level's runs share its label): each level's runs pooled,
+    goodput over the pooled levels. `contended`: level -> why other work competed with it, after the re-runs."""
+    by_level = runs_by_level(runs)
+    levels = [pooled(each) for each in by_level.values()]
     best = goodput_level(levels, slo)
     why = "; ".join(f"{label}: {reason}" for label, reason in not_counted(levels, slo).items()) if best is None else ""
-    return ServingSummary(tuple(levels), slo, best, why, price, modeled_tokens_per_s)
+    several = {label: each for label, each in by_level.items() if len(each) > 1}
+    return ServingSummary(tuple(levels), slo, best, why, price, modeled_tokens_per_s, several, dict(contended or {}))

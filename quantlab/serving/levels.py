@@ -54,6 +54,10 @@ class LoadLevel:
     slo_attainment: float | None
     first_error: str | None = None
     sampled: int | None = None  # requests the latency percentiles are over, if fewer than `succeeded`
+    # guidellm's measured window, in seconds since the epoch (None: a report or a logged run that does not say)
+    started_at: float | None = None
+    ended_at: float | None = None
+    runs: int = 1  # runs of the level pooled into these figures (quantlab.serving.intervals); percentiles are per run
 
     LATENCIES = LATENCIES
     PERCENTILES = PERCENTILES
@@ -83,8 +87,9 @@ class LoadLevel:
     def left_out(self) -> dict[str, str]:
         """Each percentile the level's requests do not support, and why (logged as a tag beside the figures)."""
         n = self.succeeded if self.sampled is None else self.sampled
+        timed = f"{n} requests timed at {self.label}" + (" in its smallest run" if self.runs > 1 else "")
         return {
-            name: f"{n} requests timed at {self.label}: a {name} needs at least {min_requests(q)} (nearest rank, the "
+            name: f"{timed}: a {name} needs at least {min_requests(q)} (nearest rank, the "
             f"{name} of {n} is their maximum); cost/serving/{self.label}/*_max is logged"
             for name, q in self.PERCENTILES.items()
             if not supports(q, n)
@@ -157,7 +162,13 @@ def _level(benchmark: Mapping[str, Any]) -> LoadLevel:
         slo_attainment=_number(metrics["slo_attainment"]) if metrics.get("slo_attainment") is not None else None,
         first_error=first_error,
         sampled=sampled if sampled < succeeded else None,
+        started_at=_optional(benchmark.get("start_time")),
+        ended_at=_optional(benchmark.get("end_time")),
     )
+
+
+def _optional(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 _DISTRIBUTIONS = {

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +38,16 @@ def request_body(engine: str, output_tokens: int) -> dict[str, Any]:
 
 
 def scenario(
-    settings: ServingSettings, engine: str, url: str, checkpoint: Path, prompts: Path | None, report_path: Path
+    settings: ServingSettings,
+    engine: str,
+    url: str,
+    checkpoint: Path,
+    prompts: Path | None,
+    report_path: Path,
+    runs: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """guidellm's scenario file (`guidellm run --scenario`): the server, the workload, the load levels, the SLOs."""
+    """guidellm's scenario file (`guidellm run --scenario`): the server, the workload, the load levels, the SLOs.
+    `runs`: the streams of each run, in order (the concurrent profile; default: each level's serving.repeats runs)."""
     backend = {
         "kind": "openai_http",
         "target": url,
@@ -63,7 +70,7 @@ def scenario(
     if settings.seconds_per_level:
         constraints.append({"kind": "max_duration", "seconds": settings.seconds_per_level})
     levels = settings.concurrency
-    profile, benchmarks = _profile(settings)
+    profile, benchmarks = _profile(settings, runs)
     spec = {
         "backend": backend,
         "profile": profile,
@@ -78,7 +85,7 @@ def scenario(
     return measured_as_stated(settings, document)  # warm-up, SLOs, goodput share: quantlab.serving.measured
 
 
-def _profile(settings: ServingSettings) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _profile(settings: ServingSettings, runs: Sequence[int] | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     levels = settings.concurrency
     if settings.profile == "sweep":
         # guidellm's sweep: synchronous, then everything at once, then constant rates between the two.
@@ -86,7 +93,9 @@ def _profile(settings: ServingSettings) -> tuple[dict[str, Any], list[dict[str, 
     if settings.profile == "goodput":
         search = {"kind": "goodput", "target_attainment": 0.99, "initial_streams": min(levels)}
         return search | {"max_streams": max(max(levels), min(levels) * 2)}, []
-    return {"kind": "concurrent", "streams": levels[0]}, [{"profile.streams": level} for level in levels]
+    # Each level's runs back to back (serving.repeats), from the lightest level to the heaviest.
+    streams = list(runs) if runs is not None else [level for level in levels for _ in range(settings.runs_per_level())]
+    return {"kind": "concurrent", "streams": streams[0]}, [{"profile.streams": each} for each in streams]
 
 
 def warm_up(server: RunningServer, checkpoint: Path, settings: ServingSettings) -> None:
@@ -163,9 +172,16 @@ class LoadGenerator:
                 return
             time.sleep(0.1)
 
-    def run(self, scenario_spec: Mapping[str, Any], server: RunningServer, timeout_s: float) -> dict[str, Any]:
+    def run(
+        self,
+        scenario_spec: Mapping[str, Any],
+        server: RunningServer,
+        timeout_s: float,
+        on_poll: Callable[[], object] | None = None,
+    ) -> dict[str, Any]:
         """guidellm on `scenario_spec` while watching the server; its JSON report. ServerFailed if the server dies
-        under load (guidellm is stopped), LoadFailed if guidellm fails or runs past `timeout_s`."""
+        under load (guidellm is stopped), LoadFailed if guidellm fails or runs past `timeout_s`. `on_poll`: called
+        at each look at the server (a few times a second), e.g. to read the cores' load level by level."""
         self.start()
         assert self._process is not None
         staged = self._scenario.with_suffix(".partial")
@@ -175,6 +191,8 @@ class LoadGenerator:
         deadline = time.monotonic() + timeout_s
         try:
             while self._process.poll() is None:
+                if on_poll is not None:
+                    on_poll()
                 if (why := server.died()) is not None:
                     raise ServerFailed(f"the server died under load: {why}")
                 if time.monotonic() > deadline:

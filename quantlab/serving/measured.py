@@ -11,10 +11,12 @@ takes a whole generation, so the first wave has ended before 2c + 1 requests hav
 streams, W = 8: the first 9 to complete, two whole waves, left out; 23 of 32 measured).
 
 guidellm takes one warm-up setting for all levels of a run, but each level's own request count: the warm-up is a
-share of each level's requests (WARMUP_SHARE), and a level sends enough that its share covers two waves of its
-streams and leaves at least serving.requests_per_level measured, TTFT included (guidellm windows TTFT by first
-tokens: requests in flight when the window opens count in the other figures, not in TTFT's). guidellm's count of
-what it measured is logged (`cost/serving/<level>/succeeded`).
+share of each level's requests (one of WARMUP_SHARES, the one that sends the fewest requests in all), and a level
+sends enough that its share covers two waves of its streams and leaves at least serving.requests_per_level
+measured, TTFT included (guidellm windows TTFT by first tokens: requests in flight when the window opens count in
+the other figures, not in TTFT's). A quarter suits many requests per level; a half suits few, where the two waves
+are most of what a level sends (a level run several times, serving.repeats, sends them in every run). guidellm's
+count of what it measured is logged (`cost/serving/<level>/succeeded`).
 """
 
 from __future__ import annotations
@@ -26,21 +28,28 @@ from typing import Any
 
 from quantlab.serving.settings import ServiceLevels, ServingSettings
 
-# A quarter: exact in binary, so guidellm's int(share * requests) is the warm-up asked for.
-WARMUP_SHARE = Fraction(1, 4)
+# Exact in binary, so guidellm's int(share * requests) is the warm-up asked for; the first is taken on a tie.
+WARMUP_SHARES = (Fraction(1, 4), Fraction(1, 2))
+WARMUP_SHARE = WARMUP_SHARES[0]
 WARMUP_WAVES = 2
 
 
-def level_requests(settings: ServingSettings, streams: int | None) -> tuple[int, int]:
-    """(requests a level sends, the first of them guidellm leaves out as its warm-up): the warm-up is WARMUP_SHARE
-    of the requests, at least two waves of the level's `streams` (None: guidellm's sweep and goodput search, whose
-    levels have no fixed streams), and leaves at least serving.requests_per_level measured."""
+def level_requests(settings: ServingSettings, streams: int | None, share: Fraction = WARMUP_SHARE) -> tuple[int, int]:
+    """(requests a level sends, the first of them guidellm leaves out as its warm-up): the warm-up is `share` of the
+    requests, at least two waves of the level's `streams` (None: guidellm's sweep and goodput search, whose levels
+    have no fixed streams), and leaves at least serving.requests_per_level measured."""
     # Left out besides the warm-up: the one more that completes before the window opens, and for TTFT (windowed by
     # first tokens) the up to streams - 1 others in flight then.
     extra = max(1, streams or 0)
-    measured_per_warmup = (1 - WARMUP_SHARE) / WARMUP_SHARE
+    measured_per_warmup = (1 - share) / share
     warmup = max(WARMUP_WAVES * (streams or 0), math.ceil((settings.requests_per_level + extra) / measured_per_warmup))
-    return int(warmup / WARMUP_SHARE), warmup
+    return int(warmup / share), warmup
+
+
+def warmup_share(settings: ServingSettings) -> Fraction:
+    """The share of WARMUP_SHARES with which the run's levels send the fewest requests in all (`level_requests`)."""
+    streams: list[int | None] = list(settings.concurrency) if settings.profile == "concurrent" else [None]
+    return min(WARMUP_SHARES, key=lambda share: sum(level_requests(settings, each, share)[0] for each in streams))
 
 
 def guidellm_slo(slo: ServiceLevels) -> dict[str, float]:
@@ -57,14 +66,15 @@ def measured_as_stated(settings: ServingSettings, document: dict[str, Any]) -> d
     profile = spec["profile"]
     if profile["kind"] == "goodput":
         profile["target_attainment"] = settings.slo.attainment
-    profile["warmup"] = {"percent": float(WARMUP_SHARE), "mode": "requests"}
+    share = warmup_share(settings)
+    profile["warmup"] = {"percent": float(share), "mode": "requests"}
     [limit] = [i for i, constraint in enumerate(spec["constraints"]) if constraint["kind"] == "max_requests"]
     if profile["kind"] == "concurrent":  # guidellm's list-capable override: one request count per level
         for level in found["benchmarks"]:
-            level[f"constraints[{limit}].count"] = level_requests(settings, level["profile.streams"])[0]
+            level[f"constraints[{limit}].count"] = level_requests(settings, level["profile.streams"], share)[0]
         sent = [level[f"constraints[{limit}].count"] for level in found["benchmarks"]]
     else:
-        spec["constraints"][limit]["count"] = level_requests(settings, None)[0]
+        spec["constraints"][limit]["count"] = level_requests(settings, None, share)[0]
         sent = [spec["constraints"][limit]["count"]]
     # guidellm's data worker makes each level's requests ahead of need, 4096 by default: on a CPU that is seconds of
     # tokenizing per level beside the server under load (benchmarks/README.md, "guidellm's overhead"). What the

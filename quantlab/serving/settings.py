@@ -113,6 +113,30 @@ class ServingSettings(_Strict):
         description="Requests measured at each load level, at least: each also sends guidellm's warm-up (its first "
         "two waves of streams, at least a quarter of what it sends), left out of every figure. A p99 needs 100.",
     )
+    repeats: int = Field(
+        3,
+        ge=1,
+        le=100,
+        description="Runs of each load level, back to back, each with its own warm-up (the concurrent profile; "
+        "guidellm's sweep and goodput profiles choose their levels as they go and run once). A level's throughputs, "
+        "latency medians and goodput are the mean over its runs, logged with a 95% t-interval over them "
+        "(`<key>/ci95_low`, `<key>/ci95_high`); its SLO attainment is counted over every request of its runs, with "
+        "exact (Clopper-Pearson) bounds. requests_per_level applies to each run.",
+    )
+    contention_retries: int = Field(
+        1,
+        ge=0,
+        le=10,
+        description="Times a run of a load level timed while other work kept the server's cores busy is re-run, each "
+        "after waiting up to contention_wait_s for the cores to be quiet. A level still contended after them is "
+        "logged as such (tag quantlab.serving.contended_levels) and no frontier or `pick` decides on its figures.",
+    )
+    contention_wait_s: float = Field(
+        20,
+        ge=0,
+        le=3600,
+        description="How long to wait for other work to leave the server's cores before re-running a contended run.",
+    )
     seconds_per_level: float | None = Field(
         None,
         gt=0,
@@ -135,6 +159,10 @@ class ServingSettings(_Strict):
         description="How long the server may take to answer /health, from its start (on CPU, beside the reference stages).",
     )
     request_timeout_s: float = Field(120, gt=0, description="How long one request may take before it is an error.")
+
+    def runs_per_level(self) -> int:
+        """Runs of each level: `repeats` where the levels are named ahead (the concurrent profile), else one."""
+        return self.repeats if self.profile == "concurrent" else 1
 
     def single_stream_level(self) -> str | None:
         """The label of the load level that times one stream alone (levels.level_label): c1 among the concurrent

@@ -7,7 +7,9 @@ engine, version, interpreter, command line, the kernels it chose, hardware, pric
 The measure stage's copy bandwidth and weight sizes give the modeled ceiling the measured peak is set against.
 Where the load has a single-stream level, it is the variant's batch-1 timing (`single_stream`): the measure stage
 leaves that batch size to it, and this stage logs its `cost/decode_tokens_per_s` and TTFT and ITL medians. Whatever
-the profile, it says whether other work competed for the cores while guidellm ran (quantlab.cost.contended).
+the profile, it says whether other work competed for the cores while guidellm ran (quantlab.cost.contended): each run
+of a level is judged over its own window, a contended one is re-run once the cores are quiet (serving.contention_*),
+and a level still contended is named (quantlab.serving.contended_levels) so that no decision rests on it.
 The server's and guidellm's logs go beside the variant's own log, kept as artifacts whether the stage succeeds or
 fails.
 """
@@ -29,7 +31,15 @@ from typing import TYPE_CHECKING
 from quantlab.errors import first_line
 from quantlab.host_share import visible_cores
 from quantlab.jobs import side_log
-from quantlab.measure.contention import CONTENDED_TAG, CONTENTION_TAG, LoadMonitor, judge_contention
+from quantlab.measure.contention import (
+    CONTENDED_TAG,
+    CONTENTION_TAG,
+    Contention,
+    LoadMonitor,
+    LoadSampler,
+    judge_contention,
+    wait_until_quiet,
+)
 from quantlab.measure.cost import TAG_PREFIX as COST_TAG_PREFIX
 from quantlab.measure.cost import SingleStream, batch_figure_name
 from quantlab.measure.modeled import (
@@ -40,11 +50,13 @@ from quantlab.measure.modeled import (
     kv_cache_element_bytes,
 )
 from quantlab.measure.provenance import cpu_model_name
+from quantlab.metrics import SINGLE_STREAM_FIGURES_TAG
 from quantlab.serving.chart import throughput_latency_chart
 from quantlab.serving.engines import Engine, Launch, Support
 from quantlab.serving.engines.base import shown_command
 from quantlab.serving.environments import chosen_engine, ensure_engine, installed_version, python_problem
 from quantlab.serving.goodput import NOT_STOCK_TAG, SERVING_TAG, UNAVAILABLE_TAG, ServingSummary, summarize
+from quantlab.serving.intervals import pooled, runs_by_level
 from quantlab.serving.launcher import RunningServer, ServerFailed, launched_server, wait_healthy
 from quantlab.serving.levels import LoadLevel, load_levels
 from quantlab.serving.load import LoadGenerator, scenario, warm_up
@@ -443,28 +455,38 @@ def serve_load(
     prompts = (recipe_dir / settings.prompts).resolve() if settings.prompts else None
     report_path = served.load.report_path
     spec = scenario(settings, served.engine.name, served.server.url, served.checkpoint, prompts, report_path)
-    levels = max(len(settings.concurrency), settings.levels)
-    budget = levels * settings.requests_per_level * settings.request_timeout_s + 300
+    per_run = settings.requests_per_level * settings.request_timeout_s
+    budget = max(len(settings.concurrency) * settings.runs_per_level(), settings.levels) * per_run + 300
     # The runner holds the host's timing lock around this stage: the host's other variants pause meanwhile.
     warm_up(served.server, served.checkpoint, settings)
+    sampler = LoadSampler(served.launch.threads)  # each run's own reading, from guidellm's windows
     with LoadMonitor(served.launch.threads, tree=True) as load:  # the server and guidellm are this stage's own
-        report = served.load.run(spec, served.server, budget)
+        sampler.sample()
+        report = served.load.run(spec, served.server, budget, on_poll=sampler.sample)
+        sampler.sample()
     artifacts: dict[str, str | bytes] = {REPORT_ARTIFACT: report_path.read_text()}
     if log_dir is None:  # no sweep log directory to keep it: it travels with the result
         artifacts |= {"logs/server.log": served.server.log_path.read_text(errors="replace")}
 
-    levels = load_levels(report)
-    _check_output_lengths(levels, settings)
+    runs = load_levels(report)
+    retaken = _retake_contended(runs, sampler, load.reading, served, settings, prompts, log_dir, per_run + 300)
+    artifacts |= retaken.artifacts
+    runs = list(retaken.runs)
+    _check_output_lengths(runs, settings)
+    levels = [pooled(each) for each in runs_by_level(runs).values()]
     timed = _single_stream_outcome(levels, stream, measure.batch_sizes[0], cost_metrics, load.reading)
-    verdict = judge_contention(load.reading)  # for every profile: goodput and $/Mtok are timings too
-    judged = ServingOutcome(tags={CONTENDED_TAG: str(verdict.contended).lower(), CONTENTION_TAG: verdict.reason})
+    # for every profile: goodput and $/Mtok are timings too
+    judged = ServingOutcome(
+        tags={CONTENDED_TAG: str(retaken.verdict.contended).lower(), CONTENTION_TAG: retaken.verdict.reason}
+    )
     shape = ModelShape.from_config(config_dict(served.checkpoint / "config.json"))
     peak = max(levels, key=lambda level: level.output_tokens_per_s)
     summary = summarize(
-        levels,
+        runs,
         settings.slo,
         serving_price(settings, measure, served.gpu_name, served.launch.threads),
         _modeled(shape, served.engine, cost_metrics | timed.metrics, dtype, settings, peak),
+        retaken.contended,
     )
     title = f"{served.variant}: {served.engine.label}, {settings.prompt_tokens} prompt + {settings.output_tokens} output tokens"
     artifacts[CHART_ARTIFACT] = throughput_latency_chart({served.variant: levels}, title, settings.slo)
@@ -479,6 +501,105 @@ def serve_load(
             artifacts=artifacts,
         )
     )
+
+
+@dataclass(frozen=True)
+class _Retaken:
+    """The load's runs once contended ones were re-run where the cores went quiet, and what still competed."""
+
+    runs: tuple[LoadLevel, ...]
+    contended: dict[str, str]  # level -> why (its first run still contended)
+    verdict: Contention  # the load's, for the run's contention tag
+    artifacts: dict[str, str | bytes]
+
+
+def _run_verdicts(runs: list[LoadLevel], sampler: LoadSampler) -> list[Contention | None]:
+    """Each run judged over its own window (CPU time alone: seconds are too short for the 1-minute load average);
+    None where guidellm's report gives no window or the samples do not cover it."""
+    verdicts: list[Contention | None] = []
+    for run in runs:
+        reading = (
+            None if run.started_at is None or run.ended_at is None else sampler.between(run.started_at, run.ended_at)
+        )
+        verdicts.append(None if reading is None else judge_contention(reading, load_average=False))
+    return verdicts
+
+
+def _retake_contended(
+    runs: list[LoadLevel],
+    sampler: LoadSampler,
+    whole: LoadReading,
+    served: ServedVariant,
+    settings: ServingSettings,
+    prompts: Path | None,
+    log_dir: Path | None,
+    budget_per_run: float,
+) -> _Retaken:
+    """Runs that other work competed with, re-run (a level's runs can be named again in the concurrent profile only)
+    up to serving.contention_retries times, each once the cores have been quiet for a moment (waiting at most
+    serving.contention_wait_s); what is still contended after that is named, not dropped."""
+    verdicts = _run_verdicts(runs, sampler)
+    if any(verdict is None for verdict in verdicts):  # no per-run windows: the whole load's verdict, for each run
+        overall = judge_contention(whole)
+        verdicts = [overall] * len(runs)
+    artifacts: dict[str, str | bytes] = {}
+    retakes = 0
+    while settings.profile == "concurrent" and retakes < settings.contention_retries:
+        again = [index for index, verdict in enumerate(verdicts) if verdict is not None and verdict.contended]
+        if not again or wait_until_quiet(served.launch.threads, settings.contention_wait_s) is None:
+            break
+        retakes += 1
+        _say(f"{served.variant}: re-running {', '.join(runs[index].label for index in again)}: other work competed")
+        new_runs, new_verdicts, report = _run_again(
+            [runs[index] for index in again], served, settings, prompts, log_dir, budget_per_run, sampler
+        )
+        artifacts[f"serving/guidellm-retake-{retakes}.json"] = report
+        for index, run, verdict in zip(again, new_runs, new_verdicts):
+            runs[index], verdicts[index] = run, verdict
+    contended: dict[str, str] = {}
+    for run, verdict in zip(runs, verdicts):
+        if verdict is not None and verdict.contended:
+            contended.setdefault(run.label, verdict.reason)
+    after = f" after {retakes} re-run{'s' * (retakes != 1)}" if retakes else ""
+    if contended:
+        words = "; ".join(f"{label}: {why.removeprefix('contended: ')}" for label, why in contended.items())
+        verdict = Contention(True, f"contended: load level {words}{after}")
+    elif all(verdict is not None for verdict in verdicts):
+        verdict = Contention(False, f"not contended: no level's runs competed with other work{after}")
+    else:
+        verdict = judge_contention(whole)
+    return _Retaken(tuple(runs), contended, verdict, artifacts)
+
+
+def _run_again(
+    runs: list[LoadLevel],
+    served: ServedVariant,
+    settings: ServingSettings,
+    prompts: Path | None,
+    log_dir: Path | None,
+    budget_per_run: float,
+    sampler: LoadSampler,
+) -> tuple[list[LoadLevel], list[Contention | None], str]:
+    """The runs' levels run again by a guidellm of their own (the first one has exited), in the same order."""
+    streams = [int(run.label.removeprefix("c")) for run in runs]
+    with tempfile.TemporaryDirectory(prefix=f"quantlab-load-{served.variant}-") as scratch:
+        work = Path(scratch)
+        with LoadGenerator(work, work / "guidellm.log", _workers("cpu" if served.gpu_name is None else "cuda")) as load:
+            spec = scenario(
+                settings, served.engine.name, served.server.url, served.checkpoint, prompts, load.report_path, streams
+            )
+            try:
+                report = load.run(spec, served.server, budget_per_run * len(runs), on_poll=sampler.sample)
+            finally:
+                if log_dir is not None and (work / "guidellm.log").is_file():
+                    with side_log(log_dir, served.variant, "guidellm").open("a") as log:
+                        log.write((work / "guidellm.log").read_text(errors="replace"))
+            sampler.sample()
+        found = load_levels(report)
+        text = json.dumps(report)
+    if [run.label for run in found] != [run.label for run in runs]:
+        raise RuntimeError(f"guidellm re-ran {[run.label for run in found]}, not {[run.label for run in runs]}")
+    return found, _run_verdicts(found, sampler), text
 
 
 def _single_stream_outcome(
@@ -508,7 +629,9 @@ def _single_stream_outcome(
         for name, value in figures.items()
         if not math.isfinite(value)
     }
-    return ServingOutcome(metrics=found | load.to_metrics("measure/serve/"), tags=absent)
+    # which figures rest on that level: none decides where it stayed contended (quantlab.metrics.rests_on_contention)
+    rests_on = {SINGLE_STREAM_FIGURES_TAG: f"{stream.level}: {', '.join(sorted(found))}"} if found else {}
+    return ServingOutcome(metrics=found | load.to_metrics("measure/serve/"), tags=absent | rests_on)
 
 
 def _workers(device: str) -> int | None:

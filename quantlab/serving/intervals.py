@@ -1,0 +1,100 @@
+"""A load level run several times (serving.repeats): its runs pooled into the level's figures, and 95% intervals
+over them. Pure functions.
+
+Each run of a level is one draw of a noisy process (the server's scheduling, the host, when requests happen to
+line up), so one run's throughput says little about the next. A figure is the mean over the runs, with a two-sided
+95% Student t interval over them: runs are few, and the normal quantile would be too narrow. The SLO attainment is
+a count, not a mean: its requests are pooled over the runs, and its exact bounds come from all of them
+(quantlab.serving.goodput). Percentiles are per run (each run's nearest-rank p50), then averaged; maxima are the
+largest of any run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from quantlab.serving.levels import LoadLevel
+
+CONFIDENCE = 0.95
+CI_STATISTICS = ("ci95_low", "ci95_high")
+# The figures a reader compares across variants and runs: each is logged with its interval over the runs.
+INTERVAL_FIGURES = ("output_tokens_per_s", "requests_per_s", "ttft_ms_p50", "itl_ms_p50")
+
+
+@dataclass(frozen=True)
+class Interval:
+    """The mean of `runs` values and its two-sided 95% t interval."""
+
+    mean: float
+    low: float
+    high: float
+    runs: int
+
+    def overlaps(self, other: Interval) -> bool:
+        return self.low <= other.high and other.low <= self.high
+
+
+def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Interval | None:
+    """Mean +- t(1 - (1 - confidence) / 2, n - 1) * s / sqrt(n) over the finite `values`; None for fewer than two
+    (one run has no spread to estimate)."""
+    from scipy.special import stdtrit  # scipy.special alone: scipy.stats costs a half-second import per sweep
+
+    found = np.asarray([value for value in values if value is not None and math.isfinite(value)], dtype=float)
+    if found.size < 2:
+        return None
+    mean = float(found.mean())
+    half = float(stdtrit(found.size - 1, (1 + confidence) / 2)) * float(found.std(ddof=1)) / math.sqrt(found.size)
+    return Interval(mean, mean - half, mean + half, int(found.size))
+
+
+def interval_of(runs: Sequence[LoadLevel], figure: Callable[[LoadLevel], float | None]) -> Interval | None:
+    values = [figure(run) for run in runs]
+    return t_interval([value for value in values if value is not None])
+
+
+def runs_by_level(runs: Sequence[LoadLevel]) -> dict[str, tuple[LoadLevel, ...]]:
+    """Each level's runs, in the order guidellm ran them; levels in the order of their first run."""
+    found: dict[str, list[LoadLevel]] = {}
+    for run in runs:
+        found.setdefault(run.label, []).append(run)
+    return {label: tuple(each) for label, each in found.items()}
+
+
+def pooled(runs: Sequence[LoadLevel]) -> LoadLevel:
+    """One level's runs as one level: rates, latency percentiles and requests in flight averaged over the runs,
+    maxima the largest, counts summed, and the SLO attainment counted over every request judged in any run."""
+    if len({run.label for run in runs}) != 1:
+        raise ValueError(f"runs of several levels pooled as one: {sorted({run.label for run in runs})}")
+    if len(runs) == 1:
+        return runs[0]
+
+    def mean(name: str) -> float:
+        return float(np.mean([getattr(run, name) for run in runs]))  # NaN where any run lacks it
+
+    averaged = ("concurrency", "output_tokens_per_s", "requests_per_s")
+    averaged += tuple(f"{latency}_{q}" for latency in LoadLevel.LATENCIES for q in LoadLevel.PERCENTILES)
+    maxima = {f"{latency}_max": max(getattr(run, f"{latency}_max") for run in runs) for latency in LoadLevel.LATENCIES}
+    # guidellm judges a run's successful and errored requests (errored ones miss); its share is of those.
+    judged = [(run.slo_attainment, run.succeeded + run.errors) for run in runs if run.slo_attainment is not None]
+    total = sum(n for _, n in judged)
+    within = sum(round(share * n) for share, n in judged)
+    starts = [run.started_at for run in runs if run.started_at is not None]
+    ends = [run.ended_at for run in runs if run.ended_at is not None]
+    return replace(
+        runs[0],
+        **{name: mean(name) for name in averaged},
+        **maxima,
+        **{name: sum(getattr(run, name) for run in runs) for name in LoadLevel.COUNTS},
+        output_tokens_min=min(run.output_tokens_min for run in runs),
+        slo_attainment=within / total if total else None,
+        first_error=next((run.first_error for run in runs if run.first_error), None),
+        # percentiles are per run: the smallest run is what supports them
+        sampled=min(run.succeeded if run.sampled is None else run.sampled for run in runs),
+        started_at=min(starts, default=None),
+        ended_at=max(ends, default=None),
+        runs=len(runs),
+    )

@@ -1,0 +1,258 @@
+"""Cost that holds (pure): a load level's runs pooled with 95% intervals, hand-computed; the SLO share's exact bound
+over every run's requests; goodput's first-failure rule on a table of attainments; which figures rest on a level
+other work competed with; a level's own contention reading; the scenario's repeated runs; `pick` ranking a measured
+cost by its bound and leaving a contended figure out, saying so in one line."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from scipy import stats
+
+from quantlab.decision import Status, cost_warnings, objective_bound, pick
+from quantlab.frontier import Axis, VariantSummary
+from quantlab.measure.contention import Sample, judge_contention, reading_between
+from quantlab.metrics import (
+    CONTENDED_LEVELS_TAG,
+    LEVEL_CONTENTION_TAG,
+    SINGLE_STREAM_FIGURES_TAG,
+    has_entry,
+    rests_on_contention,
+)
+from quantlab.policy import Policy
+from quantlab.serving.goodput import Price, attainment_bounds, goodput_level, summarize, usd_per_million_tokens
+from quantlab.serving.intervals import pooled, t_interval
+from quantlab.serving.levels import LoadLevel
+from quantlab.serving.load import scenario
+from quantlab.serving.measured import level_requests, warmup_share
+from quantlab.serving.settings import ServiceLevels, ServingSettings
+
+SLO = ServiceLevels()
+
+
+def run(label: str, tokens: float, within: int | None, judged: int = 8, rps: float | None = None, **extra) -> LoadLevel:
+    """One run of a level: `within` of its `judged` requests met every SLO (None: guidellm judged none)."""
+    latencies = {f"{latency}_{q}": 10.0 for latency in LoadLevel.LATENCIES for q in ("p50", "p99", "max")}
+    return LoadLevel(
+        label=label,
+        strategy="concurrent",
+        concurrency=float(label.removeprefix("c")),
+        output_tokens_per_s=tokens,
+        requests_per_s=tokens / 16 if rps is None else rps,
+        **(latencies | extra),
+        succeeded=judged,
+        errors=0,
+        incomplete=0,
+        output_tokens_min=16,
+        slo_attainment=None if within is None else within / judged,
+    )
+
+
+# --- intervals by hand --------------------------------------------------------------------------------------
+
+T_975_2 = 4.302652729749464  # Student t, 2 degrees of freedom, 97.5%: tables give 4.303
+T_975_1 = 12.706204736174707  # 1 degree of freedom: 12.706
+
+
+@pytest.mark.parametrize(
+    ("values", "mean", "half"),
+    [
+        ([10.0, 12.0, 14.0], 12.0, T_975_2 * 2 / math.sqrt(3)),  # s = 2: 12 +- 4.968
+        ([1.0, 3.0], 2.0, T_975_1 * math.sqrt(2) / math.sqrt(2)),  # s = sqrt 2, se = 1: 2 +- 12.706
+        ([1.0, math.nan, 3.0], 2.0, T_975_1),  # a run that has no figure is left out
+        ([5.0, 5.0, 5.0], 5.0, 0.0),  # three identical runs: no spread seen
+    ],
+)
+def test_a_t_interval_over_runs_by_hand(values, mean, half):
+    found = t_interval(values)
+    assert found is not None and found.mean == pytest.approx(mean)
+    assert (found.low, found.high) == pytest.approx((mean - half, mean + half))
+
+
+@pytest.mark.parametrize("values", [[], [7.0], [7.0, math.nan]])
+def test_one_run_has_no_interval(values):
+    assert t_interval(values) is None
+
+
+def test_runs_pool_into_one_level_whose_share_counts_every_request():
+    runs = [run("c4", 100.0, 8), run("c4", 110.0, 6), run("c4", 120.0, 7)]
+    level = pooled(runs)
+    assert level.output_tokens_per_s == pytest.approx(110.0) and level.runs == 3
+    assert (level.succeeded, level.slo_attainment) == (24, pytest.approx(21 / 24))
+    # Clopper-Pearson, one-sided 95%: the beta quantiles, here by scipy.stats' own beta distribution
+    low, high = attainment_bounds(level)
+    assert low == pytest.approx(stats.beta.ppf(0.05, 21, 4)) and high == pytest.approx(stats.beta.ppf(0.95, 22, 3))
+    # All within SLO: the lower bound is alpha ** (1 / n) (by hand: 24 of 24 -> 0.05 ** (1/24) = 0.8826)
+    assert attainment_bounds(pooled([run("c1", 10.0, 8)] * 3))[0] == pytest.approx(0.05 ** (1 / 24))
+
+
+def test_pooling_refuses_runs_of_several_levels():
+    with pytest.raises(ValueError, match="several levels"):
+        pooled([run("c1", 1.0, 8), run("c4", 1.0, 8)])
+
+
+def test_the_summary_logs_each_interval_and_goodput_s_dollars_at_both_ends():
+    runs = [run("c1", 20.0, 8), run("c1", 22.0, 8), run("c1", 24.0, 8)]
+    runs += [run("c4", 50.0, 8), run("c4", 60.0, 8), run("c4", 70.0, 8)]
+    metrics = summarize(runs, SLO, Price(3.6, "test"), None).to_metrics()
+    half = T_975_2 * 10 / math.sqrt(3)  # c4: 60 +- 4.303 * 10 / sqrt 3
+    assert metrics["cost/serving/c4/output_tokens_per_s"] == pytest.approx(60.0)
+    assert metrics["cost/serving/c4/output_tokens_per_s/ci95_low"] == pytest.approx(60 - half)
+    assert metrics["cost/serving/c4/output_tokens_per_s/ci95_high"] == pytest.approx(60 + half)
+    assert metrics["cost/serving/c4/runs"] == 3 and metrics["cost/serving/c4/succeeded"] == 24
+    assert metrics["cost/serving/goodput_tokens_per_s/ci95_low"] == pytest.approx(60 - half)
+    # $/Mtok at 3.6 $/h: 1e6 / 3600 * 3.6 / tokens = 1000 / tokens; the cheap end at the fast end
+    assert metrics["cost/serving/usd_per_mtok"] == pytest.approx(1000 / 60)
+    assert metrics["cost/serving/usd_per_mtok/ci95_low"] == pytest.approx(1000 / (60 + half))
+    assert metrics["cost/serving/usd_per_mtok/ci95_high"] == pytest.approx(1000 / (60 - half))
+    assert usd_per_million_tokens(3.6, 60) == pytest.approx(1000 / 60)
+    for key in metrics:
+        assert has_entry(key), key  # every key the summary logs is declared in the metric contract
+
+
+def test_a_throughput_interval_reaching_zero_has_no_upper_dollar_end():
+    runs = [run("c1", 1.0, 8), run("c1", 30.0, 8)]
+    metrics = summarize(runs, SLO, Price(3.6, "test"), None).to_metrics()
+    assert metrics["cost/serving/goodput_tokens_per_s/ci95_low"] < 0
+    assert "cost/serving/usd_per_mtok/ci95_low" in metrics and "cost/serving/usd_per_mtok/ci95_high" not in metrics
+
+
+def test_one_run_says_why_it_has_no_interval():
+    summary = summarize([run("c1", 20.0, 8)], SLO, None, None)
+    assert "cost/serving/c1/output_tokens_per_s/ci95_low" not in summary.to_metrics()
+    assert "no interval" in summary.unavailable()["c1/ci95"]
+
+
+# --- the first-failure rule, over each level's runs ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("within", "best"),
+    [
+        # requests within every SLO in each level's 3 runs of 8 (levels c1, c2, c4, c8: load grows with streams)
+        ({"c1": (8, 8, 8), "c2": (8, 8, 8), "c4": (8, 8, 8), "c8": (8, 8, 8)}, "c8"),
+        # c2 pools 12 of 24 (upper bound 0.67 < 0.9: shown below): the lucky c4 and c8 after it do not count
+        ({"c1": (8, 8, 8), "c2": (4, 4, 4), "c4": (8, 8, 8), "c8": (8, 8, 8)}, "c1"),
+        # c4 pools 21 of 24 (87.5%, upper bound 0.96: missed, not shown below): c8 still counts
+        ({"c1": (8, 8, 8), "c2": (8, 8, 8), "c4": (8, 6, 7), "c8": (8, 8, 8)}, "c8"),
+        # one run's 8 of 8 does not rescue its level: 8 + 2 + 2 of 24 is shown below at c1
+        ({"c1": (8, 2, 2), "c2": (8, 8, 8), "c4": (8, 8, 8), "c8": (8, 8, 8)}, None),
+        # every level below the share, none shown below by its few requests: no goodput
+        ({"c1": (7,), "c2": (7,), "c4": (7,), "c8": (7,)}, None),
+    ],
+)
+def test_goodput_stops_at_the_first_level_shown_below_the_goal(within, best):
+    rates = {"c1": 1.0, "c2": 2.0, "c4": 3.0, "c8": 3.5}
+    runs = [run(label, 16 * rates[label], count) for label, counts in within.items() for count in counts]
+    summary = summarize(runs, SLO, None, None)
+    assert (summary.goodput.label if summary.goodput else None) == best
+    assert goodput_level(summary.levels, SLO) == summary.goodput
+
+
+# --- what rests on a contended level --------------------------------------------------------------------------
+
+CONTENDED = {
+    CONTENDED_LEVELS_TAG: "c4",
+    LEVEL_CONTENTION_TAG + "c4": "contended: other processes kept 1.02 of its 2 cores busy",
+    SINGLE_STREAM_FIGURES_TAG: "c1: cost/decode_tokens_per_s, cost/ttft_ms_p50",
+}
+
+
+@pytest.mark.parametrize(
+    ("metric", "tags", "level"),
+    [
+        ("cost/serving/c4/output_tokens_per_s", CONTENDED, "c4"),
+        ("cost/serving/c4/output_tokens_per_s/ci95_high", CONTENDED, "c4"),
+        ("cost/serving/c1/output_tokens_per_s", CONTENDED, None),  # another level's own figure
+        ("cost/serving/usd_per_mtok", CONTENDED, "c4"),  # goodput rests on every level up to its first failure
+        ("cost/serving/peak_tokens_per_s", CONTENDED, "c4"),
+        ("cost/decode_tokens_per_s", CONTENDED, None),  # from c1, which was quiet
+        ("cost/decode_tokens_per_s", CONTENDED | {CONTENDED_LEVELS_TAG: "c1,c4"}, "c1"),
+        ("cost/weight_bytes", CONTENDED, None),
+        ("cost/serving/usd_per_mtok", {}, None),
+    ],
+)
+def test_which_figures_rest_on_a_contended_level(metric, tags, level):
+    why = rests_on_contention(metric, tags)
+    assert (why is not None) == (level is not None)
+    if level is not None:
+        assert f"rests on load level {level}" in why and why.startswith(metric)
+
+
+# --- each run's own reading ---------------------------------------------------------------------------------
+
+
+def test_a_run_is_judged_on_the_samples_that_bracket_its_window():
+    """Two cores, two server threads: the first run's window saw another core's worth of other work, the second's
+    none. Each run's reading is the difference of the samples at or just outside its window."""
+    samples = [
+        Sample(at=0.0, load_1m=3.0, cpu_seconds=0.0, cores_busy_seconds=0.0),
+        Sample(at=1.0, load_1m=3.0, cpu_seconds=1.0, cores_busy_seconds=2.0),  # 1 own, 1 other core busy
+        Sample(at=5.0, load_1m=3.0, cpu_seconds=5.0, cores_busy_seconds=10.0),
+        Sample(at=6.0, load_1m=3.0, cpu_seconds=6.9, cores_busy_seconds=12.0),  # quiet now
+        Sample(at=10.0, load_1m=3.0, cpu_seconds=14.5, cores_busy_seconds=20.0),
+    ]
+    busy = reading_between(samples, 1.2, 4.8, threads=2, cores=2, machine_cpus=2)
+    assert (busy.wall_seconds, busy.cpu_seconds, busy.cores_busy_seconds) == (4.0, 4.0, 8.0)  # samples 1.0 and 5.0
+    assert busy.other_cores == pytest.approx(1.0) and judge_contention(busy, load_average=False).contended
+    quiet = reading_between(samples, 6.0, 10.0, threads=2, cores=2, machine_cpus=2)
+    assert quiet.other_cores == pytest.approx(0.1) and not judge_contention(quiet, load_average=False).contended
+    # The same quiet window by the 1-minute load average (a minute of the past) would read as contended
+    assert judge_contention(quiet.__class__(**{**quiet.__dict__, "load_before": 5.0, "load_after": 5.0})).contended
+    assert reading_between(samples, 9.0, 11.0, threads=2, cores=2, machine_cpus=2) is None  # not covered
+
+
+# --- the scenario ---------------------------------------------------------------------------------------------
+
+
+def test_each_level_runs_back_to_back_and_a_half_share_warms_few_requests(tmp_path):
+    settings = ServingSettings(concurrency=[1, 4], requests_per_level=2, repeats=3)
+    found = scenario(settings, "transformers", "http://127.0.0.1:9", tmp_path, None, tmp_path / "r.json")
+    assert [level["profile.streams"] for level in found["benchmarks"]] == [1, 1, 1, 4, 4, 4]
+    # A quarter would send 8 and 32 a run, a half 6 and 16: two waves of warm-up are most of what c4 sends
+    assert warmup_share(settings) == 0.5 and found["spec"]["profile"]["warmup"]["percent"] == 0.5
+    assert [level["constraints[0].count"] for level in found["benchmarks"]] == [6, 6, 6, 16, 16, 16]
+    assert level_requests(settings, 4, warmup_share(settings)) == (16, 8)
+    again = scenario(settings, "transformers", "u", tmp_path, None, tmp_path / "r.json", runs=[4, 1])
+    assert [level["profile.streams"] for level in again["benchmarks"]] == [4, 1]
+
+
+def test_profiles_that_choose_their_levels_run_once(tmp_path):
+    settings = ServingSettings(profile="goodput", repeats=3)
+    assert settings.runs_per_level() == 1
+    assert scenario(settings, "vllm", "u", tmp_path, None, tmp_path / "r.json")["benchmarks"] == []
+
+
+# --- pick on a measured cost --------------------------------------------------------------------------------
+
+USD = "cost/serving/usd_per_mtok"
+
+
+def variant(name: str, usd: float, low: float | None, high: float | None, tags: dict | None = None) -> VariantSummary:
+    metrics = {USD: usd} | ({f"{USD}/ci95_low": low} if low is not None else {})
+    metrics |= {f"{USD}/ci95_high": high} if high is not None else {}
+    return VariantSummary(name, name, True, metrics, tags or {}, is_baseline=name == "bf16")
+
+
+def test_pick_ranks_a_measured_cost_by_its_upper_bound():
+    """int4 looks cheapest on its mean, but its runs spread: fp8's upper bound is lower, so fp8 ranks first."""
+    variants = [variant("bf16", 3.0, 2.9, 3.1), variant("fp8", 1.5, 1.4, 1.6), variant("int4", 1.0, 0.5, 3.0)]
+    decision = pick(variants, "bf16", Policy(max_drop_any_task=None), Axis(USD, False))
+    assert decision.chosen == "fp8"
+    assert objective_bound(variants[2], Axis(USD, False)) == 3.0
+    assert "ranked by its 95% upper bound" in decision.summary
+    assert decision.verdict("int4").reasons == (f"ranks after fp8 by the 95% upper bound of {USD}: $3 vs $1.6",)
+
+
+def test_pick_leaves_a_contended_figure_out_and_says_so_in_one_line():
+    tags = {CONTENDED_LEVELS_TAG: "c4", LEVEL_CONTENTION_TAG + "c4": "contended: other processes kept 1.02 busy"}
+    variants = [variant("bf16", 3.0, 2.9, 3.1), variant("fp8", 1.5, 1.4, 1.6, tags)]
+    decision = pick(variants, "bf16", Policy(max_drop_any_task=None), Axis(USD, False))
+    assert decision.chosen == "bf16" and decision.verdict("fp8").status is Status.REJECTED
+    lines = [line for line in decision.warnings if "left out of the decision" in line]
+    assert lines == [
+        f"fp8: left out of the decision: {USD} rests on load level c4, timed while other work competed "
+        "for the server's cores (other processes kept 1.02 busy)"
+    ]
+    assert cost_warnings(variants, [USD]) == decision.warnings
