@@ -26,6 +26,7 @@ from tiny import save_tiny_llama, with_bos_template
 
 from quantlab.cache import default_root
 from quantlab.evaluate.served_damage import parse_prompt_logprobs, topk_kld
+from quantlab.models import cpu_has_bf16_matmuls
 from quantlab.quantize import METHODS, declared_support
 from quantlab.serving.engines import ENGINES, Launch
 from quantlab.serving.engines.base import host_cpu_flags, kernels_in_log
@@ -39,6 +40,8 @@ VLLM = ENGINES["vllm"]
 VLLM_CPU_SERVES_W4A16 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= host_cpu_flags()
 VLLM_CPU_STORES_FP8_KV = VLLM_CPU_SERVES_W4A16  # its CPU attention's FP8 KV cache needs the same AVX-512
 FP8_KV = {"kv_cache": "fp8"} if VLLM_CPU_STORES_FP8_KV else {}
+# vLLM computes in the reference path's dtype: float32 on a CPU without BF16 matmuls
+COMPUTE_DTYPE = "bfloat16" if cpu_has_bf16_matmuls() else "float32"
 
 
 def options(command: list[str]) -> dict[str, str | None]:
@@ -563,10 +566,13 @@ def test_scoring_servers_run_without_prefix_caching_and_the_load_with_vllms_defa
         assert "enable_prefix_caching=True" in logs["server"]
         kv = "fp8" if name == "fp8" and FP8_KV else "auto"
         assert all(f"kv_cache_dtype={kv}" in text for text in logs.values()), name
-        assert params["served.kv_cache_dtype"] == ("fp8" if kv == "fp8" else "bfloat16")
+        assert params["served.kv_cache_dtype"] == ("fp8" if kv == "fp8" else COMPUTE_DTYPE)  # the reference's
+        assert f"--dtype {COMPUTE_DTYPE}" in params["served.command"]
     if FP8_KV:  # modeled as served: a byte per element
         kv_bytes = runs["bf16"].data.metrics["cost/kv_bytes_per_token"]
-        assert runs["fp8"].data.metrics["cost/kv_bytes_per_token"] == kv_bytes / 2
+        assert runs["fp8"].data.metrics["cost/kv_bytes_per_token"] == kv_bytes / (
+            2 if COMPUTE_DTYPE == "bfloat16" else 4
+        )
 
 
 def test_the_baseline_served_twice_is_the_floor_the_report_reads_served_differences_against(vllm_sweep, tmp_path):

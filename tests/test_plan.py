@@ -169,3 +169,13 @@ def test_the_run_key_follows_the_engines_installed_version(
         )
     assert keys[1] == keys[2]  # the same engine: the same runs
     assert (keys[0] != keys[1]) == keyed and all(a != b for a, b in zip(keys[0], keys[1])) == keyed
+
+
+def test_the_run_key_follows_the_plugins_an_engine_loads(tmp_path, tiny_llama):
+    """A recipe that opts in to quantlab's vLLM plugin serves other figures than stock vLLM: other runs."""
+    keys = []
+    for plugins in ([], ["fp8-bf16-gemm"]):
+        serving = {"engine": "vllm", "python": sys.executable, "plugins": plugins}
+        loaded = load_recipe(write(tmp_path / "recipe.yaml", tiny_recipe(tiny_llama.path, serving=serving)))
+        keys.append([variant.run_key for variant in make_plan(loaded, tmp_path / "cache", (), False, _no_runs).variants])
+    assert all(stock != plugged for stock, plugged in zip(*keys))

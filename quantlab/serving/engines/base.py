@@ -115,7 +115,8 @@ class Engine(ABC):
         return {"OMP_NUM_THREADS": str(launch.threads)}
 
     def compute_dtype(self, variant_dtype: str) -> str:
-        """The dtype its server computes in, given the variant's ("float32" on a CPU without BF16 matmuls)."""
+        """The dtype its server computes in, given the variant's: the reference path's, so that both paths score in
+        one dtype ("float32" on a CPU without BF16 matmuls, where a bf16 GEMM is emulated and several times slower)."""
         return variant_dtype
 
     def scoring_params(self, launch: Launch) -> dict[str, str]:

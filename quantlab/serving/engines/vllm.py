@@ -110,9 +110,6 @@ class VLLM(Engine):
             return f"vLLM's {kv_cache_dtype} KV cache on CPU needs AVX-512 or AMX; this CPU lacks {', '.join(lacking)}"
         return None
 
-    def compute_dtype(self, variant_dtype: str) -> str:
-        return "bfloat16"  # the precision its quantized kernels are declared for, on CPU and GPU alike
-
     def scoring_params(self, launch: Launch) -> dict[str, str]:
         invariant = (
             "no: vLLM's batch-invariant kernels are Triton, for GPUs"
