@@ -30,7 +30,7 @@ from quantlab.measure.settings import MeasureSettings
 from quantlab.metrics import Scale, spec
 from quantlab.recipe import Recipe
 from quantlab.serving.engines import ENGINES
-from quantlab.serving.engines.transformers_serve import FIXED_LENGTH
+from quantlab.serving.engines.transformers_serve import CPU_ENTRY, FIXED_LENGTH, STOCK_ENTRY
 from quantlab.serving.goodput import Price, goodput_level, misses, summarize, usd_per_million_tokens
 from quantlab.serving.launcher import ServerFailed, launched_server, running_server
 from quantlab.serving.levels import LoadLevel, ReportError, level_label, levels_from_metrics, load_levels
@@ -264,7 +264,8 @@ def test_transformers_scenario_removes_ignore_eos_and_fixes_the_length(tmp_path)
     assert body["ignore_eos"] is None and body["max_tokens"] == 16
     assert json.loads(body["generation_config"]) == {"eos_token_id": -1} and body["generation_config"] == FIXED_LENGTH
     assert found["spec"]["backend"]["request_format"] == "/v1/completions"
-    assert [level["profile.streams"] for level in found["benchmarks"]] == [1, 4]  # sorted levels
+    # sorted levels, each run serving.repeats times (3) back to back
+    assert [level["profile.streams"] for level in found["benchmarks"]] == [1, 1, 1, 4, 4, 4]
     assert {"kind": "max_requests", "count": 6} in found["spec"]["constraints"]
     assert {"kind": "max_duration", "seconds": 30} in found["spec"]["constraints"]
     assert found["spec"]["data"] == [{"kind": "synthetic_text", "prompt_tokens": 32, "output_tokens": 16}]
@@ -334,7 +335,9 @@ FAST = ServingSettings(
     prompt_tokens=16,
     output_tokens=16,
     concurrency=[1, 4],
-    requests_per_level=8,
+    requests_per_level=2,  # in each of 2 runs: as many requests in all as one run of 8 (a half share of warm-up)
+    repeats=2,
+    contention_retries=0,  # these tests check the figures; tests/test_serving_contended.py the re-runs
     slo={"ttft_ms": 10_000, "itl_ms": 2_000},
 )
 
@@ -386,7 +389,12 @@ def test_a_served_variant_logs_consistent_figures(served):
                 and metrics[f"cost/serving/{level}/{figure}"] > 0
             )
         assert metrics[f"cost/serving/{level}/errors"] == 0
-        for figure in ("ttft_ms", "itl_ms", "tpot_ms"):  # at least 8 requests: p50s and maxima, p99 from 100
+        # two runs of the level: each figure the mean of the two, within its 95% interval over them
+        assert metrics[f"cost/serving/{level}/runs"] == 2
+        for figure in ("output_tokens_per_s", "ttft_ms_p50", "itl_ms_p50"):
+            low, high = (metrics[f"cost/serving/{level}/{figure}/{end}"] for end in ("ci95_low", "ci95_high"))
+            assert low <= metrics[f"cost/serving/{level}/{figure}"] <= high
+        for figure in ("ttft_ms", "itl_ms", "tpot_ms"):  # at least 2 requests a run: p50s and maxima, p99 from 100
             assert metrics[f"cost/serving/{level}/{figure}_max"] >= metrics[f"cost/serving/{level}/{figure}_p50"]
     # Batch size 1, timed once: the c1 level's medians are the variant's single-stream figures.
     c1_itl, c1_ttft = metrics["cost/serving/c1/itl_ms_p50"], metrics["cost/serving/c1/ttft_ms_p50"]
@@ -397,7 +405,8 @@ def test_a_served_variant_logs_consistent_figures(served):
     # The load's verdict counts the server and guidellm as the stage's own work, not as other work.
     assert outcome.tags["quantlab.cost_contended"] in ("true", "false")
     assert outcome.tags["quantlab.cost.contention"].split(":")[0] in ("contended", "not contended")
-    assert metrics["measure/serve/cpu_seconds_per_wall_second"] > 0.5, outcome.tags["quantlab.cost.contention"]
+    if outcome.tags["quantlab.cost_contended"] == "false":  # (other work that took the cores takes its share too)
+        assert metrics["measure/serve/cpu_seconds_per_wall_second"] > 0.5, outcome.tags["quantlab.cost.contention"]
     # Continuous batching: four streams on the same server decode together.
     assert metrics["cost/serving/c4/output_tokens_per_s"] > metrics["cost/serving/c1/output_tokens_per_s"]
     assert metrics["cost/serving/peak_tokens_per_s"] == metrics["cost/serving/c4/output_tokens_per_s"]
@@ -415,7 +424,7 @@ def test_a_served_variant_logs_consistent_figures(served):
     assert _gone(str(model), timeout=5) and _gone(str(scratch / "quantlab-load-small-"), timeout=5)  # with the stage
 
 
-TWO_STREAMS = FAST.model_copy(update={"concurrency": [2], "requests_per_level": 4})
+TWO_STREAMS = FAST.model_copy(update={"concurrency": [2], "requests_per_level": 4, "repeats": 1})
 
 
 @pytest.fixture(scope="module")
@@ -565,7 +574,7 @@ def test_a_variant_whose_server_dies_fails_alone_with_its_server_log(tmp_path, t
         tiny_llama.path,
         variants=[{"name": "bf16", "method": "bf16"}, {"name": "fp8", "method": "fp8"}],
         evals={"tasks": []},
-        serving=FAST.model_dump(include={"prompt_tokens", "concurrency"}) | {"output_tokens": 32},
+        serving=FAST.model_dump(include={"prompt_tokens", "concurrency"}) | {"output_tokens": 32, "repeats": 1},
     )
     path = write(tmp_path / "recipe.yaml", recipe)
     uri = f"sqlite:///{tmp_path / 'store.db'}"
@@ -575,7 +584,7 @@ def test_a_variant_whose_server_dies_fails_alone_with_its_server_log(tmp_path, t
     checkpoint, load = str(tmp_path / "cache" / "checkpoints" / "fp8-"), str(tmp_path / "quantlab-load-fp8-")
 
     def fp8_server() -> psutil.Process | None:
-        return next((p for p in _served_processes(checkpoint) if "transformers.cli" in p.cmdline()[2]), None)
+        return next((p for p in _served_processes(checkpoint) if p.cmdline()[2] in (CPU_ENTRY, STOCK_ENTRY)), None)
 
     server = _wait_until(fp8_server, sweep, "fp8's server")
     _wait_until(lambda: _served_processes(load) and under_load("fp8", tmp_path), sweep, "guidellm's load on fp8")
