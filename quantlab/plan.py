@@ -119,6 +119,8 @@ def make_plan(
         shared["engine"] = engine_identity(recipe.serving, recipe.runtime.device, cache_root)
     if recipe.evals.engine != "reference":
         shared["served_scoring"] = SERVED_SCORING_PROTOCOL
+    if recipe.evals.adaptive:  # where a variant's tasks stop depends on the limits they are checked against
+        shared["stopping_policy"] = recipe.frontier.default_policy.model_dump(mode="json")
     run_keys = {name: cache.cache_key({"checkpoint": identity, **shared}) for name, identity in identities.items()}
     keys = {name: cache.cache_key(identity) for name, identity in identities.items()}
     targets = {name: cache.checkpoint_dir(cache_root, name, keys[name]) for name in names}

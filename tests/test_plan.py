@@ -177,5 +177,19 @@ def test_the_run_key_follows_the_plugins_an_engine_loads(tmp_path, tiny_llama):
     for plugins in ([], ["fp8-bf16-gemm"]):
         serving = {"engine": "vllm", "python": sys.executable, "plugins": plugins}
         loaded = load_recipe(write(tmp_path / "recipe.yaml", tiny_recipe(tiny_llama.path, serving=serving)))
-        keys.append([variant.run_key for variant in make_plan(loaded, tmp_path / "cache", (), False, _no_runs).variants])
+        keys.append(
+            [variant.run_key for variant in make_plan(loaded, tmp_path / "cache", (), False, _no_runs).variants]
+        )
     assert all(stock != plugged for stock, plugged in zip(*keys))
+
+
+def test_an_adaptive_sweeps_run_key_follows_the_limits_its_tasks_stop_at(tmp_path, tiny_llama):
+    keys = []
+    for limit in (2.0, 5.0):
+        recipe = tiny_recipe(tiny_llama.path, frontier={"default_policy": {"max_drop_any_task": limit}})
+        recipe["evals"]["adaptive"] = True
+        loaded = load_recipe(write(tmp_path / "recipe.yaml", recipe))
+        keys.append(
+            [variant.run_key for variant in make_plan(loaded, tmp_path / "cache", (), False, _no_runs).variants]
+        )
+    assert all(first != second for first, second in zip(*keys))
