@@ -56,6 +56,9 @@ SHAPES = {
         "quality": {"max_tokens": 64, "window": 32},
         "measure": {"prompt_tokens": 32, "output_tokens": 8, "repeats": 2}
         | {"bandwidth_probe_bytes": 64 * MIB, "bandwidth_probe_repeats": 3},
+        # A smoke run: one single-stream level served once shows the server path works; the table shows no
+        # serving figure, so repeats and more levels would only add minutes.
+        "serving": {"concurrency": [1], "repeats": 1, "requests_per_level": 4},
     },
 }
 HOST_TAGS = ("hardware", "engine", "workload", "host_load", "peak_memory")  # quantlab.cost.<what>, in the header
@@ -196,7 +199,7 @@ def check(args: argparse.Namespace, device: str, out: Path) -> int:
         "quality": shape["quality"],
         "measure": {**shape["measure"], "target": {"accelerator": args.target}},
         "runtime": {"device": device},
-    }
+    } | ({"serving": shape["serving"]} if "serving" in shape else {})
     (out / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
     try:
         loaded = validate(out / "recipe.yaml", out / "cache")

@@ -925,7 +925,7 @@ def test_a_per_token_limit_counts_its_evidence_and_its_advice_in_scoring_windows
 )
 def test_a_variant_served_with_quantlabs_plugin_is_kept_out_of_a_decision_on_timed_figures(objective, bounds, eligible):
     plugged = candidate("fp8")
-    plugged.tags[NOT_STOCK_TAG] = "fp8-bf16-gemm"
+    plugged.tags[NOT_STOCK_TAG] = "fp8-upcast-gemm"
     stock = candidate("int8", **{WEIGHTS: 200e6, DECODE: BASELINE_METRICS[DECODE] * 1.5})
     decision = decide([baseline(), plugged, stock], only(**bounds), objective)
     verdict = next(v for v in decision.verdicts if v.name == "fp8")
@@ -934,7 +934,7 @@ def test_a_variant_served_with_quantlabs_plugin_is_kept_out_of_a_decision_on_tim
     else:
         assert verdict.status is Status.REJECTED and decision.chosen == "int8"
         assert any(
-            reason.startswith("served with quantlab's engine plugin fp8-bf16-gemm (not the stock engine)")
+            reason.startswith("served with quantlab's engine plugin fp8-upcast-gemm (not the stock engine)")
             for reason in verdict.reasons
         )
-    assert any("fp8: served with quantlab's engine plugin fp8-bf16-gemm" in line for line in decision.warnings)
+    assert any("fp8: served with quantlab's engine plugin fp8-upcast-gemm" in line for line in decision.warnings)

@@ -157,7 +157,7 @@ def test_vllm_cpu_command_line_and_environment(tmp_path):
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-@pytest.mark.parametrize("plugins", [(), ("fp8-bf16-gemm",)])
+@pytest.mark.parametrize("plugins", [(), ("fp8-upcast-gemm",)])
 @pytest.mark.parametrize("engine", sorted(ENGINES))
 def test_no_server_starts_with_a_sitecustomize_and_a_plugin_only_where_the_recipe_opts_in(
     tmp_path, engine, plugins, device
@@ -172,20 +172,20 @@ def test_no_server_starts_with_a_sitecustomize_and_a_plugin_only_where_the_recip
         (folder / "sitecustomize.py").exists() or (folder / "usercustomize.py").exists() for folder in folders
     )
     if started.plugins:
-        assert environment["VLLM_PLUGINS"] == "quantlab_fp8_bf16_gemm"
+        assert environment["VLLM_PLUGINS"] == "quantlab_fp8_upcast_gemm"
         (folder,) = folders[: len(started.plugins)]
         (entry_points,) = folder.glob("*.dist-info/entry_points.txt")
-        assert "[vllm.general_plugins]\nquantlab_fp8_bf16_gemm = " in entry_points.read_text()
+        assert "[vllm.general_plugins]\nquantlab_fp8_upcast_gemm = " in entry_points.read_text()
     else:
         assert "VLLM_PLUGINS" not in environment and not folders
     assert not list(REPO.joinpath("quantlab").rglob("sitecustomize.py"))
 
 
 def test_a_plugins_identity_is_its_files_digest(tmp_path):
-    plugin = dataclasses.replace(VLLM.plugins["fp8-bf16-gemm"], folder=tmp_path)
+    plugin = dataclasses.replace(VLLM.plugins["fp8-upcast-gemm"], folder=tmp_path)
     (tmp_path / "module.py").write_text("x = 1\n")
     before = plugin.identity()
-    assert before.startswith("fp8-bf16-gemm sha256:") and before == plugin.identity()
+    assert before.startswith("fp8-upcast-gemm sha256:") and before == plugin.identity()
     (tmp_path / "module.py").write_text("x = 2\n")
     assert plugin.identity() != before
 
@@ -453,33 +453,39 @@ def vllm_python():
 
 PLUGIN_PRODUCT_CHECK = """
 import importlib.metadata, os, torch
-(entry,) = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "quantlab_fp8_bf16_gemm"]
+(entry,) = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "quantlab_fp8_upcast_gemm"]
 plugin = __import__(entry.module)
 torch.manual_seed(0)
 weight = (torch.randn(256, 192) * 0.05).to(torch.float8_e4m3fn).t()  # stored (out, in), used transposed, as vLLM does
-worst = 0.0
-for rows in (1, 7, 33):
-    x = (torch.randn(rows, 192) * 3).to(torch.float8_e4m3fn)
-    scale_x, scale_w = torch.rand(rows, 1) + 0.5, torch.rand(256, 1) + 0.5  # per token; per output channel
-    one = torch.ones(1)
-    exact = torch._scaled_mm(x, weight, scale_a=one, scale_b=one, out_dtype=torch.float32) * scale_x * scale_w.t()
-    ours = plugin.scaled_bf16_product(x, weight.to(torch.bfloat16), scale_x, scale_w, None, torch.float32, rows)
-    worst = max(worst, ((ours - exact).abs() / exact.abs().clamp_min(1e-2)).max().item())
-print(worst)
+for compute in (torch.float32, torch.bfloat16):
+    gemm = plugin.gemm_dtype(compute)
+    worst = 0.0
+    for rows in (1, 7, 33):
+        x = (torch.randn(rows, 192) * 3).to(torch.float8_e4m3fn)
+        scale_x, scale_w = torch.rand(rows, 1) + 0.5, torch.rand(256, 1) + 0.5  # per token; per output channel
+        one = torch.ones(1)
+        exact = torch._scaled_mm(x, weight, scale_a=one, scale_b=one, out_dtype=torch.float32) * scale_x * scale_w.t()
+        ours = plugin.scaled_upcast_product(x, weight.to(gemm), scale_x, scale_w, None, torch.float32, rows)
+        worst = max(worst, ((ours - exact).abs() / exact.abs().clamp_min(1e-2)).max().item())
+    print(str(compute), str(gemm), worst)
 """
 
 
-def test_the_fp8_plugins_product_equals_torchs_own_op_within_bf16_rounding(vllm_python):
+def test_the_fp8_plugins_product_equals_torchs_own_op_within_its_gemms_rounding(vllm_python):
     """Found as vLLM finds it (its entry point, on the server's PYTHONPATH), in the engine's torch, the plugin's
-    FP8 product is within bf16's unit roundoff of torch's own scaled-mm."""
-    environment = {**os.environ, **VLLM.environment(launch(Path("unused"), plugins=("fp8-bf16-gemm",)))}
+    FP8 product runs in the layer's compute dtype: in float32 it equals torch's own scaled-mm up to summation order,
+    in bf16 within bf16's unit roundoff."""
+    environment = {**os.environ, **VLLM.environment(launch(Path("unused"), plugins=("fp8-upcast-gemm",)))}
     done = subprocess.run(
         [str(vllm_python), "-c", PLUGIN_PRODUCT_CHECK], capture_output=True, text=True, timeout=300, env=environment
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    worst = float(done.stdout.split()[-1])
-    assert worst <= 2**-8  # one bf16 rounding of the GEMM's output, against FP8's 2^-4 on its inputs
-    assert worst > 0  # it really ran a bf16 GEMM, not torch's op
+    worst = {compute: (gemm, float(error)) for compute, gemm, error in map(str.split, done.stdout.splitlines())}
+    assert worst["torch.float32"][0] == "torch.float32" and worst["torch.bfloat16"][0] == "torch.bfloat16"
+    assert worst["torch.float32"][1] <= 2**-18  # exact products, float32 sums in another order
+    # one bf16 rounding of the GEMM's output, against FP8's 2^-4 on its inputs
+    assert worst["torch.bfloat16"][1] <= 2**-8
+    assert worst["torch.bfloat16"][1] > 2**-18  # it really ran a bf16 GEMM, not torch's op
 
 
 def vllm_recipe(model: Path, **changes) -> dict:
@@ -495,7 +501,7 @@ def vllm_recipe(model: Path, **changes) -> dict:
         },
         "serving": {
             "engine": "vllm",
-            "plugins": ["fp8-bf16-gemm"],  # this CPU has no AMX-FP8: stock vLLM's FP8 is a reference loop
+            "plugins": ["fp8-upcast-gemm"],  # this CPU has no AMX-FP8: stock vLLM's FP8 is a reference loop
             "concurrency": [1],
             "requests_per_level": 4,
             "repeats": 1,  # these tests check the engine's figures, not their intervals (tests/test_serving*.py)
@@ -535,7 +541,7 @@ def test_vllm_serves_each_checkpoint_with_the_kernel_expected(vllm_sweep):
     assert kernels == {
         "bf16": {},
         # No AMX-FP8 on this CPU: the kernel quantlab's plugin registered, as vLLM's own log names it
-        "fp8": {"served.kernel.CompressedTensorsW8A8Fp8": "QuantlabFP8AsBF16GemmKernel"},
+        "fp8": {"served.kernel.CompressedTensorsW8A8Fp8": "QuantlabFP8UpcastGemmKernel"},
     } | ({"awq": {"served.kernel.CompressedTensorsWNA16": "CPUWNA16LinearKernel"}} if VLLM_CPU_SERVES_W4A16 else {})
     for run in runs.values():
         assert run.data.params["served.engine"] == "vllm"
@@ -543,9 +549,9 @@ def test_vllm_serves_each_checkpoint_with_the_kernel_expected(vllm_sweep):
         assert "--kv-cache-memory-bytes" in run.data.params["served.command"]
         assert run.data.metrics["cost/serving/c1/output_tokens_per_s"] > 0
         # labelled not stock wherever its figures are read
-        assert run.data.params["served.plugins"].startswith("fp8-bf16-gemm sha256:")
+        assert run.data.params["served.plugins"].startswith("fp8-upcast-gemm sha256:")
         assert "not stock vLLM" in run.data.params["served.plugins"]
-        assert run.data.tags["quantlab.serving.not_stock"] == "fp8-bf16-gemm"
+        assert run.data.tags["quantlab.serving.not_stock"] == "fp8-upcast-gemm"
 
 
 def test_scoring_servers_run_without_prefix_caching_and_the_load_with_vllms_default(vllm_sweep, tmp_path):

@@ -174,7 +174,7 @@ def test_the_run_key_follows_the_engines_installed_version(
 def test_the_run_key_follows_the_plugins_an_engine_loads(tmp_path, tiny_llama):
     """A recipe that opts in to quantlab's vLLM plugin serves other figures than stock vLLM: other runs."""
     keys = []
-    for plugins in ([], ["fp8-bf16-gemm"]):
+    for plugins in ([], ["fp8-upcast-gemm"]):
         serving = {"engine": "vllm", "python": sys.executable, "plugins": plugins}
         loaded = load_recipe(write(tmp_path / "recipe.yaml", tiny_recipe(tiny_llama.path, serving=serving)))
         keys.append(

