@@ -294,6 +294,8 @@ TIMED = frozenset(
     {"cost/<figure>[_bs<N>]", "cost/load_seconds", "cost/measured_bandwidth_bytes_per_s", "time/<stage>_seconds"}
 )
 TIMED_PREFIXES = ("cost/serving/",)
+# cost/serving/workload/<workload>/<figure>: a serving figure of one named workload (the plain keys are the first's)
+WORKLOAD_PREFIX = "cost/serving/workload/"
 
 # Figures the measure stage measured on this machine (see the run's quantlab.cost.* tags), once per batch
 # size: `cost/<figure>` and `cost/<figure>_bs<N>`.
@@ -317,6 +319,12 @@ _RECOVERY = re.compile(r"^quality/recovery/(?P<score>[^/]+/[^/]+)$")
 def spec(key: str, declared: Mapping[str, Declared] | None = None) -> MetricSpec:
     """The contract entry of a logged key. `declared`: what the sweep recorded for lm-eval scores."""
     declared = declared or {}
+    if key.startswith(WORKLOAD_PREFIX):  # a named request shape's serving figures (serving.workloads)
+        name, _, figure = key.removeprefix(WORKLOAD_PREFIX).partition("/")
+        base = spec("cost/serving/" + figure)
+        if name and base.entry:
+            entry = WORKLOAD_PREFIX + "<workload>/" + base.entry.removeprefix("cost/serving/")
+            return MetricSpec(key, entry, base.higher_is_better, base.scale, f"{base.label}, {name} workload")
     for pattern, entry in _PATTERNS.items():
         if (match := pattern.fullmatch(key)) is not None:
             higher, scale, label = _FIXED[entry]
@@ -434,6 +442,14 @@ _ALL_LEVELS += ("peak_tokens_per_s", "peak_vs_modeled")
 def rests_on_contention(metric: str, tags: Mapping[str, str]) -> str | None:
     """Why `metric` rests on a load level other work competed with (the run's tags say which, after the serve
     stage's re-runs); None when it does not. Such a figure is logged, and no frontier or choice rests on it."""
+    if metric.startswith(WORKLOAD_PREFIX):  # a named workload's: its own tags, `quantlab.serving.workload/<name>/...`
+        name, _, figure = metric.removeprefix(WORKLOAD_PREFIX).partition("/")
+        scope = f"{SERVING_TAG_PREFIX}workload/{name}/"
+        own = {
+            SERVING_TAG_PREFIX + tag.removeprefix(scope): value for tag, value in tags.items() if tag.startswith(scope)
+        }
+        why = rests_on_contention("cost/serving/" + figure, own)
+        return None if why is None else why.replace("cost/serving/" + figure, metric, 1)
     levels = [label for label in tags.get(CONTENDED_LEVELS_TAG, "").split(",") if label]
     if not levels:
         return None

@@ -3,6 +3,7 @@ report from the Jinja2 templates, the variants table as data. Every number comes
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -24,12 +25,14 @@ from quantlab.frontier import (
     merged_declared,
     quality_metrics,
 )
-from quantlab.metrics import CONTENDED_LEVELS_TAG, Scale, paired_key
+from quantlab.metrics import CONTENDED_LEVELS_TAG, WORKLOAD_PREFIX, Scale, paired_key, rests_on_contention
 from quantlab.metrics import spec as metric_spec
 from quantlab.policy import format_change, format_value
 from quantlab.serving.chart import throughput_latency_chart
-from quantlab.serving.goodput import NOT_STOCK_TAG, SERVING_TAG, UNAVAILABLE_TAG
+from quantlab.serving.goodput import NOT_STOCK_TAG, SERVING_TAG, UNAVAILABLE_TAG, WORKLOADS_TAG
+from quantlab.serving.intervals import Interval, ratio_interval
 from quantlab.serving.levels import levels_from_metrics
+from quantlab.serving.settings import Workload
 
 KEY_COST_METRICS = (
     "cost/weight_bytes",
@@ -495,6 +498,7 @@ def render_markdown(
         notes=notes,
         failed=[v.name for v in variants if not v.succeeded],
         serving=serving_table(variants),
+        workloads=workload_table(variants),
         serving_chart=SERVING_CHART,
         engine_floor=engine_floor_table(variants),
     )
@@ -566,6 +570,82 @@ def _with_interval(variant: VariantSummary, key: str) -> str:
         return text
     ends = [format_value(found, end) if end is not None else "unbounded" for end in (low, high)]
     return f"{text} [{ends[0]}, {ends[1]}]"
+
+
+WORKLOAD_FIGURE = "goodput_tokens_per_s"  # what the serving table centres on, compared per workload
+
+
+def served_workloads(variants: Sequence[VariantSummary]) -> list[Workload]:
+    """The named workloads (serving.workloads) as the first variant that served any recorded them; [] if none."""
+    for variant in variants:
+        if shapes := variant.tags.get(WORKLOADS_TAG):
+            return [Workload.model_validate(shape) for shape in json.loads(shapes)]
+    return []
+
+
+def logged_interval(variant: VariantSummary, key: str, runs_key: str) -> Interval | None:
+    """A logged figure's t interval over its runs, as the serve stage logged it; None without one."""
+    mean, low, high = (variant.value(name) for name in (key, f"{key}/ci95_low", f"{key}/ci95_high"))
+    runs = variant.value(runs_key)
+    if mean is None or low is None or high is None or runs is None:
+        return None
+    return Interval(mean, low, high, int(runs))
+
+
+def workload_table(variants: Sequence[VariantSummary]) -> Table | None:
+    """Per named workload, each variant's goodput (output tokens/s) and its ratio to the baseline's with a 95%
+    interval from both variants' runs (quantlab.serving.intervals.ratio_interval); None without named workloads."""
+    served = [variant for variant in variants if variant.succeeded]
+    shapes = served_workloads(served)
+    baseline = find_baseline(served)
+    if not shapes:
+        return None
+    rows = []
+    for shape in shapes:
+        key = f"{WORKLOAD_PREFIX}{shape.name}/{WORKLOAD_FIGURE}"
+        for index, variant in enumerate(served):
+            named = f"{shape.name} ({shape.prompt_tokens} + {shape.output_tokens})" if index == 0 else ""
+            if variant.value(key) is None:
+                rows.append((named, variant.name, _no_goodput(variant, shape.name), ""))
+                continue
+            shown = _with_interval(variant, key)
+            if contended := rests_on_contention(key, variant.tags):
+                shown += f" (contended: {contended.partition(' rests on ')[2]})"
+            rows.append((named, variant.name, shown, _ratio_cell(variant, baseline, shape.name)))
+    headers = ("workload (prompt + output tokens)", "variant", metric_spec("cost/serving/" + WORKLOAD_FIGURE).label)
+    return Table((*headers, "against the baseline (95% interval)"), tuple(rows))
+
+
+def _no_goodput(variant: VariantSummary, workload: str) -> str:
+    tags = variant.tags
+    why = tags.get(f"{UNAVAILABLE_TAG}workload/{workload}") or tags.get(f"{UNAVAILABLE_TAG}workload/{workload}/goodput")
+    return f"none: {why or 'not served'}"
+
+
+def _workload_interval(variant: VariantSummary, workload: str) -> Interval | None:
+    """The workload's goodput with its interval over the runs of its goodput level."""
+    scope = f"{WORKLOAD_PREFIX}{workload}/"
+    level = variant.tags.get(f"{SERVING_TAG}workload/{workload}/goodput_level", "")
+    return logged_interval(variant, scope + WORKLOAD_FIGURE, f"{scope}{level}/runs")
+
+
+def _ratio_cell(variant: VariantSummary, baseline: VariantSummary | None, workload: str) -> str:
+    key = f"{WORKLOAD_PREFIX}{workload}/{WORKLOAD_FIGURE}"
+    if baseline is None:
+        return "no baseline"
+    if variant is baseline:
+        return "1 (the baseline)"
+    base = baseline.value(key)
+    if base is None or base <= 0:
+        return "no ratio: the baseline has no goodput here"
+    ratio = variant.value(key) / base
+    if rests_on_contention(key, baseline.tags):
+        return f"{ratio:.3g}x (the baseline's level was contended)"
+    found, other = _workload_interval(variant, workload), _workload_interval(baseline, workload)
+    paired = None if found is None or other is None else ratio_interval(found, other)
+    if paired is None:
+        return f"{ratio:.3g}x (no interval: one run of a level)"
+    return f"{paired.mean:.3g}x [{paired.low:.3g}, {paired.high:.3g}]"
 
 
 def render_serving_chart(variants: Sequence[VariantSummary], path: Path, model: str) -> Path | None:

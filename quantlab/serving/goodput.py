@@ -35,6 +35,8 @@ SERVING_TAG = SERVING_TAG_PREFIX  # facts the report shows beside the figures
 UNAVAILABLE_TAG = SERVING_TAG + "unavailable."  # + figure: why it was not logged
 # quantlab's engine plugins the server loaded (serving.plugins): its served figures are not the stock engine's
 NOT_STOCK_TAG = SERVING_TAG + "not_stock"
+# the named workloads served (serving.workloads), in order, the primary first: a JSON list of their shapes
+WORKLOADS_TAG = SERVING_TAG + "workloads"
 
 
 def describe(slo: ServiceLevels) -> str:

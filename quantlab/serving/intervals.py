@@ -98,3 +98,29 @@ def pooled(runs: Sequence[LoadLevel]) -> LoadLevel:
         ended_at=max(ends, default=None),
         runs=len(runs),
     )
+
+
+def standard_error(found: Interval, confidence: float = CONFIDENCE) -> float:
+    """The standard error a t interval over `found.runs` values was made from: its half-width over the t quantile."""
+    from scipy.special import stdtrit
+
+    return (found.high - found.low) / 2 / float(stdtrit(found.runs - 1, (1 + confidence) / 2))
+
+
+def ratio_interval(variant: Interval, baseline: Interval, confidence: float = CONFIDENCE) -> Interval | None:
+    """The ratio of two means (variant / baseline) with its two-sided interval, from each one's t interval over its
+    runs: on the log scale, where a ratio's error is the sum of the two relative errors (the delta method:
+    se(log m) = se(m) / m), with Welch-Satterthwaite's degrees of freedom; the interval is back-transformed, so it is
+    not symmetric around the ratio. None where a mean is not positive or either has fewer than two runs."""
+    from scipy.special import stdtrit
+
+    if variant.mean <= 0 or baseline.mean <= 0 or variant.runs < 2 or baseline.runs < 2:
+        return None
+    relative = [standard_error(each, confidence) / each.mean for each in (variant, baseline)]
+    ratio = variant.mean / baseline.mean
+    spread = math.hypot(*relative)
+    if spread == 0:
+        return Interval(ratio, ratio, ratio, min(variant.runs, baseline.runs))
+    dof = spread**4 / sum(se**4 / (each.runs - 1) for se, each in zip(relative, (variant, baseline)))
+    half = float(stdtrit(dof, (1 + confidence) / 2)) * spread
+    return Interval(ratio, ratio * math.exp(-half), ratio * math.exp(half), min(variant.runs, baseline.runs))

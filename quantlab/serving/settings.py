@@ -5,9 +5,17 @@ well under 90 s per variant; GPU users raise the token counts, the levels and th
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from quantlab.measure.settings import distinct
 from quantlab.serving.engines import ENGINES
@@ -44,6 +52,50 @@ class ServiceLevels(_Strict):
             new = old[0].replace("_p99", "")
             raise ValueError(f"{old[0]} is now {new}: a limit on each request, met by a share of them (attainment)")
         return data
+
+
+# A workload's name goes into metric keys and tags: no slash, no space.
+WorkloadName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+
+
+class Workload(_Strict):
+    """A named request shape: every request of its load has `prompt_tokens` of seeded synthetic text (guidellm's
+    `synthetic_text` data, as its own scenarios describe theirs) and generates exactly `output_tokens`."""
+
+    name: WorkloadName
+    prompt_tokens: int = Field(gt=0, le=1_000_000)
+    output_tokens: int = Field(ge=2, le=1_000_000)
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, data: object) -> object:
+        """A preset's name alone (`chat`, or `{name: chat}`) stands for its shape."""
+        if isinstance(data, dict) and set(data) == {"name"} and isinstance(data["name"], str):
+            data = data["name"]
+        if not isinstance(data, str):
+            return data
+        if data not in WORKLOAD_PRESETS:
+            known = ", ".join(WORKLOAD_PRESETS)
+            raise ValueError(
+                f"unknown workload preset {data!r}; known: {known} (or give name, prompt_tokens, output_tokens)"
+            )
+        return WORKLOAD_PRESETS[data]
+
+
+# The shapes serving comparisons commonly report a quantized model's speed-up on, prompt / output tokens.
+WORKLOAD_PRESETS: dict[str, dict[str, Any]] = {
+    name: {"name": name, "prompt_tokens": prompt, "output_tokens": output}
+    for name, prompt, output in (
+        ("chat", 128, 128),
+        ("prefill-heavy", 1024, 128),
+        ("decode-heavy", 128, 1024),
+        ("long-context", 8192, 512),
+    )
+}
 
 
 class ServingSettings(_Strict):
@@ -90,6 +142,19 @@ class ServingSettings(_Strict):
     prompt_tokens: int = Field(32, gt=0, le=1_000_000, description="Prompt length of the synthetic requests.")
     output_tokens: int = Field(
         16, ge=2, le=1_000_000, description="Tokens generated per request, exactly: the server ignores end-of-text."
+    )
+    workloads: list[Workload] | None = Field(
+        None,
+        min_length=1,
+        description="Named request shapes, each served at every load level with its own figures "
+        "(`cost/serving/workload/<name>/...`): a preset's name ("
+        + ", ".join(
+            f"{name} {shape['prompt_tokens']}/{shape['output_tokens']}" for name, shape in WORKLOAD_PRESETS.items()
+        )
+        + " prompt/output tokens) or {name, prompt_tokens, output_tokens}. The first is the primary one: its "
+        "figures are also the plain `cost/serving/...` keys that the frontier, `pick` and the decision use, and it "
+        "sets prompt_tokens and output_tokens. A shape longer than the server's max_model_len is skipped, with a "
+        "tag saying so. Unset: one workload of prompt_tokens and output_tokens.",
     )
     prompts: str | None = Field(
         None,
@@ -160,6 +225,47 @@ class ServingSettings(_Strict):
     )
     request_timeout_s: float = Field(120, gt=0, description="How long one request may take before it is an error.")
 
+    def workload_shapes(self) -> tuple[Workload, ...]:
+        """The workloads in order, the primary first; unset: the one of prompt_tokens and output_tokens."""
+        if self.workloads:
+            return tuple(self.workloads)
+        return (Workload(name="default", prompt_tokens=self.prompt_tokens, output_tokens=self.output_tokens),)
+
+    def skipped_workloads(self, max_model_len: int) -> dict[str, str]:
+        """The named workloads longer than the server's longest sequence, each with the line that says so (the one
+        shape of an unset `workloads` is served as given)."""
+        return {
+            w.name: f"workload {w.name} skipped: {w.prompt_tokens} + {w.output_tokens} tokens exceed the server's "
+            f"longest sequence, {max_model_len} (serving.max_model_len, or the model's own)"
+            for w in self.workloads or ()
+            if w.tokens > max_model_len
+        }
+
+    def for_workload(self, workload: Workload) -> ServingSettings:
+        """These settings with `workload`'s shape as the requests' own."""
+        return self.model_copy(
+            update={"prompt_tokens": workload.prompt_tokens, "output_tokens": workload.output_tokens}
+        )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _primary_shape(cls, data: object) -> object:
+        """The first workload's shape is prompt_tokens and output_tokens, which every stage that reads the primary
+        shape (the batch-1 timing, the modeled ceiling) uses; a different one set beside it is refused."""
+        if not isinstance(data, dict) or not isinstance(data.get("workloads"), list) or not data["workloads"]:
+            return data
+        try:
+            first = Workload.model_validate(data["workloads"][0])
+        except ValueError:
+            return data  # the field's own validation names the problem
+        for key in ("prompt_tokens", "output_tokens"):
+            if key in data and data[key] != getattr(first, key):
+                raise ValueError(
+                    f"{key} ({data[key]}) differs from the first workload's ({first.name}: {getattr(first, key)}), "
+                    "which sets it: leave it out"
+                )
+        return {**data, "prompt_tokens": first.prompt_tokens, "output_tokens": first.output_tokens}
+
     def runs_per_level(self) -> int:
         """Runs of each level: `repeats` where the levels are named ahead (the concurrent profile), else one."""
         return self.repeats if self.profile == "concurrent" else 1
@@ -182,6 +288,13 @@ class ServingSettings(_Strict):
     @classmethod
     def _distinct(cls, levels: list[int]) -> list[int]:
         return sorted(distinct(levels, "concurrency levels"))
+
+    @field_validator("workloads")
+    @classmethod
+    def _distinct_workloads(cls, workloads: list[Workload] | None) -> list[Workload] | None:
+        if workloads is not None:
+            distinct([workload.name for workload in workloads], "workload names")
+        return workloads
 
     @field_validator("plugins")
     @classmethod

@@ -55,7 +55,14 @@ from quantlab.serving.chart import throughput_latency_chart
 from quantlab.serving.engines import Engine, Launch, Support
 from quantlab.serving.engines.base import shown_command
 from quantlab.serving.environments import chosen_engine, ensure_engine, installed_version, python_problem
-from quantlab.serving.goodput import NOT_STOCK_TAG, SERVING_TAG, UNAVAILABLE_TAG, ServingSummary, summarize
+from quantlab.serving.goodput import (
+    NOT_STOCK_TAG,
+    SERVING_TAG,
+    UNAVAILABLE_TAG,
+    WORKLOADS_TAG,
+    ServingSummary,
+    summarize,
+)
 from quantlab.serving.intervals import pooled, runs_by_level
 from quantlab.serving.launcher import RunningServer, ServerFailed, launched_server, wait_healthy
 from quantlab.serving.levels import LoadLevel, load_levels
@@ -390,11 +397,19 @@ def server_launch(
 
     max_model_len = served_max_model_len(checkpoint, settings)
     streams = max(max(settings.concurrency), settings.requests_per_level if settings.profile == "sweep" else 0)
-    per_stream = (-(-(settings.prompt_tokens + settings.output_tokens) // CACHE_BLOCK_TOKENS) + 1) * CACHE_BLOCK_TOKENS
+    # sized for the longest workload the server takes: every workload runs on this one server
+    skipped = settings.skipped_workloads(max_model_len)
+    taken = [w for w in settings.workload_shapes() if w.name not in skipped]
+    longest = max((w.tokens for w in taken), default=0)
+    per_stream = (-(-longest // CACHE_BLOCK_TOKENS) + 1) * CACHE_BLOCK_TOKENS
     tokens = streams * per_stream if settings.enabled else 0
     if recipe.evals.engine != "reference":
         tokens = max(tokens, recipe.evals.served_concurrency * max_model_len)
     element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    per_token = int(kv_cache_bytes_per_token(shape, element))
+    if device == "cuda":
+        free = torch.cuda.mem_get_info()[0]
+        tokens = kv_tokens_that_fit(tokens, per_token, free, checkpoint_bytes(checkpoint), max_model_len)
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     return Launch(
         checkpoint=checkpoint,
@@ -405,14 +420,29 @@ def server_launch(
         bind_cpus=tuple(cores[:threads]) if threads >= len(cores) else (),  # a whole host's share binds its cores
         gpus=max(1, round(recipe.runtime.gpus)) if device == "cuda" else 0,
         kv_cache_tokens=tokens,
-        kv_bytes_per_token=int(kv_cache_bytes_per_token(shape, element)),
-        batch_tokens=max(512, settings.prompt_tokens + streams),
+        kv_bytes_per_token=per_token,
+        batch_tokens=max(512, max((w.prompt_tokens for w in taken), default=0) + streams),
         max_model_len=max_model_len,
         gpu_memory_utilization=gpu_memory_utilization(*torch.cuda.mem_get_info()) if device == "cuda" else None,
         top_logprobs=settings.top_logprobs,
         extra=tuple(settings.server_args),
         plugins=tuple(settings.plugins),
     )
+
+
+def checkpoint_bytes(checkpoint: Path) -> int:
+    return sum(path.stat().st_size for path in checkpoint.glob("*.safetensors"))
+
+
+def kv_tokens_that_fit(
+    tokens: int, bytes_per_token: int, free_bytes: int, weight_bytes: int, longest: int, share: float = 0.8
+) -> int:
+    """`tokens` of KV cache, or fewer where they would not fit beside the weights in `share` of the GPU's free
+    memory (the rest for activations): a long workload at many streams asks for more than a GPU holds, and the
+    engine then queues requests, which the load's latencies show, instead of failing to start. Never fewer than
+    one sequence of `longest` tokens, the least the engine starts with."""
+    room = int((free_bytes - weight_bytes) * share) // max(bytes_per_token, 1)
+    return max(min(tokens, room), longest)
 
 
 def gpu_memory_utilization(free_bytes: int, total_bytes: int, margin: float = 0.05) -> float:
@@ -453,7 +483,119 @@ def serve_load(
     if not settings.enabled or served.load is None:
         return facts | ServingOutcome(tags={UNAVAILABLE_TAG + "serving": "serving.enabled is false in the recipe"})
     prompts = (recipe_dir / settings.prompts).resolve() if settings.prompts else None
-    report_path = served.load.report_path
+    skipped = settings.skipped_workloads(served.launch.max_model_len)
+    named = settings.workloads is not None
+    outcome, verdicts = facts, []
+    if named:
+        shapes = [workload.model_dump() for workload in settings.workload_shapes()]
+        outcome |= ServingOutcome(tags={WORKLOADS_TAG: json.dumps(shapes)})
+    load: LoadGenerator | None = served.load  # started early: the first workload served takes it
+    for index, workload in enumerate(settings.workload_shapes()):
+        if workload.name in skipped:
+            _say(f"{served.variant}: {skipped[workload.name]}")
+            outcome |= ServingOutcome(tags=_skipped_tags(workload.name, skipped[workload.name], primary=index == 0))
+            continue
+        with contextlib.ExitStack() as scope:
+            if load is None:  # guidellm runs once: each further workload has its own
+                work = Path(scope.enter_context(tempfile.TemporaryDirectory(prefix=f"quantlab-load-{served.variant}-")))
+                load = scope.enter_context(LoadGenerator(work, work / "guidellm.log", _served_workers(served)))
+                scope.callback(_keep_log, work / "guidellm.log", log_dir, served.variant)
+            found = _serve_workload(
+                served,
+                load,
+                settings.for_workload(workload),
+                measure,
+                prompts,
+                dtype,
+                cost_metrics,
+                log_dir,
+                stream if index == 0 else None,
+                workload.name if named else None,
+            )
+        load = None
+        verdicts.append((workload.name, found.verdict))
+        if index == 0:
+            outcome |= found.single_stream | found.figures
+        if named:
+            outcome |= found.scoped(workload.name, artifacts=index != 0)
+    if log_dir is None:  # no sweep log directory to keep it: it travels with the result
+        outcome |= ServingOutcome(artifacts={"logs/server.log": served.server.log_path.read_text(errors="replace")})
+    return outcome | ServingOutcome(tags=_load_verdict(verdicts, named))
+
+
+def _skipped_tags(name: str, why: str, primary: bool) -> dict[str, str]:
+    found = {UNAVAILABLE_TAG + f"workload/{name}": why}
+    if primary:  # the plain keys are the primary workload's: say why the decision has none
+        found |= {UNAVAILABLE_TAG + figure: why for figure in ("goodput", "usd_per_mtok")}
+    return found
+
+
+def _load_verdict(verdicts: list[tuple[str, Contention]], named: bool) -> dict[str, str]:
+    """Whether other work competed with any workload's load (each named where there are several)."""
+    if not verdicts:
+        return {}
+    contended = any(verdict.contended for _, verdict in verdicts)
+    shown = [verdict.reason if not named else f"workload {name}: {verdict.reason}" for name, verdict in verdicts]
+    return {CONTENDED_TAG: str(contended).lower(), CONTENTION_TAG: "; ".join(shown)}
+
+
+def _keep_log(path: Path, log_dir: Path | None, variant: str) -> None:
+    if log_dir is not None and path.is_file():
+        with side_log(log_dir, variant, "guidellm").open("a") as log:
+            log.write(path.read_text(errors="replace"))
+
+
+WORKLOAD_KEY = "workload/"  # cost/serving/workload/<name>/<figure>, and the tags alike
+# What the server is, not what one workload measured: tagged once.
+_SERVER_TAGS = frozenset({SERVING_TAG + "engine", SERVING_TAG + "goodput_definition"})
+
+
+@dataclass(frozen=True)
+class _WorkloadLoad:
+    """One workload's load on the server: its `cost/serving/*` figures (plain keys), the batch-1 figures where it
+    timed them, and whether other work competed with it."""
+
+    figures: ServingOutcome
+    single_stream: ServingOutcome
+    verdict: Contention
+
+    def scoped(self, name: str, artifacts: bool) -> ServingOutcome:
+        """Its figures under keys that name the workload: cost/serving/workload/<name>/..., its tags alike."""
+        prefix = f"cost/serving/{WORKLOAD_KEY}{name}/"
+        metrics = {
+            prefix + key.removeprefix("cost/serving/"): value
+            for key, value in self.figures.metrics.items()
+            if key.startswith("cost/serving/")
+        }
+        tags = {SERVING_TAG + f"{WORKLOAD_KEY}{name}/contention": self.verdict.reason}
+        for tag, value in self.figures.tags.items():
+            if tag.startswith(UNAVAILABLE_TAG):
+                tags[UNAVAILABLE_TAG + f"{WORKLOAD_KEY}{name}/" + tag.removeprefix(UNAVAILABLE_TAG)] = value
+            elif tag.startswith(SERVING_TAG) and tag not in _SERVER_TAGS:
+                tags[SERVING_TAG + f"{WORKLOAD_KEY}{name}/" + tag.removeprefix(SERVING_TAG)] = value
+        shown = {
+            f"serving/{WORKLOAD_KEY}{name}/" + key.removeprefix("serving/"): value
+            for key, value in self.figures.artifacts.items()
+            if artifacts and key.startswith("serving/")
+        }
+        return ServingOutcome(metrics=metrics, tags=tags, artifacts=shown)
+
+
+def _serve_workload(
+    served: ServedVariant,
+    load_generator: LoadGenerator,
+    settings: ServingSettings,
+    measure: MeasureSettings,
+    prompts: Path | None,
+    dtype: torch.dtype,
+    cost_metrics: dict[str, float],
+    log_dir: Path | None,
+    stream: SingleStream | None,
+    workload: str | None,
+) -> _WorkloadLoad:
+    """guidellm's load of one request shape (`settings`' prompt and output tokens) at every level, its contended runs
+    re-run, summarized."""
+    report_path = load_generator.report_path
     spec = scenario(settings, served.engine.name, served.server.url, served.checkpoint, prompts, report_path)
     per_run = settings.requests_per_level * settings.request_timeout_s
     budget = max(len(settings.concurrency) * settings.runs_per_level(), settings.levels) * per_run + 300
@@ -462,11 +604,9 @@ def serve_load(
     sampler = LoadSampler(served.launch.threads)  # each run's own reading, from guidellm's windows
     with LoadMonitor(served.launch.threads, tree=True) as load:  # the server and guidellm are this stage's own
         sampler.sample()
-        report = served.load.run(spec, served.server, budget, on_poll=sampler.sample)
+        report = load_generator.run(spec, served.server, budget, on_poll=sampler.sample)
         sampler.sample()
     artifacts: dict[str, str | bytes] = {REPORT_ARTIFACT: report_path.read_text()}
-    if log_dir is None:  # no sweep log directory to keep it: it travels with the result
-        artifacts |= {"logs/server.log": served.server.log_path.read_text(errors="replace")}
 
     runs = load_levels(report)
     retaken = _retake_contended(runs, sampler, load.reading, served, settings, prompts, log_dir, per_run + 300)
@@ -475,10 +615,6 @@ def serve_load(
     _check_output_lengths(runs, settings)
     levels = [pooled(each) for each in runs_by_level(runs).values()]
     timed = _single_stream_outcome(levels, stream, measure.batch_sizes[0], cost_metrics, load.reading)
-    # for every profile: goodput and $/Mtok are timings too
-    judged = ServingOutcome(
-        tags={CONTENDED_TAG: str(retaken.verdict.contended).lower(), CONTENTION_TAG: retaken.verdict.reason}
-    )
     shape = ModelShape.from_config(config_dict(served.checkpoint / "config.json"))
     peak = max(levels, key=lambda level: level.output_tokens_per_s)
     summary = summarize(
@@ -488,19 +624,16 @@ def serve_load(
         _modeled(shape, served.engine, cost_metrics | timed.metrics, dtype, settings, peak),
         retaken.contended,
     )
-    title = f"{served.variant}: {served.engine.label}, {settings.prompt_tokens} prompt + {settings.output_tokens} output tokens"
+    shape_words = f"{settings.prompt_tokens} prompt + {settings.output_tokens} output tokens"
+    title = f"{served.variant}: {served.engine.label}, {f'{workload}, ' if workload else ''}{shape_words}"
     artifacts[CHART_ARTIFACT] = throughput_latency_chart({served.variant: levels}, title, settings.slo)
-    return (
-        facts
-        | timed
-        | judged
-        | ServingOutcome(
-            metrics=summary.to_metrics(),
-            params=_load_params(summary),
-            tags=summary.to_tags(served.engine.name),
-            artifacts=artifacts,
-        )
+    figures = ServingOutcome(
+        metrics=summary.to_metrics(),
+        params=_load_params(summary),
+        tags=summary.to_tags(served.engine.name),
+        artifacts=artifacts,
     )
+    return _WorkloadLoad(figures, timed, retaken.verdict)
 
 
 @dataclass(frozen=True)
@@ -584,16 +717,14 @@ def _run_again(
     streams = [int(run.label.removeprefix("c")) for run in runs]
     with tempfile.TemporaryDirectory(prefix=f"quantlab-load-{served.variant}-") as scratch:
         work = Path(scratch)
-        with LoadGenerator(work, work / "guidellm.log", _workers("cpu" if served.gpu_name is None else "cuda")) as load:
+        with LoadGenerator(work, work / "guidellm.log", _served_workers(served)) as load:
             spec = scenario(
                 settings, served.engine.name, served.server.url, served.checkpoint, prompts, load.report_path, streams
             )
             try:
                 report = load.run(spec, served.server, budget_per_run * len(runs), on_poll=sampler.sample)
             finally:
-                if log_dir is not None and (work / "guidellm.log").is_file():
-                    with side_log(log_dir, served.variant, "guidellm").open("a") as log:
-                        log.write((work / "guidellm.log").read_text(errors="replace"))
+                _keep_log(work / "guidellm.log", log_dir, served.variant)
             sampler.sample()
         found = load_levels(report)
         text = json.dumps(report)
@@ -636,6 +767,10 @@ def _single_stream_outcome(
 
 def _workers(device: str) -> int | None:
     return 1 if device == "cpu" else None
+
+
+def _served_workers(served: ServedVariant) -> int | None:
+    return _workers("cpu" if served.gpu_name is None else "cuda")
 
 
 def _check_output_lengths(levels: list[LoadLevel], settings: ServingSettings) -> None:
