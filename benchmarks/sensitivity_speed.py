@@ -1,9 +1,9 @@
-"""How long `quantlab sensitivity --by block` takes on the embedded model, and whether its quick approximation
+"""How long `quantlab sensitivity rank --by block` takes on the embedded model, and whether its quick approximation
 (`--rounded`: round-to-nearest in the variant's format) ranks the blocks as the method itself does.
 
 From a cache holding only the model source's conversion (as a sweep starts from a warm cache), one process each:
 
-1. `quantlab sensitivity RECIPE --variant V`: builds the baseline, its reference pass and the variant's own
+1. `quantlab sensitivity rank RECIPE --variant V`: builds the baseline, its reference pass and the variant's own
    checkpoint (AWQ's calibration included), then measures every block; the issue's budget is 3 minutes on 2 cores;
 2. the same command again: nothing to measure (kept groups), only the ranking logged again;
 3. `--rounded`: a round-to-nearest copy instead of the variant's checkpoint, every block measured again.
@@ -44,7 +44,7 @@ def sensitivity(args: argparse.Namespace, cache: Path, store: str, *flags: str) 
     """Seconds the command took, and its ranking (sensitivity.json as logged, read back from the cache)."""
     import os
 
-    command = [sys.executable, "-m", "quantlab", "sensitivity", str(args.recipe), "--variant", args.variant]
+    command = [sys.executable, "-m", "quantlab", "sensitivity", "rank", str(args.recipe), "--variant", args.variant]
     command += ["--tracking-uri", store, "--cache-dir", str(cache), *flags]
     started = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True, env=os.environ | OFFLINE_ENV)
@@ -99,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.parent.name for p in (cache / "sensitivity").glob(f"*/{GROUPS_FILE}") if (p.parent / DAMAGE_FILE).is_file()
     ]
     lines = [
-        f"sensitivity --by block of {args.variant} ({args.recipe.name}), {len(fast['ranking'])} blocks:",
+        f"sensitivity rank --by block of {args.variant} ({args.recipe.name}), {len(fast['ranking'])} blocks:",
         f"  from a cache with only the source's conversion (builds {args.variant}'s checkpoint): {calibrated_seconds:.1f} s",
         f"  the same again: {again_seconds:.1f} s, blocks measured: {again['tags']['quantlab.groups_computed']}",
         f"  --rounded (a round-to-nearest copy, every block): {fast_seconds:.1f} s",

@@ -198,19 +198,47 @@ def sweep(
     raise typer.Exit(outcome.exit_code)
 
 
-@app.command("sensitivity")
-def sensitivity_command(
-    recipe: Annotated[Path, typer.Argument(help="Recipe YAML, e.g. recipes/smollm2-135m.yaml.")],
-    variant: Annotated[
-        str | None, typer.Option(help="The quantized variant whose damage to locate, e.g. awq-int4-g64.")
-    ] = None,
-    by: Annotated[
-        str,
-        typer.Option(
-            help="block: one group per decoder block. module: one group per kind of module within each block "
-            "(its attention projections, its MLP projections)."
-        ),
-    ] = "block",
+class _SensitivityJobs(typer.core.TyperGroup):
+    """`quantlab sensitivity` needs a job's name first. Anything else there (a recipe path, an option: the form of
+    scripts written for one command with both jobs) is one line of bad input showing both jobs' usage, where click
+    would print its usage box around "No such command 'recipes/x.yaml'"."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ctx.help_option_names:
+            raise bad_input(
+                "quantlab sensitivity",
+                "",
+                "name the job first: `quantlab sensitivity rank RECIPE --variant V` (rank one variant's layer groups) "
+                "or `quantlab sensitivity mix RECIPE --budget-bits B --formats F1,F2,...` (a format per group under "
+                f"a bit budget); got '{args[0]}'",
+            )
+        return super().parse_args(ctx, args)
+
+
+sensitivity_app = typer.Typer(
+    help="Which layers of a quantized variant do the damage: rank them, or choose a format per group of layers "
+    "under a bit budget.",
+    no_args_is_help=True,
+    cls=_SensitivityJobs,
+)
+app.add_typer(sensitivity_app, name="sensitivity")
+
+SensitivityRecipe = Annotated[Path, typer.Argument(help="Recipe YAML, e.g. recipes/smollm2-135m.yaml.")]
+GroupBy = Annotated[
+    str,
+    typer.Option(
+        help="block: one group per decoder block. module: one group per kind of module within each block "
+        "(its attention projections, its MLP projections)."
+    ),
+]
+MeasureAgain = Annotated[bool, typer.Option("--force", help="Measure every group again, even those already measured.")]
+
+
+@sensitivity_app.command("rank")
+def sensitivity_rank(
+    recipe: SensitivityRecipe,
+    variant: Annotated[str, typer.Option(help="The quantized variant whose damage to locate, e.g. awq-int4-g64.")],
+    by: GroupBy = "block",
     rounded: Annotated[
         bool,
         typer.Option(
@@ -230,24 +258,7 @@ def sensitivity_command(
         ),
     ] = None,
     keep: Annotated[int, typer.Option(min=1, help="Groups the written variant keeps in BF16.")] = 2,
-    budget_bits: Annotated[
-        float | None,
-        typer.Option(
-            help="Instead of one variant's ranking: the best mix of --formats, a format per group, whose stored bits "
-            "per weight of the blocks' linear layers stay within this budget (least summed KL, measured per group "
-            "and format as the mix quantizes it: a preset's own checkpoint, AWQ/GPTQ/SmoothQuant round-to-nearest); "
-            "--write-recipe adds it as a variant.",
-        ),
-    ] = None,
-    formats: Annotated[
-        str | None,
-        typer.Option(
-            help="With --budget-bits: the formats (method names; bf16 = left unquantized), e.g. nvfp4,fp8,bf16."
-        ),
-    ] = None,
-    force: Annotated[
-        bool, typer.Option("--force", help="Measure every group again, even those already measured.")
-    ] = False,
+    force: MeasureAgain = False,
     tracking_uri: TrackingUri = None,
     cache_dir: CacheDir = None,
 ) -> None:
@@ -257,84 +268,124 @@ def sensitivity_command(
     top-1 agreement and perplexity against the baseline's reference pass over the quality corpus (the sweep's own,
     computed once). Logs an MLflow run of role `sensitivity` (under a parent of its own) with every group's figures,
     the ranking as JSON and a bar chart. Finished groups are kept as they finish: running it again, or after an
-    interruption, measures only what is missing. Exit 0 done; 2 bad input.
+    interruption, measures only what is missing. Exit 0 done; 1 failed; 2 bad input.
     """
+    from quantlab.sensitivity.command import check_request, run_sensitivity
+
+    loaded, options = _sensitivity_job(
+        recipe, tracking_uri, cache_dir, by=by, rounded=rounded, force=force, write_recipe=write_recipe, keep=keep
+    )
+    check_request(loaded, variant, options)
+    with _measuring() as (terminal, log), _group_bar(terminal) as progress:
+        outcome = run_sensitivity(loaded, variant, replace(options, log=log), progress)
+    _print_sensitivity(outcome, keep)
+    _print_logged(options.tracking_uri, loaded.recipe.name, outcome.experiment_id, outcome.run_id)
+
+
+@sensitivity_app.command("mix")
+def sensitivity_mix(
+    recipe: SensitivityRecipe,
+    budget_bits: Annotated[
+        float,
+        typer.Option(
+            help="Stored bits per weight that the mix may spend on the blocks' linear layers, scales and packing "
+            "included."
+        ),
+    ],
+    formats: Annotated[
+        str,
+        typer.Option(
+            help="The formats to choose between (method names; bf16 = left unquantized), e.g. nvfp4,fp8,bf16."
+        ),
+    ],
+    by: GroupBy = "block",
+    write_recipe: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write a copy of RECIPE here with the mix as one more variant (a `mixed` one when it uses more than "
+            "one quantized format), for the next sweep to measure whole and place on the frontier."
+        ),
+    ] = None,
+    force: MeasureAgain = False,
+    tracking_uri: TrackingUri = None,
+    cache_dir: CacheDir = None,
+) -> None:
+    """Choose a format per group of layers: the least summed KL within a budget of stored bits per weight.
+
+    Measures each group's damage in each quantizing format, one group at a time, as the mix quantizes it (a preset's
+    own checkpoint; AWQ, GPTQ and SmoothQuant rounded to nearest): a run of role `sensitivity` per format, kept and
+    resumable as a ranking's. Then solves the choice exactly and prints each group's format beside the figures it was
+    chosen on; the sum assumes the groups' damages add up, which a sweep of the written variant checks.
+    Exit 0 done; 1 failed; 2 bad input (a budget no mix of the formats meets included).
+    """
+    from quantlab.sensitivity.command import check_formats, run_budget_mix
+
+    loaded, options = _sensitivity_job(recipe, tracking_uri, cache_dir, by=by, force=force, write_recipe=write_recipe)
+    names = [name.strip() for name in formats.split(",") if name.strip()]
+    check_formats(loaded, names, budget_bits, options)
+    with _measuring() as (terminal, log), _group_bar(terminal) as progress:
+        outcome = run_budget_mix(loaded, names, budget_bits, replace(options, log=log), progress)
+    _print_mix(outcome, budget_bits)
+
+
+def _sensitivity_job(recipe: Path, tracking_uri: str | None, cache_dir: Path | None, **options):
+    """The checked recipe and a sensitivity job's options (bad input raises here, before any work)."""
     from quantlab import tracking
     from quantlab.cache import default_root
     from quantlab.checks import validate
-    from quantlab.sensitivity.command import SensitivityOptions, check_request, run_sensitivity
-    from quantlab.sensitivity.probe import CannotIsolate
+    from quantlab.sensitivity.command import SensitivityOptions
 
-    if by not in ("block", "module"):
-        raise bad_input("--by", "", f"'{by}' is not one of: block, module")
     cache_root = (cache_dir or default_root()).resolve()
     loaded = validate(recipe, cache_root)
-    options = SensitivityOptions(
-        tracking.open_store(tracking_uri).uri, cache_root, by, rounded, force, write_recipe, keep
-    )
-    if budget_bits is not None or formats is not None:
-        _budget_mix(loaded, budget_bits, formats, options)
-        return
-    if variant is None:
-        raise bad_input("--variant", "", "required: the variant to rank (or --budget-bits with --formats for a mix)")
-    check_request(loaded, variant, options)
-    log = Path(tempfile.mkstemp(prefix="quantlab-sensitivity-", suffix=".log")[1])
-    with (
-        _output_to(log) as terminal,
-        Progress(
-            SpinnerColumn(),
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=terminal,
-        ) as bar,
-    ):
-        task = bar.add_task("starting", total=None)
-
-        def progress(what: str, done: int, total: int) -> None:
-            bar.update(task, description=what, completed=done, total=total or None)
-
-        with _failure_logged(log, terminal):
-            try:
-                outcome = run_sensitivity(loaded, variant, replace(options, log=log), progress)
-            except CannotIsolate as error:  # found once the models are loaded: the runs it started are marked FAILED
-                raise bad_input("--by", "", str(error)) from None
-            except BaseException as error:
-                if stopping.stopped(error) is None:
-                    raise
-                terminal.print(
-                    f"{_sentence(stopping.reason(error))}: the groups measured so far are kept; run the same "
-                    "command again to go on."
-                )
-                raise typer.Exit(stopping.exit_code(error)) from None
-    log.unlink(missing_ok=True)
-    _print_sensitivity(outcome, keep)
-    uri = options.tracking_uri
-    out.print(f"Logged to {tracking.shown_uri(uri)}, experiment '{loaded.recipe.name}', run {outcome.run_id}.")
-    if (address := tracking.run_address(uri, outcome.experiment_id, outcome.run_id)) is not None:
-        out.print(f"View it at {address}")
+    return loaded, SensitivityOptions(tracking.open_store(tracking_uri).uri, cache_root, **options)
 
 
-def _budget_mix(loaded, budget_bits: float | None, formats: str | None, options) -> None:
-    """`quantlab sensitivity --budget-bits B --formats F1,F2,...`: measure, choose, print, write."""
+@contextmanager
+def _measuring() -> Iterator[tuple[Console, Path]]:
+    """A sensitivity job's measuring: the libraries' output into a log file (removed once done, named on failure);
+    bad input found only once the models are loaded is still one line, exit 2; a stop says what is kept."""
     from quantlab.sensitivity.budget import InfeasibleBudget
-    from quantlab.sensitivity.command import check_formats, run_budget_mix
+    from quantlab.sensitivity.probe import CannotIsolate
 
-    if budget_bits is None or formats is None:
-        raise bad_input(
-            "--budget-bits" if budget_bits is None else "--formats", "", "needs the other: a mix needs both"
-        )
-    names = [name.strip() for name in formats.split(",") if name.strip()]
-    check_formats(loaded, names, budget_bits, options)
     log = Path(tempfile.mkstemp(prefix="quantlab-sensitivity-", suffix=".log")[1])
     with _output_to(log) as terminal, _failure_logged(log, terminal):
         try:
-            outcome = run_budget_mix(loaded, names, budget_bits, replace(options, log=log), lambda *_: None)
-        except InfeasibleBudget as error:  # known once each format's bits are read
-            raise bad_input("--budget-bits", "", str(error)) from None
+            yield terminal, log
+        except (CannotIsolate, InfeasibleBudget) as error:  # known only once the models are loaded or measured
+            log.unlink(missing_ok=True)  # nothing to debug; a run it failed holds the log already
+            raise bad_input("--by" if isinstance(error, CannotIsolate) else "--budget-bits", "", str(error)) from None
+        except BaseException as error:
+            if stopping.stopped(error) is None:
+                raise
+            terminal.print(
+                f"{_sentence(stopping.reason(error))}: the groups measured so far are kept; run the same "
+                "command again to go on."
+            )
+            raise typer.Exit(stopping.exit_code(error)) from None
     log.unlink(missing_ok=True)
-    _print_mix(outcome, budget_bits)
+
+
+@contextmanager
+def _group_bar(terminal: Console) -> Iterator:
+    """A progress bar on the terminal, and the callback (what, done, total) that moves it."""
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=terminal) as bar:
+        task = bar.add_task("starting", total=None)
+        yield lambda what, done, total: bar.update(task, description=what, completed=done, total=total or None)
+
+
+def _print_logged(uri: str, experiment: str, experiment_id: str, run_id: str) -> None:
+    from quantlab import tracking
+
+    out.print(f"Logged to {tracking.shown_uri(uri)}, experiment '{experiment}', run {run_id}.")
+    if (address := tracking.run_address(uri, experiment_id, run_id)) is not None:
+        out.print(f"View it at {address}")
 
 
 def _print_mix(outcome, budget_bits: float) -> None:

@@ -47,8 +47,8 @@ def embedded(tmp_path_factory):
     recipe = yaml.safe_load((REPO / "recipes" / "smollm2-135m.yaml").read_text())
     recipe["evals"]["include_path"] = str(REPO / "evals")
     recipe["evals"]["tasks"] = [{"name": "mmlu_dev", "limit": 12}, {"name": "pydoc_cloze", "limit": 40}]
-    # Half the quality corpus: `quantlab sensitivity` (below) runs it once per block, twice; its ranking is the same
-    # at 512 tokens as at 1,024 (first block layers.29, rank correlation 0.66 against 0.67), in half the time.
+    # Half the quality corpus: `quantlab sensitivity rank` (below) runs it once per block, twice; its ranking is the
+    # same at 512 tokens as at 1,024 (first block layers.29, rank correlation 0.66 against 0.67), in half the time.
     recipe["quality"]["max_tokens"] = 512
     # Service levels a 2-core CPU meets: the default's 200 ms ITL sits at the embedded FP8 server's own (fake-quantized
     # activations: 192 ms at c1 in one CI run, where half its requests missed and it had no goodput, so no USD per
@@ -295,14 +295,15 @@ def test_reviewer_sees_variants_metrics_and_frontier_in_a_browser(embedded, ui_s
 
 
 def test_sensitivity_by_block_ranks_awq_like_its_rounded_approximation(embedded):
-    """`quantlab sensitivity` after the sweep: the AWQ checkpoint and the baseline's reference pass come from the
+    """`quantlab sensitivity rank` after the sweep: the AWQ checkpoint and the baseline's reference pass come from the
     sweep's cache (every block at once is exactly the sweep's AWQ variant), and `--rounded`'s quick ranking agrees
     with AWQ's own as far as benchmarks/README.md says (the same first block; rank correlation 0.665 there)."""
     from quantlab.sensitivity.groups import rank_correlation
 
     work, uri, _ = embedded
     store = f"sqlite:///{work / 'sensitivity.db'}"
-    args = ["sensitivity", str(work / "recipe.yaml"), "--variant", "awq-int4-g64", "--cache-dir", str(work / "cache")]
+    args = ["sensitivity", "rank", str(work / "recipe.yaml"), "--variant", "awq-int4-g64"]
+    args += ["--cache-dir", str(work / "cache")]
     rankings = {}
     for flags in ((), ("--rounded",)):
         result = quantlab(*args, *flags, "--tracking-uri", store, cwd=work, timeout=1200)

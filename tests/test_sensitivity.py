@@ -1,10 +1,12 @@
-"""`quantlab sensitivity`: groups, ranking and the written recipe (pure, table-driven); then the real command on the
-tiny Llama (real llm-compressor rounding, real MLflow store): the block made hard to quantize ranks first, and a
-second run, or one resumed after an interruption, measures only what is missing."""
+"""`quantlab sensitivity rank` and `mix`: groups, ranking and the written recipe (pure, table-driven); then the real
+command on the tiny Llama (real llm-compressor rounding, real MLflow store): the block made hard to quantize ranks
+first, a second run, or one resumed after an interruption, measures only what is missing, and the budget mix spends
+its bits on the block INT4 damages."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -147,6 +149,7 @@ def test_the_block_made_hard_to_quantize_ranks_first_and_is_kept_in_bf16(tmp_pat
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     common = ["--tracking-uri", uri, "--cache-dir", str(tmp_path / "cache")]
     result = _sensitivity(
+        "rank",
         str(recipe),
         "--variant",
         "awq",
@@ -187,6 +190,7 @@ def test_a_second_run_measures_nothing_and_an_interrupted_one_only_what_is_missi
     recipe = write(tmp_path / "tiny.yaml", tiny_recipe(tiny_llama.path))
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     args = [
+        "rank",
         str(recipe),
         "--variant",
         "fp8",
@@ -222,11 +226,11 @@ def test_by_module_refuses_a_method_that_rescaled_norms_outside_the_groups(tmp_p
     made, so --by module would measure something else. By block (norms inside) it works."""
     recipe = write(tmp_path / "tiny.yaml", tiny_recipe(tiny_llama.path))
     common = ["--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--cache-dir", str(tmp_path / "cache")]
-    by_module = _sensitivity(str(recipe), "--variant", "awq", "--by", "module", *common, cwd=tmp_path)
+    by_module = _sensitivity("rank", str(recipe), "--variant", "awq", "--by", "module", *common, cwd=tmp_path)
     assert by_module.returncode == 2, by_module.stdout[-3000:] + by_module.stderr[-3000:]
     [line] = by_module.stderr.strip().splitlines()
     assert "--by: awq's method also changed model.layers.0.input_layernorm" in line and "use --by block" in line
-    by_block = _sensitivity(str(recipe), "--variant", "awq", *common, cwd=tmp_path)
+    by_block = _sensitivity("rank", str(recipe), "--variant", "awq", *common, cwd=tmp_path)
     assert by_block.returncode == 0, by_block.stdout[-3000:] + by_block.stderr[-3000:]
     assert "awq_int4 itself, from the variant's own checkpoint" in by_block.stdout
 
@@ -244,24 +248,52 @@ def test_rank_correlation(first, second, expected):
 
 
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("job", "args", "message"),
     [
-        (["--variant", "fp9"], "--variant: 'fp9' is not a variant of"),
-        (["--variant", "bf16"], "'bf16' (bf16) quantizes nothing"),
-        (["--variant", "fp8", "--by", "layer"], "--by: 'layer' is not one of: block, module"),
-        (["--variant", "fp8", "--write-recipe", "/no/such/dir/x.yaml"], "--write-recipe: no such directory"),
+        ("rank", ["--variant", "fp9"], "--variant: 'fp9' is not a variant of"),
+        ("rank", ["--variant", "bf16"], "'bf16' (bf16) quantizes nothing"),
+        ("rank", ["--variant", "fp8", "--write-recipe", "/no/such/dir/x.yaml"], "--write-recipe: no such directory"),
+        # both jobs check --by alike (test_a_wrong_budget_request_... checks the rest of a mix's input)
+        ("mix", ["--budget-bits", "5", "--formats", "fp8,bf16", "--by", "layer"], "--by: 'layer' is not one of"),
     ],
 )
-def test_bad_input_is_one_line_exit_2_and_no_run(tmp_path, tiny_llama, args, message):
+def test_bad_input_is_one_line_exit_2_and_no_run(tmp_path, tiny_llama, job, args, message):
     recipe = write(tmp_path / "tiny.yaml", tiny_recipe(tiny_llama.path))
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     result = _sensitivity(
-        str(recipe), *args, "--tracking-uri", uri, "--cache-dir", str(tmp_path / "cache"), cwd=tmp_path
+        job, str(recipe), *args, "--tracking-uri", uri, "--cache-dir", str(tmp_path / "cache"), cwd=tmp_path
     )
     assert result.returncode == 2, result.stderr
     [line] = result.stderr.strip().splitlines()
     assert message in line
     assert not (tmp_path / "cache" / "sensitivity").exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["recipe.yaml", "--variant", "fp8"], ["--budget-bits", "5", "--formats", "fp8,bf16", "recipe.yaml"]],
+    ids=["recipe-first", "option-first"],
+)
+def test_without_a_job_it_is_one_line_naming_both_jobs(tmp_path, args):
+    result = _sensitivity(*args, cwd=tmp_path)
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    [line] = result.stderr.strip().splitlines()
+    assert "`quantlab sensitivity rank RECIPE --variant V`" in line, line
+    assert "`quantlab sensitivity mix RECIPE --budget-bits B --formats F1,F2,...`" in line, line
+
+
+@pytest.mark.parametrize(
+    ("job", "own", "others"),
+    [
+        ("rank", {"--variant", "--rounded", "--keep", "--by", "--write-recipe"}, {"--budget-bits", "--formats"}),
+        ("mix", {"--budget-bits", "--formats", "--by", "--write-recipe"}, {"--variant", "--rounded", "--keep"}),
+    ],
+)
+def test_each_job_takes_only_its_own_options(tmp_path, job, own, others):
+    result = _sensitivity(job, "--help", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    named = set(re.findall(r"--[a-z][a-z-]*", result.stdout))
+    assert own <= named and not others & named, named
 
 
 def test_the_budget_mix_spends_its_bits_on_the_block_int4_damages(tmp_path, tiny_llama):

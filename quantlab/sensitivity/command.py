@@ -1,6 +1,7 @@
-"""`quantlab sensitivity` in MLflow: a parent run of its own (role `sensitivity-sweep`, so that a sweep's tools never
-take it for a sweep) holding one run of role `sensitivity` with each group's figures, the ranking as JSON and a bar
-chart; and, when asked, a copy of the recipe with a variant that keeps the most damaging groups in BF16."""
+"""`quantlab sensitivity rank` and `mix` in MLflow: a parent run of its own (role `sensitivity-sweep`, so that a
+sweep's tools never take it for a sweep) holding one run of role `sensitivity` with each group's figures, the ranking
+as JSON and a bar chart (a mix: one per format); and, when asked, a copy of the recipe with one more variant: the
+ranked variant keeping its most damaging groups in BF16, or the mix."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 from contextlib import suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import get_args
 
 from quantlab import tracking
 from quantlab.errors import BadInput, Problem, bad_input, did_you_mean
@@ -76,6 +78,8 @@ def check_request(loaded: LoadedRecipe, variant: str, options: SensitivityOption
 
 def _measure_and_write_problems(loaded: LoadedRecipe, options: SensitivityOptions) -> list[Problem]:
     problems = []
+    if options.by not in get_args(By):
+        problems.append(Problem("--by", "", f"'{options.by}' is not one of: {', '.join(get_args(By))}"))
     if not loaded.recipe.quality.enabled:
         why = "sensitivity compares each group with the baseline's reference pass over the quality corpus"
         problems.append(Problem(str(loaded.path), "quality.enabled", f"is false: {why}"))
@@ -193,7 +197,7 @@ def _write_recipe(
     kept = [item.group for item in ranking[: options.keep]]
     text = recipe_keeping(loaded.text, loaded.path.parent, target.parent, raw, name, kept)
     header = (
-        f"# Written by `quantlab sensitivity {loaded.path.name} --variant {variant} --by {options.by} "
+        f"# Written by `quantlab sensitivity rank {loaded.path.name} --variant {variant} --by {options.by} "
         f"--keep {options.keep}`: {name} keeps {', '.join(g.name for g in kept)} in BF16.\n"
     )
     return _write_validated(target, header + text, options.cache_root), name
@@ -386,7 +390,7 @@ def _write_mix(
         text = recipe_with_variant(loaded.text, loaded.path.parent, target.parent, mixed_variant(name, parts))
     summary = ", ".join(f"{group}: {fmt}" for group, fmt in mix.chosen.items())
     header = (
-        f"# Written by `quantlab sensitivity {loaded.path.name} --budget-bits ... --formats {','.join(formats)}`: "
+        f"# Written by `quantlab sensitivity mix {loaded.path.name} --budget-bits ... --formats {','.join(formats)}`: "
         f"{name} ({summary}), {mix.bits_per_weight:.3f} stored bits per weight of the blocks' linear layers.\n"
     )
     return _write_validated(target, header + text, options.cache_root), name
