@@ -189,8 +189,9 @@ def serving_problems(
             problems.append(Problem(shown, "serving.engine", message))
         if variant.kv_cache is not None and (why := engine.kv_cache_problem(variant.kv_cache.format, device)):
             problems.append(Problem(shown, f"variants[{index}] ({variant.name}).kv_cache", why))
-        for field_name, why in METHODS[variant.method].check_served(variant.params, engine.name):
-            problems.append(Problem(shown, f"variants[{index}] ({variant.name}).params.{field_name}", why))
+        group_size = getattr(variant.params, "group_size", None)
+        if group_size is not None and (why := engine.group_size_problem(stored, device, group_size)):
+            problems.append(Problem(shown, f"variants[{index}] ({variant.name}).params.group_size", why))
     if recipe.evals.engine != "reference" and not engine.scores_prompts:
         message = (
             f"{recipe.evals.engine} scoring goes through the server, and {engine.label} returns no prompt "

@@ -27,7 +27,7 @@ from tiny import save_tiny_llama, with_bos_template
 from quantlab.cache import default_root
 from quantlab.evaluate.served_damage import parse_prompt_logprobs, topk_kld
 from quantlab.models import cpu_has_bf16_matmuls
-from quantlab.quantize import METHODS, declared_support
+from quantlab.quantize import METHODS
 from quantlab.serving.engines import ENGINES, Launch
 from quantlab.serving.engines.base import host_cpu_flags, kernels_in_log
 from quantlab.serving.environments import EngineMissing, engine_python, python_problem
@@ -124,7 +124,7 @@ def test_every_engine_serves_every_method_on_every_device(engine, method, device
     ],
 )
 def test_what_vllm_runs_a_format_with(stored, device, kernel, served_as):
-    support = declared_support("vllm", stored, device)  # what this CPU lacks of it: the test above
+    support = VLLM.formats[stored][device]  # what this CPU lacks of it: the test above
     assert (support.kernel, support.served_as) == (kernel, served_as)
     assert VLLM.supports("NVFP4_UNKNOWN", device) is None  # a format it has no entry for: refused, not guessed
 
@@ -304,7 +304,7 @@ def test_an_engine_without_an_environment_says_how_to_make_one(tmp_path, monkeyp
                 ],
             },
             {},
-            "variants[1] (w4a8).params.group_size: vLLM's W4A8-FP8 kernels take groups of 128 only, not 32",
+            "variants[1] (w4a8).params.group_size: vLLM's W4AFP8 kernels on cuda take groups of 128 only, not 32",
         ),
     ],
 )

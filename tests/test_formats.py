@@ -28,7 +28,7 @@ from quantlab.measure.checkpoint import CheckpointFacts
 from quantlab.measure.modeled import ModelShape, config_dict, weight_counts
 from quantlab.models import load_checkpoint, resolve_source, rowwise_fp8
 from quantlab.policy import Policy
-from quantlab.quantize import METHODS, declared_support
+from quantlab.quantize import METHODS
 from quantlab.recipe import ModelSpec, Recipe
 from quantlab.report import render_markdown, variants_table
 from quantlab.serving.engines import ENGINES
@@ -192,15 +192,14 @@ def test_engine_support_is_each_methods_own_declaration():
     )
     assert all(vllm.supports(method.stored_format, "cuda") for method in single.values())
     assert vllm.supports("NVFP4", "cuda").served_as.startswith("NVFP4A16")
-    declared = METHODS["fp8_block"].served["vllm"]["cpu"]
+    declared = vllm.formats["FP8_BLOCK"]["cpu"]
     assert declared.cpu_flags == ("amx_tile",) and vllm.supports("FP8_BLOCK", "cpu") is (declared if amx else None)
     assert transformers.supports("MXFP4", "cpu").served_as == "dequantized"
-    assert transformers.supports("FP8_DYNAMIC", "cuda") is METHODS["fp8"].served["transformers"]["cuda"]
-    by_format: dict[str | None, list] = {}
-    for method in METHODS.values():
-        by_format.setdefault(method.stored_format, []).append(method.served)
-    assert all(len({repr(served) for served in alike}) == 1 for alike in by_format.values())
-    assert declared_support("vllm", "NVFP4_UNKNOWN", "cuda") is None
+    assert transformers.supports("FP8_DYNAMIC", "cuda") is transformers.formats["FP8_DYNAMIC"]["cuda"]
+    # Every engine's table speaks compressed-tensors' stored formats, the ones the methods store
+    stored = {method.stored_format for method in METHODS.values()}
+    assert all(set(engine.formats) <= stored for engine in ENGINES.values())
+    assert vllm.supports("NVFP4_UNKNOWN", "cuda") is None
 
 
 def _summary(name: str, served_as: str | None, baseline: bool = False) -> VariantSummary:

@@ -1,8 +1,9 @@
-"""Quantization methods by recipe name. A new method is one file plus one line here: what it stores per weight and
-how each serving engine runs it are declared in its own file (`Method.linear_bytes`, `Method.served`)."""
+"""Quantization methods by recipe name. A new method is one file plus one line here: what it stores per weight is
+declared in its own file (`Method.linear_bytes`), and the compressed-tensors format it stores (`Method.stored_format`)
+is what each serving engine's own table looks up (`quantlab.serving.engines`)."""
 
 from quantlab.quantize.awq_int4 import AwqInt4
-from quantlab.quantize.base import Method, Support
+from quantlab.quantize.base import Method
 from quantlab.quantize.bf16 import Bf16
 from quantlab.quantize.fp8 import Fp8
 from quantlab.quantize.fp8_block import Fp8Block
@@ -30,12 +31,3 @@ METHODS: dict[str, type[Method]] = {
     "w4a8_fp8": W4A8Fp8,
 }
 PART_METHODS.update({name: method for name, method in METHODS.items() if method is not Mixed})
-
-
-def declared_support(engine: str, stored_format: str | None, device: str) -> Support | None:
-    """How `engine` runs checkpoints stored in `stored_format` (None: unquantized) on `device`, as the methods that
-    store that format declare it (methods sharing a format declare it alike); None: no method declares it."""
-    for method in METHODS.values():
-        if method.stored_format == stored_format and (support := method.served.get(engine, {}).get(device)):
-            return support
-    return None

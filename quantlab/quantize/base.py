@@ -28,34 +28,6 @@ class MethodParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-@dataclass(frozen=True)
-class Support:
-    """How a serving engine runs a method's checkpoints on one kind of device: the kernel it is expected to choose
-    (the one it really chose is read from its log) and what a reviewer should know about it."""
-
-    kernel: str
-    note: str = ""
-    # The format the engine really computes, when not the stored one (a weight-only fallback, an emulation): the
-    # "served as" label of the report and `pick`.
-    served_as: str | None = None
-    # CPU features its kernels need, as /proc/cpuinfo's flags name them: a CPU without them cannot serve the format
-    # with this engine (vLLM's CPU FP8 block kernels need AMX tiles, which AMD EPYC and Intel before Sapphire Rapids
-    # lack: its engine fails at start-up, "Failed to find a kernel that can implement the ScaledMM linear layer").
-    cpu_flags: tuple[str, ...] = ()
-
-
-# vLLM's CPU build loads its AVX-512 ops library only where torch reports AVX-512 (F, BW, DQ and VL), else its AVX2
-# one, which has no `cpu_gemm_wna16`: a W4A16 server then starts, and dies when it first runs such a layer
-# ("'_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'", on an AMD EPYC with AVX2 alone).
-AVX512 = ("avx512f", "avx512bw", "avx512dq", "avx512vl")
-
-
-# engine name (quantlab.serving.engines.ENGINES) -> device ("cpu", "cuda") -> how it runs the method's checkpoints.
-# A device missing: that engine cannot serve them there (the recipe is refused before any work), unless the engine
-# has a generic path of its own (transformers serve dequantizes whatever it is given).
-Served = Mapping[str, Mapping[str, Support]]
-
-
 def divides_widths(field: str, size: int, linear_widths: dict[str, int], fixed: str = "") -> list[tuple[str, str]]:
     """(field, message) when `size` (a group or block of input channels) does not divide every layer's input
     width: a group would straddle two rows of such a layer. `fixed`: the format's own name when its size is not a
@@ -96,11 +68,8 @@ class Method:
     # Whether `rounded` is all that `apply` does (a data-free method): then its own checkpoint serves both.
     rounding_is_the_method: ClassVar[bool] = False
     # The compressed-tensors format of the stored weights (its preset's name), None when nothing is quantized:
-    # what a serving engine looks up to say which kernel runs the checkpoint (quantlab.serving.engines).
+    # what a serving engine looks up to say which kernel runs the checkpoint (`Engine.formats`).
     stored_format: ClassVar[str | None] = None
-    # How each serving engine runs this method's checkpoints (see `Served`); nothing declared: no engine serves
-    # them but through a generic path of its own.
-    served: ClassVar[Served] = {}
 
     @staticmethod
     def linear_bytes(weights: WeightCounts, params: Mapping[str, Any]) -> int | None:
@@ -111,12 +80,6 @@ class Method:
     @staticmethod
     def check_model(params: MethodParams, linear_widths: dict[str, int]) -> list[tuple[str, str]]:
         """(param field, message) for each way these params cannot apply to this model's layers."""
-        return []
-
-    @staticmethod
-    def check_served(params: MethodParams, engine: str) -> list[tuple[str, str]]:
-        """(param field, message) for each way `engine` cannot serve a checkpoint these params make, beyond what
-        `served` declares for the format."""
         return []
 
     @staticmethod
@@ -143,12 +106,6 @@ class GroupwiseInt4(Method):
 
     needs_calibration: ClassVar[bool] = True
     stored_format: ClassVar[str | None] = "W4A16"
-    served: ClassVar[Served] = {
-        "vllm": {
-            "cpu": Support("CPUWNA16LinearKernel", cpu_flags=AVX512),
-            "cuda": Support("Machete (Hopper) or Marlin W4A16"),
-        },
-    }
 
     @staticmethod
     def linear_bytes(weights: WeightCounts, params: Mapping[str, Any]) -> int:

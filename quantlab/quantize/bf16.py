@@ -1,15 +1,9 @@
 """The baseline: the model's weights in bfloat16, saved as they are."""
 
-from typing import ClassVar
-
-from quantlab.quantize.base import Method, Served, Support
+from quantlab.quantize.base import Method
 
 
 class Bf16(Method):
-    served: ClassVar[Served] = {
-        "vllm": {"cpu": Support("unquantized (oneDNN / torch linear)"), "cuda": Support("unquantized (cuBLAS)")},
-    }
-
     @staticmethod
     def linear_bytes(weights, params) -> int:
         return 2 * weights.linear_weights

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from quantlab.quantize.base import PresetMethod, Served, Support, divides_widths, preset_scheme
+from quantlab.quantize.base import PresetMethod, divides_widths, preset_scheme
 
 
 class Fp8Block(PresetMethod):
@@ -20,18 +20,6 @@ class Fp8Block(PresetMethod):
     preset: ClassVar[str] = "FP8_BLOCK"
     rounding_is_the_method: ClassVar[bool] = True
     stored_format: ClassVar[str | None] = "FP8_BLOCK"
-    served: ClassVar[Served] = {
-        "vllm": {
-            "cpu": Support(
-                "CPUFp8W8A8BlockScaledMMKernel with AMX-FP8, else CPUFp8BlockScaledMMKernel (weight-only, AMX BF16)",
-                "vLLM's CPU block kernels need AMX and 128-wide blocks; without AMX-FP8 (every CPU before Diamond "
-                "Rapids) the activations stay BF16",
-                served_as="FP8_BLOCK weight-only (W8A16) without AMX-FP8",
-                cpu_flags=("amx_tile",),
-            ),
-            "cuda": Support("DeepGEMM / CUTLASS block-scaled FP8 for 128x128 blocks (SM >= 89), Triton for others"),
-        },
-    }
 
     @classmethod
     def scheme(cls, params: Params) -> Any:

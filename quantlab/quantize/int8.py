@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from quantlab.quantize.base import Method, MethodParams, Served, Support, calibrated_oneshot, per_channel_bytes
+from quantlab.quantize.base import Method, MethodParams, calibrated_oneshot, per_channel_bytes
 
 
 class Int8(Method):
@@ -23,9 +23,6 @@ class Int8(Method):
 
     needs_calibration: ClassVar[bool] = True
     stored_format: ClassVar[str | None] = "W8A8"
-    served: ClassVar[Served] = {
-        "vllm": {"cpu": Support("oneDNN INT8 scaled-mm"), "cuda": Support("CUTLASS INT8 scaled-mm")},
-    }
 
     @staticmethod
     def linear_bytes(weights, params) -> int:

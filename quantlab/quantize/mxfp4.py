@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from quantlab.quantize.base import PresetMethod, Served, Support, divides_widths, per_group_bytes
+from quantlab.quantize.base import PresetMethod, divides_widths, per_group_bytes
 
 GROUP = 32  # the OCP MX block
 
@@ -14,16 +14,6 @@ class Mxfp4(PresetMethod):
     preset: ClassVar[str] = "MXFP4"
     rounding_is_the_method: ClassVar[bool] = True
     stored_format: ClassVar[str | None] = "MXFP4"
-    served: ClassVar[Served] = {
-        # vLLM 0.32's CPU build has no MXFP4 kernel.
-        "vllm": {
-            "cuda": Support(
-                "FlashInfer MXFP4 on Blackwell (SM >= 100); MarlinMxFp4LinearKernel (weight-only) elsewhere",
-                "below Blackwell vLLM dequantizes MXFP4 weights in its Marlin kernel and keeps BF16 activations",
-                served_as="MXFP4A16 (weight-only) below Blackwell",
-            ),
-        },
-    }
 
     @staticmethod
     def linear_bytes(weights, params) -> int:

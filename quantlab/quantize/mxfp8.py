@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from quantlab.quantize.base import PresetMethod, Served, Support, divides_widths, per_group_bytes
+from quantlab.quantize.base import PresetMethod, divides_widths, per_group_bytes
 from quantlab.quantize.mxfp4 import GROUP
 
 
@@ -13,17 +13,6 @@ class Mxfp8(PresetMethod):
     preset: ClassVar[str] = "MXFP8"
     rounding_is_the_method: ClassVar[bool] = True
     stored_format: ClassVar[str | None] = "MXFP8"
-    served: ClassVar[Served] = {
-        # vLLM 0.32's CPU build has no MXFP8 kernel.
-        "vllm": {
-            "cuda": Support(
-                "FlashInfer CUTLASS / CuteDSL MXFP8 on Blackwell (SM >= 100); MarlinMxfp8LinearKernel (weight-only) "
-                "elsewhere",
-                "below Blackwell vLLM keeps BF16 activations (Marlin) or emulates MXFP8 in BF16",
-                served_as="MXFP8A16 (weight-only) below Blackwell",
-            ),
-        },
-    }
 
     @staticmethod
     def linear_bytes(weights, params) -> int:

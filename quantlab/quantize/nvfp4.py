@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from quantlab.quantize.base import PresetMethod, Served, Support, divides_widths, per_group_bytes
+from quantlab.quantize.base import PresetMethod, divides_widths, per_group_bytes
 
 GROUP = 16  # compressed-tensors' NVFP4 preset
 
@@ -14,19 +14,6 @@ class Nvfp4(PresetMethod):
     preset: ClassVar[str] = "NVFP4"
     needs_calibration: ClassVar[bool] = True  # input_global_scale: a static observer over calibration activations
     stored_format: ClassVar[str | None] = "NVFP4"
-    served: ClassVar[Served] = {
-        # vLLM 0.32's CPU build has no NVFP4 kernel.
-        "vllm": {
-            "cuda": Support(
-                "CUTLASS / FlashInfer NVFP4 W4A4 on Blackwell (SM >= 100); MarlinNvFp4LinearKernel (weight-only) "
-                "on Hopper and older",
-                "vLLM runs W4A4 FP4 natively only on Blackwell: elsewhere the activations stay BF16 (unless "
-                "`--linear-backend emulation`, a dequantizing emulation for testing), so a Hopper figure describes "
-                "NVFP4A16",
-                served_as="NVFP4A16 (weight-only) below Blackwell",
-            ),
-        },
-    }
 
     @staticmethod
     def linear_bytes(weights, params) -> int:

