@@ -1,0 +1,113 @@
+"""Does the frontier's cost ordering hold from one cold sweep to the next? The embedded sweep, N times from cold.
+
+Runs `quantlab sweep --force` on a recipe (default: recipes/smollm2-135m.yaml, the default serving repeats) N times,
+each into a store and a cold cache of its own (the GGUF's conversion and every checkpoint built again), and prints:
+
+1. each sweep's wall time (the serving issue's goal for the embedded sweep: within 300 s cold on a quiet 2-core
+   machine);
+2. per cost axis of the frontier, each variant's cost with its 95% interval in every run;
+3. per cost axis and pair of variants, the order the frontier calls in each run (`quantlab.frontier.cost_order`:
+   cheaper beyond the noise, or a tie where the intervals overlap), and whether every order called (not a tie) is
+   the same in all runs. A pair called one way in one run and the other way in another is a contradiction; one
+   called in one run and tied in another is counted apart.
+
+Run it alone on the machine (another job's load moves the figures it compares):
+
+    .venv/bin/python benchmarks/serving_agreement.py --work-dir /tmp/serving-agreement
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ORDER = {1: "<", -1: ">", 0: "tie"}  # first's cost against second's: better (cheaper / faster), worse, tie
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work-dir", type=Path, required=True, help="each run's store, log and cache go here")
+    parser.add_argument("--recipe", type=Path, default=REPO / "recipes" / "smollm2-135m.yaml")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--reuse", action="store_true", help="print the tables from the stores already there")
+    return parser.parse_args(argv)
+
+
+def sweep(recipe: Path, folder: Path) -> float:
+    folder.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "quantlab", "sweep", str(recipe), "--force"]
+    command += ["--tracking-uri", f"sqlite:///{folder / 'mlflow.db'}", "--cache-dir", str(folder / "cache")]
+    started = time.perf_counter()
+    with open(folder / "sweep.log", "w") as log:
+        done = subprocess.run(command, cwd=folder, stdout=log, stderr=subprocess.STDOUT)
+    seconds = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(f"the sweep in {folder} exited {done.returncode}: see {folder / 'sweep.log'}")
+    (folder / "seconds").write_text(f"{seconds:.1f}")
+    return seconds
+
+
+def frontier_results(folder: Path):
+    from quantlab import tracking
+    from quantlab.publish import frontiers, read_sweep
+
+    store = tracking.open_store(f"sqlite:///{folder / 'mlflow.db'}")
+    return frontiers(read_sweep(store, tracking.latest_sweep(store, None).run_id)).results
+
+
+def interval_text(point) -> str:
+    low, high = point.cost_interval or (point.cost, point.cost)
+    return f"{point.cost:,.4g} [{low:,.4g}, {high:,.4g}]"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from quantlab.frontier import cost_order
+
+    args = parse_args(argv)
+    work = args.work_dir.resolve()
+    folders = [work / f"run-{index + 1}" for index in range(args.runs)]
+    seconds = []
+    for folder in folders:
+        if args.reuse and (folder / "seconds").is_file():
+            seconds.append(float((folder / "seconds").read_text()))
+        else:
+            seconds.append(sweep(args.recipe.resolve(), folder))
+    print(f"## {args.recipe.name}: {args.runs} cold sweeps\n")
+    print("| run | wall s |\n|---|---|")
+    print("\n".join(f"| {index + 1} | {value:.1f} |" for index, value in enumerate(seconds)))
+
+    runs = [{result.pair.cost.metric: result for result in frontier_results(folder)} for folder in folders]
+    called = contradictions = called_then_tied = 0
+    for metric in runs[0]:
+        results = [run[metric] for run in runs if metric in run]
+        points = [{point.name: point for point in result.points} for result in results]
+        names = sorted(set.intersection(*(set(found) for found in points)))
+        print(f"\n### {metric}\n\n| variant | " + " | ".join(f"run {i + 1}" for i in range(len(points))) + " |")
+        print("|---" * (len(points) + 1) + "|")
+        for name in names:
+            print(f"| {name} | " + " | ".join(interval_text(found[name]) for found in points) + " |")
+        print("\n| pair | " + " | ".join(f"run {i + 1}" for i in range(len(points))) + " | agrees |")
+        print("|---" * (len(points) + 2) + "|")
+        for first, second in itertools.combinations(names, 2):
+            orders = [cost_order(results[0].pair.cost, found[first], found[second]) for found in points]
+            calls = {order for order in orders if order != 0}
+            agrees = "-" if not calls else ("yes" if len(calls) == 1 and 0 not in orders else "no")
+            called += bool(calls)
+            contradictions += len(calls) > 1
+            called_then_tied += len(calls) == 1 and 0 in orders
+            print(f"| {first} vs {second} | " + " | ".join(ORDER[order] for order in orders) + f" | {agrees} |")
+    print(
+        f"\nPairs the frontier called (not a tie) in some run: {called}; called the same way in every run: "
+        f"{called - contradictions - called_then_tied}; called one way in one run and the other in another: "
+        f"{contradictions}; called in one run and tied in another: {called_then_tied}."
+    )
+
+
+if __name__ == "__main__":
+    main()
