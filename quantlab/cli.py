@@ -904,6 +904,61 @@ def pick_command(
     raise typer.Exit(0 if decision.chosen else 1)
 
 
+@app.command("flips")
+def flips_command(
+    variant: Annotated[str, typer.Option(help="The variant whose changed answers to show, e.g. fp8.")],
+    task: Annotated[str | None, typer.Option(help="Only this lm-eval leaf task (default: every task).")] = None,
+    experiment: Experiment = None,
+    tracking_uri: TrackingUri = None,
+) -> None:
+    """Print the documents whose correctness VARIANT changed against the baseline in the newest sweep: the prompt's
+    end, the gold, both runs' answers. A task without per-document answers on either run says why in one line."""
+    from rich.markup import escape
+    from rich.table import Table as RichTable
+
+    from quantlab import tracking
+    from quantlab.errors import did_you_mean
+    from quantlab.evaluate.flips import PROMPT_CHARS
+    from quantlab.publish import changes_between
+
+    store, view = _sweep_view(experiment, tracking_uri)
+    runs = {run.variant: run for run in tracking.child_runs(store, view.parent_run_id)}
+    if variant not in runs or variant == view.baseline:
+        why = "the baseline, which the others are compared with" if variant == view.baseline else "not a variant"
+        others = ", ".join(name for name in sorted(runs) if name != view.baseline)
+        hint = did_you_mean(variant, runs) if variant not in runs else ""
+        raise bad_input("--variant", "", f"{variant!r} is {why} of the newest sweep{hint}; others: {others or 'none'}")
+    for name in (variant, view.baseline):
+        if name not in runs or runs[name].status != "FINISHED":
+            raise bad_input("--variant", "", f"{name} did not finish in the newest sweep: it has no answers to compare")
+    found = changes_between(store, runs[view.baseline], runs[variant])
+    if task is not None:
+        names = [item.task for item in found]
+        if task not in names:
+            known = ", ".join(names) or "none"
+            why = f"{task!r} is not an lm-eval task of the sweep{did_you_mean(task, names)}; its tasks: {known}"
+            raise bad_input("--task", "", why)
+        found = [item for item in found if item.task == task]
+    out.print(f"Changed answers of {escape(variant)} against {escape(view.baseline)} (sweep {view.parent_run_id})")
+    for item in found:
+        out.print(f"[bold]{escape(item.task)}[/]: {escape(item.words())}")
+        if item.changed is None or not item.changed.rows:
+            continue
+        # The answers side by side, the prompt in what width is left: eight columns of a table would not fit.
+        shown = RichTable("doc", "gold", escape(view.baseline), escape(variant), f"prompt (last {PROMPT_CHARS} chars)")
+        for row in item.changed.rows:
+            answers = (
+                _marked(row.baseline_answer, row.baseline_correct),
+                _marked(row.variant_answer, row.variant_correct),
+            )
+            shown.add_row(str(row.doc_id), escape(row.gold), *map(escape, answers), escape(row.prompt))
+        out.print(shown)
+
+
+def _marked(answer: str, correct: bool) -> str:
+    return f"{answer} ({'right' if correct else 'wrong'})"
+
+
 # The policy field each `pick` flag sets (quantlab.policy.Policy is shared with the recipe).
 _PICK_FLAGS = {
     "max_drop": "--max-drop",

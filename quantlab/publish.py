@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import yaml
@@ -18,6 +19,16 @@ import yaml
 from quantlab import tracking
 from quantlab.decision import Decision, DecisionError, pick
 from quantlab.errors import BadInput, bad_input
+from quantlab.evaluate.flips import (
+    CHANGED_DIR,
+    ChangedAnswers,
+    DocumentAnswer,
+    answers_artifact,
+    answers_from_jsonl,
+    changed_answers,
+    changed_artifact,
+    table,
+)
 from quantlab.frontier import (
     Axis,
     Frontiers,
@@ -294,10 +305,141 @@ def publish_sweep(store: tracking.TrackingStore, parent_run_id: str, drawn_cache
         artifacts = render_artifacts(view, Path(scratch), decision, drawn_cache)
         files = {str(path.relative_to(scratch)): path.read_bytes() for path in artifacts}
     store.log_files(parent_run_id, files)  # relative names: plots/ stays a folder
-    # The run page shows its description (this tag) as Markdown: the report, where reviewers look.
+    # The run page shows its description (this tag) as Markdown: the report, where reviewers look, then a link to
+    # each variant's changed answers.
     report = files["report.md"].decode("utf-8")
-    store.log_values(parent_run_id, tags={tracking.NOTE: tracking.run_description(report, "report.md")})
+    links = log_changed_answers(store, view)
+    store.log_values(parent_run_id, tags={tracking.NOTE: tracking.run_description(report, "report.md", links)})
     return view
+
+
+CHANGED_TAG = "quantlab.changed_answers/"  # + task, on a variant run: what its changed-answers table holds, or why none
+
+
+@dataclass(frozen=True)
+class TaskChanges:
+    """One task's changed answers of a variant against the baseline, or why there are none to show (`note`)."""
+
+    task: str
+    changed: ChangedAnswers | None = None
+    note: str = ""
+
+    def words(self) -> str:
+        return self.changed.words() if self.changed is not None else f"no table: {self.note}"
+
+
+def changes_between(
+    store: tracking.TrackingStore,
+    baseline: tracking.RunRecord,
+    run: tracking.RunRecord,
+    read: AnswersReader | None = None,
+) -> list[TaskChanges]:
+    """Each lm-eval leaf task either run scored (its `eval.<task>.documents` param), paired from their answers/
+    artifacts; a task whose per-document answers either run lacks says so, never an empty table."""
+    read = read or answers_reader(store)
+    tasks = sorted({*task_scored(baseline.params), *task_scored(run.params)})
+    found = []
+    for task in tasks:
+        base, mine = read(baseline.run_id, task), read(run.run_id, task)
+        if base is None or mine is None:
+            which = f"the baseline run ({baseline.variant})" if base is None else "this run"
+            found.append(TaskChanges(task, note=f"{which} logged no per-document answers for it"))
+            continue
+        changed = changed_answers(task, base, mine)
+        if changed.paired == 0:
+            note = "no document that both runs scored right or wrong (its primary score is not 0/1 per document)"
+            found.append(TaskChanges(task, note=note))
+            continue
+        found.append(TaskChanges(task, changed))
+    return found
+
+
+def task_scored(params: Mapping[str, str]) -> list[str]:
+    """The lm-eval leaf tasks a variant run scored, from its `eval.<task>.documents` params."""
+    return [
+        name.removeprefix("eval.").removesuffix(".documents")
+        for name in params
+        if name.startswith("eval.") and name.endswith(".documents") and name.count(".") >= 2
+    ]
+
+
+AnswersReader = Callable[[str, str], "dict[int, DocumentAnswer] | None"]  # (run id, task) -> its answers
+
+
+def answers_reader(store: tracking.TrackingStore) -> AnswersReader:
+    """Reads a run's answers/<task>.jsonl once (every variant is paired with the same baseline); None where the run
+    has none, or what it has is not a run's answers."""
+    read: dict[tuple[str, str], dict[int, DocumentAnswer] | None] = {}
+
+    def answers(run_id: str, task: str) -> dict[int, DocumentAnswer] | None:
+        if (run_id, task) not in read:
+            text = store.read_artifact(run_id, answers_artifact(task))
+            read[run_id, task] = None
+            with suppress(ValueError, KeyError, TypeError):  # absent (a run of an older quantlab), or not answers
+                read[run_id, task] = answers_from_jsonl(text.decode("utf-8")) if text is not None else None
+        return read[run_id, task]
+
+    return answers
+
+
+DESCRIPTION_LINKS = 2000  # characters of per-task links the parent's description takes before a variant gets one link
+
+
+def log_changed_answers(store: tracking.TrackingStore, view: SweepView) -> str:
+    """Each finished variant's changed answers per task on its run (changed_answers/<task>.json, an MLflow table, and
+    .csv; the tag quantlab.changed_answers/<task> in words), and the parent description's section linking them ("" for
+    a sweep without lm-eval tasks): a link per task, or where that would crowd the description (a group's dozens of
+    leaves), one per variant to its changed_answers/ folder."""
+    runs = {run.variant: run for run in tracking.child_runs(store, view.parent_run_id)}
+    if not any(task_scored(run.params) for run in runs.values()):
+        return ""
+    baseline, read = runs.get(view.baseline), answers_reader(store)
+    detailed, compact = [], []
+    for name, run in sorted(runs.items()):
+        if name == view.baseline:
+            continue
+        if baseline is None or baseline.status != "FINISHED" or run.status != "FINISHED":
+            failed = name if run.status != "FINISHED" else f"the baseline ({view.baseline})"
+            detailed.append(line := f"- **{name}**: none, {failed} did not finish")
+            compact.append(line)
+            continue
+        found = changes_between(store, baseline, run, read)
+        if not found:
+            continue
+        tables = {f.task: table(f.changed, view.baseline, name) for f in found if f.changed is not None}
+        tracking.log_tables(store, run.run_id, {changed_artifact(task, "json"): t for task, t in tables.items()})
+        store.log_files(run.run_id, {changed_artifact(task, "csv"): _csv(*t) for task, t in tables.items()})
+        store.log_values(run.run_id, tags={CHANGED_TAG + f.task: f.words() for f in found})
+        link = partial(tracking.artifact_link, run.experiment_id, run.run_id)
+        parts = [
+            f"[{f.task}]({link(changed_artifact(f.task, 'csv'))}): {f.words()}"
+            if f.task in tables
+            else f"{f.task}: {f.words()}"
+            for f in found
+        ]
+        detailed.append(f"- **{name}**: " + "; ".join(parts))
+        shown = [f.changed for f in found if f.changed is not None]
+        changed, paired = sum(len(c.rows) for c in shown), sum(c.paired for c in shown)
+        missing = (
+            f"; {len(found) - len(shown)} tasks without a table (the run's tags say why)"
+            if len(shown) < len(found)
+            else ""
+        )
+        folder = f"[{changed} of {paired} documents changed in {len(shown)} tasks]({link(CHANGED_DIR)})"
+        compact.append(f"- **{name}**: {folder}{missing}")
+    lines = detailed if sum(map(len, detailed)) <= DESCRIPTION_LINKS else compact
+    return f"\n\n## Changed answers (against {view.baseline})\n\n" + "\n".join(lines) + "\n"
+
+
+def _csv(columns: list[str], rows: list[list]) -> str:
+    import csv
+    import io
+
+    text = io.StringIO()
+    writer = csv.writer(text)
+    writer.writerow(columns)
+    writer.writerows(rows)
+    return text.getvalue()
 
 
 # Metrics of the chosen run carried onto its registered model version, for the registry's own page.

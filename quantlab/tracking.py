@@ -427,19 +427,42 @@ def log_failure(store: TrackingStore, run_id: str, reason: str, files: dict[str,
     store.finish(run_id, "FAILED")
 
 
-def run_description(markdown: str, whole: str) -> str:
-    """`markdown` as a run's description (the NOTE tag). MLflow keeps a tag to 8,000 characters and cuts a
-    longer one with only a logged warning (or refuses it): cut here instead, at the last line that fits,
-    and say that the artifact `whole` holds all of it."""
+def run_description(markdown: str, whole: str, tail: str = "") -> str:
+    """`markdown` as a run's description (the NOTE tag), then `tail` (kept whole: links the artifact lacks). MLflow
+    keeps a tag to 8,000 characters and cuts a longer one with only a logged warning (or refuses it): cut `markdown`
+    here instead, at the last line that fits, and say that the artifact `whole` holds all of it."""
     from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
 
-    if len(markdown) <= MAX_TAG_VAL_LENGTH:
-        return markdown
+    if len(markdown) + len(tail) <= MAX_TAG_VAL_LENGTH:
+        return markdown + tail
     pointer = (
         f"\n\n*Cut to fit MLflow's {MAX_TAG_VAL_LENGTH:,}-character description: all of it is the artifact `{whole}`.*"
     )
-    kept = markdown[: MAX_TAG_VAL_LENGTH - len(pointer)]
-    return kept[: kept.rfind("\n") + 1 or len(kept)].rstrip("\n") + pointer
+    kept = markdown[: max(MAX_TAG_VAL_LENGTH - len(pointer) - len(tail), 0)]
+    return (kept[: kept.rfind("\n") + 1 or len(kept)].rstrip("\n") + pointer + tail)[:MAX_TAG_VAL_LENGTH]
+
+
+LOGGED_ARTIFACTS = "mlflow.loggedArtifacts"  # a run's tables, as MLflow's log_table lists them for its UI
+
+
+def log_tables(store: TrackingStore, run_id: str, tables: dict[str, tuple[list[str], list[list]]]) -> None:
+    """Tables (artifact path -> columns, rows) as MLflow's `log_table` keeps one (JSON in pandas' "split" layout,
+    listed in the run's mlflow.loggedArtifacts tag, which the UI reads), each replaced whole where it exists: MLflow's
+    own appends to an existing file, so a run published twice, or copied and published, would list its rows twice."""
+    if not tables:
+        return
+    store.log_files(
+        run_id, {path: json.dumps({"columns": cols, "data": rows}) for path, (cols, rows) in tables.items()}
+    )
+    listed = json.loads(store.run(run_id).tags.get(LOGGED_ARTIFACTS, "[]"))
+    added = [entry for path in tables if (entry := {"path": path, "type": "table"}) not in listed]
+    if added:
+        store.log_values(run_id, tags={LOGGED_ARTIFACTS: json.dumps([*listed, *added])})
+
+
+def artifact_link(experiment_id: str, run_id: str, artifact: str) -> str:
+    """A link, relative to the UI's own address, that opens a run's artifact in the classic view (for descriptions)."""
+    return _address("", experiment_id, f"runs/{run_id}/artifacts/{artifact}").removeprefix("/")
 
 
 def store_errors() -> tuple[type[BaseException], ...]:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from quantlab import cache
+from quantlab.evaluate.flips import DocumentAnswer, document_answer
 from quantlab.metrics import NO_FILTER, EvalKey, Scale
 from quantlab.paired import Aggregation, DocumentScores
 
@@ -121,6 +122,7 @@ class TaskScores:
     settings: TaskSettings | None = None  # leaves only
     dataset: TaskDataset | None = None  # leaves only
     labels: dict[int, str] = field(default_factory=dict)  # doc_id -> end of its prompt
+    answers: dict[int, DocumentAnswer] = field(default_factory=dict)  # doc_id -> its prompt, answer and gold
 
     @property
     def primary(self) -> Score:
@@ -459,8 +461,10 @@ def _leaf_scores(task: str, request: TaskRequest, results: Mapping[str, Any]) ->
         for s in samples
         if s.get("filter", NO_FILTER) == primary_filter and "doc_id" in s
     }
+    primary = [s for s in samples if s.get("filter", NO_FILTER) == primary_filter and isinstance(s.get("doc_id"), int)]
+    answers = {int(s["doc_id"]): document_answer(s, scores[0].metric) for s in primary} if scores else {}
     settings = _settings(task, request, results)
-    return TaskScores(task, scores, False, settings, _dataset(task, results, settings), labels)
+    return TaskScores(task, scores, False, settings, _dataset(task, results, settings), labels, answers)
 
 
 def _group_scores(

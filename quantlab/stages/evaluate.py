@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, TypeVar
 from quantlab import adaptive, cache
 from quantlab.corpora import load_texts
 from quantlab.evaluate.damage import flip_metrics, paired_flips, recovery
+from quantlab.evaluate.flips import DocumentAnswer, answers_artifact, answers_jsonl
 from quantlab.metrics import (
     ADAPTIVE_PARAM,
     ADAPTIVE_TAG_PREFIX,
@@ -48,6 +49,7 @@ class EvalOutcome:
     params: dict[str, str] = field(default_factory=dict)  # eval.<task>.<setting>: what each task ran with
     tags: dict[str, str] = field(default_factory=dict)  # declarations, notes, unknown directions
     labels: dict[str, dict[int, str]] = field(default_factory=dict)  # task -> doc id -> short text
+    answers: dict[str, dict[int, DocumentAnswer]] = field(default_factory=dict)  # leaf task -> doc id -> its answer
     datasets: tuple[TaskDataset, ...] = ()
     # Score keys scored on a subset of the baseline's documents (adaptive evaluation stopped their task early): paired
     # with the baseline on those documents alone.
@@ -62,7 +64,7 @@ class DamageOutcome:
     tags: dict[str, str] = field(default_factory=dict)
     reference_dir: str | None = None  # token_damage: the baseline's stored pass
     documents: dict[str, DocumentScores] = field(default_factory=dict)  # token_damage: quality/<figure> -> per token
-    artifacts: dict[str, str] = field(default_factory=dict)  # answer_damage: flips/<task>.jsonl
+    artifacts: dict[str, str] = field(default_factory=dict)  # answer_damage: flips/<task>.jsonl, answers/<task>.jsonl
     served: ServedPass | None = None  # served_token_damage: the engine's pass, which the baseline's floor repeats
 
 
@@ -475,6 +477,7 @@ def eval_outcome(tasks: list[TaskScores], quiet: bool = False) -> EvalOutcome:
         params=params,
         tags=tags,
         labels={task.task: dict(task.labels) for task in tasks if not task.is_group},
+        answers={task.task: dict(task.answers) for task in tasks if not task.is_group},
         datasets=tuple(datasets.values()),
     )
 
@@ -538,6 +541,8 @@ def answer_damage(scores: EvalOutcome, baseline: BaselineOutputs | None) -> Dama
         if baseline is not None and key in scores.documents:
             base, variant = reference.documents[key].values, scores.documents[key].values
             artifacts[f"flips/{task}.jsonl"] = _flips_jsonl(task, base, variant, scores.labels.get(task, {}))
+    # Every run's own answers, the baseline's too: the sweep pairs them into each variant's changed answers.
+    artifacts |= {answers_artifact(task): answers_jsonl(answers) for task, answers in scores.answers.items() if answers}
     metrics |= recovery(reference.scores, scores.scores)
     tags = {NOTE_TAG + key + PAIRED_NOTE: f"not paired: {note}" for key, note in notes.items()}
     return DamageOutcome(metrics, tags, artifacts=artifacts)
