@@ -251,8 +251,7 @@ def default_dtype(device: str) -> torch.dtype:
 
 def cpu_has_bf16_matmuls() -> bool:
     """Whether this CPU multiplies BF16 in hardware (x86's AVX512-BF16 or AMX-BF16), where oneDNN's BF16 matmuls
-    outrun float32's: on the embedded model on a 2-core AMD EPYC (Zen 4), prefill 2.0x and decode 1.5x float32's
-    (benchmarks/cpu_dtype.py). Elsewhere torch emulates them."""
+    outrun float32's (benchmarks/cpu_dtype.py measures both). Elsewhere torch emulates them."""
     import torch
 
     capabilities = torch.cpu.get_capabilities()

@@ -136,8 +136,8 @@ def make_plan(
     computed = [name for name in names if name not in previous and name not in logged]
     # The marker alone: reading a checkpoint is not using it (the cache inventory's last use).
     building = [name for name in computed if force or not (targets[name] / cache.COMPLETE_MARKER).is_file()]
-    # The bytes, from the model's shape (a directory's config.json, a cached hub config, or a GGUF file's metadata:
-    # about 3 s for the embedded model), read only when a variant is computed; None when it is not at hand.
+    # The bytes, from the model's shape (a directory's config.json, a cached hub config, or a GGUF file's metadata,
+    # which takes seconds to read), read only when a variant is computed; None when it is not at hand.
     writes = disk.cache_writes(shape_from, [recipe.variant(name) for name in building]) if computed else None
     modeled = writes.checkpoints if writes is not None else {}
     replaced = {  # what --force removes first: the cached copy it rebuilds

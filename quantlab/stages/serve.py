@@ -446,7 +446,7 @@ def kv_tokens_that_fit(
 
 
 def gpu_memory_utilization(free_bytes: int, total_bytes: int, margin: float = 0.05) -> float:
-    """The share of the GPU vLLM may take: what is free now less a margin. vLLM's own default (0.92 in 0.32) fails
+    """The share of the GPU vLLM may take: what is free now less a margin. vLLM's own default (most of the GPU) fails
     its start-up check when anything else is resident, e.g. the variant's own process, which holds a CUDA context."""
     return max(0.05, round(free_bytes / total_bytes - margin, 3))
 

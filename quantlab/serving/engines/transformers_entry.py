@@ -8,7 +8,7 @@ dtype, but got: float != c10::BFloat16"), so MXFP8, MXFP4 and NVFP4 checkpoints 
 served at all. For those the model is loaded exactly as quantlab's loader does on CPU
 (`quantlab.quantize.cpu_loading`: decompressed once at load, upcast to the compute dtype; the forward still rounds
 activations to the format), so what the server computes is what quantlab scored. Other formats keep the server's own
-loading: decompressing an FP8 checkpoint this way made its 16-token requests 1.57x slower here (1.75 s against 1.12 s).
+loading: decompressing an FP8 checkpoint this way makes its requests slower (benchmarks/serving_vs_loop.py).
 Every compressed-tensors checkpoint also gets quantlab's fake quantization on CPU (`quantlab.fake_quant`: the same
 values as the in-process scoring, without torch's slow cast back from FP8 or rounding a shared input again).
 

@@ -39,8 +39,8 @@ class TransformersServe(Engine):
         command += ["--continuous-batching", "--host", HOST, "--port", str(launch.port), "--device", launch.device]
         command += ["--dtype", launch.dtype, "--log-level", "warning"]
         if launch.device == "cpu":
-            # Unbounded, it sizes its KV cache from the host's whole RAM on CPU (20 GB of a 23 GB VM for a tiny
-            # model): sized instead for the tokens the load can have in flight.
+            # Unbounded, it sizes its KV cache from most of the host's RAM on CPU, whatever the model: sized instead
+            # for the tokens the load can have in flight.
             blocks = -(-launch.kv_cache_tokens // CACHE_BLOCK_TOKENS) + 16
             command += ["--cb-block-size", str(CACHE_BLOCK_TOKENS), "--cb-num-blocks", str(blocks)]
             command += ["--cb-max-batch-tokens", str(launch.batch_tokens)]
