@@ -202,7 +202,7 @@ def _paired_t_p(d: np.ndarray) -> float:
 
 def _standard_error(d: np.ndarray) -> float:
     # scipy.stats.sem's formula. scipy.stats is not imported on this path (every sweep's frontier, an unchanged
-    # re-run's too): it takes 0.7 s to import, a seventh of that re-run; tests hold these to scipy.stats' values.
+    # re-run's too): its import is a large share of such a re-run; tests hold these to scipy.stats' values.
     return float(d.std(ddof=1)) / math.sqrt(d.size)
 
 
@@ -311,7 +311,7 @@ def mcnemar_exact_p(correct_to_wrong: int, wrong_to_correct: int) -> float:
     return min(1.0, 2 * float(_special().bdtr(min(correct_to_wrong, wrong_to_correct), discordant, 0.5)))
 
 
-_NORMAL = NormalDist()  # the standard library's normal quantile: exact to double precision, 50x faster than scipy's
+_NORMAL = NormalDist()  # the standard library's normal quantile: exact to double precision, far cheaper than scipy's
 
 
 def quantile(probability: float, df: float = math.inf) -> float:

@@ -173,7 +173,7 @@ def test_seeded_interrupts_of_tiny_sweeps_stop_cleanly(tmp_path):
             sys.executable,
             str(REPO / "benchmarks" / "interrupt_trials.py"),
             "--trials",
-            "4",
+            "3",
             "--seed",
             "7",
             "--recipes",
