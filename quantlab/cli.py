@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import sys
 import tempfile
@@ -893,7 +894,8 @@ def pick_command(
     if candidates is not None or sequence:
         policy = _with_candidates(policy or view.settings.default_policy, candidates, sequence or [])
     decision = decide(view, policy, objective)
-    record = record_pick(store, view, decision, register=register, alias=alias, model_name=model_name)
+    command = shlex.join(["quantlab", *sys.argv[1:]])  # the card's last step: this pick as typed
+    record = record_pick(store, view, decision, register=register, alias=alias, model_name=model_name, command=command)
     if as_json:
         out.print_json(json.dumps(record))
     else:

@@ -119,7 +119,8 @@ class Logbook:
 
     def copy(self, variant: PlannedVariant) -> None:
         """A finished run with the same run key: its numbers hold for this sweep, under this sweep's name for it."""
-        tracking.copy_run(self.store, variant.finished_run, self._run_for(variant.name))
+        if why := tracking.copy_run(self.store, variant.finished_run, self._run_for(variant.name)):
+            self.note(variant.name, why)
         kept_results.discard(self.plan.cache_root, variant.run_key)
 
     def baseline_of(self, run: tracking.RunRecord) -> BaselineOutputs:
@@ -167,8 +168,8 @@ class Logbook:
         """Log a kept result, retrying while the store fails; once logged, it leaves the cache."""
         name = kept.variant
 
-        def log() -> None:
-            tracking.log_variant(
+        def log() -> str | None:
+            return tracking.log_variant(
                 self.store,
                 self._run_for(name),
                 metrics=kept.metrics,
@@ -182,7 +183,8 @@ class Logbook:
             self.note(name, f"logging failed ({first_line(error)}); trying again in {wait:.0f} s")
 
         try:
-            tracking.with_retries(log, self.retry_seconds, retrying)
+            if no_model := tracking.with_retries(log, self.retry_seconds, retrying):
+                self.note(name, no_model)
         except tracking.store_errors() as error:
             where = kept_results.kept_dir(self.plan.cache_root, kept.run_key)
             why = f"{first_line(error)}; its result is kept in {where}"

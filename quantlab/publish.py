@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from quantlab import tracking
+from quantlab import release_card, tracking
 from quantlab.decision import Decision, DecisionError, pick
 from quantlab.errors import BadInput, bad_input
 from quantlab.evaluate.flips import (
@@ -454,15 +454,69 @@ def record_pick(
     register: bool = False,
     alias: str = "production",
     model_name: str | None = None,
+    command: str = "",
 ) -> dict:
     """`quantlab pick`'s record, logged on the parent run as decisions/pick-<time>.json; with `register`,
-    the chosen checkpoint registered under `alias` (model name: the experiment's, unless given)."""
+    the chosen checkpoint registered under `alias` (model name: the experiment's, unless given), with its release
+    card (`command`: the pick as typed, the card's last step to reproduce it)."""
     record = json_safe(decision.to_dict())
     if decision.chosen and register:
-        run = next(r for r in tracking.child_runs(store, view.parent_run_id) if r.variant == decision.chosen)
+        runs = tracking.child_runs(store, view.parent_run_id)
+        run = next(r for r in runs if r.variant == decision.chosen)
         summary = {key: str(value) for key, value in run.metrics.items() if key.startswith(_REGISTRY_SUMMARY)}
         name = model_name or store.experiments()[view.experiment]
         version, created = tracking.register_checkpoint(store, name, alias, run, summary)
-        record["registered"] = {"model": name, "version": version, "alias": alias, "new_version": created}
+        card = write_release_card(store, view, decision, run, runs, (name, version, alias), command)
+        record["registered"] = {
+            "model": name,
+            "version": version,
+            "alias": alias,
+            "new_version": created,
+            "release_card": card,
+        }
     store.log_files(view.parent_run_id, {f"decisions/pick-{int(time.time())}.json": json.dumps(record, indent=2)})
     return record
+
+
+RELEASE_CARDS = "release-cards"  # on the sweep's parent run: <model>-v<version>.json and .md
+
+
+def write_release_card(
+    store: tracking.TrackingStore,
+    view: SweepView,
+    decision: Decision,
+    run: tracking.RunRecord,
+    runs: list[tracking.RunRecord],
+    registered: tuple[str, str, str],
+    command: str,
+) -> str:
+    """The chosen version's release card: JSON and Markdown artifacts on the sweep's parent run, the Markdown as the
+    version's description (what the registry's page shows), the JSON's path as its tag; returns that path."""
+    name, version, alias = registered
+    parent = store.run(view.parent_run_id)
+    recipe_text = (store.read_artifact(view.parent_run_id, "recipe.yaml") or b"").decode("utf-8")
+    # The engine against itself is measured on the baseline's second served pass: the chosen run's own, if it has one.
+    baseline = next((r for r in runs if r.variant == view.baseline), run)
+    floor = run if any(key.startswith(release_card.ENGINE_FLOOR) for key in run.metrics) else baseline
+    sweep = (
+        f"quantlab sweep {parent.params.get('recipe.path', 'RECIPE')} --tracking-uri {tracking.shown_uri(store.uri)}"
+    )
+    card = release_card.build_card(
+        decision,
+        run,
+        model=name,
+        version=version,
+        alias=alias,
+        recipe_text=recipe_text,
+        floor=floor,
+        commands=[sweep, *([command] if command else [])],
+    )
+    stem = f"{RELEASE_CARDS}/{tracking.safe_key(name).replace('/', '_')}-v{version}"
+    link = tracking.artifact_link(view.experiment, view.parent_run_id, f"{stem}.json")
+    markdown = release_card.render_markdown(card)
+    store.log_files(view.parent_run_id, {f"{stem}.json": card.to_json(), f"{stem}.md": markdown})
+    tail = f"\nThe card as JSON: [{stem}.json]({link}), on the sweep's run.\n"
+    description = tracking.run_description(markdown, f"{stem}.md", tail, limit=tracking.VERSION_DESCRIPTION)
+    uri = f"runs:/{view.parent_run_id}/{stem}.json"
+    store.describe_version(name, version, description, {tracking.RELEASE_CARD: uri})
+    return uri

@@ -55,6 +55,12 @@ CLASSIC_VIEW = "workflowType=machine_learning"
 # the only runs-table default a server can give (the rest of the table's state lives in each browser).
 VIEW_KEY = "quantlab"
 VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"
+# MLflow 3's logged models (the experiment's Models tab): each finished variant run is one, its checkpoint referenced
+# where it lies (an external model: no weights copied), its metrics linked to it and to the data sets they were
+# scored on.
+MODEL_ID = "quantlab.model_id"  # a variant run's logged model
+MODEL_TYPE = "quantlab-variant"
+RELEASE_CARD = "quantlab.release_card"  # a registered version's: its card's JSON, an artifact of the sweep's run
 _CREATED: set[str] = set()  # SQLite stores this process has opened (and so created, if new)
 
 
@@ -160,13 +166,22 @@ class TrackingStore:
         metrics: dict[str, float] | None = None,
         params: dict[str, str] | None = None,
         tags: dict[str, str] | None = None,
+        model_id: str | None = None,
+        datasets: Iterable[DatasetRecord] = (),
     ) -> None:
+        """With `model_id`, each metric is the logged model's too, linked to the data set (of `datasets`) it names."""
         from mlflow.entities import Metric, Param, RunTag
 
-        now = int(time.time() * 1000)
+        now, digests = int(time.time() * 1000), {item.name: item.digest for item in datasets}
+
+        def metric(key: str, value: float) -> Metric:
+            on = metric_dataset(key, digests) if model_id else None
+            linked = {"model_id": model_id, "dataset_name": on, "dataset_digest": digests.get(on or "")}
+            return Metric(safe_key(key), float(value), now, 0, **(linked if on else {"model_id": model_id}))
+
         self._client.log_batch(  # MLflow splits it into batches within the server's limits
             run_id,
-            metrics=[Metric(safe_key(key), float(value), now, 0) for key, value in (metrics or {}).items()],
+            metrics=[metric(key, value) for key, value in (metrics or {}).items()],
             params=[Param(safe_key(key), str(value)[:6000]) for key, value in (params or {}).items()],
             tags=[RunTag(key, str(value)) for key, value in (tags or {}).items()],
         )
@@ -191,6 +206,49 @@ class TrackingStore:
         inputs = [DatasetInput(Dataset(**asdict(DatasetRecord.of(item))), tags=tags) for item in datasets]
         if inputs:
             self._client.log_inputs(run_id, datasets=inputs)
+
+    def create_external_model(
+        self, experiment_id: str, name: str, run_id: str, tags: dict[str, str], params: dict[str, str]
+    ) -> str:
+        """A logged model whose files live outside MLflow (mlflow.create_external_model's record, made with this
+        store's client rather than the process's default one), READY at once, as the run's output; its id."""
+        from mlflow.entities import LoggedModelOutput, LoggedModelStatus
+        from mlflow.utils.mlflow_tags import MLFLOW_MODEL_IS_EXTERNAL
+
+        model = self._client.create_logged_model(
+            experiment_id,
+            name=re.sub(r"[/:.%\"']", "_", name) or "variant",  # MLflow refuses these in a model's name
+            source_run_id=run_id,
+            tags={MLFLOW_MODEL_IS_EXTERNAL: "true", **{key: value[:5000] for key, value in tags.items()}},
+            params={safe_key(key): str(value)[:6000] for key, value in params.items()},
+            model_type=MODEL_TYPE,
+        )
+        self._client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+        self._client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step=0)])
+        return model.model_id
+
+    def set_model_tags(self, model_id: str, tags: dict[str, str]) -> None:
+        self._client.set_logged_model_tags(model_id, tags)
+
+    def logged_models(self, experiment_id: str) -> list[dict]:
+        """The experiment's logged models: model_id, name, source_run_id, tags, params, and metrics as
+        (key, value, dataset name, dataset digest)."""
+        found, token = [], None
+        while True:
+            page = self._client.search_logged_models([experiment_id], max_results=100, page_token=token)
+            found += [
+                {
+                    "model_id": model.model_id,
+                    "name": model.name,
+                    "source_run_id": model.source_run_id,
+                    "tags": dict(model.tags),
+                    "params": dict(model.params),
+                    "metrics": [(m.key, m.value, m.dataset_name, m.dataset_digest) for m in model.metrics or []],
+                }
+                for model in page
+            ]
+            if not (token := page.token):
+                return found
 
     def finish(self, run_id: str, status: str) -> None:
         self._client.set_terminated(run_id, status=status)
@@ -228,14 +286,27 @@ class TrackingStore:
         found = self._client.search_model_versions(f"name = '{model_name}'")
         return {str(version.version): dict(version.tags) for version in found}
 
-    def create_model_version(self, model_name: str, source: str, run_id: str, tags: dict[str, str]) -> str:
+    def create_model_version(
+        self, model_name: str, source: str, run_id: str, tags: dict[str, str], model_id: str | None = None
+    ) -> str:
         from mlflow.exceptions import MlflowException
 
         try:
             self._client.get_registered_model(model_name)
         except MlflowException:
             self._client.create_registered_model(model_name, description="Variants chosen by `quantlab pick`.")
-        return str(self._client.create_model_version(model_name, source=source, run_id=run_id, tags=tags).version)
+        version = self._client.create_model_version(
+            model_name, source=source, run_id=run_id, tags=tags, model_id=model_id
+        )
+        return str(version.version)
+
+    def describe_version(self, model_name: str, version: str, description: str, tags: dict[str, str]) -> None:
+        self._client.update_model_version(model_name, version, description=description)
+        for key, value in tags.items():
+            self._client.set_model_version_tag(model_name, version, key, value)
+
+    def version_description(self, model_name: str, version: str) -> str:
+        return self._client.get_model_version(model_name, version).description or ""
 
     def set_alias(self, model_name: str, alias: str, version: str) -> None:
         self._client.set_registered_model_alias(model_name, alias, version)
@@ -413,12 +484,42 @@ def log_variant(
     tags: dict[str, str],
     datasets: Iterable,
     files: dict[str, str | bytes],
-) -> None:
-    """A variant's result: figures, its datasets and artifacts; then the run is FINISHED."""
-    store.log_values(run_id, metrics=metrics, params=params, tags=tags)
+) -> str | None:
+    """A variant's result: figures, its datasets and artifacts, and the logged model they are of; then the run is
+    FINISHED. Returns why the run has no logged model (a store whose server predates them), None when it has one."""
+    datasets = [DatasetRecord.of(item) for item in datasets]
+    model_id, why = variant_model(store, run_id, params, tags)
+    store.log_values(run_id, metrics=metrics, params=params, tags=tags, model_id=model_id, datasets=datasets)
     store.log_datasets(run_id, datasets)
     store.log_files(run_id, files)
     store.finish(run_id, "FINISHED")
+    return why
+
+
+def variant_model(
+    store: TrackingStore, run_id: str, params: dict[str, str], tags: dict[str, str]
+) -> tuple[str | None, str | None]:
+    """(the run's logged model, None), made once (logging is retried whole), referencing its checkpoint; or (None,
+    why not) where the store's models API fails: the variant is logged without one rather than not at all."""
+    run = store.run(run_id)
+    if known := run.tags.get(MODEL_ID):
+        return known, None
+    shown = {key: value for key, value in (run.tags | tags).items() if key.startswith("quantlab.") and key != MODEL_ID}
+    try:
+        model_id = store.create_external_model(run.experiment_id, run.variant, run_id, shown, params)
+    except store_errors() as error:
+        return None, f"no logged model in the Models tab: the store refused one ({first_line(error)})"
+    store.log_values(run_id, tags={MODEL_ID: model_id})
+    return model_id, None
+
+
+def metric_dataset(key: str, names: Iterable[str]) -> str | None:
+    """The data set a metric was scored on, where its key names one as a task: eval/<task>/... (also nested, as in
+    quality/paired/eval/<task>/...) or quality/<kind>/<task>..."""
+    parts, names = key.split("/"), set(names)
+    named = [parts[at + 1] for at, part in enumerate(parts[:-1]) if part == "eval"]
+    named += parts[2:3] if parts[0] == "quality" else []
+    return next((task for task in named if task in names), None)
 
 
 def log_failure(store: TrackingStore, run_id: str, reason: str, files: dict[str, str | bytes]) -> None:
@@ -427,19 +528,22 @@ def log_failure(store: TrackingStore, run_id: str, reason: str, files: dict[str,
     store.finish(run_id, "FAILED")
 
 
-def run_description(markdown: str, whole: str, tail: str = "") -> str:
+VERSION_DESCRIPTION = 5000  # characters a registry database keeps of a model version's description
+
+
+def run_description(markdown: str, whole: str, tail: str = "", limit: int | None = None) -> str:
     """`markdown` as a run's description (the NOTE tag), then `tail` (kept whole: links the artifact lacks). MLflow
-    keeps a tag to 8,000 characters and cuts a longer one with only a logged warning (or refuses it): cut `markdown`
-    here instead, at the last line that fits, and say that the artifact `whole` holds all of it."""
+    keeps a tag to 8,000 characters (`limit`: another description's) and cuts a longer one with only a logged warning
+    (or refuses it): cut `markdown` here instead, at the last line that fits, and say that the artifact `whole` holds
+    all of it."""
     from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
 
-    if len(markdown) + len(tail) <= MAX_TAG_VAL_LENGTH:
+    limit = limit or MAX_TAG_VAL_LENGTH
+    if len(markdown) + len(tail) <= limit:
         return markdown + tail
-    pointer = (
-        f"\n\n*Cut to fit MLflow's {MAX_TAG_VAL_LENGTH:,}-character description: all of it is the artifact `{whole}`.*"
-    )
-    kept = markdown[: max(MAX_TAG_VAL_LENGTH - len(pointer) - len(tail), 0)]
-    return (kept[: kept.rfind("\n") + 1 or len(kept)].rstrip("\n") + pointer + tail)[:MAX_TAG_VAL_LENGTH]
+    pointer = f"\n\n*Cut to fit MLflow's {limit:,}-character description: all of it is the artifact `{whole}`.*"
+    kept = markdown[: max(limit - len(pointer) - len(tail), 0)]
+    return (kept[: kept.rfind("\n") + 1 or len(kept)].rstrip("\n") + pointer + tail)[:limit]
 
 
 LOGGED_ARTIFACTS = "mlflow.loggedArtifacts"  # a run's tables, as MLflow's log_table lists them for its UI
@@ -506,16 +610,18 @@ def finished_runs(store: TrackingStore, experiment_id: str, keys: set[str]) -> d
     return found
 
 
-def copy_run(store: TrackingStore, source: RunRecord, target_run_id: str) -> None:
+def copy_run(store: TrackingStore, source: RunRecord, target_run_id: str) -> str | None:
     """Copy a finished run's numbers, datasets and artifacts into `target_run_id` (made by start_variant, so it
-    says who it is: a renamed variant keeps its new name) and finish it; reused_from names the original run."""
+    says who it is: a renamed variant keeps its new name) and finish it; reused_from names the original run.
+    Returns why the copy has no logged model (log_variant)."""
     name = store.run(target_run_id).tags.get(VARIANT)
-    identity = {ON_FRONTIER, ROLE, VARIANT, BASELINE, SWEEP, VERDICT}  # the copying sweep's to say, not the original's
+    # The copying sweep's to say, not the original's (the copy is a logged model of its own).
+    identity = {ON_FRONTIER, ROLE, VARIANT, BASELINE, SWEEP, VERDICT, MODEL_ID}
     tags = {k: v for k, v in source.tags.items() if not k.startswith("mlflow.") and k not in identity}
     params = source.params | ({"variant.name": name} if "variant.name" in source.params and name else {})
     store.copy_artifacts(source.run_id, target_run_id)
     # The copy was scored on what the original was: the runs table lists the same datasets.
-    log_variant(
+    return log_variant(
         store,
         target_run_id,
         metrics=source.metrics,
@@ -632,6 +738,8 @@ def log_decision(
     for run in children:
         if run.variant in verdicts:
             store.log_values(run.run_id, tags={VERDICT: verdicts[run.variant]})
+            if model_id := run.tags.get(MODEL_ID):  # the Models tab compares the variants by it too
+                store.set_model_tags(model_id, {VERDICT: verdicts[run.variant]})
     verdict_tags = {f"{VERDICT}.{name}": words for name, words in verdicts.items()}
     store.log_values(parent_run_id, metrics=metrics, tags=tags | verdict_tags)
     logged = {(item.name, item.digest) for item in store.run(parent_run_id).datasets}
@@ -652,7 +760,11 @@ def register_checkpoint(
     if created:
         source = Path(checkpoint).resolve().as_uri() if "://" not in checkpoint else checkpoint
         version = store.create_model_version(
-            model_name, source, run.run_id, {**tags, CONTENT_KEY: content_key, CHECKPOINT: checkpoint}
+            model_name,
+            source,
+            run.run_id,
+            {**tags, CONTENT_KEY: content_key, CHECKPOINT: checkpoint},
+            model_id=run.tags.get(MODEL_ID),  # the version page links the variant's logged model
         )
     store.set_alias(model_name, alias, version)
     return version, created

@@ -14,7 +14,7 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import replace
 
-from quantlab.tracking import PARENT, DatasetRecord, RunRecord, safe_key
+from quantlab.tracking import PARENT, DatasetRecord, RunRecord, metric_dataset, safe_key
 
 
 class MemoryStore:
@@ -29,6 +29,8 @@ class MemoryStore:
         self._versions: dict[str, dict[str, dict[str, str]]] = {}  # model -> version -> tags
         self.aliases: dict[tuple[str, str], str] = {}  # (model, alias) -> version
         self.sources: dict[tuple[str, str], tuple[str, str]] = {}  # (model, version) -> (source, run id)
+        self.descriptions: dict[tuple[str, str], str] = {}  # (model, version) -> its description
+        self._models: dict[str, dict] = {}  # logged model id -> as TrackingStore.logged_models lists it
         self._ids = itertools.count(1)
         # Strictly increasing start and end times: newest first is well defined.
         self._clock = itertools.count(1_700_000_000_000)
@@ -62,9 +64,16 @@ class MemoryStore:
         metrics: dict[str, float] | None = None,
         params: dict[str, str] | None = None,
         tags: dict[str, str] | None = None,
+        model_id: str | None = None,
+        datasets: Iterable[DatasetRecord] = (),
     ) -> None:
         run = self._runs[run_id]
         run.metrics.update({safe_key(key): float(value) for key, value in (metrics or {}).items()})
+        if model_id is not None:
+            digests = {item.name: item.digest for item in datasets}
+            for key, value in (metrics or {}).items():
+                on = metric_dataset(key, digests)
+                self._models[model_id]["metrics"].append((safe_key(key), float(value), on, digests.get(on)))
         run.params.update({safe_key(key): str(value)[:6000] for key, value in (params or {}).items()})
         run.tags.update({key: str(value) for key, value in (tags or {}).items()})
 
@@ -75,6 +84,28 @@ class MemoryStore:
     def log_datasets(self, run_id: str, datasets: Iterable) -> None:
         run = self._runs[run_id]
         self._runs[run_id] = replace(run, datasets=run.datasets + tuple(map(DatasetRecord.of, datasets)))
+
+    def create_external_model(
+        self, experiment_id: str, name: str, run_id: str, tags: dict[str, str], params: dict[str, str]
+    ) -> str:
+        model_id = f"m-{next(self._ids)}"
+        self._models[model_id] = {
+            "model_id": model_id,
+            "name": name,
+            "source_run_id": run_id,
+            "experiment_id": experiment_id,
+            "tags": {"mlflow.model.isExternal": "true", **tags},
+            "params": {safe_key(key): str(value)[:6000] for key, value in params.items()},
+            "metrics": [],
+        }
+        return model_id
+
+    def set_model_tags(self, model_id: str, tags: dict[str, str]) -> None:
+        self._models[model_id]["tags"].update(tags)
+
+    def logged_models(self, experiment_id: str) -> list[dict]:
+        found = [model for model in self._models.values() if model["experiment_id"] == experiment_id]
+        return [{k: v for k, v in copy.deepcopy(model).items() if k != "experiment_id"} for model in found]
 
     def finish(self, run_id: str, status: str) -> None:
         self._runs[run_id] = replace(self._runs[run_id], status=status, end_time=next(self._clock))
@@ -103,12 +134,21 @@ class MemoryStore:
     def model_versions(self, model_name: str) -> dict[str, dict[str, str]]:
         return dict(self._versions.get(model_name, {}))
 
-    def create_model_version(self, model_name: str, source: str, run_id: str, tags: dict[str, str]) -> str:
+    def create_model_version(
+        self, model_name: str, source: str, run_id: str, tags: dict[str, str], model_id: str | None = None
+    ) -> str:
         versions = self._versions.setdefault(model_name, {})
         version = str(len(versions) + 1)
         versions[version] = dict(tags)
         self.sources[(model_name, version)] = (source, run_id)
         return version
+
+    def describe_version(self, model_name: str, version: str, description: str, tags: dict[str, str]) -> None:
+        self.descriptions[(model_name, version)] = description
+        self._versions[model_name][version].update(tags)
+
+    def version_description(self, model_name: str, version: str) -> str:
+        return self.descriptions.get((model_name, version), "")
 
     def set_alias(self, model_name: str, alias: str, version: str) -> None:
         self.aliases[(model_name, alias)] = version

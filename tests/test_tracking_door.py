@@ -359,8 +359,12 @@ def test_pick_registers_the_chosen_checkpoint_once_and_logs_each_decision(store,
     monkeypatch.setattr(publish.time, "time", lambda: 2000.0)
     second = publish.record_pick(store, view, decision, register=True, alias="prod")
 
-    assert first["registered"] == {"model": "tiny", "version": "1", "alias": "prod", "new_version": True}
-    assert second["registered"] == {"model": "tiny", "version": "1", "alias": "prod", "new_version": False}
+    card = f"runs:/{parent}/release-cards/tiny-v1.json"  # the version's release card, on the sweep's run
+    expected = {"model": "tiny", "version": "1", "alias": "prod", "release_card": card}
+    assert first["registered"] == expected | {"new_version": True}
+    assert second["registered"] == expected | {"new_version": False}
+    assert store.version_description("tiny", "1").startswith("# tiny v1 (@prod): fp8\n")
+    assert json.loads(store.read_artifact(parent, "release-cards/tiny-v1.json"))["checkpoint_hash"] == "content-fp8"
     (version_tags,) = store.model_versions("tiny").values()
     assert version_tags[tracking.CONTENT_KEY] == "content-fp8" and version_tags[tracking.CHECKPOINT] == str(
         tmp_path / "fp8"
