@@ -179,9 +179,14 @@ def paired_noise(
 ) -> Noise:
     """Paired comparisons between any two variants, each computed once: from both runs' per-document
     scores (`documents`: variant -> metric key -> scores; a group from its leaves with lm-eval's weights)
-    when both have them, otherwise, between a variant and the baseline, from what the variant logged."""
+    when both have them, otherwise, between a variant and the baseline, from what the variant logged. Each interval
+    is the one a verdict on the metric judges by (`PairedComparison.oriented`), and each pair is compared one way,
+    the baseline (else the first name) as the reference, and read backwards the other way: an interval from flips is
+    the verdict's on the other variant against the reference, which is not the mirror of the reverse verdict's."""
     by_name = {variant.name: variant for variant in variants}
     baseline = find_baseline(variants)
+    reference = None if baseline is None else baseline.name
+    declared = merged_declared(variants)
     cache: dict[tuple[str, str, str], PairedComparison | None] = {}
 
     def from_documents(metric: str, first: str, second: str) -> PairedComparison | None:
@@ -197,20 +202,23 @@ def paired_noise(
             return None  # other documents (another limit): not comparable pairwise
 
     def from_logged(metric: str, first: str, second: str) -> PairedComparison | None:
-        if baseline is not None and first == baseline.name and second in by_name:
+        if first == reference and second in by_name:
             return logged_comparison(by_name[second], metric)
-        if baseline is not None and second == baseline.name and first in by_name:
-            found = logged_comparison(by_name[first], metric)
-            return None if found is None else found.reversed()
         return None
 
     def noise(metric: str, first: str, second: str) -> PairedComparison | None:
         key = (metric, first, second)
         if key not in cache:
-            found = from_documents(*key) or from_logged(*key)
-            # n < 2 leaves no standard error: such a comparison says nothing about noise.
+            forward = first == reference or (second != reference and first <= second)
+            one_way = (metric, first, second) if forward else (metric, second, first)
+            found = from_documents(*one_way) or from_logged(*one_way)
+            # Too few documents leave no interval: such a comparison says nothing about noise.
             usable = found is not None and math.isfinite(found.ci95_low) and math.isfinite(found.ci95_high)
-            cache[key] = found if usable else None
+            if found is None or not usable:
+                cache[key] = None
+            else:
+                found = found.oriented(metric_spec(metric, declared).higher_is_better)
+                cache[key] = found if forward else found.reversed()
         return cache[key]
 
     return noise
@@ -305,12 +313,21 @@ def cost_order(axis: Axis, first: FrontierPoint, second: FrontierPoint) -> int:
     return 1 if axis.is_better(first.cost, second.cost) else -1
 
 
-def dominates(pair: AxisPair, first: FrontierPoint, second: FrontierPoint, margin: Margin) -> bool:
-    """First costs no more (its cost is not worse beyond the noise), is at least as good on quality beyond the
-    noise, and is strictly better on one axis beyond the noise; a quality interval straddling 0, or overlapping
-    cost intervals, are ties within noise, where neither dominates on that axis."""
-    cost = cost_order(pair.cost, first, second)
-    return cost >= 0 and margin.low >= 0 and (cost > 0 or margin.low > 0)
+def dominates(cost: int, quality: Margin) -> bool:
+    """Whether a first point dominates a second, from `cost_order` (1: the first cheaper beyond the noise, 0: a tie
+    within it, -1: dearer) and `quality_margin` (first over second): shown worse on neither axis (cost order not -1,
+    the margin's interval not wholly below 0), and shown better on one (cheaper beyond the noise, or the margin's
+    interval wholly above 0). A difference within the noise, on either axis, counts as none.
+
+    Why this rule: a variant leaves the front only on a difference shown beyond the noise (a 95% interval's one-sided
+    2.5%), never on point figures, so two variants equal on both axes are called dominated no more often than that;
+    and both axes are read alike, as cost always was (overlapping intervals are a tie, not a worse cost): the dearer
+    of two variants keeps its place only by showing the quality its price buys. Asking the cheaper one to be shown at
+    least as good on quality (the interval's lower end at or above 0) cannot be met within the noise: identical
+    answers leave an interval of some width (zero flips are not [0, 0]), so no variant would ever dominate a dearer
+    one it matches. Unpaired points compare their values."""
+    not_worse = cost >= 0 and quality.high >= 0
+    return not_worse and (cost > 0 or quality.low > 0)
 
 
 def pareto_front(variants: Sequence[VariantSummary], pair: AxisPair, noise: Noise = no_noise) -> FrontierResult:
@@ -347,7 +364,9 @@ def pareto_front(variants: Sequence[VariantSummary], pair: AxisPair, noise: Nois
         others = [(other, margins[other.name, point.name]) for other in placed if other is not point]
         return replace(
             point,
-            dominated_by=tuple(sorted(o.name for o, margin in others if dominates(pair, o, point, margin))),
+            dominated_by=tuple(
+                sorted(o.name for o, margin in others if dominates(cost_order(pair.cost, o, point), margin))
+            ),
             tied_with=tuple(sorted(o.name for o, margin in others if margin.low < 0 < margin.high)),
             cost_tied_with=tuple(
                 sorted(o.name for o, _ in others if cost_order(pair.cost, o, point) == 0 and o.cost != point.cost)

@@ -4,10 +4,12 @@ Baseline and variant answer the same documents, so their difference is judged fr
 pairs, never from two independent standard errors (25 right-to-wrong and 5 wrong-to-right flips in
 1,000 questions: paired se 0.54 points, McNemar p = 3e-4, where unpaired noise would say 2.2 points).
 Intervals, verdicts and sample sizes use one quantile per comparison: Student's t on the degrees of freedom
-of its standard error (documents or clusters less one) where the scores are continuous, the normal one for 0/1
-scores, so the logged interval and a verdict at the default level (2.5% one-sided, the non-inferiority
-convention) agree; except that a verdict on 0/1 scores of one pool of documents rests on Tango's score bounds from
-their flips (`paired_binary_non_inferiority`: Wald bounds on a difference of matched proportions are liberal).
+of its standard error (documents or clusters less one) where the scores are continuous or clustered, the normal one
+for a group of 0/1 leaves not pooled by size, so the logged interval and a verdict at the default level (2.5%
+one-sided, the non-inferiority convention) agree. 0/1 scores of one pool of documents are judged on Tango's score
+bounds from their flips (`paired_binary_non_inferiority`: Wald bounds on a difference of matched proportions are
+liberal), and their logged interval is those bounds (`flip_interval`): there too the interval shown is the one the
+verdict judges by, and zero flips show the width their documents leave, not [0, 0].
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from statistics import NormalDist
 import numpy as np
 from pydantic import TypeAdapter
 
-Z_TWO_SIDED_95 = NormalDist().inv_cdf(0.975)
+_TAIL_95 = 0.025  # each tail of a two-sided 95% interval: the one-sided level of a verdict by default
+Z_TWO_SIDED_95 = NormalDist().inv_cdf(1 - _TAIL_95)
 
 
 class Aggregation(str, Enum):
@@ -87,6 +90,15 @@ class PairedComparison:
         found |= counts | {"n": int(figures["n"] or 0), "df": math.inf if figures["df"] is None else figures["df"]}
         return cls(baseline=variant - found["diff"], variant=variant, test="logged", **found)
 
+    def oriented(self, higher_is_better: bool | None) -> PairedComparison:
+        """The comparison with the interval a verdict on a metric of this direction judges by. Only 0/1 scores of one
+        pool differ: their bounds come from the flips, and which flips count as losses depends on the direction
+        (`compare` takes 1, a right answer, as better). Orient before `reversed`, which keeps the interval's ends."""
+        if higher_is_better is not False or self.correct_to_wrong is None or self.wrong_to_correct is None:
+            return self
+        low, high = flip_interval(self.n, self.correct_to_wrong, self.wrong_to_correct, higher_is_better=False)
+        return replace(self, ci95_low=low, ci95_high=high)
+
     def reversed(self) -> PairedComparison:
         """baseline minus variant."""
         return replace(
@@ -112,9 +124,10 @@ class NotPaired(ValueError):
 def compare(task: str, baseline: DocumentScores, variant: DocumentScores) -> PairedComparison:
     """The paired comparison of one metric; raises NotPaired when the documents differ.
 
-    MEAN: the mean of per-document differences, se from their spread; p from the exact McNemar
-    test on 0/1 scores, else a paired t-test. Ratio shapes rest on D = sum(ll_b - ll_v) / sum w
-    (documents as the sampled units); perplexity maps D's interval through exp, p is a t test on D.
+    MEAN: the mean of per-document differences, se from their spread; on 0/1 scores p from the exact
+    McNemar test and the interval a verdict on their flips judges by (`flip_interval`), else a paired
+    t-test. Ratio shapes rest on D = sum(ll_b - ll_v) / sum w (documents as the sampled units);
+    perplexity maps D's interval through exp, p is a t test on D.
     With `clusters` the clusters are the sampled units: se is cluster-robust, t has clusters - 1 degrees
     of freedom, and 0/1 scores get no McNemar test (it assumes independent documents).
     """
@@ -186,9 +199,10 @@ def _compare_means(b: np.ndarray, v: np.ndarray, clusters: np.ndarray | None = N
     if np.isin(b, (0.0, 1.0)).all() and np.isin(v, (0.0, 1.0)).all():
         flips = (int(np.sum((b == 1) & (v == 0))), int(np.sum((b == 0) & (v == 1))))
         p_value, test, df = mcnemar_exact_p(*flips), "mcnemar_exact", math.inf
+        low, high = flip_interval(d.size, *flips)
     else:
         flips, p_value, test, df = (None, None), _paired_t_p(d), "paired_t", float(d.size - 1)
-    low, high = _interval(diff, se, df)
+        low, high = _interval(diff, se, df)
     return PairedComparison(d.size, float(b.mean()), float(v.mean()), diff, se, low, high, p_value, test, *flips, df=df)
 
 
@@ -273,6 +287,7 @@ def combine(parts: Sequence[PairedComparison], weights: Sequence[float]) -> Pair
     low, high = _interval(diff, se, df)
     if zero_one and by_size:
         summed = (sum(p.correct_to_wrong for p in parts), sum(p.wrong_to_correct for p in parts))  # type: ignore[misc]
+        low, high = flip_interval(n, *summed)  # one pool: judged, hence shown, by its summed flips
         return PairedComparison(
             n, baseline, variant, diff, se, low, high, mcnemar_exact_p(*summed), "mcnemar_exact", *summed
         )
@@ -564,9 +579,7 @@ def paired_binary_non_inferiority(
         return NonInferiority(Outcome.UNSURE, math.nan, math.nan, math.nan, limit, None, **settings)
     worse, better = _worse_better(n, correct_to_wrong, wrong_to_correct, higher_is_better)
     drop = (worse - better) / n
-    wald_lower = drop - quantile(1 - over_alpha) * agresti_min_se(n, worse, better)
-    lower = min(_tango_bound(n, worse, better, quantile(1 - over_alpha)), wald_lower)
-    upper = _tango_bound(n, worse, better, -quantile(1 - alpha))
+    lower, upper = flip_drop_bounds(n, worse, better, alpha, over_alpha)
     outcome = _outcome(lower, upper, limit)
     if outcome is not Outcome.UNSURE or drop == limit:
         return NonInferiority(outcome, drop, lower, upper, limit, None, **settings)
@@ -600,6 +613,29 @@ def paired_binary_over_p(
     worse, better = _worse_better(n, correct_to_wrong, wrong_to_correct, higher_is_better)
     wald = over_p((worse - better) / n, agresti_min_se(n, worse, better), limit)
     return max(_upper_tail(tango_statistic(n, worse, better, limit)), wald)
+
+
+def flip_drop_bounds(n: int, worse: int, better: int, alpha: float, over_alpha: float) -> tuple[float, float]:
+    """The bounds a verdict on 0/1 scores judges the drop (worse - better) / n by: the lower one the smaller of Tango's
+    and the Wald bound on Agresti and Min's se, each one-sided at `over_alpha`; the upper one Tango's at `alpha`."""
+    drop = (worse - better) / n
+    # Wald's bound may pass -1, where every document gained: no drop is lower, so that is where it is shown.
+    wald_lower = max(drop - quantile(1 - over_alpha) * agresti_min_se(n, worse, better), -1.0)
+    lower = min(_tango_bound(n, worse, better, quantile(1 - over_alpha)), wald_lower)
+    return lower, _tango_bound(n, worse, better, -quantile(1 - alpha))
+
+
+def flip_interval(
+    n: int, correct_to_wrong: int, wrong_to_correct: int, *, higher_is_better: bool = True
+) -> tuple[float, float]:
+    """The two-sided 95% interval of variant minus baseline on 0/1 scores of one pool of `n` documents: the drop's
+    bounds a verdict at the default level (2.5% one-sided each way) judges by, `flip_drop_bounds`, as a difference.
+    Never [0, 0]: without a flip it is Tango's +-z^2 / (n + z^2). nan, nan without documents."""
+    if n < 1:
+        return math.nan, math.nan
+    worse, better = _worse_better(n, correct_to_wrong, wrong_to_correct, higher_is_better)
+    lower, upper = flip_drop_bounds(n, worse, better, _TAIL_95, _TAIL_95)
+    return (-upper, -lower) if higher_is_better else (lower, upper)
 
 
 def _worse_better(n: int, correct_to_wrong: int, wrong_to_correct: int, higher_is_better: bool) -> tuple[int, int]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from functools import partial
+from functools import cache, partial
 
 import numpy as np
 import pytest
@@ -24,6 +24,7 @@ from quantlab.paired import (
     agresti_min_se,
     combine,
     compare,
+    flip_interval,
     holm_alphas,
     paired_binary_non_inferiority,
     paired_binary_over_p,
@@ -635,13 +636,18 @@ MMLU_DECLARED = {key: Declared(True, Scale.FRACTION) for key in (MMLU, *MMLU_LEA
 MMLU_GROUP = Group(MMLU_LEAVES, tuple(n / 14042 for n in MMLU_TEST_SIZES.values()))  # lm-eval: weight_by_size
 
 
+# The simulated sweeps below repeat the same small flip counts across thousands of leaves
+_flip_interval = cache(flip_interval)
+
+
 def leaf_comparison(n: int, to_wrong: int, to_right: int, correct: float = 0.6) -> PairedComparison:
     """What `compare` gives for n 0/1 documents with these flips, without building them (checked against
-    `compare` below): diff (c - b) / n, plain paired se sqrt((b + c - n diff^2) / (n - 1) / n). Its McNemar p is
-    left out (nan): no verdict reads it, and 57 exact tests per simulated sweep would dominate the test's time."""
+    `compare` below): diff (c - b) / n, plain paired se sqrt((b + c - n diff^2) / (n - 1) / n), the interval a verdict
+    on the flips judges by. Its McNemar p is left out (nan): no verdict reads it, and 57 exact tests per simulated
+    sweep would dominate the test's time."""
     diff = (to_right - to_wrong) / n
     se = math.sqrt((to_wrong + to_right - n * diff**2) / (n - 1) / n)
-    low, high = diff - 1.959964 * se, diff + 1.959964 * se
+    low, high = _flip_interval(n, to_wrong, to_right)
     return PairedComparison(
         n, correct, correct + diff, diff, se, low, high, math.nan, "mcnemar_exact", to_wrong, to_right
     )
@@ -649,7 +655,9 @@ def leaf_comparison(n: int, to_wrong: int, to_right: int, correct: float = 0.6) 
 
 def test_the_hand_built_leaf_comparison_is_compares():
     built, real = leaf_comparison(100, 3, 1, 0.6), compare("x", *documents(3, 1, 57, 39))
-    assert (built.diff, built.se, built.ci95_low) == pytest.approx((real.diff, real.se, real.ci95_low))
+    assert (built.diff, built.se, built.ci95_low, built.ci95_high) == pytest.approx(
+        (real.diff, real.se, real.ci95_low, real.ci95_high)
+    )
     assert (built.correct_to_wrong, built.wrong_to_correct) == (3, 1)
 
 

@@ -41,13 +41,18 @@ def _flipped(scores: list[float], right_to_wrong: int, wrong_to_right: int = 0) 
     return changed
 
 
-# (the baseline served twice: its flips, a variant's engine - reference flips, its served drop's flips, judged)
+# (the baseline served twice: its flips, a variant's engine - reference flips, its served drop's flips, judged). The
+# floor reaches as far as its interval, the one a verdict on its flips would judge by: among 40 documents, +-8.76 pts
+# with no flip (Tango's z^2 / (n + z^2)), +-10.8 with one each way, +-12.5 with two, 17.9 below with (3, 1).
 @pytest.mark.parametrize(
     "floor, against_reference, drop, judged",
     [
         ((1, 1), (1, 0), (1, 1), (True, True)),  # no more than the engine moves on its own
-        ((0, 0), (0, 0), (3, 0), (True, False)),  # an identical second serving: any drop is beyond it
-        ((2, 2), (4, 0), (0, 5), (False, False)),  # both beyond: a kernel difference, a real change
+        # A second serving that flipped nothing among 40 documents cannot tell 3 flips (7.5 pts) from its own noise
+        ((0, 0), (0, 0), (3, 0), (True, True)),
+        ((0, 0), (0, 0), (4, 0), (True, False)),  # 10 pts: beyond what 40 identical answers leave open
+        ((2, 2), (6, 0), (0, 6), (False, False)),  # both beyond (15 pts): a kernel difference, a real change
+        ((2, 2), (4, 0), (0, 4), (True, True)),  # 10 pts either way: within
         ((3, 1), (1, 2), (2, 1), (True, True)),
     ],
 )

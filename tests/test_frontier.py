@@ -18,17 +18,19 @@ from quantlab.frontier import (
     AxisPair,
     FrontierSettings,
     Group,
+    Margin,
     UnknownDirectionError,
     VariantSummary,
     compute_frontiers,
     describe_comparison,
+    dominates,
     frontiers_to_dict,
     merged_declared,
     paired_noise,
     pareto_front,
 )
 from quantlab.metrics import Declared, Scale, paired_key, spec
-from quantlab.paired import Aggregation, DocumentScores, compare
+from quantlab.paired import Aggregation, DocumentScores, compare, paired_binary_non_inferiority
 
 ACC = "eval/mmlu_dev/acc"
 GSM = "eval/gsm8k/exact_match:strict-match"
@@ -68,6 +70,12 @@ def answers(right_to_wrong: int = 0, wrong_to_right: int = 0, *, n: int = N, rig
     return scores
 
 
+def paired_figures(metric: str, baseline: dict[int, float], variant: dict[int, float]) -> dict[str, float]:
+    """The quality/paired/... figures a run logs for `variant` against `baseline`."""
+    found = compare(metric, DocumentScores(Aggregation.MEAN, baseline), DocumentScores(Aggregation.MEAN, variant))
+    return {paired_key(metric, stat): value for stat, value in found.statistics().items()}
+
+
 def sweep(pair: AxisPair, *variants: tuple[str, dict[int, float], float], baseline: str | None = None):
     """Variants placed by (name, per-document scores, cost): the logged score is the documents' mean."""
     summaries = [
@@ -104,18 +112,26 @@ def sweep(pair: AxisPair, *variants: tuple[str, dict[int, float], float], baseli
         pytest.param(
             ACC_VS_WEIGHTS,
             [("a", answers(3, 1), 100), ("b", answers(), 200)],
-            {"a", "b"},
-            {},
+            {"a"},
+            {"b": ("a",)},
             {"a": ("b",), "b": ("a",)},
-            id="cheaper-slightly-worse-is-a-tie",
+            id="cheaper-slightly-worse-within-noise-dominates-the-dearer-tie",
         ),
         pytest.param(
             ACC_VS_WEIGHTS,
             [("a", answers(1, 3), 100), ("b", answers(), 200)],
+            {"a"},
+            {"b": ("a",)},
+            {"a": ("b",), "b": ("a",)},
+            id="cheaper-better-within-noise-dominates",
+        ),
+        pytest.param(
+            ACC_VS_WEIGHTS,
+            [("a", answers(12, 0), 100), ("b", answers(), 200)],
             {"a", "b"},
             {},
-            {"a": ("b",), "b": ("a",)},
-            id="cheaper-better-within-noise-is-a-tie-not-dominance",
+            {},
+            id="cheaper-shown-worse-never-dominates",
         ),
         pytest.param(
             ACC_VS_WEIGHTS,
@@ -138,16 +154,32 @@ def sweep(pair: AxisPair, *variants: tuple[str, dict[int, float], float], baseli
             [("a", answers(), 100), ("b", answers(), 100)],
             {"a", "b"},
             {},
-            {},
-            id="identical-documents-equal-cost-neither-dominates",
+            {"a": ("b",), "b": ("a",)},
+            id="identical-documents-equal-cost-a-tie-neither-dominates",
         ),
         pytest.param(
             ACC_VS_WEIGHTS,
             [("a", answers(), 100), ("b", answers(), 150)],
             {"a"},
             {"b": ("a",)},
-            {},
+            {"a": ("b",), "b": ("a",)},
             id="identical-documents-cheaper-dominates",
+        ),
+        pytest.param(
+            ACC_VS_WEIGHTS,
+            [("a", answers(n=40, right=20), 100), ("b", answers(n=40, right=20), 150)],
+            {"a"},
+            {"b": ("a",)},
+            {"a": ("b",), "b": ("a",)},
+            id="identical-on-40-documents-cheaper-dominates",
+        ),
+        pytest.param(
+            ACC_VS_WEIGHTS,
+            [("a", answers(12, 0), 100), ("b", answers(), 200), ("c", answers(), 300)],
+            {"a", "b"},
+            {"c": ("b",)},
+            {"b": ("c",), "c": ("b",)},
+            id="dearer-shown-better-keeps-its-place-its-identical-dearer-twin-does-not",
         ),
         pytest.param(
             ACC_VS_WEIGHTS,
@@ -162,7 +194,7 @@ def sweep(pair: AxisPair, *variants: tuple[str, dict[int, float], float], baseli
             [("a", answers(), 100), ("b", answers(), 100), ("c", answers(40, 0), 200)],
             {"a", "b"},
             {"c": ("a", "b")},
-            {},
+            {"a": ("b",), "b": ("a",)},
             id="several-dominators-listed",
         ),
         pytest.param(
@@ -176,10 +208,18 @@ def sweep(pair: AxisPair, *variants: tuple[str, dict[int, float], float], baseli
         pytest.param(
             ERRORS_VS_WEIGHTS,
             [("a", answers(0, 2), 100), ("b", answers(), 200)],
+            {"a"},
+            {"b": ("a",)},
+            {"a": ("b",), "b": ("a",)},
+            id="lower-is-better-cheaper-within-noise-dominates",
+        ),
+        pytest.param(
+            ERRORS_VS_WEIGHTS,
+            [("a", answers(0, 12), 100), ("b", answers(), 200)],
             {"a", "b"},
             {},
-            {"a": ("b",), "b": ("a",)},
-            id="lower-is-better-within-noise-tie",
+            {},
+            id="lower-is-better-cheaper-with-more-errors-beyond-noise-keeps-both",
         ),
         pytest.param(
             ACC_VS_DECODE,
@@ -200,6 +240,60 @@ def test_dominance_is_judged_against_paired_noise(pair, points, front, expected_
     assert dominated(result) == expected_dominated
     assert ties(result) == expected_ties
     assert result.point_compared == ()  # every pair had per-document scores
+
+
+@pytest.mark.parametrize(
+    ("cost", "low", "high", "expected"),
+    [
+        (1, -0.02, 0.03, True),  # cheaper beyond the noise; the dearer one's quality advantage is not shown
+        (1, -0.0876, 0.0876, True),  # cheaper, identical answers on 40 documents (zero flips: Tango's bounds)
+        (1, 0.0, 0.0, True),  # cheaper, unpaired and equal
+        (1, 0.01, 0.05, True),  # cheaper and shown better
+        (1, -0.05, -0.01, False),  # cheaper but shown worse: a trade-off
+        (1, -0.01, -0.01, False),  # unpaired, cheaper and worse
+        (0, 0.01, 0.05, True),  # costs within noise of each other, shown better
+        (0, 0.01, 0.01, True),  # unpaired, better at a cost tie
+        (0, -0.02, 0.03, False),  # a tie on both axes
+        (0, -0.0876, 0.0876, False),  # identical answers at a cost tie
+        (0, 0.0, 0.0, False),  # unpaired, equal on both
+        (-1, 0.01, 0.05, False),  # dearer beyond the noise never dominates
+        (-1, -0.02, 0.03, False),
+    ],
+)
+def test_dominance_is_shown_better_on_one_axis_and_worse_on_neither(cost, low, high, expected):
+    margin = Margin(low, high, paired=low != high)
+    assert dominates(cost, margin) is expected
+    # Read the other way round (the second over the first), the two never dominate each other
+    assert not (dominates(cost, margin) and dominates(-cost, Margin(-high, -low, margin.paired)))
+
+
+def test_each_pair_is_compared_one_way_and_read_backwards_the_other():
+    """Intervals from flips are the verdict's on the metric's direction (here lower is better), and one pair's two
+    readings mirror each other; a variant's comparison with the baseline from its logged figures is the same."""
+    n = 200
+    variants, noise = sweep(
+        ERRORS_VS_WEIGHTS,
+        ("a", answers(0, 3, n=n, right=100), 100),
+        ("b", answers(6, 0, n=n, right=100), 200),
+        ("base", answers(n=n, right=100), 300),
+        baseline="base",
+    )
+    for first, second in (("a", "b"), ("base", "a"), ("base", "b")):
+        forward, backward = noise(ERRORS, first, second), noise(ERRORS, second, first)
+        assert (backward.ci95_low, backward.ci95_high) == pytest.approx((-forward.ci95_high, -forward.ci95_low))
+        flips = (forward.correct_to_wrong, forward.wrong_to_correct)
+        verdict = paired_binary_non_inferiority(n, *flips, 0.01, higher_is_better=False)
+        assert (forward.ci95_low, forward.ci95_high) == pytest.approx((verdict.lower, verdict.upper), rel=1e-12)
+    logged = [
+        replace(v, metrics=v.metrics | paired_figures(ERRORS, answers(n=n, right=100), answers(0, 3, n=n, right=100)))
+        if v.name == "a"
+        else v
+        for v in variants
+    ]
+    from_logs = paired_noise(logged, {}, {})
+    for first, second in (("base", "a"), ("a", "base")):
+        shown, expected = from_logs(ERRORS, first, second), noise(ERRORS, first, second)
+        assert (shown.ci95_low, shown.ci95_high) == pytest.approx((expected.ci95_low, expected.ci95_high), rel=1e-12)
 
 
 def test_the_issue_example_is_a_loss_not_noise():
@@ -239,7 +333,7 @@ def test_without_paired_noise_points_are_compared_and_the_result_says_so():
 def test_logged_paired_figures_serve_against_the_baseline():
     """Runs without samples.json v2: the variant's own quality/paired/... figures (variant minus baseline)."""
     logged = compare(ACC, DocumentScores(Aggregation.MEAN, answers()), DocumentScores(Aggregation.MEAN, answers(2, 1)))
-    figures = {paired_key(ACC, stat): value for stat, value in logged.statistics().items()}
+    figures = paired_figures(ACC, answers(), answers(2, 1))
     base = VariantSummary("bf16", "bf16", True, {ACC: 0.6, WEIGHTS: 270}, is_baseline=True, declared=DECLARED)
     fp8 = VariantSummary("fp8", "fp8", True, {ACC: 0.599, WEIGHTS: 170, **figures}, declared=DECLARED)
     noise = paired_noise([base, fp8], {}, {})
@@ -499,7 +593,8 @@ def test_frontiers_to_dict_is_json_with_ties_and_intervals():
 
     (frontier,) = record["frontiers"]
     points = {p["name"]: p for p in frontier["points"]}
-    assert record["on_frontier"] == ["bf16", "fp8"]
+    # fp8 is cheaper and not shown worse: it dominates, and their quality is a tie within noise
+    assert record["on_frontier"] == ["fp8"] and points["bf16"]["dominated_by"] == ["fp8"]
     assert points["fp8"]["tied_with"] == ["bf16"] and points["bf16"]["tied_with"] == ["fp8"]
     assert points["fp8"]["vs_baseline"]["correct_to_wrong"] == 2
     assert points["fp8"]["interval"][0] < points["fp8"]["quality"] < points["fp8"]["interval"][1]

@@ -22,6 +22,7 @@ from quantlab.paired import (
     compare,
     documents_from_json,
     documents_to_json,
+    flip_interval,
     float_slack,
     holm_alphas,
     mcnemar_exact_p,
@@ -57,8 +58,48 @@ def test_the_issue_example_is_a_significant_paired_loss() -> None:
     assert result.p_value == pytest.approx(2 * sum(math.comb(30, k) for k in range(6)) / 2**30, rel=1e-9)
     assert result.p_value == pytest.approx(3.2e-4, rel=0.02)
     assert (result.correct_to_wrong, result.wrong_to_correct, result.test) == (25, 5, "mcnemar_exact")
-    assert result.ci95_low == pytest.approx(-0.02 - 1.959964 * result.se, rel=1e-6)
-    assert result.ci95_high < 0
+    # The interval is the verdict's: the drop's bounds from the flips, Tango's upper one (where its statistic is
+    # -1.96) and as the lower one the smaller of Tango's and the Wald bound 1.96 Agresti-Min se under the drop
+    assert tango_statistic(1000, 25, 5, -result.ci95_low) == pytest.approx(-1.959964, rel=1e-6)
+    wald = 0.02 - 1.959964 * agresti_min_se(1000, 25, 5)
+    tango_lower = optimize.brentq(lambda drop: tango_statistic(1000, 25, 5, drop) - 1.959964, -0.5, 0.02)
+    assert -result.ci95_high == pytest.approx(min(wald, tango_lower), rel=1e-6)
+    assert result.ci95_low < result.diff < result.ci95_high < 0
+
+
+@pytest.mark.parametrize("n", [40, 200])
+def test_zero_flips_show_the_width_their_documents_leave(n):
+    """Identical answers are not [0, 0]: with no flip Tango's bounds are +-z^2 / (n + z^2) (8.76 pts at 40 documents,
+    1.88 at 200; Wald's on Agresti and Min's se, z / (n + 2), is inside them), and they are the verdict's."""
+    result = compare("task", *binary(n, n // 2, 0, 0))
+    z2 = stats.norm.ppf(0.975) ** 2
+    assert result.diff == 0 and (result.ci95_low, result.ci95_high) == pytest.approx((-z2 / (n + z2), z2 / (n + z2)))
+    verdict = paired_binary_non_inferiority(n, 0, 0, 0.01)
+    assert (-result.ci95_high, -result.ci95_low) == pytest.approx((verdict.lower, verdict.upper), rel=1e-12)
+
+
+FLIP_TABLES = [(40, 0, 0), (40, 3, 0), (40, 0, 3), (40, 2, 5), (100, 3, 1), (200, 0, 0), (300, 0, 4), (1000, 25, 5)]
+
+
+@pytest.mark.parametrize("higher_is_better", [True, False])
+@pytest.mark.parametrize(("n", "correct_to_wrong", "wrong_to_correct"), [*FLIP_TABLES, (1319, 40, 38), (5, 5, 0)])
+def test_the_interval_shown_is_the_one_the_verdict_judges_by(n, correct_to_wrong, wrong_to_correct, higher_is_better):
+    """Over tables of flips, either direction: the shown interval, as a drop, is the verdict's two bounds at its default
+    level, so a limit is shown within exactly where the shown interval's worse end is within it, and shown over exactly
+    where its better end is over it."""
+    right = max(n // 2, correct_to_wrong)
+    shown = compare("task", *binary(n, right, correct_to_wrong, wrong_to_correct)).oriented(higher_is_better)
+    assert shown.ci95_low <= shown.diff <= shown.ci95_high
+    drop_low, drop_high = (-shown.ci95_high, -shown.ci95_low) if higher_is_better else (shown.ci95_low, shown.ci95_high)
+    direction = {"higher_is_better": higher_is_better}
+    for limit in (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2):
+        verdict = paired_binary_non_inferiority(n, correct_to_wrong, wrong_to_correct, limit, **direction)
+        assert (drop_low, drop_high) == pytest.approx((verdict.lower, verdict.upper), rel=1e-12, abs=1e-15)
+        assert (verdict.outcome is Outcome.WITHIN) == (drop_high <= limit + float_slack(limit))
+        assert (verdict.outcome is Outcome.OVER) == (drop_low > limit + float_slack(limit))
+    assert (shown.ci95_low, shown.ci95_high) == pytest.approx(
+        flip_interval(n, correct_to_wrong, wrong_to_correct, **direction), rel=1e-12
+    )
 
 
 @pytest.mark.parametrize(
@@ -168,6 +209,10 @@ def test_a_group_adds_its_leaves_flips_and_pools_by_size() -> None:
     pooled = compare("group", pooled_base, pooled_variant)
     assert (group.correct_to_wrong, group.wrong_to_correct) == (15, 3)
     assert group.diff == pytest.approx(pooled.diff)
+    # One pool, judged by its summed flips: shown with their bounds, as the pooled documents would be
+    assert (group.ci95_low, group.ci95_high) == pytest.approx((pooled.ci95_low, pooled.ci95_high), rel=1e-12)
+    verdict = paired_binary_non_inferiority(400, 15, 3, 0.01)
+    assert (-group.ci95_high, -group.ci95_low) == pytest.approx((verdict.lower, verdict.upper), rel=1e-12)
     assert group.p_value == pytest.approx(pooled.p_value)
     assert group.test == "mcnemar_exact"
     unweighted = combine([first, second], [0.5, 0.5])
@@ -248,15 +293,15 @@ def test_what_the_documents_a_task_has_can_settle(drop, se, limit, available, be
 
 
 def test_too_few_documents_have_no_interval_and_no_verdict() -> None:
-    result = compare("task", *binary(1, 1, 1, 0))
-    assert math.isnan(result.se) and set(result.statistics()) == {
-        "diff",
-        "p_value",
-        "n",
-        "correct_to_wrong",
-        "wrong_to_correct",
-    }
+    one = DocumentScores(Aggregation.MEAN, {0: 0.25}), DocumentScores(Aggregation.MEAN, {0: 0.5})
+    result = compare("task", *one)
+    assert math.isnan(result.se) and set(result.statistics()) == {"diff", "n", "df"}
     assert non_inferiority(-result.diff, result.se, 1, 0.01).outcome is Outcome.UNSURE
+    # One 0/1 document: no se, and the interval a verdict on its flips judges by, too wide to settle anything, within
+    # the range a difference of proportions has
+    flipped = compare("task", *binary(1, 1, 1, 0))
+    assert math.isnan(flipped.se) and -1 <= flipped.ci95_low < -0.5 and 0 < flipped.ci95_high <= 1
+    assert paired_binary_non_inferiority(1, 1, 0, 0.01).outcome is Outcome.UNSURE
 
 
 def test_documents_survive_json() -> None:
@@ -519,7 +564,8 @@ def test_tangos_bounds_are_the_ends_of_the_drops_the_score_test_does_not_reject(
             assert np.all(np.diff(statistic) <= 1e-12)
             assert np.all((statistic < -z_within) == (grid > verdict.upper + 1e-9)), (worse, better)
             assert np.all((statistic > z_over) == (grid < tango_lower - 1e-9)), (worse, better)
-            assert verdict.lower == pytest.approx(min(tango_lower, wald_lower), abs=1e-12), (worse, better)
+            # no drop is below -1 (every document gained), where Wald's bound may reach
+            assert verdict.lower == pytest.approx(min(tango_lower, max(wald_lower, -1)), abs=1e-12), (worse, better)
             # scipy's normal quantile and the standard library's, which quantlab uses, differ in the last bits
             assert verdict.lower <= tango_lower + 1e-12 and tango_lower <= verdict.drop <= verdict.upper
             assert verdict.drop == (worse - better) / n

@@ -342,6 +342,33 @@ def test_variants_table_rows_as_data(sweep):
     assert re.fullmatch(r"52\.0% \(-8\.00 pts \[-\d+\.\d\d, -\d+\.\d\d\]\)", awq_mmlu)
 
 
+@pytest.mark.parametrize("n", [40, 200])
+def test_zero_flips_show_the_verdicts_interval_in_the_table_the_frontier_and_the_verdict(n):
+    """Identical answers are shown with the width their n documents leave, Tango's z^2 / (n + z^2) each way, wherever
+    the drop is shown: the table's cell, the frontier's tie, and the verdict's bounds; the cheaper twin dominates."""
+    answers = scores(n // 2, n)
+    logged = {paired_key(MMLU, stat): value for stat, value in compare(MMLU, answers, answers).statistics().items()}
+    variants = [
+        VariantSummary("bf16", "bf16", True, {MMLU: answers.aggregate(), "cost/weight_bytes": 2e6}, {}, True, DECLARED),
+        VariantSummary(
+            "fp8", "fp8", True, {MMLU: answers.aggregate(), "cost/weight_bytes": 1e6, **logged}, {}, False, DECLARED
+        ),
+    ]
+    frontiers = compute_frontiers(variants, noise=paired_noise(variants, {}, {}))
+    decision = pick(variants, "bf16", Policy(max_drop_any_task=None, max_drop={MMLU: 1}), Axis.of("cost/weight_bytes"))
+    reach = 100 * 1.959964**2 / (n + 1.959964**2)
+
+    table = variants_table(variants, frontiers, decision)
+    cell = table.rows[1][table.headers.index("mmlu_dev acc")]
+    assert cell.endswith(f"(+0.00 pts [-{reach:.2f}, +{reach:.2f}])")
+    (check,) = decision.verdict("fp8").checks
+    assert f"bounds from the flips [-{reach:.2f} pts, {reach:.2f} pts]" in check.detail
+    (result,) = frontiers.results
+    assert result.point("bf16").dominated_by == ("fp8",) and result.point("fp8").tied_with == ("bf16",)
+    low, high = result.point("fp8").interval
+    assert 100 * (high - low) == pytest.approx(2 * reach, abs=1e-3)
+
+
 # --------------------------------------------------------------------------------------
 # From a real MLflow store: samples.json v2 read back, artifacts written
 # --------------------------------------------------------------------------------------

@@ -255,9 +255,10 @@ def test_publish_tags_the_frontier_and_attaches_the_report_to_the_parent(store, 
         "int4",
         "w8",
     ] and view.model == "HuggingFaceTB/SmolLM2-135M"
-    assert publish.frontiers(view).on_front == {"bf16", "fp8", "int4"}  # w8: fp8 is cheaper and better beyond noise
+    # fp8 is cheaper than bf16 and not shown worse (one flip in 2,000), cheaper than w8 and better beyond the noise
+    assert publish.frontiers(view).on_front == {"fp8", "int4"}
     tags = {run.variant: run.tags[tracking.ON_FRONTIER] for run in tracking.child_runs(store, parent)}
-    assert tags == {"bf16": "true", "fp8": "true", "int4": "true", "w8": "false"}
+    assert tags == {"bf16": "false", "fp8": "true", "int4": "true", "w8": "false"}
     report = store.read_artifact(parent, "report.md").decode()
     assert store.run(parent).tags[tracking.NOTE] == report and "fp8" in report
     (frontier,) = json.loads(store.read_artifact(parent, "frontier.json"))["frontiers"]
