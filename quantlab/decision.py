@@ -304,11 +304,13 @@ def _verdict_words(
         if found.best_limit is not None and available is not None:
             task = EvalKey.parse(rule.metric)
             name = task.task if task is not None else rule.metric
+            # A planning figure, not a bound: the limit a task of this size settles with the policy's power for a drop
+            # like this one. The run's own bound, shown before it, is mostly tighter (a bound needs no power): "at best"
+            # would contradict it.
             reach = "a limit of" if found.drop < found.limit else "a drop over"
-            most = "best" if found.drop < found.limit else "most"
             text += (
-                f"; {name} has {available:,} documents: at {power:.0%} power they can show {reach} "
-                f"{amount(found.best_limit)} at {most}"
+                f"; {name} has {available:,} documents: for a drop like this one, a task of that size shows {reach} "
+                f"{amount(found.best_limit)} with {power:.0%} power"
             )
     return text
 
