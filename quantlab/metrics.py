@@ -123,8 +123,10 @@ def is_eval_score(key: str) -> bool:
 PAIRED_STATISTICS: dict[str, Scale | None] = {
     "diff": None,  # variant minus baseline, over the documents (or tokens) both scored
     "se": None,  # paired standard error of diff
-    "ci95_low": None,  # lower end of the two-sided 95% interval of diff (normal approximation)
-    "ci95_high": None,  # upper end of the two-sided 95% interval of diff (normal approximation)
+    # The ends of the two-sided 95% interval of diff, the bounds a verdict judges by: from the flips for 0/1 scores of one
+    # pool (Tango's score bounds, paired.flip_interval), else diff +- a t (or normal) quantile times se.
+    "ci95_low": None,
+    "ci95_high": None,
     # Two-sided p of no difference: exact McNemar for 0/1 scores, paired t for continuous scores,
     # z on the per-document log ratio for perplexities.
     "p_value": Scale.P_VALUE,
@@ -290,8 +292,16 @@ _PATTERNS = {re.compile(re.sub(r"<(\w+)>", r"(?P<\1>[^/]+)", re.escape(entry))):
 # the stages' wall seconds, and every served figure (under load, against the clock: throughputs, latencies, goodput
 # and its price, requests cut off or failed). Not timed: sizes, memory, modeled figures, quality, measure/* (facts
 # about the machine while timing).
+# The measure stage's figures, per batch size, and the ends of their intervals over its repeats (_BATCH_KEY below)
+BATCH_ENTRY, BATCH_INTERVAL_ENTRY = "cost/<figure>[_bs<N>]", "cost/<figure>[_bs<N>]/<end>"
 TIMED = frozenset(
-    {"cost/<figure>[_bs<N>]", "cost/load_seconds", "cost/measured_bandwidth_bytes_per_s", "time/<stage>_seconds"}
+    {
+        BATCH_ENTRY,
+        BATCH_INTERVAL_ENTRY,
+        "cost/load_seconds",
+        "cost/measured_bandwidth_bytes_per_s",
+        "time/<stage>_seconds",
+    }
 )
 TIMED_PREFIXES = ("cost/serving/",)
 # cost/serving/workload/<workload>/<figure>: a serving figure of one named workload (the plain keys are the first's)
@@ -311,7 +321,9 @@ _BATCH_FIGURES: dict[str, tuple[bool, Scale, str]] = {
     "local_roofline_decode_tokens_per_s": (True, Scale.TOKENS_PER_S, "decode roofline here"),
     "roofline_efficiency": (True, Scale.FRACTION, "roofline efficiency"),
 }
-_BATCH_KEY = re.compile(r"^cost/(?P<figure>[a-z0-9_]+?)(?:_bs(?P<batch>\d+))?$")
+_BATCH_KEY = re.compile(r"^cost/(?P<figure>[a-z0-9_]+?)(?:_bs(?P<batch>\d+))?(?:/(?P<end>ci95_low|ci95_high))?$")
+# The batch figures logged with a 95% t interval over the measure stage's repeats (quantlab.measure.cost)
+BATCH_INTERVAL_FIGURES = ("prefill_tokens_per_s", "decode_tokens_per_s")
 # quality/recovery/<task>/<metric>[:<filter>]: variant score / baseline score (above 1 is worse for lower-is-better scores)
 _RECOVERY = re.compile(r"^quality/recovery/(?P<score>[^/]+/[^/]+)$")
 
@@ -370,7 +382,11 @@ def spec(key: str, declared: Mapping[str, Declared] | None = None) -> MetricSpec
     if (match := _BATCH_KEY.match(key)) is not None and match["figure"] in _BATCH_FIGURES:
         higher, scale, label = _BATCH_FIGURES[match["figure"]]
         label += f" at batch {match['batch']}" if match["batch"] else ""
-        return MetricSpec(key, "cost/<figure>[_bs<N>]", higher, scale, label)
+        if match["end"] is None:
+            return MetricSpec(key, BATCH_ENTRY, higher, scale, label)
+        if match["figure"] in BATCH_INTERVAL_FIGURES:
+            side = match["end"].removeprefix("ci95_")
+            return MetricSpec(key, BATCH_INTERVAL_ENTRY, higher, scale, f"{label}, 95% interval {side}")
     return MetricSpec(key, "", None, Scale.SCORE, key)  # not in quantlab's metric contract
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 
 import numpy as np
@@ -10,8 +11,11 @@ import pytest
 import torch
 from tiny import tiny_llama_config
 
-from quantlab.measure.cost import _percentile, measure_cost
+from quantlab.measure.cost import BatchFigures, _percentile, measure_cost
 from quantlab.measure.settings import MeasureSettings
+from quantlab.measure.timing import GenerationTiming
+from quantlab.metrics import spec
+from quantlab.repeats import Interval
 from quantlab.stages.measure import measure
 
 REPO = Path(__file__).resolve().parents[1]
@@ -231,3 +235,84 @@ def test_the_single_stream_figures_come_from_the_levels_medians(ttft_ms, itl_ms,
 
     figures = SingleStream("c1", prompt_tokens=32, output_tokens=16).figures(ttft_ms, itl_ms, roofline)
     assert figures == pytest.approx(expected | {"ttft_ms_p50": ttft_ms, "itl_ms_p50": itl_ms})
+
+
+def test_the_timed_throughputs_are_logged_with_their_interval_over_the_repeats(report):
+    """2 repeats per batch size: each throughput is their mean, with its 95% t interval around it."""
+    metrics = report.to_metrics()
+    for figure in (
+        "prefill_tokens_per_s",
+        "decode_tokens_per_s",
+        "prefill_tokens_per_s_bs2",
+        "decode_tokens_per_s_bs2",
+    ):
+        low, high = metrics[f"cost/{figure}/ci95_low"], metrics[f"cost/{figure}/ci95_high"]
+        assert low <= metrics[f"cost/{figure}"] <= high, figure
+        assert spec(f"cost/{figure}/ci95_low").timed and spec(f"cost/{figure}/ci95_high").higher_is_better
+    for figure in ("ttft_ms_p50", "itl_ms_p50", "roofline_efficiency"):  # not throughputs: no interval
+        assert f"cost/{figure}/ci95_low" not in metrics, figure
+
+
+def _timing(first_token_s: float, decode_step_s: float, batch_size: int = 2) -> GenerationTiming:
+    return GenerationTiming(
+        batch_size, prompt_tokens=16, first_token_s=first_token_s, inter_token_s=(decode_step_s,) * 3
+    )
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        (0.010, 0.020),  # two repeats: decode 200 and 100 tokens/s
+        (0.010, 0.011, 0.012, 0.013),
+        (0.025, 0.025, 0.025),  # no spread: an interval of one point
+    ],
+)
+def test_a_batchs_throughputs_are_means_with_a_student_t_interval(steps):
+    from scipy import stats
+
+    timings = [_timing(0.1 * step / steps[0], step) for step in steps]
+    found = BatchFigures.summarize(timings, joules="none here", local_roofline="none here")
+    decode = [timing.decode_tokens_per_s for timing in timings]
+    assert found.decode_tokens_per_s == pytest.approx(np.mean(decode))
+    interval = found.intervals["decode_tokens_per_s"]
+    if np.std(decode) == 0:
+        assert interval.low == interval.high == pytest.approx(np.mean(decode))
+    else:
+        expected = stats.t.interval(0.95, len(decode) - 1, loc=np.mean(decode), scale=stats.sem(decode))
+        assert (interval.low, interval.high) == pytest.approx(expected)
+    assert interval.runs == len(steps) and set(found.intervals) == {"prefill_tokens_per_s", "decode_tokens_per_s"}
+
+
+def test_one_repeat_gives_no_interval():
+    found = BatchFigures.summarize([_timing(0.1, 0.01)], joules="none here", local_roofline="none here")
+    assert found.intervals == {} and found.decode_tokens_per_s == pytest.approx(100.0 * 2)
+
+
+@pytest.mark.parametrize(
+    ("itl", "ttft", "decode", "prefill"),
+    [
+        # ITL 40 ms [30, 50]: 25 tokens/s [20, 33.3]; 32 prompt tokens in 80 ms [60, 100]: 400 tokens/s [320, 533.3]
+        (
+            Interval(40.0, 30.0, 50.0, 3),
+            Interval(80.0, 60.0, 100.0, 3),
+            (25.0, 20.0, 1000 / 30),
+            (400.0, 320.0, 3200 / 6),
+        ),
+        # A latency interval reaching 0 leaves the throughput's upper end unbounded: only its lower end is logged
+        (Interval(10.0, -2.0, 22.0, 2), None, (100.0, 1000 / 22, math.inf), None),
+        (None, None, None, None),  # one run of the level: no interval
+    ],
+)
+def test_the_single_stream_throughput_intervals_are_the_latency_intervals_inverted(itl, ttft, decode, prefill):
+    from quantlab.measure.cost import SingleStream
+
+    found = SingleStream("c1", prompt_tokens=32, output_tokens=16).intervals(ttft, itl)
+    for name, expected in (("decode_tokens_per_s", decode), ("prefill_tokens_per_s", prefill)):
+        if expected is None:
+            assert name not in found
+            continue
+        assert (found[name].mean, found[name].low, found[name].high) == pytest.approx(expected)
+        ends = found[name].ends(f"cost/{name}")
+        assert set(ends) == {f"cost/{name}/ci95_low"} | (
+            {f"cost/{name}/ci95_high"} if math.isfinite(expected[2]) else set()
+        )

@@ -401,6 +401,14 @@ def test_a_served_variant_logs_consistent_figures(served):
     assert metrics["cost/decode_tokens_per_s"] == pytest.approx(1000 / c1_itl)
     assert metrics["cost/prefill_tokens_per_s"] == pytest.approx(FAST.prompt_tokens * 1000 / c1_ttft)
     assert metrics["cost/ttft_ms_p50"] == c1_ttft and metrics["cost/itl_ms_p50"] == c1_itl
+    # and their intervals are the c1 level's latency intervals over its two runs, inverted
+    itl_low, itl_high = (metrics[f"cost/serving/c1/itl_ms_p50/{end}"] for end in ("ci95_low", "ci95_high"))
+    if itl_low > 0:
+        assert metrics["cost/decode_tokens_per_s/ci95_low"] == pytest.approx(1000 / itl_high)
+        assert metrics["cost/decode_tokens_per_s/ci95_high"] == pytest.approx(1000 / itl_low)
+    else:  # a latency interval reaching 0 bounds the throughput from below only
+        assert "cost/decode_tokens_per_s/ci95_high" not in metrics
+    assert metrics["cost/prefill_tokens_per_s/ci95_low"] <= metrics["cost/prefill_tokens_per_s"]
     assert metrics["cost/roofline_efficiency"] == pytest.approx(metrics["cost/decode_tokens_per_s"] / 400.0)
     # The load's verdict counts the server and guidellm as the stage's own work, not as other work.
     assert outcome.tags["quantlab.cost_contended"] in ("true", "false")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,7 @@ from quantlab.measure.timing import (
 )
 from quantlab.measure.trackers import EnergyTracker, MemoryReading, MemoryTracker
 from quantlab.metrics import COST_TAG_PREFIX, min_requests, supports
+from quantlab.repeats import Interval, t_interval
 
 TAG_PREFIX = COST_TAG_PREFIX
 PERCENTILES = (50, 90, 99)
@@ -73,11 +74,11 @@ DEFINITIONS = (
 
 @dataclass(frozen=True)
 class BatchFigures:
-    """Medians and percentiles of one batch size's timed generations; a str figure says why it is absent."""
+    """Means and percentiles of one batch size's timed generations; a str figure says why it is absent."""
 
     batch_size: int
-    prefill_tokens_per_s: float  # median over repeats
-    decode_tokens_per_s: float  # median over repeats
+    prefill_tokens_per_s: float  # mean over repeats
+    decode_tokens_per_s: float  # mean over repeats
     ttft_ms_p50: float  # percentiles over repeats, a tail only where they support it (str: why not)
     ttft_ms_p90: float | str
     ttft_ms_p99: float | str
@@ -87,6 +88,9 @@ class BatchFigures:
     energy_joules_per_token: float | str
     local_roofline_decode_tokens_per_s: float | str
     roofline_efficiency: float | str
+    # The throughputs' 95% t intervals over the repeats (none from a single repeat): the frontier and `pick` order
+    # two variants by a throughput only where these do not overlap.
+    intervals: Mapping[str, Interval] = field(default_factory=dict, compare=False)
 
     @classmethod
     def summarize(
@@ -95,17 +99,24 @@ class BatchFigures:
         """`joules` drawn by the timed generations, `local_roofline` decode tokens/s here: each, or why none."""
         ttft_ms = [timing.first_token_s * 1000 for timing in timings]
         itl_ms = [step * 1000 for timing in timings for step in timing.inter_token_s]
-        decode = float(np.median([timing.decode_tokens_per_s for timing in timings]))
+        # Means, not medians: a mean is what a t interval bounds, and what the served figures report over their runs.
+        throughputs = {
+            name: [getattr(timing, name) for timing in timings]
+            for name in ("prefill_tokens_per_s", "decode_tokens_per_s")
+        }
+        intervals = {name: found for name, values in throughputs.items() if (found := t_interval(values)) is not None}
+        decode = float(np.mean(throughputs["decode_tokens_per_s"]))
         generated = sum(timing.batch_size * timing.output_tokens for timing in timings)
         return cls(
             batch_size=timings[0].batch_size,
-            prefill_tokens_per_s=float(np.median([timing.prefill_tokens_per_s for timing in timings])),
+            prefill_tokens_per_s=float(np.mean(throughputs["prefill_tokens_per_s"])),
             decode_tokens_per_s=decode,
             **{f"ttft_ms_p{q}": _percentile(ttft_ms, q, "timed runs") for q in PERCENTILES},
             **{f"itl_ms_p{q}": _percentile(itl_ms, q, "decode steps") for q in PERCENTILES},
             energy_joules_per_token=joules if isinstance(joules, str) else joules / generated,
             local_roofline_decode_tokens_per_s=local_roofline,
             roofline_efficiency=local_roofline if isinstance(local_roofline, str) else decode / local_roofline,
+            intervals=intervals,
         )
 
 
@@ -117,7 +128,7 @@ def _percentile(values: Sequence[float], q: int, what: str) -> float | str:
     return f"{len(values)} {what}: a p{q} needs at least {min_requests(q)} (the p{q} of {len(values)} is their maximum)"
 
 
-BATCH_FIGURES = tuple(field.name for field in fields(BatchFigures) if field.name != "batch_size")
+BATCH_FIGURES = tuple(each.name for each in fields(BatchFigures) if each.name not in ("batch_size", "intervals"))
 # What the serve stage's single-stream level gives for batch size 1 (`SingleStream.figures`): the rest of a batch's
 # figures are left out there, each with its reason.
 SINGLE_STREAM_FIGURES = ("prefill_tokens_per_s", "decode_tokens_per_s", "ttft_ms_p50", "itl_ms_p50")
@@ -147,6 +158,14 @@ class SingleStream:
         if local_roofline:
             found["roofline_efficiency"] = decode / local_roofline  # NaN with decode
         return found
+
+    def intervals(self, ttft_ms_p50: Interval | None, itl_ms_p50: Interval | None) -> dict[str, Interval]:
+        """The batch-1 throughputs' intervals from the level's latency intervals over its runs (serving.repeats):
+        each throughput is a constant over a latency, so its interval is the latency's, inverted."""
+        found = {"decode_tokens_per_s": itl_ms_p50.inverted(1000.0) if itl_ms_p50 is not None else None}
+        prefill = ttft_ms_p50.inverted(self.prompt_tokens * 1000.0) if ttft_ms_p50 is not None else None
+        found["prefill_tokens_per_s"] = prefill
+        return {name: interval for name, interval in found.items() if interval is not None}
 
     def describe(self) -> str:
         return (
@@ -201,6 +220,15 @@ class MeasuredCost:
     def figures(self) -> dict[str, float]:
         return {name: float(value) for name, value in self._values().items() if not isinstance(value, str)}
 
+    def interval_figures(self) -> dict[str, float]:
+        """Each timed throughput's interval ends over the repeats, `<figure>/ci95_low` and `/ci95_high`."""
+        return {
+            key: end
+            for batch in self.batches
+            for name, found in batch.intervals.items()
+            for key, end in found.ends(batch_figure_name(name, batch.batch_size, self.default_batch_size)).items()
+        }
+
     def unavailable(self) -> dict[str, str]:
         return {name: value for name, value in self._values().items() if isinstance(value, str)}
 
@@ -227,7 +255,8 @@ class CostReport:
         if self.load_seconds is not None:
             metrics["cost/load_seconds"] = float(self.load_seconds)
         if self.measured is not None:
-            metrics.update({f"cost/{name}": value for name, value in self.measured.figures().items()})
+            figures = self.measured.figures() | self.measured.interval_figures()
+            metrics.update({f"cost/{name}": value for name, value in figures.items()})
             if self.measured.load is not None:
                 metrics.update(self.measured.load.to_metrics())
         return metrics
@@ -385,5 +414,6 @@ def _workload(settings: MeasureSettings, timed_sizes: Sequence[int]) -> str:
     return (
         f"batch size {sizes[0]}{others}{timed}; {settings.prompt_tokens} random prompt tokens, "
         f"{settings.output_tokens} output tokens (greedy, no early stop); {settings.warmup} warm-up and "
-        f"{settings.repeats} timed generations per batch size; throughputs are medians over the timed generations"
+        f"{settings.repeats} timed generations per batch size; throughputs are means over the timed generations, with "
+        "their 95% t intervals (<figure>/ci95_low, /ci95_high) from two repeats on"
     )

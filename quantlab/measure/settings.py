@@ -118,7 +118,12 @@ class MeasureSettings(_Strict):
     prompt_tokens: int = Field(128, gt=0, le=1_000_000)
     output_tokens: int = Field(32, ge=2, le=1_000_000, description="At least 2: one prefill token, one decode step.")
     warmup: int = Field(1, ge=0, le=1_000, description="Untimed generations per batch size before the repeats.")
-    repeats: int = Field(3, gt=0, le=10_000, description="Timed generations per batch size; medians are reported.")
+    repeats: int = Field(
+        3,
+        gt=0,
+        le=10_000,
+        description="Timed generations per batch size: throughputs are their means, with 95% t intervals from 2 on.",
+    )
     seed: int = Field(0, description="Seeds the random prompt token ids.")
     cpu_threads: int | None = Field(
         None,

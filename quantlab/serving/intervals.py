@@ -13,42 +13,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
+from quantlab.repeats import CI_STATISTICS, CONFIDENCE, Interval, t_interval
 from quantlab.serving.levels import LoadLevel
 
-CONFIDENCE = 0.95
-CI_STATISTICS = ("ci95_low", "ci95_high")
+# Interval, t_interval and their constants live in quantlab.repeats (a foundation the measure stage shares); kept
+# importable from here, where the serving figures' readers look for them.
+__all__ = [
+    "CI_STATISTICS",
+    "CONFIDENCE",
+    "INTERVAL_FIGURES",
+    "Interval",
+    "interval_of",
+    "pooled",
+    "ratio_interval",
+    "runs_by_level",
+    "standard_error",
+    "t_interval",
+]
+
 # The figures a reader compares across variants and runs: each is logged with its interval over the runs.
 INTERVAL_FIGURES = ("output_tokens_per_s", "requests_per_s", "ttft_ms_p50", "itl_ms_p50")
-
-
-@dataclass(frozen=True)
-class Interval:
-    """The mean of `runs` values and its two-sided 95% t interval."""
-
-    mean: float
-    low: float
-    high: float
-    runs: int
-
-    def overlaps(self, other: Interval) -> bool:
-        return self.low <= other.high and other.low <= self.high
-
-
-def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Interval | None:
-    """Mean +- t(1 - (1 - confidence) / 2, n - 1) * s / sqrt(n) over the finite `values`; None for fewer than two
-    (one run has no spread to estimate)."""
-    from scipy.special import stdtrit  # scipy.special alone: scipy.stats costs a half-second import per sweep
-
-    found = np.asarray([value for value in values if value is not None and math.isfinite(value)], dtype=float)
-    if found.size < 2:
-        return None
-    mean = float(found.mean())
-    half = float(stdtrit(found.size - 1, (1 + confidence) / 2)) * float(found.std(ddof=1)) / math.sqrt(found.size)
-    return Interval(mean, mean - half, mean + half, int(found.size))
 
 
 def interval_of(runs: Sequence[LoadLevel], figure: Callable[[LoadLevel], float | None]) -> Interval | None:

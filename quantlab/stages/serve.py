@@ -25,6 +25,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, version
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -63,7 +64,7 @@ from quantlab.serving.goodput import (
     ServingSummary,
     summarize,
 )
-from quantlab.serving.intervals import pooled, runs_by_level
+from quantlab.serving.intervals import interval_of, pooled, runs_by_level
 from quantlab.serving.launcher import RunningServer, ServerFailed, launched_server, wait_healthy
 from quantlab.serving.levels import LoadLevel, load_levels
 from quantlab.serving.load import LoadGenerator, scenario, warm_up
@@ -614,7 +615,7 @@ def _serve_workload(
     runs = list(retaken.runs)
     _check_output_lengths(runs, settings)
     levels = [pooled(each) for each in runs_by_level(runs).values()]
-    timed = _single_stream_outcome(levels, stream, measure.batch_sizes[0], cost_metrics, load.reading)
+    timed = _single_stream_outcome(runs, stream, measure.batch_sizes[0], cost_metrics, load.reading)
     shape = ModelShape.from_config(config_dict(served.checkpoint / "config.json"))
     peak = max(levels, key=lambda level: level.output_tokens_per_s)
     summary = summarize(
@@ -734,7 +735,7 @@ def _run_again(
 
 
 def _single_stream_outcome(
-    levels: list[LoadLevel],
+    runs: list[LoadLevel],
     stream: SingleStream | None,
     default_batch_size: int,
     cost_metrics: dict[str, float],
@@ -744,9 +745,10 @@ def _single_stream_outcome(
     else kept the cores busy meanwhile; nothing when the measure stage timed batch size 1 itself."""
     if stream is None:
         return ServingOutcome()
-    level = next((level for level in levels if level.label == stream.level), None)
-    if level is None:
+    level_runs = runs_by_level(runs).get(stream.level)
+    if level_runs is None:
         raise RuntimeError(f"guidellm's report has no {stream.level} level: batch size 1 was not timed")
+    level = pooled(level_runs)
 
     def named(name: str) -> str:
         return batch_figure_name(name, 1, default_batch_size)
@@ -754,6 +756,13 @@ def _single_stream_outcome(
     roofline = cost_metrics.get(f"cost/{named('local_roofline_decode_tokens_per_s')}")
     figures = stream.figures(level.ttft_ms_p50, level.itl_ms_p50, roofline)
     found = {f"cost/{named(name)}": value for name, value in figures.items() if math.isfinite(value)}
+    latencies = (interval_of(level_runs, attrgetter(name)) for name in ("ttft_ms_p50", "itl_ms_p50"))
+    ends = {
+        key: end
+        for name, interval in stream.intervals(*latencies).items()
+        if f"cost/{named(name)}" in found
+        for key, end in interval.ends(f"cost/{named(name)}").items()
+    }
     why = f"the {stream.level} level timed no request's latencies ({level.succeeded} succeeded, {level.errors} errors)"
     absent = {
         f"{COST_TAG_PREFIX}unavailable.{named(name)}": why
@@ -762,7 +771,7 @@ def _single_stream_outcome(
     }
     # which figures rest on that level: none decides where it stayed contended (quantlab.metrics.rests_on_contention)
     rests_on = {SINGLE_STREAM_FIGURES_TAG: f"{stream.level}: {', '.join(sorted(found))}"} if found else {}
-    return ServingOutcome(metrics=found | load.to_metrics("measure/serve/"), tags=absent | rests_on)
+    return ServingOutcome(metrics=found | ends | load.to_metrics("measure/serve/"), tags=absent | rests_on)
 
 
 def _workers(device: str) -> int | None:
