@@ -82,12 +82,16 @@ class PairedComparison:
 
     @classmethod
     def logged(cls, variant: float, figures: Mapping[str, float | None]) -> PairedComparison | None:
-        """Back from `statistics()` as a run logged them (None: not logged) and the variant's value."""
+        """Back from `statistics()` as a run logged them (None: not logged) and the variant's value. Where flips were
+        logged (0/1 scores of one pool) the interval is the one their verdict judges by, `flip_interval`: what a run
+        logs today, and what a run logged before showed as an interval that a verdict did not use."""
         if None in (figures["diff"], figures["ci95_low"], figures["ci95_high"]):
             return None
         found = {name: math.nan if value is None else value for name, value in figures.items()}
         counts = {name: None if figures[name] is None else int(figures[name]) for name in _FLIPS}
         found |= counts | {"n": int(figures["n"] or 0), "df": math.inf if figures["df"] is None else figures["df"]}
+        if None not in counts.values() and found["n"] >= 1:
+            found["ci95_low"], found["ci95_high"] = flip_interval(found["n"], *counts.values())
         return cls(baseline=variant - found["diff"], variant=variant, test="logged", **found)
 
     def oriented(self, higher_is_better: bool | None) -> PairedComparison:

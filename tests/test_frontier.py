@@ -25,6 +25,7 @@ from quantlab.frontier import (
     describe_comparison,
     dominates,
     frontiers_to_dict,
+    logged_comparison,
     merged_declared,
     paired_noise,
     pareto_front,
@@ -344,6 +345,16 @@ def test_logged_paired_figures_serve_against_the_baseline():
     assert result.point("fp8").vs_baseline.diff == pytest.approx(logged.diff)
     assert noise(ACC, "fp8", "bf16").diff == pytest.approx(-logged.diff)  # the other way round
     assert noise(ACC, "fp8", "bf16").wrong_to_correct == logged.correct_to_wrong
+
+
+def test_a_run_logged_with_zero_flips_as_0_0_reads_back_with_the_verdicts_interval():
+    """An older run logged zero flips' interval as [0, 0], which no verdict used: read back, it is the flips' own."""
+    figures = paired_figures(ACC, answers(n=40, right=20), answers(n=40, right=20))
+    low, high = paired_key(ACC, "ci95_low"), paired_key(ACC, "ci95_high")
+    older = VariantSummary("fp8", "fp8", True, {ACC: 0.5, **figures, low: 0.0, high: 0.0}, declared=DECLARED)
+    found = logged_comparison(older, ACC)
+    assert (found.ci95_low, found.ci95_high) == pytest.approx((figures[low], figures[high]), rel=1e-12)
+    assert found.ci95_low < 0 < found.ci95_high
 
 
 def test_group_scores_are_compared_from_their_leaves_with_the_stored_weights():
