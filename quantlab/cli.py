@@ -66,6 +66,9 @@ class _SweepProgress(Progress):
         if list(happens) != ["computed"]:
             variants += " - " + "; ".join(f"{how}: {', '.join(names)}" for how, names in happens.items())
         out.print(f"Sweep of [bold]{experiment}[/]: {variants}; MLflow run {run_id}")
+        for variant in plan.variants:
+            if variant.recomputed_because:
+                out.print(f"  {variant.name}: {variant.recomputed_because}", highlight=False)
         self.add_task("starting", total=len(self.order))
 
     def stage(self, variant: str, stage: str) -> None:

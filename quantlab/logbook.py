@@ -33,8 +33,9 @@ Note = Callable[[str, str], None]  # (variant, text): a line under the variant o
 
 
 def finished_runs_of(store: tracking.TrackingStore) -> FinishedRuns:
-    """What the plan asks the store: the newest finished variant run of each run key, in an experiment."""
-    return lambda experiment, keys: tracking.finished_runs(store, store.experiment_id(experiment), set(keys))
+    """What the plan asks the store: the newest finished variant run of each key (a value of `tag`), in an
+    experiment."""
+    return lambda experiment, keys, tag: tracking.finished_runs(store, store.experiment_id(experiment), set(keys), tag)
 
 
 @dataclass
@@ -161,6 +162,8 @@ class Logbook:
                 recipe.variant(name).method,
                 baseline=name == recipe.baseline,
                 run_key=self.plan.variant(name).run_key,
+                settings_key=self.plan.variant(name).settings_key,
+                results_version=self.plan.results_version,
             )
         return self.runs[name]
 

@@ -492,3 +492,20 @@ def why_unavailable(metric: str, tags: Mapping[str, str]) -> str | None:
     serving = figure.removeprefix("serving/")
     keys = [f"{SERVING_TAG_PREFIX}unavailable.{serving}"] if serving != figure else []
     return next((tags[key] for key in [*keys, f"{COST_TAG_PREFIX}unavailable.{figure}"] if key in tags), None)
+
+
+def contract_digest() -> str:
+    """A hash of what the contract declares a run logs: every entry with its direction and scale, the batch figures,
+    the paired statistics. Labels are left out (they only name a figure). Part of a variant's results version
+    (plan.results_version): a figure added or redefined here changes it, so a sweep recomputes a run logged before
+    rather than copying one that lacks the figure."""
+    import hashlib
+    import json
+
+    declared = {
+        "fixed": {entry: [higher, scale.value] for entry, (higher, scale, _) in _FIXED.items()},
+        "batch": {figure: [higher, scale.value] for figure, (higher, scale, _) in _BATCH_FIGURES.items()},
+        "batch_intervals": list(BATCH_INTERVAL_FIGURES),
+        "paired": {name: scale.value if scale else None for name, scale in PAIRED_STATISTICS.items()},
+    }
+    return hashlib.sha256(json.dumps(declared, sort_keys=True).encode()).hexdigest()[:16]

@@ -22,10 +22,15 @@ from quantlab.errors import BadInput, Problem
 from quantlab.evaluate.lm_eval_runner import SERVED_SCORING_PROTOCOL
 from quantlab.jobs import SAMPLES_FORMAT, BaselineOutputs, VariantJob
 from quantlab.kept_results import KeptResult
+from quantlab.metrics import contract_digest
 from quantlab.models import ModelSource, checkpoint_identity, materialized, resolve_source
 from quantlab.recipe import LoadedRecipe
 from quantlab.serving.environments import engine_identity
-from quantlab.tracking import RunRecord
+from quantlab.tracking import RESULTS_VERSION, RUN_KEY, SETTINGS_KEY, RunRecord
+
+# Bumped by a review that changes how a logged figure is computed while the metric contract and the stored formats
+# stay as they were (a figure's bug fixed): runs logged before are then recomputed, not copied.
+RESULTS_REVIEW = 1
 
 
 class Action(str, Enum):
@@ -42,6 +47,8 @@ class PlannedVariant:
     checkpoint_dir: Path
     action: Action
     finished_run: RunRecord | None = None  # COPY: the run copied
+    settings_key: str = ""  # the run key without the results version: the same recipe and checkpoint
+    recomputed_because: str = ""  # COMPUTE: why a finished run of the same settings was not copied
     kept: KeptResult | None = None  # LOG_KEPT: the result logged
     builds_checkpoint: bool = False  # computed, and the cache lacks its checkpoint (or --force rebuilds it)
     checkpoint_bytes: int = 0  # the checkpoint it builds, modeled with a margin (0: none, or the shape is unknown)
@@ -64,6 +71,7 @@ class SweepPlan:
     # What the computed variants will write into the cache: a GGUF model's conversion when the cache lacks it, and
     # the checkpoints it lacks (with --force, each one, less the copy it replaces). Empty when nothing is estimated.
     space_needs: tuple[disk.Need, ...] = ()
+    results_version: str = ""  # plan.results_version: part of every run key, tagged on every variant run
 
     @property
     def baseline(self) -> PlannedVariant:
@@ -89,8 +97,9 @@ class SweepPlan:
         return VariantJob(self.loaded, variant.name, self.cache_root, baseline, self.force, log_dir, self.source)
 
 
-# (experiment, run keys) -> the newest finished variant run of each key there: what the plan asks the store
-FinishedRuns = Callable[[str, Collection[str]], Mapping[str, RunRecord]]
+# (experiment, keys, the tag they are values of) -> the newest finished variant run of each key there: what the plan
+# asks the store (by run key; for variants it computes, by settings key)
+FinishedRuns = Callable[[str, Collection[str], str], Mapping[str, RunRecord]]
 
 
 def make_plan(
@@ -103,8 +112,8 @@ def make_plan(
     source = resolve_source(recipe.model, loaded.path.parent)
     shape_from = materialized(source, cache_root)  # the model as the cache has it: a GGUF file until it is converted
     identities = {name: checkpoint_identity(source, recipe.variant(name), recipe.calibration) for name in names}
-    # A variant's run key hashes everything that decides its logged numbers: its checkpoint's identity and what it
-    # shares with the others (samples_format: a run whose samples.json this version cannot read is not reused).
+    # A variant's run key hashes everything that decides its logged numbers: its checkpoint's identity, what it
+    # shares with the others, and how this quantlab computes and stores them (results_version).
     shared = {
         "evals": recipe.evals.model_dump(exclude={"include_path"}),
         "tasks_files": cache.tasks_digest(loaded.include_path),
@@ -113,7 +122,6 @@ def make_plan(
         "serving": recipe.serving.model_dump(),
         "runtime": recipe.runtime.model_dump(),
         "baseline": identities[recipe.baseline],
-        "samples_format": SAMPLES_FORMAT,
     }
     if recipe.needs_server:
         shared["engine"] = engine_identity(recipe.serving, recipe.runtime.device, cache_root)
@@ -121,7 +129,9 @@ def make_plan(
         shared["served_scoring"] = SERVED_SCORING_PROTOCOL
     if recipe.evals.adaptive:  # where a variant's tasks stop depends on the limits they are checked against
         shared["stopping_policy"] = recipe.frontier.default_policy.model_dump(mode="json")
-    run_keys = {name: cache.cache_key({"checkpoint": identity, **shared}) for name, identity in identities.items()}
+    settings_keys = {name: cache.cache_key({"checkpoint": identity, **shared}) for name, identity in identities.items()}
+    results = results_version()
+    run_keys = {name: cache.cache_key({"settings": key, "results": results}) for name, key in settings_keys.items()}
     keys = {name: cache.cache_key(identity) for name, identity in identities.items()}
     targets = {name: cache.checkpoint_dir(cache_root, name, keys[name]) for name in names}
     # What earlier sweeps left: results they computed but could not log (kept in the cache; one this version cannot
@@ -130,10 +140,16 @@ def make_plan(
     finished: Mapping[str, RunRecord] = {}
     if not force:
         kept = {name: found for name in names if (found := kept_results.recall(cache_root, run_keys[name]))}
-        finished = finished_runs(recipe.name, set(run_keys.values()))
+        finished = finished_runs(recipe.name, set(run_keys.values()), RUN_KEY)
     previous = {name: finished[run_keys[name]] for name in names if run_keys[name] in finished}
     logged = {name: result for name, result in kept.items() if name not in previous}
     computed = [name for name in names if name not in previous and name not in logged]
+    # Runs of the same settings logged by another results version: said, so a figure this version adds is never
+    # silently missing from a copy, nor recomputed without a word.
+    outdated = {}
+    if computed and not force:
+        found = finished_runs(recipe.name, {settings_keys[name] for name in computed}, SETTINGS_KEY)
+        outdated = {name: found[settings_keys[name]] for name in computed if settings_keys[name] in found}
     # The marker alone: reading a checkpoint is not using it (the cache inventory's last use).
     building = [name for name in computed if force or not (targets[name] / cache.COMPLETE_MARKER).is_file()]
     # The bytes, from the model's shape (a directory's config.json, a cached hub config, or a GGUF file's metadata,
@@ -152,6 +168,8 @@ def make_plan(
             targets[name],
             Action.COPY if name in previous else Action.LOG_KEPT if name in logged else Action.COMPUTE,
             finished_run=previous.get(name),
+            settings_key=settings_keys[name],
+            recomputed_because=_results_changed(outdated[name], results) if name in outdated else "",
             kept=logged.get(name),
             builds_checkpoint=name in building,
             checkpoint_bytes=modeled.get(name, 0),
@@ -160,7 +178,18 @@ def make_plan(
         for name in names
     )
     needs = tuple(writes.needs(cache_root, sum(replaced.values()))) if writes is not None else ()
-    return SweepPlan(loaded, source, cache_root, force, variants, writes is not None, needs)
+    return SweepPlan(loaded, source, cache_root, force, variants, writes is not None, needs, results)
+
+
+def results_version() -> str:
+    """How this quantlab computes and stores a variant's numbers, apart from any recipe: the metric contract's digest,
+    the per-document records' format and the review number. Part of every run key."""
+    return cache.cache_key({"contract": contract_digest(), "samples": SAMPLES_FORMAT, "review": RESULTS_REVIEW})[:12]
+
+
+def _results_changed(run: RunRecord, results: str) -> str:
+    before = run.tags.get(RESULTS_VERSION, "unrecorded")
+    return f"recomputed: results changed since run {run.run_id} (results version {before} -> {results})"
 
 
 def run_order(loaded: LoadedRecipe, only: tuple[str, ...]) -> list[str]:

@@ -35,6 +35,8 @@ CHECKPOINT = "quantlab.checkpoint"
 ON_FRONTIER = "quantlab.on_frontier"
 CONTENT_KEY = "quantlab.content_key"
 RUN_KEY = "quantlab.run_key"  # content hash of everything that decides a variant's numbers (plan.make_plan)
+SETTINGS_KEY = "quantlab.settings_key"  # the run key without the results version: same recipe, same checkpoint
+RESULTS_VERSION = "quantlab.results_version"  # how this quantlab computed and stored them (plan.results_version)
 REUSED_FROM = "quantlab.reused_from"  # the run that computed a copied run's numbers
 FAILURE = "quantlab.failure"
 PARENT = "mlflow.parentRunId"
@@ -467,9 +469,19 @@ def end_unfinished(store: TrackingStore, run_ids: Iterable[str], status: str, re
 
 
 def start_variant(
-    store: TrackingStore, experiment_id: str, parent: str, name: str, method: str, *, baseline: bool, run_key: str
+    store: TrackingStore,
+    experiment_id: str,
+    parent: str,
+    name: str,
+    method: str,
+    *,
+    baseline: bool,
+    run_key: str,
+    settings_key: str = "",
+    results_version: str = "",
 ) -> str:
     tags = {ROLE: "variant", VARIANT: name, METHOD: method, BASELINE: str(baseline).lower(), RUN_KEY: run_key}
+    tags |= {tag: value for tag, value in ((SETTINGS_KEY, settings_key), (RESULTS_VERSION, results_version)) if value}
     if (sweep := store.run(parent).tags.get(SWEEP)) is not None:  # the runs table groups it with its sweep
         tags[SWEEP] = sweep
     return store.start_run(experiment_id, name, tags, parent=parent)
@@ -600,12 +612,13 @@ def child_runs(store: TrackingStore, parent_run_id: str) -> list[RunRecord]:
     return store.search([store.run(parent_run_id).experiment_id], {PARENT: parent_run_id})
 
 
-def finished_runs(store: TrackingStore, experiment_id: str, keys: set[str]) -> dict[str, RunRecord]:
-    """The newest FINISHED variant run for each run key: a query per key, for one run each (MLflow's search has no
-    IN for tags). Every re-run adds a copy of each variant; reading all of them made a re-run slower with each one."""
+def finished_runs(store: TrackingStore, experiment_id: str, keys: set[str], tag: str = RUN_KEY) -> dict[str, RunRecord]:
+    """The newest FINISHED variant run for each key, a value of `tag` (the run key, or the settings key): a query per
+    key, for one run each (MLflow's search has no IN for tags). Every re-run adds a copy of each variant; reading all
+    of them made a re-run slower with each one."""
     found = {}
     for key in sorted(keys):
-        if newest := store.search([experiment_id], {ROLE: "variant", RUN_KEY: key}, status="FINISHED", limit=1):
+        if newest := store.search([experiment_id], {ROLE: "variant", tag: key}, status="FINISHED", limit=1):
             found[key] = newest[0]
     return found
 

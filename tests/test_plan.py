@@ -11,17 +11,18 @@ import pytest
 from tiny import EMBEDDED_GGUF
 
 from quantlab import cache, disk, kept_results, models
+from quantlab import plan as planning
 from quantlab.checks import validate
 from quantlab.errors import BadInput
 from quantlab.kept_results import KeptResult
-from quantlab.plan import Action, make_plan
+from quantlab.plan import Action, make_plan, results_version
 from quantlab.recipe import load_recipe
 from quantlab.serving.environments import installed_version
-from quantlab.tracking import RunRecord
+from quantlab.tracking import RESULTS_VERSION, RUN_KEY, SETTINGS_KEY, RunRecord
 from recipes import tiny_recipe, write
 
 
-def _no_runs(experiment, keys):
+def _no_runs(experiment, keys, tag):
     return {}
 
 
@@ -71,13 +72,15 @@ def test_each_variant_is_copied_logged_from_the_cache_or_computed(tmp_path, tiny
     kept_results.keep(tmp_path / "cache", KeptResult("awq", keys["awq"], {}, {}, {}))
     asked: list[set[str]] = []
 
-    def finished(experiment, run_keys):
-        asked.append((experiment, set(run_keys)))
-        return {keys["fp8"]: _finished(keys["fp8"])}
+    def finished(experiment, run_keys, tag):
+        asked.append((experiment, set(run_keys), tag))
+        return {keys["fp8"]: _finished(keys["fp8"])} if tag == RUN_KEY else {}
 
     plan = make_plan(loaded, tmp_path / "cache", (), False, finished)
 
-    assert asked == [("tiny", set(keys.values()))]  # the store is asked once
+    # the store is asked once by run key, then once by settings key for the variant computed
+    assert asked == [("tiny", set(keys.values()), RUN_KEY), ("tiny", {plan.variant("bf16").settings_key}, SETTINGS_KEY)]
+    assert plan.variant("bf16").recomputed_because == ""  # no run of its settings: nothing to say
     assert [(variant.name, variant.action) for variant in plan.variants] == [
         ("bf16", Action.COMPUTE),
         ("fp8", Action.COPY),
@@ -92,6 +95,46 @@ def test_each_variant_is_copied_logged_from_the_cache_or_computed(tmp_path, tiny
     assert [variant.run_key for variant in forced.variants] == list(keys.values())  # the keys do not move
 
 
+def test_a_run_of_the_same_settings_logged_by_another_results_version_is_recomputed_and_said(
+    tmp_path, tiny_llama, monkeypatch
+):
+    """A figure added to the contract (or a review's bump) changes every run key: a run logged before is not copied
+    without the figure, and the plan says why it computes again."""
+    loaded = load_recipe(write(tmp_path / "recipe.yaml", tiny_recipe(tiny_llama.path)))
+    before = make_plan(loaded, tmp_path / "cache", (), False, _no_runs)
+    logged = {
+        v.settings_key: RunRecord(
+            f"run-{v.name}", "0", v.name, "FINISHED", 0, {}, {}, {RESULTS_VERSION: before.results_version}
+        )
+        for v in before.variants
+    }
+    monkeypatch.setattr(planning, "RESULTS_REVIEW", planning.RESULTS_REVIEW + 1)
+    after = make_plan(loaded, tmp_path / "cache", (), False, lambda e, keys, tag: logged if tag == SETTINGS_KEY else {})
+
+    assert after.results_version != before.results_version
+    for old, new in zip(before.variants, after.variants):
+        assert new.settings_key == old.settings_key and new.run_key != old.run_key and new.action is Action.COMPUTE
+        assert new.recomputed_because == (
+            f"recomputed: results changed since run run-{new.name} "
+            f"(results version {before.results_version} -> {after.results_version})"
+        )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda monkeypatch: monkeypatch.setattr(planning, "RESULTS_REVIEW", planning.RESULTS_REVIEW + 1),
+        lambda monkeypatch: monkeypatch.setattr(planning, "SAMPLES_FORMAT", planning.SAMPLES_FORMAT + 1),
+        lambda monkeypatch: monkeypatch.setattr(planning, "contract_digest", lambda: "another contract"),
+    ],
+    ids=["a review's bump", "the per-document records' format", "the metric contract"],
+)
+def test_the_results_version_follows_the_contract_the_stored_format_and_reviews(monkeypatch, change):
+    before = results_version()
+    change(monkeypatch)
+    assert results_version() != before
+
+
 def test_the_bytes_a_plan_needs_are_the_checkpoints_it_builds(tmp_path, tiny_llama):
     """Only computed variants whose checkpoint the cache lacks write one; each as disk.py models it, with its margin."""
     loaded = load_recipe(write(tmp_path / "recipe.yaml", tiny_recipe(tiny_llama.path)))
@@ -100,7 +143,11 @@ def test_the_bytes_a_plan_needs_are_the_checkpoints_it_builds(tmp_path, tiny_lla
     cache.checkpoint_dir(tmp_path / "cache", "bf16", first.variant("bf16").checkpoint_key).mkdir(parents=True)
     (first.variant("bf16").checkpoint_dir / cache.COMPLETE_MARKER).write_text("{}")  # bf16's checkpoint is cached
     plan = make_plan(
-        loaded, tmp_path / "cache", (), False, lambda experiment, keys: {fp8.run_key: _finished(fp8.run_key)}
+        loaded,
+        tmp_path / "cache",
+        (),
+        False,
+        lambda experiment, keys, tag: {fp8.run_key: _finished(fp8.run_key)} if tag == RUN_KEY else {},
     )
 
     shape = disk.model_shape(plan.source)
@@ -122,7 +169,7 @@ def test_a_plan_that_computes_nothing_estimates_nothing(tmp_path, tiny_llama):
     loaded = load_recipe(write(tmp_path / "recipe.yaml", tiny_recipe(tiny_llama.path)))
     keys = [variant.run_key for variant in make_plan(loaded, tmp_path / "cache", (), False, _no_runs).variants]
     plan = make_plan(
-        loaded, tmp_path / "cache", (), False, lambda experiment, asked: {key: _finished(key) for key in keys}
+        loaded, tmp_path / "cache", (), False, lambda experiment, asked, tag: {key: _finished(key) for key in keys}
     )
     assert not plan.computes and not plan.estimated and plan.space_needs == ()
 

@@ -11,6 +11,7 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
+from quantlab.plan import results_version
 from recipes import tiny_recipe, write
 
 
@@ -89,6 +90,8 @@ def test_run_layout_follows_the_contract(swept):
         assert tags["quantlab.role"] == "variant" and tags["quantlab.variant"] == name
         assert tags["quantlab.method"] in {"bf16", "fp8", "awq_int4"}
         assert tags["quantlab.on_frontier"] in {"true", "false"}
+        # what a later sweep finds it by: its settings, and how this quantlab computed its numbers
+        assert tags["quantlab.results_version"] == results_version() and len(tags["quantlab.settings_key"]) > 8
     for name in ("bf16", "fp8"):
         run = runs[name]
         assert Path(run.data.tags["quantlab.checkpoint"], "config.json").is_file()
