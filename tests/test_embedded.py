@@ -50,6 +50,10 @@ def embedded(tmp_path_factory):
     # Half the quality corpus: `quantlab sensitivity rank` (below) runs it once per block, twice; its ranking is the
     # same at 512 tokens as at 1,024 (first block layers.29, rank correlation 0.66 against 0.67), in half the time.
     recipe["quality"]["max_tokens"] = 512
+    # A coarser AWQ scale search (5 scales per mapping, not 20): AWQ's quantize stage is the sweep's longest, and
+    # these tests check what the sweep makes and logs, not how well AWQ rounds.
+    [awq] = [variant for variant in recipe["variants"] if variant["method"] == "awq_int4"]
+    awq["params"]["n_grid"] = 5
     # Service levels a 2-core CPU meets: the default's 200 ms ITL sits at the embedded FP8 server's own (fake-quantized
     # activations: 192 ms at c1 in one CI run, where half its requests missed and it had no goodput, so no USD per
     # token). These tests check the figures are made and logged, not this machine's speed: a lighter load than the
@@ -96,6 +100,9 @@ def test_sweep_finishes_every_variant(embedded):
         assert Path(run.data.tags["quantlab.checkpoint"], "config.json").is_file()
         for task in ("mmlu_dev", "pydoc_cloze"):
             assert f"eval/{task}/acc" in run.data.metrics and f"eval/{task}/acc_stderr" in run.data.metrics
+    # The recipe's AWQ params reached llm-compressor: the checkpoint's own record of the modifier that made it.
+    awq_made = yaml.safe_load(Path(runs["awq-int4-g64"].data.tags["quantlab.checkpoint"], "recipe.yaml").read_text())
+    assert "n_grid: 5" in yaml.safe_dump(awq_made)
 
 
 def test_the_real_text_task_is_well_above_chance(embedded):

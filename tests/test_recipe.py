@@ -54,6 +54,11 @@ def _variant(name, method, **params):
             "greater than 0",
         ),
         (
+            {"variants": [_variant("bf16", "bf16"), _variant("w4", "awq_int4", n_grid=3)]},
+            "variants[1] (w4).params.n_grid",
+            "greater than or equal to 4",
+        ),
+        (
             {"variants": [_variant("bf16", "bf16"), _variant("w4", "awq_int4", group_size=48)]},
             "variants[1] (w4).params.group_size",
             "does not divide",

@@ -14,6 +14,10 @@ from quantlab.quantize.base import GroupwiseInt4, calibrated_oneshot
 class AwqInt4(GroupwiseInt4):
     class Params(GroupwiseInt4.Params):
         duo_scaling: bool | Literal["both"] = Field(True, description="AWQ scale search uses weights and activations.")
+        # At least 4: llm-compressor's grid divides by (n_grid - 2), and by (n_grid / 2 - 1) for "both".
+        n_grid: int = Field(
+            20, ge=4, description="Scales AWQ tries per layer mapping: fewer quantize faster and may round worse."
+        )
 
     @staticmethod
     def apply(model, params: Params, calibration) -> None:
@@ -21,7 +25,7 @@ class AwqInt4(GroupwiseInt4):
         from llmcompressor.modifiers.transform.awq import AWQModifier
         from llmcompressor.pipelines.cache import IntermediatesCache
 
-        recipe = [AWQModifier(duo_scaling=params.duo_scaling), *GroupwiseInt4.rounded(params)]
+        recipe = [AWQModifier(duo_scaling=params.duo_scaling, n_grid=params.n_grid), *GroupwiseInt4.rounded(params)]
         # llm-compressor 0.14's AWQ pins cached activations to speed copies to an accelerator; with none,
         # `Tensor.pin_memory()` raises ("Cannot access accelerator device..."), so pinning is skipped.
         unpinned = patch.object(IntermediatesCache, "pin_memory", lambda self, batch_index, input_names=None: None)
