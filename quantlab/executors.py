@@ -9,7 +9,7 @@ and hands it to the runner with the job: under Ray the CPUs its task reserved, l
 by the quantlab variants running on the host (a seat each; other sweeps may run theirs), QUANTLAB_THREADS if set.
 Without it every process runs one thread per core, and variants side by side oversubscribe the cores.
 
-One module-level variable, set with `global`: what the running fork server preloaded (`start_variant_processes`).
+One module-level object, `_FORK_SERVER`: what the running fork server preloaded (`start_variant_processes`).
 The stdlib keeps one fork server per process, so what it preloaded is the process's too.
 """
 
