@@ -12,7 +12,17 @@ from typing import Any, NamedTuple, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from quantlab.metrics import PAIRED_PREFIX, Declared, MetricSpec, Scale, is_eval_score, paired_key, rests_on_contention
+from quantlab.metrics import (
+    PAIRED_PREFIX,
+    Declared,
+    MetricSpec,
+    Scale,
+    Shown,
+    is_eval_score,
+    paired_key,
+    rests_on_contention,
+    shown_in,
+)
 from quantlab.metrics import spec as metric_spec
 from quantlab.metrics import unknown_directions as contract_unknown_directions
 from quantlab.paired import STATISTICS, DocumentScores, Group, NotPaired, PairedComparison, combine, compare
@@ -141,9 +151,8 @@ class AxisPair:
         return f"{metric_spec(self.quality.metric).label} vs {metric_spec(self.cost.metric).label}"
 
 
-DEFAULT_COST_METRICS: tuple[str, ...] = ("cost/weight_bytes", "cost/decode_tokens_per_s", "cost/serving/usd_per_mtok")
-# Token-level figures shown beside the task scores (paired noise for them comes later, per token).
-DAMAGE_METRICS: tuple[str, ...] = ("quality/kld_mean", "quality/top1_agreement", "quality/ppl")
+DEFAULT_COST_METRICS = shown_in(Shown.FRONTIER_COST)
+DAMAGE_METRICS = shown_in(Shown.FRONTIER_DAMAGE)  # token-level figures shown beside the task scores
 
 
 def logged_keys(variants: Iterable[VariantSummary]) -> set[str]:

@@ -509,3 +509,40 @@ def contract_digest() -> str:
         "paired": {name: scale.value if scale else None for name, scale in PAIRED_STATISTICS.items()},
     }
     return hashlib.sha256(json.dumps(declared, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class Shown(str, Enum):
+    """Where a figure is shown beyond its run: each list of figures a reader sees is derived from `SHOWN`."""
+
+    FRONTIER_COST = "a cost axis of the frontiers"
+    FRONTIER_DAMAGE = "a token-damage axis of the frontiers, beside the task scores"
+    REPORT_COST = "the report's key costs, and the figures `pick` prints"
+    SERVING_TABLE = "the report's serving table"
+    REGISTRY = "the registered model version's summary"
+    RUNS_TABLE = "the columns of the MLflow runs table's view that `publish` saves"
+    SENSITIVITY = "each layer group's damage in `quantlab sensitivity`"
+    BY_CONTEXT = "paired per context-length bucket (quality.contexts)"
+
+
+# Figure (a contract key) -> where it is shown; the order of the keys is the order each place lists them in.
+SHOWN: dict[str, frozenset[Shown]] = {
+    "quality/kld_mean": frozenset({Shown.FRONTIER_DAMAGE, Shown.REGISTRY, Shown.SENSITIVITY, Shown.BY_CONTEXT}),
+    "quality/kld_p99": frozenset({Shown.SENSITIVITY}),
+    "quality/top1_agreement": frozenset({Shown.FRONTIER_DAMAGE, Shown.REGISTRY, Shown.SENSITIVITY, Shown.BY_CONTEXT}),
+    "quality/ppl": frozenset({Shown.FRONTIER_DAMAGE, Shown.SENSITIVITY}),
+    "cost/weight_bytes": frozenset({Shown.FRONTIER_COST, Shown.REPORT_COST, Shown.REGISTRY, Shown.RUNS_TABLE}),
+    "cost/decode_tokens_per_s": frozenset({Shown.FRONTIER_COST, Shown.REPORT_COST, Shown.REGISTRY}),
+    "cost/peak_memory_bytes": frozenset({Shown.REPORT_COST}),
+    "cost/serving/goodput_tokens_per_s": frozenset({Shown.REPORT_COST, Shown.SERVING_TABLE, Shown.RUNS_TABLE}),
+    "cost/serving/goodput_concurrency": frozenset({Shown.SERVING_TABLE}),
+    "cost/serving/usd_per_mtok": frozenset(
+        {Shown.FRONTIER_COST, Shown.REPORT_COST, Shown.SERVING_TABLE, Shown.RUNS_TABLE}
+    ),
+    "cost/serving/peak_tokens_per_s": frozenset({Shown.SERVING_TABLE}),
+    "cost/serving/peak_vs_modeled": frozenset({Shown.SERVING_TABLE}),
+}
+
+
+def shown_in(place: Shown) -> tuple[str, ...]:
+    """The figures shown at `place`, in `SHOWN`'s order."""
+    return tuple(key for key, places in SHOWN.items() if place in places)

@@ -42,7 +42,7 @@ from quantlab.frontier import (
     paired_noise,
 )
 from quantlab.jobs import BaselineOutputs
-from quantlab.metrics import declared_from_tags
+from quantlab.metrics import EVAL_PREFIX, Shown, declared_from_tags, shown_in
 from quantlab.paired import DocumentScores
 from quantlab.policy import Policy, PolicyError
 from quantlab.report import (
@@ -443,7 +443,7 @@ def _csv(columns: list[str], rows: list[list]) -> str:
 
 
 # Metrics of the chosen run carried onto its registered model version, for the registry's own page.
-_REGISTRY_SUMMARY = ("eval/", "quality/kld_mean", "quality/top1", "cost/weight_bytes", "cost/decode")
+_REGISTRY_SUMMARY = (EVAL_PREFIX, *shown_in(Shown.REGISTRY))  # each with its companions (_stderr, /ci95_*, _bs<N>)
 
 
 def record_pick(

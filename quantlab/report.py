@@ -25,7 +25,15 @@ from quantlab.frontier import (
     merged_declared,
     quality_metrics,
 )
-from quantlab.metrics import CONTENDED_LEVELS_TAG, WORKLOAD_PREFIX, Scale, paired_key, rests_on_contention
+from quantlab.metrics import (
+    CONTENDED_LEVELS_TAG,
+    WORKLOAD_PREFIX,
+    Scale,
+    Shown,
+    paired_key,
+    rests_on_contention,
+    shown_in,
+)
 from quantlab.metrics import spec as metric_spec
 from quantlab.policy import format_change, format_value
 from quantlab.serving.chart import throughput_latency_chart
@@ -34,21 +42,9 @@ from quantlab.serving.intervals import Interval, ratio_interval
 from quantlab.serving.levels import levels_from_metrics
 from quantlab.serving.settings import Workload
 
-KEY_COST_METRICS = (
-    "cost/weight_bytes",
-    "cost/decode_tokens_per_s",
-    "cost/peak_memory_bytes",
-    "cost/serving/goodput_tokens_per_s",
-    "cost/serving/usd_per_mtok",
-)
+KEY_COST_METRICS = shown_in(Shown.REPORT_COST)
 # The serving section of the report: each variant's figures under load, beside what they were measured on.
-SERVING_FIGURES = (
-    "cost/serving/goodput_tokens_per_s",
-    "cost/serving/goodput_concurrency",
-    "cost/serving/usd_per_mtok",
-    "cost/serving/peak_tokens_per_s",
-    "cost/serving/peak_vs_modeled",
-)
+SERVING_FIGURES = shown_in(Shown.SERVING_TABLE)
 SERVING_CHART = "serving.png"
 SETUP_TAGS = (
     ("quantlab.cost.engine", "engine"),
@@ -222,7 +218,7 @@ def reviewer_metrics(decision: Decision | None, variants: Sequence[VariantSummar
     checked = {check.metric for verdict in (decision.verdicts if decision else ()) for check in verdict.checks}
     paired = [paired_key(metric, "diff") for metric in sorted(checked)]
     objective = [decision.objective.metric] if decision else []
-    costs = ["cost/weight_bytes", "cost/serving/goodput_tokens_per_s", "cost/serving/usd_per_mtok"]
+    costs = shown_in(Shown.RUNS_TABLE)
     keys = [key for key in dict.fromkeys([*sorted(checked), *paired, *objective, *costs]) if key in logged]
     return keys
 

@@ -108,3 +108,29 @@ def test_every_timed_entry_is_an_entry_of_the_contract() -> None:
     assert not metrics.TIMED - entries, metrics.TIMED - entries
     for prefix in metrics.TIMED_PREFIXES:
         assert any(entry.startswith(prefix) for entry in metrics._FIXED), prefix
+
+
+def test_every_figure_shown_somewhere_is_an_entry_of_the_contract() -> None:
+    """What a reader sees is derived from the contract's `SHOWN` column: a key there with no entry would be shown with
+    no direction, scale or label."""
+    from quantlab.metrics import SHOWN
+
+    assert SHOWN and all(has_entry(key) for key in SHOWN), [key for key in SHOWN if not has_entry(key)]
+    assert all(places for places in SHOWN.values())  # a figure listed is shown somewhere
+
+
+@pytest.mark.parametrize(
+    ("place", "first", "direction"),
+    [
+        ("FRONTIER_COST", "cost/weight_bytes", False),
+        ("FRONTIER_DAMAGE", "quality/kld_mean", False),
+        ("SERVING_TABLE", "cost/serving/goodput_tokens_per_s", True),
+        ("SENSITIVITY", "quality/kld_mean", False),
+    ],
+)
+def test_each_place_lists_its_figures_in_the_contracts_order(place, first, direction) -> None:
+    from quantlab.metrics import Shown, shown_in
+
+    listed = shown_in(Shown[place])
+    assert listed[0] == first and spec(first).higher_is_better is direction
+    assert all(spec(key).direction_known for key in listed)  # every figure shown is ordered by its direction

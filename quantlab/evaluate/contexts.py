@@ -26,7 +26,7 @@ from quantlab.evaluate.damage import (
     kv_cache_pairs,
     token_contexts,
 )
-from quantlab.metrics import KV_CACHE_PREFIX, paired_key
+from quantlab.metrics import KV_CACHE_PREFIX, Shown, paired_key, shown_in
 from quantlab.paired import DocumentScores, compare
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 CONTEXTS_SUFFIX = "-contexts"  # the pass's reference directory: the main reference's, with this suffix
 LENGTHS_TAG = "quantlab.quality.contexts"  # the lengths measured, after clipping to the model's positions
 KV_CACHE_TAG = "quantlab.kv_cache.paired"  # how the KV cache's own damage was paired
-PAIRED_FIGURES = ("quality/kld_mean", "quality/top1_agreement")  # the per-token figures paired per bucket
+PAIRED_FIGURES = shown_in(Shown.BY_CONTEXT)  # the per-token figures paired per bucket
 
 
 @dataclass(frozen=True)

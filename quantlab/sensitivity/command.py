@@ -16,6 +16,7 @@ from typing import get_args
 from quantlab import tracking
 from quantlab.errors import BadInput, Problem, bad_input, did_you_mean
 from quantlab.logbook import mark_dead_sweeps, sweep_process_tags
+from quantlab.metrics import Shown, shown_in
 from quantlab.quantize import METHODS
 from quantlab.quantize.base import PresetMethod
 from quantlab.recipe import LoadedRecipe
@@ -34,7 +35,7 @@ from quantlab.sensitivity.groups import (
 )
 from quantlab.sensitivity.probe import Progress, Sensitivity, SensitivityJob, measure_sensitivity, sensitivity_key
 
-LOGGED_FIGURES = ("kld_mean", "kld_p99", "top1_agreement", "ppl")  # per group, of the quality/* a group gets
+LOGGED_FIGURES = tuple(key.removeprefix("quality/") for key in shown_in(Shown.SENSITIVITY))  # per group
 RANKING_ARTIFACT = "sensitivity.json"
 CHART_ARTIFACT = "sensitivity.png"
 
