@@ -29,6 +29,7 @@ from quantlab.paired import (
     Group,
     NonInferiority,
     Outcome,
+    Settling,
     agresti_min_se,
     float_slack,
     holm_alphas,
@@ -313,6 +314,23 @@ def _verdict_words(
                 f"{amount(found.best_limit)} with {power:.0%} power"
             )
     return text
+
+
+def settling_words(found: Settling, power: float, unit: str = "documents") -> str:
+    """How a sampled task's undecided check would be settled, the cheaper way in scorings (`Settling.by`):
+    'about 3 more repeats would settle it (40 documents x 5 repeats, 80% power)', 'about 120 documents would settle it
+    (x 2 repeats, 80% power)', or why neither can."""
+    at = f"{power:.0%} power"
+    if found.by == "repeats" and found.repeats is not None:
+        more = found.repeats - found.repeats_now
+        plural = "repeat" if more == 1 else "repeats"
+        return (
+            f"about {more:,} more {plural} would settle it "
+            f"({found.items_now:,} {unit} x {found.repeats:,} repeats, {at})"
+        )
+    if found.by == "items" and found.items is not None:
+        return f"about {found.items:,} {unit} would settle it (x {found.repeats_now:,} repeats, {at})"
+    return f"neither more repeats nor the {unit} the task has would settle it at {at}: a wider limit would"
 
 
 def _bound_check(bound: Bound, variant: VariantSummary) -> CheckResult:

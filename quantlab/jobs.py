@@ -20,7 +20,7 @@ V = TypeVar("V")
 # Processes a variant runs beside itself, whose logs go next to its own (`<variant>.<process>.log`) and are kept
 # as its run's artifacts, whether it succeeds or fails.
 SIDE_PROCESSES = ("server", "scoring-server", "guidellm")
-SAMPLES_FORMAT = 3  # version of the per-document records a variant run keeps (samples.json, answers/<task>.jsonl)
+SAMPLES_FORMAT = 4  # version of the per-document records a variant run keeps (samples.json, answers/<task>.jsonl)
 
 
 @dataclass(frozen=True)
@@ -28,8 +28,9 @@ class BaselineOutputs:
     """What later variants compare themselves against. Every variant run keeps its own as samples.json
     (a reused baseline run is read back from it); score keys are `eval/<task>/<metric>[:<filter>]`::
 
-        {"version": 2,
-         "documents": paired.documents_to_json({score key: DocumentScores}),  # lm-eval; quality/* per token
+        {"version": SAMPLES_FORMAT,
+         # lm-eval; quality/* per token; a sampled task's per-item means, each repeat's scores in "repeats"
+         "documents": paired.documents_to_json({score key: DocumentScores}),
          "groups": {group score key: {"leaves": [leaf score key, ...], "weights": [w, ...]}},  # paired.combine
          "scores": {score key: value},          # every lm-eval score logged (recovery's input)
          "primary": {task: score key}}          # each task's primary score (flips' input)

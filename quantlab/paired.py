@@ -40,12 +40,34 @@ class DocumentScores:
     """One metric of one task, per document: the score (MEAN) or the loglikelihood (ratio
     shapes, with the document's words or bytes in `weights`). `clusters`: document -> the cluster it
     was drawn in (per-token figures: the scoring window), when documents of one cluster are correlated;
-    empty when each document is its own."""
+    empty when each document is its own. `repeats`: document -> its score in each repeat of a sampled task (the same
+    seeds, in order, for every variant), whose mean is its value; empty when the task ran once."""
 
     aggregation: Aggregation
     values: Mapping[int, float]
     weights: Mapping[int, float] = field(default_factory=dict)
     clusters: Mapping[int, int] = field(default_factory=dict)
+    repeats: Mapping[int, tuple[float, ...]] = field(default_factory=dict)
+
+    @classmethod
+    def of_repeats(cls, runs: Sequence[Mapping[int, float]]) -> DocumentScores:
+        """A MEAN score from each repeat's per-document scores: each document's value is its mean over the repeats.
+        ValueError where the repeats scored different documents (they would not be one item each)."""
+        if not runs or any(run.keys() != runs[0].keys() for run in runs):
+            raise ValueError("every repeat must score the same documents")
+        per_item = {doc: tuple(float(run[doc]) for run in runs) for doc in runs[0]}
+        return cls(
+            Aggregation.MEAN,
+            {doc: math.fsum(scores) / len(scores) for doc, scores in per_item.items()},
+            {},
+            {},
+            per_item,
+        )
+
+    @property
+    def repeat_count(self) -> int:
+        """Repeats per document (1: the task ran once)."""
+        return len(next(iter(self.repeats.values()))) if self.repeats else 1
 
     def aggregate(self) -> float:
         """The task-level figure, computed as lm-eval computes it."""
@@ -74,6 +96,9 @@ class PairedComparison:
     df: float = math.inf  # degrees of freedom of se (Student's t); inf: the normal quantile (0/1 scores)
     # se^2 over what it would be were every document its own cluster (clustered documents only; 1: no correlation).
     design_effect: float | None = None
+    repeats: int = 1  # a sampled task's repeats per document: n documents (items) x repeats scored
+    # Repeats > 1: the two parts of the per-item mean difference's variance (`repeat_variance`)
+    variance: RepeatVariance | None = None
 
     def statistics(self) -> dict[str, float]:
         """The finite figures, by the statistic names of `quantlab.metrics.PAIRED_STATISTICS`."""
@@ -144,6 +169,13 @@ def compare(task: str, baseline: DocumentScores, variant: DocumentScores) -> Pai
         )
     if baseline.clusters != variant.clusters:
         raise NotPaired(f"task {task!r}: baseline and variant were scored in different clusters (windows)")
+    if baseline.repeat_count != variant.repeat_count or baseline.repeats.keys() != variant.repeats.keys():
+        raise NotPaired(
+            f"task {task!r}: baseline and variant were scored with different repeats "
+            f"({baseline.repeat_count} and {variant.repeat_count} per document)"
+        )
+    if baseline.repeats:
+        return _compare_repeats(baseline, variant)
     docs = sorted(baseline.values)
     b, v = (np.array([scores.values[d] for d in docs], dtype=np.float64) for scores in (baseline, variant))
     clusters = _cluster_codes([baseline.clusters[d] for d in docs]) if baseline.clusters else None
@@ -151,6 +183,114 @@ def compare(task: str, baseline: DocumentScores, variant: DocumentScores) -> Pai
         return _compare_means(b, v, clusters)
     w = np.array([baseline.weights[d] for d in docs], dtype=np.float64)
     return _compare_ratio(b, v, w, baseline.aggregation, baseline.aggregate(), variant.aggregate(), clusters)
+
+
+@dataclass(frozen=True)
+class RepeatVariance:
+    """The variance of one item's mean difference (variant - baseline over its repeats) in two parts: `between`, of the
+    items' true differences, and `within`, of one repeat's difference around its item's (the sampling); an item mean
+    of k repeats varies by between + within / k. Estimated from `items` items of `repeats` each (one-way ANOVA
+    moments): within the pooled variance of the repeats around their item's mean, between the items' means' variance
+    less within / k, at least 0."""
+
+    items: int
+    repeats: int
+    between: float
+    within: float
+
+    def item_variance(self, repeats: int) -> float:
+        """The variance of one item's mean difference over `repeats` repeats. Measured on one repeat (within nan,
+        `between` then holds both parts), only at that one."""
+        return self.between if math.isnan(self.within) else self.between + self.within / repeats
+
+
+def repeat_variance(baseline: DocumentScores, variant: DocumentScores) -> RepeatVariance:
+    """`RepeatVariance` of the paired differences of two scorings with the same repeats of the same documents."""
+    docs = sorted(baseline.repeats)
+    d = np.array([variant.repeats[doc] for doc in docs], dtype=np.float64) - np.array(
+        [baseline.repeats[doc] for doc in docs], dtype=np.float64
+    )
+    items, k = d.shape
+    within = float(d.var(axis=1, ddof=1).mean()) if k > 1 else math.nan
+    means = d.mean(axis=1)
+    spread = float(means.var(ddof=1)) if items > 1 else math.nan
+    between = max(spread - within / k, 0.0) if math.isfinite(within) else spread
+    return RepeatVariance(items, k, between, within)
+
+
+@dataclass(frozen=True)
+class Settling:
+    """What would settle an undecided check of a sampled task, at the policy's power: `items` at the same repeats, or
+    `repeats` on the same items, each with the scorings it adds per variant (an item scored once more costs about one
+    generation either way). None: that way cannot (more items than the task has; a between-item variance no number of
+    repeats averages away, or one repeat, which shows no within-item variance)."""
+
+    items_now: int
+    repeats_now: int
+    items: int | None
+    repeats: int | None
+
+    @property
+    def added_by_items(self) -> int | None:
+        return None if self.items is None else (self.items - self.items_now) * self.repeats_now
+
+    @property
+    def added_by_repeats(self) -> int | None:
+        return None if self.repeats is None else (self.repeats - self.repeats_now) * self.items_now
+
+    @property
+    def by(self) -> str | None:
+        """ "repeats" where more repeats are the cheaper way that can settle it, "items" where more items are (ties:
+        items, which also widen what the verdict speaks for), None where neither can."""
+        if self.added_by_repeats is None:
+            return None if self.added_by_items is None else "items"
+        if self.added_by_items is None or self.added_by_repeats < self.added_by_items:
+            return "repeats"
+        return "items"
+
+
+def settling(
+    variance: RepeatVariance, drop: float, limit: float, *, alpha: float, power: float, available: int | None = None
+) -> Settling:
+    """More items or more repeats, for the drop's one-sided (1 - alpha) bound to reach past `limit` with probability
+    `power` at the same drop (`non_inferiority`'s sample size): the mean difference's variance must come down to
+    v = (|limit - drop| / (z_(1-alpha) + z_power))^2. n items of k repeats give (between + within / k) / n, so
+    items: (between + within / k) / v at k; repeats: within / (n v - between) on the n items, possible only where
+    n v > between. `available`: the items the task has (None: unknown, no cap)."""
+    gap = abs(limit - drop)
+    n, k = variance.items, variance.repeats
+    if gap == 0 or n < 1:
+        return Settling(n, k, None, None)
+    target = (gap / (quantile(1 - alpha) + quantile(power))) ** 2
+    items: int | None = max(n + 1, math.ceil(variance.item_variance(k) / target))
+    if available is not None and items > available:
+        items = None
+    repeats = None
+    room = n * target - variance.between
+    if k > 1 and math.isfinite(variance.within) and room > 0:
+        repeats = max(k + 1, math.ceil(variance.within / room))
+    return Settling(n, k, items, repeats)
+
+
+def _compare_repeats(baseline: DocumentScores, variant: DocumentScores) -> PairedComparison:
+    """Items scored in k repeats each: items are the sampled units (clusters of their k repeats), so se is the
+    cluster-robust se of the mean over all items x repeats with items as clusters, which for the same k per item is
+    exactly the standard error of the item means' differences (the sum of an item's residuals is k times its mean's):
+    the spread of the item means already holds the sampling within items (between + within / k). t with items - 1
+    degrees of freedom; 0/1 item means (every repeat of each item alike) are judged on their flips, as one run's."""
+    docs = sorted(baseline.values)
+    b, v = (np.array([scores.values[doc] for doc in docs], dtype=np.float64) for scores in (baseline, variant))
+    found = _compare_means(b, v)
+    parts = repeat_variance(baseline, variant)
+    if found.correct_to_wrong is None and b.size > 1:
+        d = np.array([variant.repeats[doc] for doc in docs], dtype=np.float64) - np.array(
+            [baseline.repeats[doc] for doc in docs], dtype=np.float64
+        )
+        items = np.repeat(np.arange(d.shape[0]), d.shape[1])
+        se = cluster_robust_se(d.reshape(-1) - found.diff, d.size, items)
+        low, high = _interval(found.diff, se, found.df)
+        found = replace(found, se=se, ci95_low=low, ci95_high=high, test="repeats_t")
+    return replace(found, repeats=baseline.repeat_count, variance=parts)
 
 
 def cluster_robust_se(residuals: np.ndarray, total: float, clusters: np.ndarray | None = None) -> float:
