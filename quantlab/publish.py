@@ -498,15 +498,15 @@ def write_release_card(
     # The engine against itself is measured on the baseline's second served pass: the chosen run's own, if it has one.
     baseline = next((r for r in runs if r.variant == view.baseline), run)
     floor = run if any(key.startswith(release_card.ENGINE_FLOOR) for key in run.metrics) else baseline
-    sweep = (
-        f"quantlab sweep {parent.params.get('recipe.path', 'RECIPE')} --tracking-uri {tracking.shown_uri(store.uri)}"
-    )
+    recipe_path = parent.params.get("recipe.path", "")
+    sweep = f"quantlab sweep {recipe_path or 'RECIPE'} --tracking-uri {tracking.shown_uri(store.uri)}"
     card = release_card.build_card(
         decision,
         run,
         model=name,
         version=version,
         alias=alias,
+        recipe_path=recipe_path,
         recipe_text=recipe_text,
         floor=floor,
         commands=[sweep, *([command] if command else [])],

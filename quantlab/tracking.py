@@ -300,6 +300,13 @@ class TrackingStore:
         version = self._client.create_model_version(
             model_name, source=source, run_id=run_id, tags=tags, model_id=model_id
         )
+        if model_id is not None:  # the logged model lists its versions (the Models tab's "Registered models")
+            from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
+
+            with suppress(MlflowException):  # a store without logged models: the version stands without the link
+                listed = json.loads(self._client.get_logged_model(model_id).tags.get(MLFLOW_MODEL_VERSIONS, "[]"))
+                entry = {"name": model_name, "version": str(version.version)}
+                self.set_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps([*listed, entry])})
         return str(version.version)
 
     def describe_version(self, model_name: str, version: str, description: str, tags: dict[str, str]) -> None:

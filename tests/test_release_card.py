@@ -18,6 +18,8 @@ from test_tracking_door import MMLU, MMLU_DATA, _logged_sweep
 from quantlab import publish, release_card, tracking
 
 WORKLOAD = "cost/serving/workload/"
+RECIPE = "name: tiny\n"
+RECIPE_HASH = hashlib.sha256(RECIPE.encode()).hexdigest()
 
 
 @pytest.fixture(params=["memory", "mlflow"])
@@ -102,6 +104,7 @@ FLOOR = {
             [
                 "# tiny v3 (@production): fp8\n",
                 "| checkpoint hash (content key) | `content-fp8` |",
+                f"| recipe | `recipe.yaml` sha256 `{RECIPE_HASH}` |",
                 "| mmlu_dev | `4935ca6785085dfa` |",
                 "**Error rate of the choice.** The chance of shipping a variant truly over a drop limit is at most 2.5%",
                 "| **w8** | rejected | 1 check: 1 drop limit | eval/mmlu_dev/acc at most 1 pt worse than the baseline: failed",
@@ -145,7 +148,8 @@ def test_the_card_says_what_ships_why_and_how_to_get_it_again(decided, chosen, f
         model="tiny",
         version="3",
         alias="production",
-        recipe_text="name: tiny\n",
+        recipe_path="recipe.yaml",
+        recipe_text=RECIPE,
         floor=logged(runs["bf16"], floor),
         commands=["quantlab sweep recipe.yaml", "quantlab pick --register"],
     )
@@ -157,7 +161,7 @@ def test_the_card_says_what_ships_why_and_how_to_get_it_again(decided, chosen, f
     assert markdown.index("Chosen: fp8") < markdown.index("## Identity") < markdown.index("## Verdicts")
     as_json = json.loads(card.to_json())
     assert as_json["checkpoint_hash"] == "content-fp8" and as_json["datasets"] == {"mmlu_dev": MMLU_DATA.digest}
-    assert as_json["recipe_hash"] == hashlib.sha256(b"name: tiny\n").hexdigest()
+    assert as_json["recipe_hash"] == RECIPE_HASH
     assert [v["variant"] for v in as_json["verdicts"]] == [v.name for v in decision.verdicts]
 
 

@@ -1,13 +1,16 @@
 """What a reviewer sees on arrival (issue 32): a tiny sweep, `quantlab ui` on its store, and the addresses it prints
 opened in a real headless Chromium, asserted without a click: MLflow's classic view, the sweep's runs grouped with
 its variants and datasets in view, the chosen variant named at the top of the parent run's page, the decision at
-the top of frontier.html (also at 1280 px).
+the top of frontier.html (also at 1280 px). Then the release record (issue 49), after `quantlab pick --register`:
+the variants as logged models in the experiment's Models tab, the release card on the registered version's page,
+and a variant's changed answers opened from the parent run's description.
 
 Screenshots at 1600x1000 go to artifacts/screenshots/ (gitignored, kept by CI; $QUANTLAB_SCREENSHOTS overrides).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -36,7 +39,8 @@ SHOTS = Path(os.environ.get("QUANTLAB_SCREENSHOTS", REPO / "artifacts" / "screen
 def reviewed(tmp_path_factory, tiny_llama):
     """bf16 and fp8 of the tiny Llama, under a policy that chooses fp8 (a KL bound; the tiny model's few documents
     settle no drop limit), swept in this process's way (inprocess: no fork server for two variants), then
-    `quantlab ui` on its store: (store, parent run, the addresses `ui` printed by name, port)."""
+    `quantlab pick --register` and `quantlab ui` on its store: (store, parent run, the addresses `ui` printed by
+    name, port)."""
     work = tmp_path_factory.mktemp("reviewed")
     variants = [{"name": "bf16", "method": "bf16"}, {"name": "fp8", "method": "fp8"}]
     policy = {"default_policy": {"max_drop_any_task": None, "max_kld": 1.0}}
@@ -45,6 +49,8 @@ def reviewed(tmp_path_factory, tiny_llama):
     args = ["--tracking-uri", uri, "--cache-dir", str(work / "cache"), "--executor", "inprocess"]
     swept = quantlab("sweep", str(path), *args, cwd=work)
     assert swept.returncode == 0, swept.stdout[-3000:] + swept.stderr[-3000:]
+    picked = quantlab("pick", "--register", *args[:2], cwd=work)  # fp8 registered, its release card on the version
+    assert picked.returncode == 0, picked.stdout[-3000:] + picked.stderr[-3000:]
     store = tracking.open_store(uri)
     parent = tracking.latest_sweep(store, "tiny")
     port = free_port()
@@ -179,3 +185,73 @@ def test_frontier_html_opens_with_the_decision_then_the_table_then_the_plots(rev
     assert alone.evaluate("document.documentElement.scrollWidth") <= 1280
     assert alone.locator("#ship").bounding_box()["y"] < 200
     _shot(alone, "frontier-html-1280.png")
+
+
+def _without_assistant(page) -> None:
+    """MLflow's assistant panel closed (each fresh profile opens it), for the table's width."""
+    page.get_by_role("button", name="Close", exact=True).first.click()
+
+
+def test_the_models_tab_lists_each_variant_as_a_logged_model_compared_by_data_set(reviewed, browser):
+    from playwright.sync_api import expect
+
+    store, parent, _, port = reviewed
+    models = {model["name"]: model for model in store.logged_models(parent.experiment_id)}
+    assert set(models) == set(VARIANTS)
+    page = _page(browser)
+    page.goto(f"http://127.0.0.1:{port}/#/experiments/{parent.experiment_id}/models?{tracking.CLASSIC_VIEW}")
+    _classic(page)
+    runs = {run.variant: run for run in tracking.child_runs(store, parent.run_id)}
+    for name in VARIANTS:  # a row each: the model's page, then the run that logged it, both named as the variant
+        for href in (f'$="/models/{models[name]["model_id"]}"', f'*="/runs/{runs[name].run_id}"'):
+            expect(page.locator(f"a[href{href}]").first).to_have_text(name, timeout=60_000)  # a run's id, then its name
+    _without_assistant(page)
+    # Past the run's columns to the registered version (fp8's alone) and the first data set's metrics.
+    page.locator(".ag-body-horizontal-scroll-viewport").evaluate("box => { box.scrollLeft = 400; }")
+    assert page.get_by_text("v1", exact=True).count() == 1
+    assert page.get_by_text(re.compile(r"^mmlu_dev \(#")).first.is_visible()
+    _shot(page, "models-tab.png")
+    # Compared: each metric a chart of the variants side by side, grouped by the data set it was scored on.
+    page.locator("label:has(input[value=CHART])").click()
+    page.get_by_text("eval/mmlu_dev/acc").first.wait_for(timeout=60_000)
+    for name in VARIANTS:  # in the list beside the charts and in each chart's legend
+        assert page.get_by_text(name, exact=True).count() >= 2, name
+    _shot(page, "models-compared.png")
+
+
+def test_the_registered_version_shows_the_release_card(reviewed, browser):
+    store, parent, _, port = reviewed
+    (version,) = store.model_versions("tiny")
+    page = _page(browser)
+    page.goto(f"http://127.0.0.1:{port}/#/models/tiny/versions/{version}?{tracking.CLASSIC_VIEW}")
+    heading = page.get_by_text(f"tiny v{version} (@production): fp8", exact=True)
+    heading.wait_for(timeout=60_000)
+    assert heading.bounding_box()["y"] < 1000 / 2  # the card opens the page
+    for seen in ("Error rate of the choice.", "checkpoint hash (content key)", "Verdicts", "Data sets", "Reproduce"):
+        assert page.get_by_text(seen, exact=True).count() == 1, seen
+    _without_assistant(page)
+    _shot(page, "version-card.png")
+
+
+def test_a_variants_changed_answers_open_from_the_parent_run(reviewed, browser):
+    store, parent, printed, _ = reviewed
+    fp8 = next(run for run in tracking.child_runs(store, parent.run_id) if run.variant == "fp8")
+    tables = json.loads(fp8.tags[tracking.LOGGED_ARTIFACTS])
+    task = tables[0]["path"].removeprefix("changed_answers/").removesuffix(".json")
+    page = _page(browser)
+    page.goto(printed["tiny: newest sweep"])
+    _classic(page)
+    section = page.get_by_text("Changed answers (against bf16)").first
+    section.wait_for(timeout=60_000)
+    section.scroll_into_view_if_needed()  # the description's end, in its own scrolling box
+    _without_assistant(page)
+    _shot(page, "parent-run-changed-answers.png")
+    with page.context.expect_page() as opened:  # the description's links open a tab of their own
+        page.get_by_role("link", name=task, exact=True).first.click()
+    flips = opened.value
+    flips.get_by_text("doc_id", exact=True).first.wait_for(timeout=60_000)  # the table, in the artifact viewer
+    rows = json.loads(store.read_artifact(fp8.run_id, tables[0]["path"]))["data"]
+    for column in ("gold", "bf16 answer", "fp8 answer", "direction"):
+        assert flips.get_by_text(column, exact=True).first.is_visible(), column
+    assert flips.get_by_text(f"Previewing the first {len(rows)} rows").is_visible()
+    _shot(flips, "flips-table.png")
