@@ -72,7 +72,7 @@ def check_recipe(
     that this machine cannot reach (nor has cached) is bad input; with `hub_optional` (`quantlab
     validate`) what needs the hub is listed in `needs_hub` instead.
     """
-    from quantlab.evaluate.lm_eval_runner import known_tasks, task_index_identity
+    from quantlab.evaluate.lm_eval_runner import known_tasks, repeat_problem, task_index_identity
 
     recipe, shown = loaded.recipe, str(loaded.path)
     remembered = cache_root / RECIPE_CHECKS_DIR if cache_root is not None else None
@@ -132,6 +132,10 @@ def check_recipe(
             if name not in known:  # a close name among lm-eval's ~10k: a stricter cutoff than for a recipe's few
                 message = f"lm-eval cannot resolve task '{name}'{did_you_mean(name, known, cutoff=0.75)}"
                 problems.append(Problem(shown, f"evals.tasks[{index}].name", message))
+            elif (task := recipe.evals.tasks[index]).repeats > 1 and (
+                why := repeat_problem(name, task.gen_kwargs and task.gen_kwargs.model_dump(exclude_none=True), include)
+            ):
+                problems.append(Problem(shown, f"evals.tasks[{index}] ({name}).repeats", why))
     if hub_optional and task_names:
         local = _tasks_defined_under(loaded.include_path)
         if hub_tasks := [name for name in task_names if name not in local]:

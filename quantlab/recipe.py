@@ -149,6 +149,38 @@ class EvalTaskSpec(StrictModel):
     apply_chat_template: bool | str = Field(False, description="true, or the name of a tokenizer chat template.")
     fewshot_as_multiturn: bool | None = Field(None, description="Shots as chat turns; unset = on with a chat template.")
     system_instruction: str | None = None
+    repeats: int = Field(
+        1,
+        ge=1,
+        le=1000,
+        description="Runs of a sampled generation task, each with its own seeds, the same for every variant; a "
+        "document's score is its mean over them. More than 1 needs sampled decoding: gen_kwargs with do_sample: true "
+        "and a temperature above 0, here or in the task's YAML.",
+    )
+    seed: int = Field(0, ge=0, description="repeats: the repeats' seeds are derived from it and the task's name.")
+
+    @field_validator("repeats")
+    @classmethod
+    def _repeats_sample(cls, repeats: int, info: ValidationInfo) -> int:
+        generation = info.data.get("gen_kwargs")
+        if repeats > 1 and generation is not None and not_sampled(generation.model_dump(exclude_none=True)):
+            raise ValueError(f"{repeats} repeats of greedy decoding give one answer {repeats} times: {SAMPLED}")
+        return repeats
+
+    @model_serializer(mode="wrap")
+    def _one_run_left_out(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A task run once dumps (into every run's key) what it dumped before repeats existed.
+        data = handler(self)
+        return data if self.repeats > 1 else {k: v for k, v in data.items() if k not in ("repeats", "seed")}
+
+
+SAMPLED = "set gen_kwargs do_sample: true and a temperature above 0"
+
+
+def not_sampled(generation: dict[str, Any]) -> bool:
+    """Whether lm-eval generation settings, as far as they are set, decode greedily: do_sample false, or a temperature
+    of 0 (HFLM then turns sampling off). Unset ones are the task YAML's, checked with it."""
+    return generation.get("do_sample") is False or generation.get("temperature") == 0
 
 
 class EvalSettings(StrictModel):

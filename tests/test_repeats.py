@@ -21,6 +21,7 @@ from quantlab.paired import (
     repeat_variance,
     settling,
 )
+from recipes import tiny_recipe, write
 
 # Four items, two repeats each (0/1 scores): per-repeat differences (-1, 0), (0, -1), (0, 1), (0, 1).
 BASELINE = [{0: 1, 1: 1, 2: 0, 3: 1}, {0: 0, 1: 1, 2: 0, 3: 0}]
@@ -139,3 +140,115 @@ def test_one_more_repeat_is_singular():
     # 0.5 / (40 v) with v at a drop of 0 and a limit of 0.2: 0.5 / 0.2038 = 2.45 -> 3 repeats, one more than 2.
     found = settling(RepeatVariance(40, 2, 0.0, 0.5), 0.0, 0.2, alpha=0.025, power=0.8, available=40)
     assert settling_words(found, 0.8).startswith("about 1 more repeat would settle it (40 documents x 3 repeats")
+
+
+# --- A real sampled task, run in repeats: lm-eval, the tiny random Llama ---
+
+
+@pytest.fixture(scope="module")
+def tasks_dir(tmp_path_factory):
+    from lm_eval_tasks.materialize import materialize
+
+    return materialize(tmp_path_factory.mktemp("tasks"))
+
+
+@pytest.fixture(scope="module")
+def sampled(tasks_dir, tiny_llama):
+    """ql_sampled_e in 2 repeats: the baseline, the baseline again, and a variant (its weights perturbed)."""
+    import torch
+
+    from quantlab.evaluate.lm_eval_runner import TaskRequest, run_tasks
+
+    request = TaskRequest("ql_sampled_e", repeats=2, seed=7)
+    model, tokenizer = tiny_llama.load()
+
+    def scored():
+        (task,) = run_tasks(model, tokenizer, [request], tasks_dir, batch_size=4)
+        return task
+
+    baseline, again = scored(), scored()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    return baseline, again, scored()
+
+
+def test_baseline_and_variant_sample_with_the_same_seeds_one_per_repeat(sampled):
+    from quantlab.evaluate.lm_eval_runner import SEEDS, repeat_seeds
+
+    baseline, _, variant = sampled
+    seeds = tuple(repeat_seeds(7, "ql_sampled_e", r)["torch_random_seed"] for r in range(2))
+    assert baseline.settings.seeds == variant.settings.seeds == seeds
+    assert len(set(seeds)) == 2 and SEEDS["torch_random_seed"] not in seeds
+    assert baseline.settings.repeats == 2
+    params = baseline.settings.params("ql_sampled_e")
+    assert params["eval.ql_sampled_e.seeds"] == ",".join(map(str, seeds))
+    assert params["eval.ql_sampled_e.repeats"] == "2"
+    assert params == variant.settings.params("ql_sampled_e")
+    assert repeat_seeds(8, "ql_sampled_e", 0) != repeat_seeds(7, "ql_sampled_e", 0)
+
+
+def test_the_seeds_decide_the_samples(sampled):
+    baseline, again, _ = sampled
+    assert again.primary.documents.repeats == baseline.primary.documents.repeats
+
+
+def test_scores_are_per_item_means_over_the_repeats(sampled):
+    baseline, _, variant = sampled
+    for task in (baseline, variant):
+        score = task.primary
+        documents = score.documents
+        assert (len(documents.values), documents.repeat_count) == (4, 2)
+        for doc, runs in documents.repeats.items():
+            assert set(runs) <= {0.0, 1.0}
+            assert documents.values[doc] == pytest.approx(sum(runs) / 2)
+        means = list(documents.values.values())
+        assert score.value == pytest.approx(np.mean(means))
+        assert score.stderr == pytest.approx(stats.sem(means))
+    found = compare(baseline.primary.key, baseline.primary.documents, variant.primary.documents)
+    assert (found.n, found.repeats) == (4, 2)
+    assert found.diff == pytest.approx(variant.primary.value - baseline.primary.value)
+    back = documents_from_json(documents_to_json({"k": variant.primary.documents}))["k"]
+    assert back.repeats == variant.primary.documents.repeats
+
+
+@pytest.mark.parametrize(
+    ("task", "message"),
+    [
+        ({"name": "ql_arc_easy", "repeats": 2}, "ql_arc_easy is scored by multiple_choice, the same numbers"),
+        ({"name": "ql_gsm8k", "repeats": 2}, "ql_gsm8k decodes greedily (do_sample False, temperature 0.0"),
+        (
+            {"name": "ql_sampled_e", "repeats": 2, "gen_kwargs": {"temperature": 0}},
+            "2 repeats of greedy decoding give one answer 2 times",
+        ),
+        ({"name": "ql_sampled_e", "repeats": 0}, "greater than or equal to 1"),
+    ],
+)
+def test_repeats_without_sampling_are_one_line_errors_naming_the_field(tmp_path, tasks_dir, tiny_llama, task, message):
+    from quantlab.checks import validate
+    from quantlab.errors import BadInput
+
+    path = write(
+        tmp_path / "recipe.yaml", tiny_recipe(tiny_llama.path, evals={"include_path": str(tasks_dir), "tasks": [task]})
+    )
+    with pytest.raises(BadInput) as caught:
+        validate(path)
+    problems = [str(p) for p in caught.value.problems]
+    field = f"evals.tasks[0] ({task['name']}).repeats"
+    assert any(p.startswith(f"{path}: {field}: ") and message in p for p in problems), problems
+
+
+def test_a_sampled_task_in_repeats_is_valid(tmp_path, tasks_dir, tiny_llama):
+    from quantlab.checks import validate
+
+    tasks = [
+        {"name": "ql_sampled_e", "repeats": 3},
+        {"name": "ql_gsm8k", "repeats": 2, "gen_kwargs": {"do_sample": True, "temperature": 0.7}},
+    ]
+    validate(
+        write(
+            tmp_path / "recipe.yaml",
+            tiny_recipe(tiny_llama.path, evals={"include_path": str(tasks_dir), "tasks": tasks}),
+        )
+    )

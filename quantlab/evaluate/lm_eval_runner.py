@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 # lm-eval's default seeds today, spelled out so that a change of default upstream cannot silently move our numbers.
 SEEDS = {"random_seed": 0, "numpy_random_seed": 1234, "torch_random_seed": 1234, "fewshot_random_seed": 1234}
+# The seeds a repeat of a sampled task sets (`repeat_seeds`): the RNGs sampling draws from. The few-shot one stays
+# SEEDS': every repeat of a document asks the same prompt, so that its repeats are draws of one item.
+SAMPLING_SEEDS = ("random_seed", "numpy_random_seed", "torch_random_seed")
 
 # How much of a document's prompt to keep as its label in flip reports.
 DOCUMENT_LABEL_CHARS = 200
@@ -53,10 +56,26 @@ class TaskRequest:
     apply_chat_template: bool | str = False
     fewshot_as_multiturn: bool | None = None  # None: on with a chat template, as lm-eval's CLI does
     system_instruction: str | None = None
+    repeats: int = 1  # runs of a sampled task, each with its own seeds (`repeat_seeds`)
+    seed: int = 0  # what the repeats' seeds are derived from, with the task's name
 
     @property
     def multiturn(self) -> bool:
         return bool(self.apply_chat_template) if self.fewshot_as_multiturn is None else self.fewshot_as_multiturn
+
+    def seeds(self) -> list[dict[str, int]]:
+        """lm-eval's seeds for each run of the task: SEEDS once, or `repeat_seeds` for each repeat."""
+        return [SEEDS] if self.repeats == 1 else [repeat_seeds(self.seed, self.name, r) for r in range(self.repeats)]
+
+
+def repeat_seeds(seed: int, task: str, repeat: int) -> dict[str, int]:
+    """lm-eval's seeds for repeat `repeat` (0-based) of `task`: SAMPLING_SEEDS all one number derived from (seed,
+    task, repeat), the few-shot seed SEEDS'. A function of the recipe alone, so baseline and every variant sample
+    with the same seeds. In process, HFLM samples from torch's global generator, which simple_evaluate seeds with
+    torch_random_seed before the task runs; a served model is sent it as each request's `seed` (`score_tasks`)."""
+    digest = hashlib.sha256(f"{seed}/{task}/{repeat}".encode()).digest()
+    derived = int.from_bytes(digest[:4], "big") % 2**31
+    return SEEDS | dict.fromkeys(SAMPLING_SEEDS, derived)
 
 
 @dataclass(frozen=True)
@@ -96,10 +115,14 @@ class TaskSettings:
     fewshot_as_multiturn: bool
     system_instruction: str | None
     version: str
+    repeats: int = 1  # runs of a sampled task; one: the task ran once, with SEEDS
+    seeds: tuple[int, ...] = ()  # repeats > 1: each repeat's sampling seed (`repeat_seeds`), in order
 
     def params(self, task: str) -> dict[str, str]:
         generation = "not used" if self.gen_kwargs is None else json.dumps(self.gen_kwargs, sort_keys=True, default=str)
-        values = asdict(self) | {"gen_kwargs": generation}
+        values = asdict(self) | {"gen_kwargs": generation, "seeds": ",".join(map(str, self.seeds))}
+        if self.repeats == 1:  # a task run once logs what it logged before repeats existed
+            values = {name: value for name, value in values.items() if name not in ("repeats", "seeds")}
         return {f"eval.{task}.{name}": str(value) for name, value in values.items()}
 
 
@@ -326,29 +349,89 @@ def score_tasks(
             logger.setLevel(logging.WARNING)
         for batch in batches(tasks, [task_names(r.name, manager.task_index) for r in tasks]):
             first = tasks[batch[0]]  # the requests of a batch have the same settings
-            progress(_describe(first, [tasks[i].name for i in batch]))
-            results = simple_evaluate(
-                model=language_model,
-                tasks=[tasks[i].name for i in batch],
-                num_fewshot=first.num_fewshot,  # None keeps the task YAML's own shots
-                limit=first.limit if samples is None else None,
-                samples={name: sorted(ids) for name, ids in samples.items()} if samples is not None else None,
-                use_cache=str(cache) if cache is not None else None,
-                gen_kwargs=dict(first.gen_kwargs) if first.gen_kwargs else None,
-                apply_chat_template=first.apply_chat_template,
-                fewshot_as_multiturn=first.multiturn,
-                system_instruction=first.system_instruction,
-                log_samples=True,
-                task_manager=manager,
-                **SEEDS,
-            )
-            if results is None:  # only non-zero ranks of a distributed run get None
-                raise RuntimeError(f"lm-eval returned no results for {', '.join(tasks[i].name for i in batch)}")
-            structure = results.get("group_subtasks") or {}
+            runs = []
+            for repeat, seeds in enumerate(first.seeds()):
+                shown = f" (repeat {repeat + 1} of {first.repeats})" if first.repeats > 1 else ""
+                progress(_describe(first, [tasks[i].name for i in batch]) + shown)
+                with _served_seed(language_model, seeds["torch_random_seed"] if first.repeats > 1 else None):
+                    results = simple_evaluate(
+                        model=language_model,
+                        tasks=[tasks[i].name for i in batch],
+                        num_fewshot=first.num_fewshot,  # None keeps the task YAML's own shots
+                        limit=first.limit if samples is None else None,
+                        samples={name: sorted(ids) for name, ids in samples.items()} if samples is not None else None,
+                        # lm-eval's request cache would answer a later repeat with the first one's generations.
+                        use_cache=str(cache) if cache is not None and first.repeats == 1 else None,
+                        gen_kwargs=dict(first.gen_kwargs) if first.gen_kwargs else None,
+                        apply_chat_template=first.apply_chat_template,
+                        fewshot_as_multiturn=first.multiturn,
+                        system_instruction=first.system_instruction,
+                        log_samples=True,
+                        task_manager=manager,
+                        **seeds,
+                    )
+                if results is None:  # only non-zero ranks of a distributed run get None
+                    raise RuntimeError(f"lm-eval returned no results for {', '.join(tasks[i].name for i in batch)}")
+                runs.append(results)
+            structure = runs[0].get("group_subtasks") or {}
             for i in batch:
                 names = task_names(tasks[i].name, manager.task_index, structure)
-                scored[i] = read_results(tasks[i], restrict(results, names))
+                found = [read_results(tasks[i], restrict(results, names)) for results in runs]
+                scored[i] = found[0] if len(found) == 1 else merge_repeats(found, tasks[i])
     return [task for i in range(len(tasks)) for task in scored[i]]
+
+
+@contextlib.contextmanager
+def _served_seed(language_model, seed: int | None) -> Iterator[None]:
+    """A served model (lm-eval's TemplateAPI) sends its `_seed` with every request, where a server's sampling reads
+    it; torch's seed, which simple_evaluate sets, reaches only a model in this process. None: leave it."""
+    if seed is None or not hasattr(language_model, "_seed"):
+        yield
+        return
+    kept = language_model._seed
+    language_model._seed = seed
+    try:
+        yield
+    finally:
+        language_model._seed = kept
+
+
+def merge_repeats(runs: Sequence[list[TaskScores]], request: TaskRequest) -> list[TaskScores]:
+    """One task's scores from its repeats (pure): each score's value the mean over the repeats; a per-document mean
+    score's documents `DocumentScores.of_repeats` (each document's value its mean, each repeat's kept), its stderr
+    the se of the item means (items as clusters of their repeats); a score without per-document means has no
+    stderr (lm-eval's are per run) and says why it has no per-document analysis. Labels, answers and the dataset
+    are the first repeat's; the settings say the repeats and their seeds."""
+    seeds = tuple(seeds["torch_random_seed"] for seeds in request.seeds())
+    merged = []
+    for tasks in zip(*runs, strict=True):
+        first = tasks[0]
+        if any((t.task, [s.key for s in t.scores]) != (first.task, [s.key for s in first.scores]) for t in tasks):
+            raise RuntimeError(f"the repeats of {request.name} reported different scores")
+        scores = [_merged_score([task.scores[index] for task in tasks]) for index in range(len(first.scores))]
+        settings = replace(first.settings, repeats=len(tasks), seeds=seeds) if first.settings is not None else None
+        merged.append(replace(first, scores=scores, settings=settings))
+    return merged
+
+
+def _merged_score(repeats: Sequence[Score]) -> Score:
+    first = repeats[0]
+    value = math.fsum(score.value for score in repeats) / len(repeats)
+    if first.leaves:  # a group: its leaves merged alike, its weights (from document counts) the same in each repeat
+        return replace(first, value=value, stderr=None)
+    documents = [score.documents for score in repeats]
+    if all(d is not None and d.aggregation is Aggregation.MEAN and not d.repeats for d in documents):
+        try:
+            items = DocumentScores.of_repeats([d.values for d in documents])  # type: ignore[union-attr]
+        except ValueError:
+            note = f"its {len(repeats)} repeats scored different documents"
+        else:
+            means = np.array(list(items.values.values()), dtype=np.float64)
+            se = float(means.std(ddof=1)) / math.sqrt(means.size) if means.size > 1 else None
+            return replace(first, value=value, stderr=se, documents=items, note=None)
+    else:
+        note = first.note or "scored in repeats: no per-document mean to average over them"
+    return replace(first, value=value, stderr=None, documents=None, note=note)
 
 
 def _describe(request: TaskRequest, names: list[str]) -> str:
@@ -374,6 +457,9 @@ def batches(requests: list[TaskRequest], names: list[set[str]]) -> list[list[int
             request.apply_chat_template,
             request.multiturn,
             request.system_instruction,
+            request.repeats,
+            request.seed,
+            request.name if request.repeats > 1 else None,  # a repeat's seeds are the task's own: one task a call
         )
         batch = next((b for b in found if b[0] == key and not b[1] & mine), None)
         if batch is None:
@@ -382,6 +468,29 @@ def batches(requests: list[TaskRequest], names: list[set[str]]) -> list[list[int
             batch[1].update(mine)
             batch[2].append(index)
     return [indices for _, _, indices in found]
+
+
+def repeat_problem(name: str, gen_kwargs: Mapping[str, Any] | None, include_path: Path | None) -> str | None:
+    """Why task (or group, or tag) `name` cannot run in repeats, or None: each of its tasks must generate (a
+    loglikelihood task scores the same numbers in every run) with sampled decoding, do_sample true and a temperature
+    above 0 once the recipe's `gen_kwargs` are merged over its YAML's generation_kwargs (as simple_evaluate merges
+    them; HFLM decodes greedily at a temperature of 0)."""
+    manager = task_manager_for([name], include_path)
+    for leaf in sorted(task_names(name, manager.task_index)):
+        entry = manager.task_index.get(leaf)
+        if getattr(getattr(entry, "kind", None), "name", None) != "TASK" or not isinstance(entry.cfg, Mapping):
+            continue
+        output = entry.cfg.get("output_type", "generate_until")  # lm-eval's TaskConfig default
+        if output != "generate_until":
+            return f"{leaf} is scored by {output}, the same numbers in every run: only a generation task samples"
+        generation = dict(entry.cfg.get("generation_kwargs") or {}) | dict(gen_kwargs or {})
+        sampled, temperature = generation.get("do_sample"), generation.get("temperature", 0)
+        if sampled is not True or not (_is_number(temperature) and temperature > 0):
+            return (
+                f"{leaf} decodes greedily (do_sample {sampled}, temperature {temperature}, its YAML's generation "
+                "settings under the recipe's): set gen_kwargs do_sample: true and a temperature above 0"
+            )
+    return None
 
 
 def task_names(name: str, index: Mapping[str, Any], structure: Mapping[str, list[str]] | None = None) -> set[str]:
