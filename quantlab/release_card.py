@@ -12,11 +12,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 from quantlab.decision import Decision
-from quantlab.metrics import SERVING_TAG_PREFIX, spec
+from quantlab.engine_noise import TOKEN_FIGURES
+from quantlab.metrics import ENGINE_FLOOR_PREFIX, SERVING_TAG_PREFIX, spec
 from quantlab.policy import format_value
 from quantlab.tracking import CHECKPOINT, CONTENT_KEY, METHOD, RunRecord
 
-ENGINE_FLOOR = "quality/engine_floor/"
+ENGINE_FLOOR = ENGINE_FLOOR_PREFIX
 ENGINE_FLOOR_TAG = "quantlab.quality.engine_floor"  # the serve stage's words for how it measured the floor
 WORKLOAD = "cost/serving/workload/"
 LOW, HIGH = "/ci95_low", "/ci95_high"
@@ -133,7 +134,7 @@ def build_card(
             )
             for v in decision.verdicts
         ),
-        engine_floor=figures(floor.metrics, ENGINE_FLOOR, nested=True),
+        engine_floor=floor_figures(floor.metrics),
         engine_floor_how=floor.tags.get(ENGINE_FLOOR_TAG, ""),
         workloads=workload_figures(run.metrics),
         engine={name: params[name] for name in ENGINE_PARAMS if params.get(name)},
@@ -146,13 +147,25 @@ def build_card(
     )
 
 
-def figures(metrics: Mapping[str, float], prefix: str, nested: bool = False) -> tuple[Figure, ...]:
-    """The figures under `prefix` (one level deep unless `nested`), each with its logged 95% interval
-    (key/ci95_low, key/ci95_high)."""
+def floor_figures(metrics: Mapping[str, float]) -> tuple[Figure, ...]:
+    """The engine's floor: each paired score's difference between the two served passes with its 95% interval, then
+    the served token figures a variant's are read against (engine_noise's)."""
+    scores = sorted(
+        key.removesuffix("/diff") for key in metrics if key.startswith(ENGINE_FLOOR) and key.endswith("/diff")
+    )
+    found = [
+        Figure(base, metrics[base + "/diff"], metrics.get(base + LOW), metrics.get(base + HIGH)) for base in scores
+    ]
+    tokens = [f"{ENGINE_FLOOR}served/{figure}" for figure in TOKEN_FIGURES]
+    return (*found, *(Figure(key, metrics[key]) for key in tokens if key in metrics))
+
+
+def figures(metrics: Mapping[str, float], prefix: str) -> tuple[Figure, ...]:
+    """The figures one level under `prefix`, each with its logged 95% interval (key/ci95_low, key/ci95_high)."""
     keys = sorted(
         key
         for key in metrics
-        if key.startswith(prefix) and (nested or "/" not in key.removeprefix(prefix)) and not key.endswith((LOW, HIGH))
+        if key.startswith(prefix) and "/" not in key.removeprefix(prefix) and not key.endswith((LOW, HIGH))
     )
     return tuple(Figure(key, metrics[key], metrics.get(key + LOW), metrics.get(key + HIGH)) for key in keys)
 
@@ -203,9 +216,8 @@ def render_markdown(card: ReleaseCard) -> str:
     lines += ["", "## Engine floor", ""]
     if card.engine_floor:
         lines += [card.engine_floor_how, ""] if card.engine_floor_how else []
-        lines += _table(
-            ("figure", "value [95%]"), [(f.key.removeprefix(ENGINE_FLOOR), f.words()) for f in card.engine_floor]
-        )
+        rows = [(f.key.removeprefix(ENGINE_FLOOR), f.words()) for f in card.engine_floor]
+        lines += _table(("figure", "second pass against the first [95%]"), rows)
     else:
         lines.append("Not measured (no second served pass of the baseline).")
     lines += ["", "## Cost per workload", ""]

@@ -90,7 +90,14 @@ SERVED = {
     "metrics": {GOODPUT: 120.0, f"{GOODPUT}/ci95_low": 110.0, f"{GOODPUT}/ci95_high": 130.0},
 }
 FLOOR = {
-    "metrics": {"quality/engine_floor/eval/mmlu_dev/acc/diff": 0.004},
+    "metrics": {
+        "quality/engine_floor/eval/mmlu_dev/acc/diff": 0.004,
+        "quality/engine_floor/eval/mmlu_dev/acc/ci95_low": -0.01,
+        "quality/engine_floor/eval/mmlu_dev/acc/ci95_high": 0.02,
+        "quality/engine_floor/eval/mmlu_dev/acc/n": 40,  # the comparison's other statistics stay in the run
+        "quality/engine_floor/served/top1_agreement": 0.99,
+        "quality/engine_floor/served/kld_topk_p99": 0.5,
+    },
     "tags": {release_card.ENGINE_FLOOR_TAG: "bf16 served twice by vLLM: tasks at concurrency 4, then 1"},
 }
 
@@ -125,9 +132,10 @@ FLOOR = {
                 "| kernel: model.layers.0.mlp.down_proj | CutlassFP8ScaledMMLinearKernel |",
                 "| chat | goodput_tokens_per_s | 120 tok/s [110 tok/s, 130 tok/s] |",
                 "bf16 served twice by vLLM: tasks at concurrency 4, then 1",
-                "| eval/mmlu_dev/acc/diff | 0.004 |",
+                "| eval/mmlu_dev/acc | 0.004 [-0.01, 0.02] |",
+                "| served/top1_agreement | 99.0% |",
             ],
-            ["No serving workloads measured.", "Not served by an engine", "Not measured"],
+            ["No serving workloads measured.", "Not served by an engine", "Not measured", "/n |", "kld_topk_p99"],
         ),
     ],
 )
