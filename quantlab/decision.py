@@ -29,16 +29,19 @@ from quantlab.paired import (
     Group,
     NonInferiority,
     Outcome,
+    RepeatVariance,
     Settling,
     agresti_min_se,
     float_slack,
     holm_alphas,
+    logged_variance,
     non_inferiority,
     over_p,
     paired_binary_non_inferiority,
     paired_binary_over_p,
     quantile,
     selection_adjusted_interval,
+    settling,
 )
 from quantlab.policy import (
     KLD_MEAN,
@@ -117,6 +120,9 @@ class _Evidence:
     # Adaptive evaluation: the nominal level of the stage its task stopped at as a share of the policy's (1: every
     # document scored at once): its claims are tested at the policy's levels times this, as its stages were.
     level_share: float = 1.0
+    # A sampled task scored in repeats: its item-mean variance in parts, from which more repeats are weighed against
+    # more documents (`settling`)
+    variance: RepeatVariance | None = None
 
     @property
     def unit(self) -> str:
@@ -197,7 +203,10 @@ def _drop_evidence(
     parsed = EvalKey.parse(metric)
     share = variant.value(adaptive_key(parsed.task, "level_share")) if parsed is not None else None
     available = documents_available(metric, n, documents)
-    return _Evidence(rule, drop, se, n, df, available, flips, level_share=1.0 if share is None else min(share, 1.0))
+    repeats, within_sd = (variant.value(paired_key(metric, name)) for name in ("repeats", "within_sd"))
+    variance = logged_variance(n, int(repeats or 1), se, within_sd) if flips is None else None
+    share = 1.0 if share is None else min(share, 1.0)
+    return _Evidence(rule, drop, se, n, df, available, flips, level_share=share, variance=variance)
 
 
 def documents_available(metric: str, n: int, documents: Mapping[str, int]) -> int | None:
@@ -223,7 +232,7 @@ def _drop_checks(evidence: Sequence[CheckResult | _Evidence], policy: Policy) ->
             continue
         found = item.judge(policy, levels[id(item)])
         words = _verdict_words(
-            item.rule, found, item.n, family, item.available, policy.power, item.bounds_name, item.tokens
+            item.rule, found, item.n, family, item.available, policy.power, item.bounds_name, item.tokens, item.variance
         )
         extra = {
             "n": item.n,
@@ -273,13 +282,15 @@ def _verdict_words(
     power: float,
     bounds_name: str = "bounds",
     tokens: int | None = None,
+    variance: RepeatVariance | None = None,
 ) -> str:
     """'eval/x/acc: shown over the limit: drop 2.50 pts, one-sided 97.5% bounds from the flips [1.40 pts, 3.75 pts],
     limit 1 pt (paired, n=1,000)': the bounds the verdict used (the lower one at Holm's level when several checks
     share the variant; `bounds_name` says where they come from: on 0/1 scores, the flips, the upper bound Tango's
     score bound and the lower one the smaller of Tango's and the Wald bound on Agresti and Min's se, here the Wald
     one, under Tango's 1.52 pts), and for an undecided one
-    how many documents would settle it, or what the task's documents can."""
+    how many documents would settle it, or what the task's documents can; for a sampled task scored in repeats
+    (`variance`), more documents or more repeats, whichever adds fewer scorings (`settling_words`)."""
 
     def amount(value: float) -> str:  # a drop is shown unsigned; a negative one (a gain) keeps its sign
         return format_change(rule.spec, value, signed=value < 0)
@@ -293,8 +304,14 @@ def _verdict_words(
         )
     t = f", t with {found.df:.3g} df" if math.isfinite(found.df) else ""
     paired = f"n={n:,}" if tokens is None else f"n={tokens:,} tokens in {n:,} scoring windows"
+    if variance is not None:
+        paired += f" documents x {variance.repeats:,} repeats"
     unit = "documents" if tokens is None else "scoring windows"
     text = f"{rule.metric}: {found.outcome.value}: drop {amount(found.drop)}, {bounds}, limit {rule.words} (paired, {paired}{t})"
+    if found.outcome is Outcome.UNSURE and variance is not None:
+        level = found.alpha if found.drop < found.limit else found.over_alpha
+        found_way = settling(variance, found.drop, found.limit, alpha=level, power=power, available=available)
+        return f"{text}; {settling_words(found_way, power)}"
     if found.outcome is Outcome.UNSURE:
         needed = found.documents_needed
         text += (

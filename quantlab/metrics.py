@@ -136,6 +136,8 @@ PAIRED_STATISTICS: dict[str, Scale | None] = {
     "df": Scale.COUNT,
     "correct_to_wrong": Scale.COUNT,  # 0/1 scores only: documents right for the baseline, wrong for the variant
     "wrong_to_correct": Scale.COUNT,  # 0/1 scores only: documents wrong for the baseline, right for the variant
+    "repeats": Scale.COUNT,  # a sampled task run in repeats (more than one): repeats per document; n counts documents
+    "within_sd": None,  # repeats: the sd of one repeat's difference around its document's mean difference
 }
 
 

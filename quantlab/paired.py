@@ -103,7 +103,15 @@ class PairedComparison:
     def statistics(self) -> dict[str, float]:
         """The finite figures, by the statistic names of `quantlab.metrics.PAIRED_STATISTICS`."""
         figures = {name: getattr(self, name) for name in STATISTICS}
+        if self.repeats == 1:  # a task run once logs what it logged before repeats existed
+            figures = {name: value for name, value in figures.items() if name not in _REPEATS}
         return {name: float(value) for name, value in figures.items() if value is not None and math.isfinite(value)}
+
+    @property
+    def within_sd(self) -> float | None:
+        """Repeats > 1: the standard deviation of one repeat's difference around its item's (`RepeatVariance.within`)."""
+        within = self.variance.within if self.variance is not None else math.nan
+        return math.sqrt(within) if math.isfinite(within) else None
 
     @classmethod
     def logged(cls, variant: float, figures: Mapping[str, float | None]) -> PairedComparison | None:
@@ -112,12 +120,21 @@ class PairedComparison:
         logs today, and what a run logged before showed as an interval that a verdict did not use."""
         if None in (figures["diff"], figures["ci95_low"], figures["ci95_high"]):
             return None
-        found = {name: math.nan if value is None else value for name, value in figures.items()}
+        found = {name: math.nan if value is None else value for name, value in figures.items() if name not in _REPEATS}
         counts = {name: None if figures[name] is None else int(figures[name]) for name in _FLIPS}
         found |= counts | {"n": int(figures["n"] or 0), "df": math.inf if figures["df"] is None else figures["df"]}
         if None not in counts.values() and found["n"] >= 1:
             found["ci95_low"], found["ci95_high"] = flip_interval(found["n"], *counts.values())
-        return cls(baseline=variant - found["diff"], variant=variant, test="logged", **found)
+        repeats = int(figures.get("repeats") or 1)
+        variance = logged_variance(found["n"], repeats, found["se"], figures.get("within_sd"))
+        return cls(
+            baseline=variant - found["diff"],
+            variant=variant,
+            test="logged",
+            repeats=repeats,
+            variance=variance,
+            **found,
+        )
 
     def oriented(self, higher_is_better: bool | None) -> PairedComparison:
         """The comparison with the interval a verdict on a metric of this direction judges by. Only 0/1 scores of one
@@ -143,7 +160,8 @@ class PairedComparison:
 
 
 _FLIPS = ("correct_to_wrong", "wrong_to_correct")
-STATISTICS = ("diff", "se", "ci95_low", "ci95_high", "p_value", "n", "df", *_FLIPS)
+_REPEATS = ("repeats", "within_sd")  # logged where a sampled task ran in repeats
+STATISTICS = ("diff", "se", "ci95_low", "ci95_high", "p_value", "n", "df", *_FLIPS, *_REPEATS)
 
 
 class NotPaired(ValueError):
@@ -202,6 +220,15 @@ class RepeatVariance:
         """The variance of one item's mean difference over `repeats` repeats. Measured on one repeat (within nan,
         `between` then holds both parts), only at that one."""
         return self.between if math.isnan(self.within) else self.between + self.within / repeats
+
+
+def logged_variance(items: int, repeats: int, se: float, within_sd: float | None) -> RepeatVariance | None:
+    """`RepeatVariance` back from what a run logged: its items (n), repeats, se (of the mean of the item means: the
+    item means' variance is se^2 n) and within-item sd; None where it ran once or logged no within-item sd."""
+    if repeats < 2 or within_sd is None or not math.isfinite(se) or items < 1:
+        return None
+    within = within_sd**2
+    return RepeatVariance(items, repeats, max(se * se * items - within / repeats, 0.0), within)
 
 
 def repeat_variance(baseline: DocumentScores, variant: DocumentScores) -> RepeatVariance:

@@ -252,3 +252,58 @@ def test_a_sampled_task_in_repeats_is_valid(tmp_path, tasks_dir, tiny_llama):
             tiny_recipe(tiny_llama.path, evals={"include_path": str(tasks_dir), "tasks": tasks}),
         )
     )
+
+
+# --- pick on logged figures of a sampled task ---
+
+TASK_ACC = "eval/ql_sampled_e/exact_match"
+
+
+def _decided(documents: dict[str, int] | None):
+    """bf16 and int4 on a 0/1 sampled task of 40 documents x 2 repeats: no drop, within-item sd 0.7 (W = 0.49) and an
+    se of sqrt(W / 2 / 40) (nothing between documents), against a 10-point limit: undecided."""
+    from quantlab.decision import pick
+    from quantlab.frontier import Axis, VariantSummary
+    from quantlab.metrics import Declared, Scale, paired_key
+    from quantlab.policy import Policy
+
+    declared = {TASK_ACC: Declared(True, Scale.FRACTION)}
+    base = {TASK_ACC: 0.5, "cost/weight_bytes": 2.0}
+    se = math.sqrt(0.49 / 2 / 40)
+    figures = {"diff": 0.0, "se": se, "n": 40.0, "df": 39.0, "repeats": 2.0, "within_sd": 0.7}
+    paired = {paired_key(TASK_ACC, name): value for name, value in figures.items()}
+    variants = [
+        VariantSummary("bf16", "bf16", True, base, is_baseline=True, declared=declared),
+        VariantSummary("int4", "awq_int4", True, base | {"cost/weight_bytes": 1.0} | paired, declared=declared),
+    ]
+    policy = Policy(max_drop_any_task=None, max_drop={TASK_ACC: 10})
+    (check,) = (
+        pick(variants, "bf16", policy, Axis("cost/weight_bytes", False), documents=documents).verdict("int4").checks
+    )
+    return check
+
+
+def test_pick_words_an_undecided_sampled_check_in_documents_x_repeats():
+    # v = (0.1 / 2.80158)^2 = 0.00127407; 0.245 / v = 192.3 -> 193 documents (306 more scorings), or 0.49 / (40 v) =
+    # 9.6 -> 10 repeats (320 more): documents.
+    check = _decided(None)
+    assert "(paired, n=40 documents x 2 repeats, t with 39 df)" in check.detail
+    assert check.detail.endswith("; about 193 documents would settle it (x 2 repeats, 80% power)")
+    # The task has its 40 documents only: repeats.
+    assert _decided({"ql_sampled_e": 40}).detail.endswith(
+        "; about 8 more repeats would settle it (40 documents x 10 repeats, 80% power)"
+    )
+
+
+def test_repeats_are_logged_and_read_back_a_task_run_once_logs_what_it_did():
+    from quantlab.paired import STATISTICS, PairedComparison
+
+    found = compare("t", DocumentScores.of_repeats(BASELINE), DocumentScores.of_repeats(VARIANT))
+    logged = found.statistics()
+    assert (logged["repeats"], logged["within_sd"]) == (2.0, pytest.approx(math.sqrt(0.5)))
+    back = PairedComparison.logged(found.variant, {name: logged.get(name) for name in STATISTICS})
+    assert (back.repeats, back.variance) == (2, RepeatVariance(4, 2, pytest.approx(1 / 12), pytest.approx(0.5)))
+    once = compare(
+        "t", DocumentScores(Aggregation.MEAN, {0: 1.0, 1: 0.5}), DocumentScores(Aggregation.MEAN, {0: 0.5, 1: 0.5})
+    )
+    assert not {"repeats", "within_sd"} & once.statistics().keys()
