@@ -223,3 +223,14 @@ def test_a_store_without_logged_models_logs_the_variant_and_says_why_it_has_none
     assert why is not None and why.startswith("no logged model in the Models tab: the store refused one (API")
     run = store.run(run_id)
     assert run.status == "FINISHED" and run.metrics == {MMLU: 0.5} and tracking.MODEL_ID not in run.tags
+
+
+@pytest.mark.parametrize("lines", [10, 400])
+def test_a_long_card_is_cut_to_what_a_registry_keeps_with_its_json_link_whole(lines):
+    markdown = "# tiny v1 (@production): fp8\n" + "".join(f"| row {n} | {'x' * 20} |\n" for n in range(lines))
+    tail = "\nThe card as JSON: [release-cards/tiny-v1.json](#/experiments/1/runs/r/artifacts/x), on the sweep's run.\n"
+    shown = tracking.run_description(markdown, "release-cards/tiny-v1.md", tail, limit=tracking.VERSION_DESCRIPTION)
+    assert len(shown) <= tracking.VERSION_DESCRIPTION and shown.endswith(tail)
+    assert shown.startswith("# tiny v1 (@production): fp8\n")
+    cut = len(markdown) + len(tail) > tracking.VERSION_DESCRIPTION
+    assert ("all of it is the artifact `release-cards/tiny-v1.md`" in shown) == cut
