@@ -19,7 +19,9 @@ from quantlab.tracking import CHECKPOINT, CONTENT_KEY, METHOD, RunRecord
 
 ENGINE_FLOOR = ENGINE_FLOOR_PREFIX
 ENGINE_FLOOR_TAG = "quantlab.quality.engine_floor"  # the serve stage's words for how it measured the floor
-WORKLOAD = "cost/serving/workload/"
+SERVING = "cost/serving/"
+WORKLOAD = f"{SERVING}workload/"
+DEFAULT_WORKLOAD = "the recipe's one shape"  # serving.workloads unset
 LOW, HIGH = "/ci95_low", "/ci95_high"
 # The engine's identity, as the serve stage logs it (params of the variant run).
 ENGINE_PARAMS = ("served.engine", "served.engine_version", "served.engine_build", "served.hardware", "served.plugins")
@@ -171,8 +173,13 @@ def figures(metrics: Mapping[str, float], prefix: str) -> tuple[Figure, ...]:
 
 
 def workload_figures(metrics: Mapping[str, float]) -> dict[str, tuple[Figure, ...]]:
-    """Workload -> its serving cost figures (cost/serving/workload/<name>/<figure>, not per load level)."""
+    """Workload -> its serving cost figures (cost/serving/workload/<name>/<figure>, not per load level); a sweep whose
+    recipe names no workloads served one shape, under the plain cost/serving/<figure> keys (DEFAULT_WORKLOAD)."""
     names = sorted({key.removeprefix(WORKLOAD).split("/")[0] for key in metrics if key.startswith(WORKLOAD)})
+    if not names:
+        plain = figures(metrics, SERVING)
+        return {DEFAULT_WORKLOAD: plain} if plain else {}
+    # The plain keys repeat the first workload's figures: listed once, under its name.
     return {name: shown for name in names if (shown := figures(metrics, f"{WORKLOAD}{name}/"))}
 
 

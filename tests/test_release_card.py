@@ -55,7 +55,14 @@ GOODPUT, USD = f"{WORKLOAD}chat/goodput_tokens_per_s", f"{WORKLOAD}chat/usd_per_
     ("metrics", "expected"),
     [
         ({}, {}),
-        ({"cost/serving/goodput_tokens_per_s": 5.0}, {}),  # the plain keys are the first workload's: not repeated
+        (  # no workloads named: the one shape served, under the plain keys (not per load level)
+            {"cost/serving/goodput_tokens_per_s": 5.0, "cost/serving/c1/output_tokens_per_s": 6.0},
+            {release_card.DEFAULT_WORKLOAD: (("cost/serving/goodput_tokens_per_s", 5.0, None, None),)},
+        ),
+        (  # named: the plain keys are the first workload's, not listed twice
+            {"cost/serving/goodput_tokens_per_s": 5.0, f"{WORKLOAD}chat/goodput_tokens_per_s": 5.0},
+            {"chat": ((f"{WORKLOAD}chat/goodput_tokens_per_s", 5.0, None, None),)},
+        ),
         (
             {GOODPUT: 120.0, f"{GOODPUT}/ci95_low": 110.0, f"{GOODPUT}/ci95_high": 130.0, USD: 0.5},
             {"chat": ((GOODPUT, 120.0, 110.0, 130.0), (USD, 0.5, None, None))},
