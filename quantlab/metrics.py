@@ -189,6 +189,24 @@ _FIXED: dict[str, tuple[bool | None, Scale, str]] = {
     "quality/kld_p99/ctx<length>": (False, Scale.NATS, "p99 KL divergence at ctx {length}"),
     "quality/top1_agreement/ctx<length>": (True, Scale.FRACTION, "top-1 agreement at ctx {length}"),
     "quality/ppl_tokens/ctx<length>": (None, Scale.COUNT, "scored tokens at ctx {length}"),
+    # On-policy damage (quality.generate; quantlab.evaluate.on_policy): teacher-forced over prompt + the baseline's
+    # greedy continuation. <part>: prompt, generated, or gen<first>-<last> (generated positions, from 1). Design
+    # effects first (sequences as clusters), as above.
+    "quality/on_policy/<part>/kld_mean_design_effect": (None, Scale.RATIO, "on-policy mean KL design effect ({part})"),
+    "quality/on_policy/<part>/top1_agreement_design_effect": (
+        None,
+        Scale.RATIO,
+        "on-policy top-1 design effect ({part})",
+    ),
+    "quality/on_policy/<part>/ear_design_effect": (None, Scale.RATIO, "on-policy EAR design effect ({part})"),
+    "quality/on_policy/<part>/delta_nll_design_effect": (None, Scale.RATIO, "on-policy dNLL design effect ({part})"),
+    "quality/on_policy/<part>/kld_mean": (False, Scale.NATS, "on-policy mean KL divergence ({part})"),
+    "quality/on_policy/<part>/top1_agreement": (True, Scale.FRACTION, "on-policy top-1 agreement ({part})"),
+    # expected acceptance rate: mean over tokens of sum over the vocabulary of min(p_baseline, p_variant)
+    "quality/on_policy/<part>/ear": (True, Scale.FRACTION, "on-policy expected acceptance rate ({part})"),
+    # mean of variant NLL - baseline NLL of the baseline's own tokens
+    "quality/on_policy/<part>/delta_nll": (False, Scale.NATS, "on-policy delta-NLL of the baseline's tokens ({part})"),
+    "quality/on_policy/<part>/tokens": (None, Scale.COUNT, "on-policy scored tokens ({part})"),
     "cost/weight_bytes": (False, Scale.BYTES, "weight size"),  # *.safetensors files of the checkpoint on disk
     "cost/weight_bytes_in_memory": (False, Scale.BYTES, "weights in memory"),  # tensor payload in its stored format
     "cost/loaded_weight_bytes": (False, Scale.BYTES, "weights as loaded here"),  # parameters as loaded for measuring

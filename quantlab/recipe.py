@@ -247,6 +247,18 @@ class EvalSettings(StrictModel):
         return data if self.adaptive else {k: v for k, v in data.items() if not k.startswith("adaptive")}
 
 
+class GenerateSettings(StrictModel):
+    """On-policy damage (quantlab.evaluate.on_policy): the baseline greedily continues prompts cut from the quality
+    corpus, and each variant is scored token by token over prompt + the baseline's continuation."""
+
+    enabled: bool = True
+    prompts: int = Field(8, gt=0, le=10_000, description="Prompts, taken from the quality corpus at spread offsets.")
+    prompt_tokens: int = Field(32, gt=1, le=1_000_000, description="Corpus tokens per prompt.")
+    max_new_tokens: int = Field(
+        48, gt=0, le=8192, description="Tokens the baseline generates per prompt (fewer where it ends its turn)."
+    )
+
+
 class QualitySettings(StrictModel):
     """Token-level damage against the baseline: perplexity and KL over a text corpus."""
 
@@ -265,6 +277,7 @@ class QualitySettings(StrictModel):
     context_windows: int = Field(
         2, gt=0, le=10_000, description="Windows of the longest context length that pass scores (its corpus tokens)."
     )
+    generate: GenerateSettings = Field(default_factory=GenerateSettings)
 
     @field_validator("contexts")
     @classmethod

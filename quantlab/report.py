@@ -497,7 +497,55 @@ def render_markdown(
         workloads=workload_table(variants),
         serving_chart=SERVING_CHART,
         engine_floor=engine_floor_table(variants),
+        on_policy=on_policy_table(variants),
     )
+
+
+# On-policy damage (quality.generate): the figures shown per part, each with its paired 95% interval.
+ON_POLICY_FIGURES = ("kld_mean", "ear", "top1_agreement", "delta_nll")
+_ON_POLICY_PART = re.compile(r"^quality/on_policy/(?P<part>[^/]+)/tokens$")
+
+
+def on_policy_table(variants: Sequence[VariantSummary]) -> Table | None:
+    """Each variant's damage over the baseline's own greedy continuations, by part: the prompt, the generated tokens,
+    then each bucket of generated positions in order; each figure with its 95% interval (paired with the baseline,
+    the sequences as clusters). None when no variant logged it."""
+    rows = []
+    for variant in (v for v in variants if v.succeeded and not v.is_baseline):
+        found = [m["part"] for key in variant.metrics if (m := _ON_POLICY_PART.match(key))]
+        parts = sorted(found, key=lambda part: (part != "prompt", part != "generated", _first_position(part)))
+        for index, part in enumerate(parts):
+            cells = [_paired_cell(variant, f"quality/on_policy/{part}/{figure}") for figure in ON_POLICY_FIGURES]
+            tokens = f"{variant.value(f'quality/on_policy/{part}/tokens') or 0:.0f}"
+            rows.append((variant.name if index == 0 else "", _part_label(part), tokens, *cells))
+    if not rows:
+        return None
+    labels = tuple(metric_spec(f"quality/on_policy/generated/{figure}").label for figure in ON_POLICY_FIGURES)
+    return Table(
+        ("variant", "positions", "tokens", *(label.removesuffix(" (generated)") for label in labels)), tuple(rows)
+    )
+
+
+def _first_position(part: str) -> int:
+    first = part.removeprefix("gen").partition("-")[0]
+    return int(first) if first.isdigit() else 0
+
+
+def _part_label(part: str) -> str:
+    """gen1-32 -> "generated 1-32"; prompt and generated as they are."""
+    return f"generated {part.removeprefix('gen')}" if _first_position(part) else part
+
+
+def _paired_cell(variant: VariantSummary, key: str) -> str:
+    """ "0.012 nats [0.008, 0.016]": the figure and the 95% interval of its paired difference from the baseline,
+    moved onto the figure (the baseline's own value is the same on every token: 0 for KL, 1 for EAR and top-1)."""
+    found = metric_spec(key)
+    value, diff = variant.value(key), variant.value(paired_key(key, "diff"))
+    low, high = (variant.value(paired_key(key, end)) for end in ("ci95_low", "ci95_high"))
+    text = format_value(found, value)
+    if value is None or diff is None or low is None or high is None:
+        return text
+    return f"{text} [{format_value(found, value - diff + low)}, {format_value(found, value - diff + high)}]"
 
 
 WITHIN, BEYOND = "within the engine's own noise", "beyond the engine's own noise"

@@ -28,7 +28,12 @@ def tiny_recipe(model_dir: Path, **overrides: Any) -> dict[str, Any]:
             "batch_size": 4,
             "tasks": [{"name": "mmlu_dev", "limit": 4}, {"name": "pydoc_cloze", "limit": 6}],
         },
-        "quality": {"max_tokens": 96, "window": 32},
+        # on-policy damage on 2 short continuations: the keys and their pairing, at little cost per sweep
+        "quality": {
+            "max_tokens": 96,
+            "window": 32,
+            "generate": {"prompts": 2, "prompt_tokens": 8, "max_new_tokens": 8},
+        },
         "measure": {"prompt_tokens": 8, "output_tokens": 4, "repeats": 1, "warmup": 0},
         "serving": {"enabled": False},  # a server per variant costs ~30 s: tests/test_serving.py turns it on
     }

@@ -63,7 +63,7 @@ def two_sweeps(tmp_path_factory, tiny_llama):
             "batch_size": 4,
             "tasks": [{"name": "pydoc_cloze", "limit": 4}],
         },
-        quality={"max_tokens": 64, "window": 32},
+        quality={"max_tokens": 64, "window": 32, "generate": {"enabled": False}},
         measure={
             "prompt_tokens": 8,
             "output_tokens": 2,

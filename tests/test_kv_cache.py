@@ -115,7 +115,13 @@ def test_damage_by_context_and_the_kv_caches_own_cost(tmp_path, tiny_llama, made
     KV-cache variant the paired cost of its rounding, which off reproduces its twin's figures."""
     source, paths = made
     variants = [{"name": name, **fields} for name, fields in VARIANTS.items()]
-    quality = {"max_tokens": 64, "window": 32, "contexts": LENGTHS, "context_windows": 2}
+    quality = {
+        "max_tokens": 64,
+        "window": 32,
+        "contexts": LENGTHS,
+        "context_windows": 2,
+        "generate": {"enabled": False},
+    }
     loaded = validate(write(tmp_path / "r.yaml", tiny_recipe(tiny_llama.path, variants=variants, quality=quality)))
     settings = loaded.recipe.quality
 

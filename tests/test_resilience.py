@@ -676,7 +676,7 @@ def test_results_outlive_a_tracking_server_that_dies_mid_sweep(tmp_path, tiny_ll
     command logs it from there without recomputing anything."""
     work = tmp_path / "work"
     work.mkdir()
-    quality = {"max_tokens": 96, "window": 32}
+    quality = {"max_tokens": 96, "window": 32, "generate": {"enabled": False}}
     recipe = write(work / "recipe.yaml", _recipe(tiny_llama, "tiny-outage", ["bf16", "fp8"], quality=quality))
     cache_dir = work / "cache"
     sweep = Sweep(_sweep_args(recipe, server.uri, cache_dir, "--log-retry-seconds", "3"), work)
@@ -756,7 +756,7 @@ def test_secrets_never_reach_mlflow(tmp_path, tiny_llama):
                 "batch_size": 4,
                 "tasks": [{"name": "pydoc_cloze", "limit": 3}],
             },
-            quality={"max_tokens": 64, "window": 32},
+            quality={"max_tokens": 64, "window": 32, "generate": {"enabled": False}},
         ),
     )
     uri = f"sqlite:///{tmp_path / 'store.db'}"

@@ -109,6 +109,23 @@ def test_run_layout_follows_the_contract(swept):
     assert {"recipe.yaml", "frontier.json", "frontier.png", "frontier.html", "report.md"} <= parent_artifacts
 
 
+def test_on_policy_damage_is_logged_for_each_variant(swept):
+    """quality.generate: each finished variant logs its damage over the baseline's continuations, prompt and
+    generated positions apart, with paired intervals; the baseline against itself loses nothing."""
+    runs = _variant_runs(swept[1])
+    for name in ("bf16", "fp8"):
+        metrics = runs[name].data.metrics
+        for part in ("prompt", "generated", "gen1-32"):
+            for figure in ("kld_mean", "top1_agreement", "ear", "delta_nll"):
+                key = f"quality/on_policy/{part}/{figure}"
+                assert key in metrics and f"quality/paired/{key}/ci95_high" in metrics, key
+    baseline = runs["bf16"].data.metrics
+    assert baseline["quality/on_policy/generated/kld_mean"] == 0.0
+    assert baseline["quality/on_policy/generated/ear"] == 1.0
+    assert baseline["quality/on_policy/generated/top1_agreement"] == 1.0
+    assert runs["fp8"].data.metrics["quality/on_policy/generated/kld_mean"] > 0.0
+
+
 def _sweep_fp8_again(work: Path, uri: str, *flags: str) -> subprocess.CompletedProcess:
     """The swept recipe once more, into the same store and cache, asking for fp8 only."""
     recipe, cache = str(work / "recipe.yaml"), str(work / "cache")

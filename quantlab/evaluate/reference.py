@@ -25,6 +25,9 @@ TOKENS_FILE = "token_ids.npy"
 NLL_FILE = "baseline_nll.npy"
 TOP1_FILE = "baseline_top1.npy"
 LOGPROBS_FILE = "logprobs.npy"
+# Explicit windows ([start, end, score_from] rows), where the stored tokens are several sequences rather than one text
+# cut by window and stride (quantlab.evaluate.on_policy: a prompt and its continuation per window).
+WINDOWS_FILE = "windows.npy"
 _INFO_FIELDS = ("window", "stride", "n_tokens", "n_scored", "vocab_size", "baseline_ppl", "baseline_model")
 
 # Largest float32 block of log-probability rows processed at once (~10 temporaries live: ~40 MiB beyond
@@ -108,19 +111,29 @@ def write_reference(
     window: int = 512,
     stride: int | None = None,
     progress: Progress | None = None,
+    windows: Sequence[Window] | None = None,
+    meta: Mapping[str, Any] | None = None,
 ) -> ReferenceInfo:
     """Run the baseline (a Hugging Face causal LM, on any device) over ``token_ids`` and store in
     ``out_dir``, written aside and renamed into place when complete: the corpus, and per scored token
     the baseline's exact NLL, float32 arg-max and log-probabilities rounded to fp16 ``[n_scored, vocab]``.
 
-    ``stride`` defaults to ``window`` (non-overlapping). An existing reference at ``out_dir`` is
-    replaced; any other existing non-empty path is refused. The model's train/eval mode is restored.
+    ``stride`` defaults to ``window`` (non-overlapping). ``windows``, instead of ``window`` and ``stride``: the
+    windows themselves (each within the tokens; ``window`` and ``stride`` are then recorded as the longest), stored
+    with the reference. ``meta``: JSON-able facts stored with it for whoever wrote it (`read_meta`). An existing
+    reference at ``out_dir`` is replaced; any other existing non-empty path is refused. The model's train/eval mode
+    is restored.
     """
     token_ids = torch.as_tensor(token_ids, dtype=torch.int64).cpu()
     if token_ids.dim() != 1:
         raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
-    stride = window if stride is None else stride
-    windows = scoring_windows(len(token_ids), window, stride)
+    explicit = windows is not None
+    if windows is None:
+        stride = window if stride is None else stride
+        windows = scoring_windows(len(token_ids), window, stride)
+    else:
+        windows = _checked_windows(windows, len(token_ids))
+        window = stride = max(w.end - w.start for w in windows)
     n_scored = sum(w.n_scored for w in windows)
     out_dir = Path(out_dir)
     # Replacing means deleting: only ever delete something that is recognisably a reference.
@@ -128,6 +141,8 @@ def write_reference(
         raise FileExistsError(f"{out_dir} exists and is not a baseline reference; refusing to replace it")
     with cache.atomic_directory(out_dir, replace_existing=True) as staging:
         np.save(staging / TOKENS_FILE, token_ids.numpy().astype(np.int32))
+        if explicit:
+            np.save(staging / WINDOWS_FILE, np.array([[w.start, w.end, w.score_from] for w in windows], dtype=np.int64))
         nll = np.empty(n_scored, dtype=np.float32)
         top1 = np.empty(n_scored, dtype=np.int32)
         logprobs: np.memmap | None = None
@@ -154,7 +169,7 @@ def write_reference(
             "baseline_ppl": perplexity(nll),
             "baseline_model": str(getattr(config, "_name_or_path", "") or type(model).__name__)[:256],
             "logprobs_dtype": "float16",
-        }
+        } | ({"meta": dict(meta)} if meta is not None else {})
         (staging / INFO_FILE).write_text(json.dumps(info, indent=1))
     return read_reference(out_dir)
 
@@ -174,6 +189,28 @@ def read_reference(ref_dir: Path) -> ReferenceInfo:
     return ReferenceInfo(path=ref_dir, **{name: info[name] for name in _INFO_FIELDS})
 
 
+def read_meta(ref_dir: Path) -> dict[str, Any]:
+    """What the reference's writer stored with it (`write_reference`'s ``meta``; empty if none)."""
+    return dict(json.loads((read_reference(ref_dir).path / INFO_FILE).read_text()).get("meta", {}))
+
+
+def reference_windows(info: ReferenceInfo) -> tuple[Window, ...]:
+    """The windows the reference scored: its stored ones, else those of its window and stride."""
+    if (info.path / WINDOWS_FILE).is_file():
+        return tuple(Window(*map(int, row)) for row in np.load(info.path / WINDOWS_FILE))
+    return scoring_windows(info.n_tokens, info.window, info.stride)
+
+
+def _checked_windows(windows: Sequence[Window], n_tokens: int) -> tuple[Window, ...]:
+    windows = tuple(windows)
+    if not windows:
+        raise ValueError("no windows given")
+    for w in windows:
+        if not 0 <= w.start < w.score_from < w.end <= n_tokens:
+            raise ValueError(f"{w} scores nothing or lies outside the {n_tokens} tokens")
+    return windows
+
+
 @dataclass(frozen=True, eq=False)
 class TokenComparison:
     """Per scored token: the variant against the stored baseline (arrays of length n_scored). `windows`: the
@@ -187,6 +224,9 @@ class TokenComparison:
     variant_nll: np.ndarray
     top1_match: np.ndarray
     windows: np.ndarray
+    # Expected acceptance rate per token, sum over the vocabulary of min(p, q) at the stored precision (1 - total
+    # variation distance): what a speculative decoder drafting with one model and verifying with the other accepts.
+    ear: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if np.shape(self.windows) != np.shape(self.variant_nll):
@@ -197,7 +237,9 @@ class TokenComparison:
     @classmethod
     def of_baseline(cls, nll: np.ndarray, windows: np.ndarray) -> TokenComparison:
         """The baseline against itself: its own NLL, no KL from itself, always its own top-1."""
-        return cls(np.zeros_like(nll), np.zeros_like(nll), nll, nll, np.ones(nll.shape, dtype=bool), windows)
+        return cls(
+            np.zeros_like(nll), np.zeros_like(nll), nll, nll, np.ones(nll.shape, dtype=bool), windows, np.ones_like(nll)
+        )
 
     def metrics(self) -> dict[str, float]:
         return token_damage(self.kld, self.baseline_nll, self.variant_nll, self.top1_match, self.windows)
@@ -225,7 +267,7 @@ def window_index(windows: Sequence[Window]) -> np.ndarray:
 def baseline_comparison(ref_dir: Path) -> TokenComparison:
     """The baseline's own row: its stored values compared with themselves (no forward pass)."""
     info = read_reference(ref_dir)
-    windows = window_index(scoring_windows(info.n_tokens, info.window, info.stride))
+    windows = window_index(reference_windows(info))
     return TokenComparison.of_baseline(np.load(info.path / NLL_FILE), windows)
 
 
@@ -233,19 +275,21 @@ def compare_tokens(model: torch.nn.Module, ref_dir: Path) -> TokenComparison:
     """Run ``model`` over the reference's tokens and windows and compare token by token."""
     info = read_reference(ref_dir)
     token_ids = torch.from_numpy(np.load(info.path / TOKENS_FILE).astype(np.int64))
-    windows = scoring_windows(info.n_tokens, info.window, info.stride)
+    windows = reference_windows(info)
     stored = np.load(info.path / LOGPROBS_FILE, mmap_mode="r")
     baseline_top1 = np.load(info.path / TOP1_FILE)
-    kld, bound, variant_nll = (np.empty(info.n_scored, dtype=np.float32) for _ in range(3))
+    kld, bound, variant_nll, ear = (np.empty(info.n_scored, dtype=np.float32) for _ in range(4))
     top1_match = np.empty(info.n_scored, dtype=bool)
     # Checked before the first forward pass too: a smaller embedding fails on the corpus' ids.
     _check_vocab(getattr(getattr(model, "config", None), "vocab_size", None), info)
     for rows, block, block_nll, block_top1 in _logprob_blocks(model, token_ids, windows, None):
         _check_vocab(block.shape[-1], info)
-        block_kld, block_bound = stored_kld(torch.from_numpy(np.array(stored[rows])).to(block.device), block)
-        kld[rows], bound[rows] = block_kld.cpu().numpy(), block_bound.cpu().numpy()
+        baseline_block = torch.from_numpy(np.array(stored[rows])).to(block.device)
+        block_kld, block_bound, block_ear = _stored_comparison(baseline_block, block)
+        kld[rows], bound[rows], ear[rows] = block_kld.cpu().numpy(), block_bound.cpu().numpy(), block_ear.cpu().numpy()
         variant_nll[rows], top1_match[rows] = block_nll, block_top1 == baseline_top1[rows]
-    return TokenComparison(kld, bound, np.load(info.path / NLL_FILE), variant_nll, top1_match, window_index(windows))
+    baseline_nll = np.load(info.path / NLL_FILE)
+    return TokenComparison(kld, bound, baseline_nll, variant_nll, top1_match, window_index(windows), ear)
 
 
 def encode_logprobs(logprobs: torch.Tensor) -> torch.Tensor:
@@ -267,11 +311,28 @@ def stored_kld(reference: torch.Tensor, variant_logprobs: torch.Tensor) -> tuple
     (P̃ vs P weights; KL(P̃||P) <= χ²; the variant's own rounding, known exactly). The dominant term,
     ``u·E_P̃[|ln P̃|·|ln P̃ - ln Q|]``, grows like √KL: the bound is relatively largest for mild variants.
     """
+    kld, bound, _ = _stored_comparison(reference, variant_logprobs)
+    return kld, bound
+
+
+def expected_acceptance(reference: torch.Tensor, variant_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per row, the sum over the vocabulary of min(P̃, Q̃): the chance a token drawn from one is accepted by
+    speculative sampling against the other (1 - total variation distance), 1 for identical rows and 0 for
+    disjoint ones. P̃ and Q̃ as in `stored_kld`: both at the stored precision, so a model against itself gives 1."""
+    return _stored_comparison(reference, variant_logprobs)[2]
+
+
+def _stored_comparison(
+    reference: torch.Tensor, variant_logprobs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(`stored_kld`'s KL and bound, `expected_acceptance`) per row, the renormalised rows computed once."""
     stored = reference.float()
     exact_variant = variant_logprobs.float().clamp_min(FP16_LOWEST)
     log_p, p, shift = _renormalized(stored)
-    log_q, _, _ = _renormalized(encode_logprobs(exact_variant).float())
+    log_q, q, _ = _renormalized(encode_logprobs(exact_variant).float())
     kld = torch.linalg.vecdot(p, log_p - log_q)
+    acceptance = torch.minimum(p, q).sum(-1)
+    del q
 
     # Per entry, ``rounding`` is d and ``distance`` is |ln P̃ - m|. The first two terms are summed
     # as one, P̃·expm1(d)·(distance + d + expm1(d)² + expm1(d)), as e^d = 1 + expm1(d).
@@ -285,7 +346,7 @@ def stored_kld(reference: torch.Tensor, variant_logprobs: torch.Tensor) -> tuple
     # Sums of up to `vocab` float32 terms, reduced pairwise by torch: a few ulps per level.
     summation_ulps = math.ceil(math.log2(stored.shape[-1])) + 8
     summation = summation_ulps * 2.0**-24 * (1 + torch.linalg.vecdot(p, distance))
-    return kld, torch.linalg.vecdot(p, weights_and_chi_square) + variant_rounding + summation
+    return kld, torch.linalg.vecdot(p, weights_and_chi_square) + variant_rounding + summation, acceptance
 
 
 def _renormalized(logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -488,6 +488,7 @@ def token_damage(
     """Perplexity and KL against the baseline's stored pass (written here when this is the baseline)."""
     from quantlab.evaluate import reference
     from quantlab.evaluate.contexts import ContextDamage, context_damage
+    from quantlab.evaluate.on_policy import OnPolicyDamage, on_policy_damage
 
     if not settings.enabled:
         return DamageOutcome({}, {SKIPPED_TAG: "quality.enabled is false in the recipe"})
@@ -519,10 +520,14 @@ def token_damage(
     if settings.contexts:  # KL and top-1 by context length, in a pass of its own
         by_context = context_damage(model, tokenizer, settings, recipe_dir, reference_dir, job)
         baseline, documents = baseline | by_context.baseline_documents, documents | by_context.documents
+    on_policy = OnPolicyDamage({}, {}, {})
+    if settings.generate.enabled:  # over the baseline's own greedy continuations, in a pass of its own
+        on_policy = on_policy_damage(model, tokenizer, settings, recipe_dir, reference_dir, job)
+        baseline, documents = baseline | on_policy.baseline_documents, documents | on_policy.documents
     paired = {key: compare(key, baseline[key], docs) for key, docs in documents.items()}
     effects = {f"{key}_design_effect": c.design_effect for key, c in paired.items() if c.design_effect is not None}
-    metrics = tokens.metrics() | by_context.metrics | _paired_metrics(paired) | effects
-    return DamageOutcome(metrics, by_context.tags, str(reference_dir), documents)
+    metrics = tokens.metrics() | by_context.metrics | on_policy.metrics | _paired_metrics(paired) | effects
+    return DamageOutcome(metrics, by_context.tags | on_policy.tags, str(reference_dir), documents)
 
 
 def answer_damage(scores: EvalOutcome, baseline: BaselineOutputs | None) -> DamageOutcome:
