@@ -127,6 +127,14 @@ def test_quality_keys_and_their_known_values(embedded):
     bf16 = runs["bf16"].data.metrics
     assert bf16["quality/kld_mean"] == 0.0 and bf16["quality/top1_agreement"] == 1.0
     assert runs["fp8"].data.metrics["quality/kld_mean"] < runs["awq-int4-g64"].data.metrics["quality/kld_mean"]
+    # On the baseline's own continuations (quality.generate), prompt and generated positions apart
+    for run in runs.values():
+        for part in ("prompt", "generated", "gen1-32"):
+            for figure in ("kld_mean", "top1_agreement", "ear", "delta_nll"):
+                assert f"quality/on_policy/{part}/{figure}" in run.data.metrics
+    assert bf16["quality/on_policy/generated/kld_mean"] == 0.0 and bf16["quality/on_policy/generated/ear"] == 1.0
+    on_policy = {name: runs[name].data.metrics["quality/on_policy/generated/kld_mean"] for name in runs}
+    assert 0.0 < on_policy["fp8"] < on_policy["awq-int4-g64"]
     client = MlflowClient(uri)
     for name in ("fp8", "awq-int4-g64"):
         flips = {item.path for item in client.list_artifacts(runs[name].info.run_id, "flips")}
