@@ -136,6 +136,9 @@ def check_recipe(
                 why := repeat_problem(name, task.gen_kwargs and task.gen_kwargs.model_dump(exclude_none=True), include)
             ):
                 problems.append(Problem(shown, f"evals.tasks[{index}] ({name}).repeats", why))
+            elif task.repeats > 1 and recipe.evals.adaptive:  # its stages would pair part of each repeat's documents
+                why = "a task in repeats scores every document: run it with evals.adaptive false, or with repeats 1"
+                problems.append(Problem(shown, f"evals.tasks[{index}] ({name}).repeats", why))
     if hub_optional and task_names:
         local = _tasks_defined_under(loaded.include_path)
         if hub_tasks := [name for name in task_names if name not in local]:

@@ -307,3 +307,17 @@ def test_repeats_are_logged_and_read_back_a_task_run_once_logs_what_it_did():
         "t", DocumentScores(Aggregation.MEAN, {0: 1.0, 1: 0.5}), DocumentScores(Aggregation.MEAN, {0: 0.5, 1: 0.5})
     )
     assert not {"repeats", "within_sd"} & once.statistics().keys()
+
+
+def test_repeats_under_adaptive_evaluation_are_refused(tmp_path, tasks_dir, tiny_llama):
+    from quantlab.checks import validate
+    from quantlab.errors import BadInput
+
+    evals = {"include_path": str(tasks_dir), "adaptive": True, "tasks": [{"name": "ql_sampled_e", "repeats": 2}]}
+    path = write(tmp_path / "recipe.yaml", tiny_recipe(tiny_llama.path, evals=evals))
+    with pytest.raises(BadInput) as caught:
+        validate(path)
+    assert [str(p) for p in caught.value.problems] == [
+        f"{path}: evals.tasks[0] (ql_sampled_e).repeats: a task in repeats scores every document: run it with "
+        "evals.adaptive false, or with repeats 1"
+    ]
