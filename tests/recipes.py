@@ -28,17 +28,17 @@ def tiny_recipe(model_dir: Path, **overrides: Any) -> dict[str, Any]:
             "batch_size": 4,
             "tasks": [{"name": "mmlu_dev", "limit": 4}, {"name": "pydoc_cloze", "limit": 6}],
         },
-        # on-policy damage on 2 short continuations: the keys and their pairing, at little cost per sweep
-        "quality": {
-            "max_tokens": 96,
-            "window": 32,
-            "generate": {"prompts": 2, "prompt_tokens": 8, "max_new_tokens": 8},
-        },
+        # on-policy damage is off: tests/test_sweep.py and tests/test_on_policy.py turn it on (ON_POLICY)
+        "quality": {"max_tokens": 96, "window": 32, "generate": {"enabled": False}},
         "measure": {"prompt_tokens": 8, "output_tokens": 4, "repeats": 1, "warmup": 0},
         "serving": {"enabled": False},  # a server per variant costs ~30 s: tests/test_serving.py turns it on
     }
     recipe.update(copy.deepcopy(overrides))
     return recipe
+
+
+# On-policy damage on 2 short continuations: the keys and their pairing, at little cost per sweep
+ON_POLICY = {"max_tokens": 96, "window": 32, "generate": {"prompts": 2, "prompt_tokens": 8, "max_new_tokens": 8}}
 
 
 def write(path: Path, recipe: dict[str, Any] | str) -> Path:

@@ -12,7 +12,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from quantlab.plan import results_version
-from recipes import tiny_recipe, write
+from recipes import ON_POLICY, tiny_recipe, write
 
 
 def quantlab(*args: str, cwd: Path, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -34,7 +34,8 @@ def swept(tmp_path_factory, tiny_llama):
     """
     work = tmp_path_factory.mktemp("sweep")
     (work / "short.txt").write_text("Far too short to calibrate on.\n")
-    recipe = tiny_recipe(tiny_llama.path, calibration={"source": "short.txt", "num_samples": 4, "seq_len": 32})
+    calibration = {"source": "short.txt", "num_samples": 4, "seq_len": 32}
+    recipe = tiny_recipe(tiny_llama.path, calibration=calibration, quality=ON_POLICY)
     path = write(work / "recipe.yaml", recipe)
     uri = f"sqlite:///{work / 'store.db'}"
     result = quantlab("sweep", str(path), "--tracking-uri", uri, "--cache-dir", str(work / "cache"), cwd=work)
