@@ -294,7 +294,8 @@ def settling(
         items = None
     repeats = None
     room = n * target - variance.between
-    if k > 1 and math.isfinite(variance.within) and room > 0:
+    # Repeats that never differ within an item (within 0) change nothing however many are added.
+    if k > 1 and math.isfinite(variance.within) and variance.within > 0 and room > 0:
         repeats = max(k + 1, math.ceil(variance.within / room))
     return Settling(n, k, items, repeats)
 
@@ -304,7 +305,11 @@ def _compare_repeats(baseline: DocumentScores, variant: DocumentScores) -> Paire
     cluster-robust se of the mean over all items x repeats with items as clusters, which for the same k per item is
     exactly the standard error of the item means' differences (the sum of an item's residuals is k times its mean's):
     the spread of the item means already holds the sampling within items (between + within / k). t with items - 1
-    degrees of freedom; 0/1 item means (every repeat of each item alike) are judged on their flips, as one run's."""
+    degrees of freedom; 0/1 item means (every repeat of each item alike) are judged on their flips, as one run's.
+
+    0/1 scores in fractional item means: se is at least `adjusted_item_se`'s, so that identical answers (common with
+    the same seeds: a variant close to the baseline samples the same tokens) show no limit, as Agresti and Min's se
+    keeps one run's flips from doing (`combine` uses theirs for 0/1 leaves alike)."""
     docs = sorted(baseline.values)
     b, v = (np.array([scores.values[doc] for doc in docs], dtype=np.float64) for scores in (baseline, variant))
     found = _compare_means(b, v)
@@ -315,9 +320,21 @@ def _compare_repeats(baseline: DocumentScores, variant: DocumentScores) -> Paire
         )
         items = np.repeat(np.arange(d.shape[0]), d.shape[1])
         se = cluster_robust_se(d.reshape(-1) - found.diff, d.size, items)
+        if all(np.isin(np.array(list(s.repeats.values())), (0.0, 1.0)).all() for s in (baseline, variant)):
+            se = max(se, adjusted_item_se(d.mean(axis=1)))
         low, high = _interval(found.diff, se, found.df)
         found = replace(found, se=se, ci95_low=low, ci95_high=high, test="repeats_t")
     return replace(found, repeats=baseline.repeat_count, variance=parts)
+
+
+def adjusted_item_se(differences: np.ndarray) -> float:
+    """Agresti and Min's (2005) se of a mean of paired differences in [-1, 1], per item: half an item that gained the
+    most (+1) and half one that lost the most (-1) added, and one unchanged, then the spread around the adjusted mean
+    over n + 2 items. On one run's 0/1 differences it is `agresti_min_se` of their flips; never 0."""
+    n = differences.size + 2
+    mean = float(differences.sum()) / n
+    spread = float(np.sum((differences - mean) ** 2)) + 0.5 * (1 - mean) ** 2 + 0.5 * (1 + mean) ** 2 + mean**2
+    return math.sqrt(spread) / n
 
 
 def cluster_robust_se(residuals: np.ndarray, total: float, clusters: np.ndarray | None = None) -> float:

@@ -107,6 +107,8 @@ def test_baseline_and_variant_of_other_repeats_are_not_paired():
         (RepeatVariance(40, 2, 0.0, 1.0), 100, None, 20, "repeats"),
         # 0.1 between items is more than 40 items can bring to 0.05096 however often each is repeated.
         (RepeatVariance(40, 2, 0.1, 1.0), 100, None, None, None),
+        # Repeats that never differ within a document: more of them change nothing.
+        (RepeatVariance(40, 2, 0.0, 0.0), 40, None, None, None),
         # One repeat shows no within-item variance: only items.
         (RepeatVariance(40, 1, 0.2, math.nan), None, 157, None, "items"),
     ],
@@ -190,8 +192,13 @@ def test_baseline_and_variant_sample_with_the_same_seeds_one_per_repeat(sampled)
 
 
 def test_the_seeds_decide_the_samples(sampled):
-    baseline, again, _ = sampled
+    baseline, again, variant = sampled
     assert again.primary.documents.repeats == baseline.primary.documents.repeats
+    # Sampled, not greedy: a one-token coin toss per sample comes out both ways over 16 samples.
+    draws = [
+        score for task in (baseline, variant) for runs in task.primary.documents.repeats.values() for score in runs
+    ]
+    assert sorted(set(draws)) == [0.0, 1.0]
 
 
 def test_scores_are_per_item_means_over_the_repeats(sampled):
@@ -321,3 +328,19 @@ def test_repeats_under_adaptive_evaluation_are_refused(tmp_path, tasks_dir, tiny
         f"{path}: evals.tasks[0] (ql_sampled_e).repeats: a task in repeats scores every document: run it with "
         "evals.adaptive false, or with repeats 1"
     ]
+
+
+@pytest.mark.parametrize(("n", "worse", "better"), [(20, 3, 5), (40, 0, 0), (7, 7, 0), (1000, 25, 5)])
+def test_the_adjusted_item_se_is_agresti_and_min_s_on_one_run(n, worse, better):
+    from quantlab.paired import adjusted_item_se, agresti_min_se
+
+    d = np.array([-1.0] * worse + [1.0] * better + [0.0] * (n - worse - better))
+    assert adjusted_item_se(d) == pytest.approx(agresti_min_se(n, worse, better))
+
+
+def test_identical_sampled_answers_show_no_limit():
+    """The same seeds and a variant close to the baseline can sample the same tokens every time: item means
+    0.5, 1, 0, 0.5 on both sides, no difference anywhere. The se is Agresti and Min's with no flip, 1 / (4 + 2), not 0."""
+    found = compare("t", DocumentScores.of_repeats(BASELINE), DocumentScores.of_repeats(BASELINE))
+    assert (found.diff, found.se) == (0.0, pytest.approx(1 / 6))
+    assert found.ci95_high == pytest.approx(stats.t.ppf(0.975, 3) / 6)
