@@ -344,3 +344,34 @@ def test_identical_sampled_answers_show_no_limit():
     found = compare("t", DocumentScores.of_repeats(BASELINE), DocumentScores.of_repeats(BASELINE))
     assert (found.diff, found.se) == (0.0, pytest.approx(1 / 6))
     assert found.ci95_high == pytest.approx(stats.t.ppf(0.975, 3) / 6)
+
+
+def test_merge_repeats_means_every_score_and_keeps_per_document_means_where_there_are_some():
+    from quantlab.evaluate.lm_eval_runner import Score, TaskRequest, TaskScores, TaskSettings, merge_repeats
+
+    settings = TaskSettings(0, None, 4, {"do_sample": True}, False, False, None, "1.0")
+
+    def run(values, bleu, group):
+        docs = DocumentScores(Aggregation.MEAN, dict(enumerate(map(float, values))))
+        leaf = TaskScores(
+            "leaf",
+            [
+                Score("leaf", "acc", "none", docs.aggregate(), 0.1, True, documents=docs),
+                Score("leaf", "bleu", "none", bleu, 0.2, True, note="lm-eval logged no per-document values for it"),
+            ],
+            settings=settings,
+        )
+        top = TaskScores(
+            "top", [Score("top", "acc", "none", group, 0.3, True, leaves=("eval/leaf/acc",), weights=(1,))]
+        )
+        return [top, leaf]
+
+    request = TaskRequest("top", repeats=2, seed=3)
+    top, leaf = merge_repeats([run([1, 0, 1, 1], 10.0, 0.75), run([0, 0, 1, 0], 20.0, 0.25)], request)
+    acc, bleu = leaf.scores
+    assert acc.documents == DocumentScores.of_repeats([{0: 1, 1: 0, 2: 1, 3: 1}, {0: 0, 1: 0, 2: 1, 3: 0}])
+    assert (acc.value, acc.stderr) == (0.5, pytest.approx(stats.sem([0.5, 0.0, 1.0, 0.5])))
+    assert (bleu.value, bleu.stderr, bleu.documents) == (15.0, None, None)
+    assert bleu.note == "lm-eval logged no per-document values for it"
+    assert (top.primary.value, top.primary.stderr, top.primary.weights) == (0.5, None, (1,))
+    assert (leaf.settings.repeats, leaf.settings.seeds) == (2, tuple(s["torch_random_seed"] for s in request.seeds()))
