@@ -23,6 +23,7 @@ import pytest
 from conftest import free_port
 from test_embedded import CHROMIUM_ARGS, _wait_for
 from test_sweep import quantlab
+from tiny import save_tiny_llama
 
 from quantlab import publish, tracking
 from quantlab.report import decision_text
@@ -31,25 +32,29 @@ from recipes import REPO, tiny_recipe, write
 pytestmark = pytest.mark.skipif(
     shutil.which("chromium") is None, reason="Debian's chromium is not installed (apt-get install chromium)"
 )
-VARIANTS = ("bf16", "fp8")
+# MXFP4 of a tiny Llama initialised at 10x the usual scale: it changes answers (FP8 of the tiny model changes none,
+# and a changed-answers table without rows shows a reviewer nothing), and the policy's KL bound still passes it.
+CHOSEN = "mxfp4"
+VARIANTS = ("bf16", CHOSEN)
 SHOTS = Path(os.environ.get("QUANTLAB_SCREENSHOTS", REPO / "artifacts" / "screenshots"))
 
 
 @pytest.fixture(scope="module")
-def reviewed(tmp_path_factory, tiny_llama):
-    """bf16 and fp8 of the tiny Llama, under a policy that chooses fp8 (a KL bound; the tiny model's few documents
+def reviewed(tmp_path_factory):
+    """bf16 and mxfp4 of the tiny Llama, under a policy that chooses mxfp4 (a KL bound; the tiny model's few documents
     settle no drop limit), swept in this process's way (inprocess: no fork server for two variants), then
     `quantlab pick --register` and `quantlab ui` on its store: (store, parent run, the addresses `ui` printed by
     name, port)."""
     work = tmp_path_factory.mktemp("reviewed")
-    variants = [{"name": "bf16", "method": "bf16"}, {"name": "fp8", "method": "fp8"}]
+    model = save_tiny_llama(work / "model", initializer_range=0.2)
+    variants = [{"name": name, "method": name} for name in VARIANTS]
     policy = {"default_policy": {"max_drop_any_task": None, "max_kld": 1.0}}
-    path = write(work / "recipe.yaml", tiny_recipe(tiny_llama.path, variants=variants, frontier=policy))
+    path = write(work / "recipe.yaml", tiny_recipe(model, variants=variants, frontier=policy))
     uri = f"sqlite:///{work / 'mlruns' / 'mlflow.db'}"
     args = ["--tracking-uri", uri, "--cache-dir", str(work / "cache"), "--executor", "inprocess"]
     swept = quantlab("sweep", str(path), *args, cwd=work)
     assert swept.returncode == 0, swept.stdout[-3000:] + swept.stderr[-3000:]
-    picked = quantlab("pick", "--register", *args[:2], cwd=work)  # fp8 registered, its release card on the version
+    picked = quantlab("pick", "--register", *args[:2], cwd=work)  # mxfp4 registered, its card on the version
     assert picked.returncode == 0, picked.stdout[-3000:] + picked.stderr[-3000:]
     store = tracking.open_store(uri)
     parent = tracking.latest_sweep(store, "tiny")
@@ -122,7 +127,7 @@ def test_runs_table_shows_the_sweep_its_variants_their_verdicts_and_datasets(rev
     for name in (*VARIANTS, parent.name):  # the group is open: every run of the sweep is a row, no click
         assert page.get_by_role("link", name=name, exact=True).first.is_visible(), name
     # The decision's columns, then the policy's metric (the rest of the reviewer's columns follow, out of sight).
-    for seen in ("quantlab.chosen", "quantlab.verdict", "chosen", "fp8", "quality/kld_mean"):
+    for seen in ("quantlab.chosen", "quantlab.verdict", "chosen", CHOSEN, "quality/kld_mean"):
         assert page.get_by_text(seen, exact=True).first.is_visible(), seen
     for dataset in ("mmlu_dev", "pydoc_cloze"):  # the Dataset column, on the variants and on the sweep's row
         assert page.get_by_text(re.compile(rf"^{dataset} \(")).count() >= 2, dataset
@@ -133,7 +138,7 @@ def test_parent_run_page_names_what_ships_above_the_fold(reviewed, browser):
     store, parent, printed, _ = reviewed
     view = publish.read_sweep(store, parent.run_id)
     text = decision_text(publish.recipe_decision(view), view.variants)
-    assert text.ship.startswith("Ship fp8:")
+    assert text.ship.startswith(f"Ship {CHOSEN}:")
     page = _page(browser)
     page.goto(printed["tiny: newest sweep"])
     _classic(page)
@@ -149,9 +154,9 @@ def test_parent_run_page_names_what_ships_above_the_fold(reviewed, browser):
 
 def test_a_variant_run_opens_in_the_classic_view_from_the_address_the_sweep_prints(reviewed, browser):
     store, parent, _, port = reviewed
-    (fp8,) = [run for run in tracking.child_runs(store, parent.run_id) if run.variant == "fp8"]
+    (chosen,) = [run for run in tracking.child_runs(store, parent.run_id) if run.variant == CHOSEN]
     page = _page(browser)
-    page.goto(tracking.run_address(f"http://127.0.0.1:{port}", parent.experiment_id, fp8.run_id))
+    page.goto(tracking.run_address(f"http://127.0.0.1:{port}", parent.experiment_id, chosen.run_id))
     _classic(page)
     page.get_by_text(re.compile(r"^Metrics \([1-9]")).first.wait_for(timeout=60_000)
     assert page.get_by_text(re.compile(r"^mmlu_dev \(")).first.is_visible()
@@ -175,7 +180,7 @@ def test_frontier_html_opens_with_the_decision_then_the_table_then_the_plots(rev
     _classic(page)
     frame = _frontier_frame(page)
     ship = frame.locator("#ship")
-    assert ship.inner_text().startswith("Ship fp8:")
+    assert ship.inner_text().startswith(f"Ship {CHOSEN}:")
     order = frame.evaluate("[...document.querySelectorAll('#ship, table, svg')].map(node => node.tagName)")
     assert order[:3] == ["P", "TABLE", "svg"]
     _shot(page, "frontier-html.png")
@@ -206,7 +211,7 @@ def test_the_models_tab_lists_each_variant_as_a_logged_model_compared_by_data_se
         for href in (f'$="/models/{models[name]["model_id"]}"', f'*="/runs/{runs[name].run_id}"'):
             expect(page.locator(f"a[href{href}]").first).to_have_text(name, timeout=60_000)  # a run's id, then its name
     _without_assistant(page)
-    # Past the run's columns to the registered version (fp8's alone) and the first data set's metrics.
+    # Past the run's columns to the registered version (the chosen one's alone) and the first data set's metrics.
     page.locator(".ag-body-horizontal-scroll-viewport").evaluate("box => { box.scrollLeft = 400; }")
     assert page.get_by_text("v1", exact=True).count() == 1
     assert page.get_by_text(re.compile(r"^mmlu_dev \(#")).first.is_visible()
@@ -224,7 +229,7 @@ def test_the_registered_version_shows_the_release_card(reviewed, browser):
     (version,) = store.model_versions("tiny")
     page = _page(browser)
     page.goto(f"http://127.0.0.1:{port}/#/models/tiny/versions/{version}?{tracking.CLASSIC_VIEW}")
-    heading = page.get_by_text(f"tiny v{version} (@production): fp8", exact=True)
+    heading = page.get_by_text(f"tiny v{version} (@production): {CHOSEN}", exact=True)
     heading.wait_for(timeout=60_000)
     assert heading.bounding_box()["y"] < 1000 / 2  # the card opens the page
     for seen in ("Error rate of the choice.", "checkpoint hash (content key)", "Verdicts", "Data sets", "Reproduce"):
@@ -235,9 +240,11 @@ def test_the_registered_version_shows_the_release_card(reviewed, browser):
 
 def test_a_variants_changed_answers_open_from_the_parent_run(reviewed, browser):
     store, parent, printed, _ = reviewed
-    fp8 = next(run for run in tracking.child_runs(store, parent.run_id) if run.variant == "fp8")
-    tables = json.loads(fp8.tags[tracking.LOGGED_ARTIFACTS])
-    task = tables[0]["path"].removeprefix("changed_answers/").removesuffix(".json")
+    chosen = next(run for run in tracking.child_runs(store, parent.run_id) if run.variant == CHOSEN)
+    tables = json.loads(chosen.tags[tracking.LOGGED_ARTIFACTS])
+    rows = {table["path"]: json.loads(store.read_artifact(chosen.run_id, table["path"]))["data"] for table in tables}
+    path = next(path for path, changed in rows.items() if changed)  # a table with rows: answers that changed
+    task = path.removeprefix("changed_answers/").removesuffix(".json")
     page = _page(browser)
     page.goto(printed["tiny: newest sweep"])
     _classic(page)
@@ -250,8 +257,7 @@ def test_a_variants_changed_answers_open_from_the_parent_run(reviewed, browser):
         page.get_by_role("link", name=task, exact=True).first.click()
     flips = opened.value
     flips.get_by_text("doc_id", exact=True).first.wait_for(timeout=60_000)  # the table, in the artifact viewer
-    rows = json.loads(store.read_artifact(fp8.run_id, tables[0]["path"]))["data"]
-    for column in ("gold", "bf16 answer", "fp8 answer", "direction"):
+    for column in ("gold", "bf16 answer", f"{CHOSEN} answer", "direction"):
         assert flips.get_by_text(column, exact=True).first.is_visible(), column
-    assert flips.get_by_text(f"Previewing the first {len(rows)} rows").is_visible()
+    assert flips.get_by_text(f"Previewing the first {len(rows[path])} rows").is_visible()
     _shot(flips, "flips-table.png")
