@@ -213,8 +213,9 @@ def test_the_models_tab_lists_each_variant_as_a_logged_model_compared_by_data_se
     _without_assistant(page)
     # Past the run's columns to the registered version (the chosen one's alone) and the first data set's metrics.
     page.locator(".ag-body-horizontal-scroll-viewport").evaluate("box => { box.scrollLeft = 400; }")
-    assert page.get_by_text("v1", exact=True).count() == 1
-    assert page.get_by_text(re.compile(r"^mmlu_dev \(#")).first.is_visible()
+    # The grid draws the columns scrolled into view a moment later, so these wait for them.
+    expect(page.get_by_text(re.compile(r"^mmlu_dev \(#")).first).to_be_visible(timeout=60_000)
+    expect(page.get_by_text("v1", exact=True)).to_have_count(1)
     _shot(page, "models-tab.png")
     # Compared: each metric a chart of the variants side by side, grouped by the data set it was scored on.
     page.locator("label:has(input[value=CHART])").click()
