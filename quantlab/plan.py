@@ -13,18 +13,18 @@ Resuming is by content: a finished run with the same run key is copied, not reco
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
 
 from quantlab import cache, disk, kept_results
 from quantlab.errors import BadInput, Problem
-from quantlab.evaluate.lm_eval_runner import SERVED_SCORING_PROTOCOL
 from quantlab.jobs import SAMPLES_FORMAT, BaselineOutputs, VariantJob
 from quantlab.kept_results import KeptResult
 from quantlab.metrics import contract_digest
 from quantlab.models import ModelSource, checkpoint_identity, materialized, resolve_source
 from quantlab.recipe import LoadedRecipe
+from quantlab.serving.engines import ENGINES
 from quantlab.serving.environments import engine_identity
 from quantlab.tracking import RESULTS_VERSION, RUN_KEY, SETTINGS_KEY, RunRecord
 
@@ -102,6 +102,12 @@ class SweepPlan:
 FinishedRuns = Callable[[str, Collection[str], str], Mapping[str, RunRecord]]
 
 
+def served_scoring_protocol(engine: str) -> dict[str, str] | None:
+    """The scoring protocol of the recipe's engine (`Engine.scoring_protocol`), as a run key holds it."""
+    protocol = ENGINES[engine].scoring_protocol
+    return None if protocol is None else asdict(protocol)
+
+
 def make_plan(
     loaded: LoadedRecipe, cache_root: Path, only: tuple[str, ...], force: bool, finished_runs: FinishedRuns
 ) -> SweepPlan:
@@ -125,8 +131,8 @@ def make_plan(
     }
     if recipe.needs_server:
         shared["engine"] = engine_identity(recipe.serving, recipe.runtime.device, cache_root)
-    if recipe.evals.engine != "reference":
-        shared["served_scoring"] = SERVED_SCORING_PROTOCOL
+    if recipe.evals.engine != "reference":  # kept served scores came through the same requests
+        shared["served_scoring"] = served_scoring_protocol(recipe.serving.engine)
     if recipe.evals.adaptive:  # where a variant's tasks stop depends on the limits they are checked against
         shared["stopping_policy"] = recipe.frontier.default_policy.model_dump(mode="json")
     settings_keys = {name: cache.cache_key({"checkpoint": identity, **shared}) for name, identity in identities.items()}

@@ -8,6 +8,7 @@ import pytest
 from tiny import with_bos_template
 
 from quantlab.evaluate.lm_eval_runner import adds_bos, served_language_model
+from quantlab.serving.engines import ENGINES
 
 PAIRS = [("The capital of France is", " Paris"), ("Question: 2 + 2 =", " 4"), ("def f(x):\n    return", " x")]
 
@@ -23,7 +24,7 @@ def test_served_scoring_encodes_every_pair_as_the_reference_does(tmp_path, tiny_
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     reference = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1, add_bos_token=adds_bos(tokenizer))
     # Built as the served stage builds it; nothing is sent to the (absent) server to encode.
-    served = served_language_model("http://127.0.0.1:9", str(checkpoint), checkpoint, 1, 256, 1)
+    served = served_language_model(ENGINES["vllm"], "http://127.0.0.1:9", str(checkpoint), checkpoint, 1, 256, 1)
     for context, continuation in PAIRS:
         sent = served._encode_pair(context, continuation)
         assert sent == reference._encode_pair(context, continuation)

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from quantlab.engine_noise import engine_noise, within_noise
-from quantlab.evaluate.served_damage import PositionLogprobs, ServedPass, served_twice, shared_topk_kld
+from quantlab.evaluate.served_damage import ServedPass, served_twice, shared_topk_kld
 from quantlab.frontier import VariantSummary
 from quantlab.metrics import ENGINE_FLOOR_PREFIX, ENGINE_VS_REFERENCE_PREFIX, PAIRED_PREFIX, paired_key
 from quantlab.paired import Aggregation, DocumentScores, compare
 from quantlab.report import BEYOND, WITHIN, engine_floor_table
+from quantlab.serving.engines.base import PositionLogprobs
 
 CLOZE = "eval/pydoc_cloze/acc"
 

@@ -17,6 +17,8 @@ from quantlab.errors import BadInput
 from quantlab.kept_results import KeptResult
 from quantlab.plan import Action, make_plan, results_version
 from quantlab.recipe import load_recipe
+from quantlab.serving.engines.base import ScoringProtocol
+from quantlab.serving.engines.vllm import VLLM
 from quantlab.serving.environments import installed_version
 from quantlab.tracking import RESULTS_VERSION, RUN_KEY, SETTINGS_KEY, RunRecord
 from recipes import tiny_recipe, write
@@ -240,3 +242,21 @@ def test_an_adaptive_sweeps_run_key_follows_the_limits_its_tasks_stop_at(tmp_pat
             [variant.run_key for variant in make_plan(loaded, tmp_path / "cache", (), False, _no_runs).variants]
         )
     assert all(first != second for first, second in zip(*keys))
+
+
+@pytest.mark.parametrize(("evals_engine", "keyed"), [("both", True), ("reference", False)])
+def test_the_run_key_follows_the_engines_scoring_protocol(tmp_path, tiny_llama, monkeypatch, evals_engine, keyed):
+    """Kept served scores came through the engine's own requests: another protocol (the engine's declaration, not a
+    number bumped by hand) is other runs; a recipe scored in process only keeps its runs."""
+    recipe = tiny_recipe(tiny_llama.path, serving={"engine": "vllm", "python": sys.executable})
+    recipe["evals"]["engine"] = evals_engine
+    loaded = load_recipe(write(tmp_path / "recipe.yaml", recipe))
+    keys = []
+    for completions in ("local-completions", "another-completions-client"):
+        protocol = ScoringProtocol(completions, VLLM.scoring_protocol.prompt_logprobs)
+        monkeypatch.setattr(VLLM, "scoring_protocol", protocol)
+        keys.append(
+            [variant.run_key for variant in make_plan(loaded, tmp_path / "cache", (), False, _no_runs).variants]
+        )
+    assert all(first != second for first, second in zip(*keys)) == keyed
+    assert any(first != second for first, second in zip(*keys)) == keyed

@@ -36,7 +36,6 @@ class SixEngine(Engine):
     label = "six (test engine)"
     distributions = ("six",)
     module = "six"
-    scores_prompts = False
     weights_metric = "cost/weights_bytes"
 
     def command(self, python: Path, launch: Launch) -> list[str]:

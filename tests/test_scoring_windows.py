@@ -17,6 +17,7 @@ from quantlab.evaluate.lm_eval_runner import (
     served_language_model,
 )
 from quantlab.recipe import Recipe
+from quantlab.serving.engines import ENGINES
 from quantlab.stages.evaluate import evaluation_max_length
 from recipes import tiny_recipe
 
@@ -78,7 +79,7 @@ def both_paths(request, tmp_path_factory, tiny_llama):
     reference = HFLM(
         pretrained=model, tokenizer=tokenizer, batch_size=1, add_bos_token=adds_bos(tokenizer), max_length=WINDOW
     )
-    served = served_language_model("http://127.0.0.1:9", str(checkpoint), checkpoint, 1, WINDOW, 1)
+    served = served_language_model(ENGINES["vllm"], "http://127.0.0.1:9", str(checkpoint), checkpoint, 1, WINDOW, 1)
     return reference, served, checkpoint
 
 

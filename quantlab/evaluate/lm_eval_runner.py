@@ -28,6 +28,8 @@ from quantlab.paired import Aggregation, DocumentScores
 if TYPE_CHECKING:
     from lm_eval.tasks import TaskManager
 
+    from quantlab.serving.engines.base import Engine
+
 # lm-eval's default seeds today, spelled out so that a change of default upstream cannot silently move our numbers.
 SEEDS = {"random_seed": 0, "numpy_random_seed": 1234, "torch_random_seed": 1234, "fewshot_random_seed": 1234}
 # The seeds a repeat of a sampled task sets (`repeat_seeds`): the RNGs sampling draws from. The few-shot one stays
@@ -219,9 +221,6 @@ def hf_language_model(model, tokenizer, batch_size: int, max_length: int | None 
 # the generated one (`self.max_length = max_length - 1`) and its rolling windows one fewer again
 # (`loglikelihood_rolling`: `max_seq_len=self.max_length - 1`).
 SERVED_MAX_LENGTH_MARGIN = 2
-# How a variant scored through its server is scored, in its run key: a recipe's kept served scores from another
-# protocol are not reused (2: both paths in the windows of one max_length).
-SERVED_SCORING_PROTOCOL = 2
 
 
 def model_context(model, tokenizer) -> int:
@@ -259,17 +258,26 @@ def adds_bos(tokenizer) -> bool:
 
 
 def served_language_model(
-    url: str, model_name: str, tokenizer_path: Path, concurrency: int, max_length: int, batch_size: int
+    engine: Engine,
+    url: str,
+    model_name: str,
+    tokenizer_path: Path,
+    concurrency: int,
+    max_length: int,
+    batch_size: int,
 ):
-    """lm-eval's `local-completions` against a running OpenAI-compatible server: loglikelihood requests go as
-    `echo: true, logprobs: 1` completions, `batch_size` prompts per request and `concurrency` requests in flight
-    (the engine batches them), generation as plain ones; tokens are counted with the checkpoint's own tokenizer,
-    read locally (no hub, no remote tokenizer endpoint). `max_length` as HFLM counts it (`scoring_max_length`): the
-    requests carry the tokens HFLM given it scores, and need a server that accepts SERVED_MAX_LENGTH_MARGIN more."""
+    """The engine's lm-eval client (`engine.scoring_protocol.completions`, e.g. `local-completions`) against its
+    running server: loglikelihood requests go as `echo: true, logprobs: 1` completions, `batch_size` prompts per
+    request and `concurrency` requests in flight (the engine batches them), generation as plain ones; tokens are
+    counted with the checkpoint's own tokenizer, read locally (no hub, no remote tokenizer endpoint). `max_length` as
+    HFLM counts it (`scoring_max_length`): the requests carry the tokens HFLM given it scores, and need a server that
+    accepts SERVED_MAX_LENGTH_MARGIN more."""
     from transformers import AutoTokenizer
 
+    if engine.scoring_protocol is None:
+        raise ValueError(f"{engine.label} does not score prompts: lm-eval cannot score through it")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
-    return _served_completions_class()(
+    return _served_completions_class(engine.scoring_protocol.completions)(
         base_url=f"{url}/v1/completions",
         model=model_name,
         tokenizer_backend="huggingface",
@@ -287,12 +295,18 @@ def served_language_model(
 
 
 @functools.cache
-def _served_completions_class() -> type:
-    """LocalCompletionsAPI whose generation requests keep HFLM's context: the one request type that one max_length
-    cannot align. lm-eval is imported where a served model is built, not with this module."""
-    from lm_eval.models.openai_completions import LocalCompletionsAPI
+def _served_completions_class(completions: str) -> type:
+    """lm-eval's registered completions client `completions` (a TemplateAPI, whose windows and cuts
+    SERVED_MAX_LENGTH_MARGIN aligns with HFLM's), its generation requests keeping HFLM's context: the one request type
+    that one max_length cannot align. lm-eval is imported where a served model is built, not with this module."""
+    from lm_eval.api.registry import get_model
+    from lm_eval.models.api_models import TemplateAPI
 
-    class ServedCompletions(LocalCompletionsAPI):
+    client = get_model(completions)
+    if not issubclass(client, TemplateAPI):
+        raise ValueError(f"lm-eval's {completions!r} is not a TemplateAPI client: its windows cannot be aligned")
+
+    class ServedCompletions(client):
         def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
             # Both keep a context of max_length less max_gen_toks (api_models.py `max_context_len`, huggingface.py
             # `max_ctx_len`), but `self.max_length` here is HFLM's plus one (the margin less the token TemplateAPI

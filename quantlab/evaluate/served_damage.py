@@ -1,24 +1,19 @@
-"""Token damage through a serving engine: its prompt log-probabilities (vLLM's `prompt_logprobs`: per position the
+"""Token damage through a serving engine: its prompt log-probabilities (`Engine.prompt_logprobs`: per position the
 top k tokens and the actual one) against the baseline's stored pass over the same windows of the same tokens.
 
 Top-1 agreement and the variant's NLL are exact. The KL is over the engine's top-k tokens (and the actual token)
 plus one bucket for the rest of the vocabulary: merging outcomes can only shrink a KL divergence (the log-sum
 inequality), so it is a lower bound of the exact KL. By the chain rule its shortfall is exactly
 p_rest * KL(P | rest || Q | rest): it vanishes with the baseline's mass outside the engine's top k, which is logged
-beside it (`kld_topk_tail_mass`). Logged as `kld_topk_*` so that nobody reads it as the exact figure. On the
-embedded model (FP8 and W4A16 against BF16, 256 tokens of prose) the bound was 0.69 and 0.65 of the exact KL at
-k = 20, 0.85 and 0.81 at k = 100 (the default).
+beside it (`kld_topk_tail_mass`). Logged as `kld_topk_*` so that nobody reads it as the exact figure; how far below
+the exact KL it falls at k = 20 and k = 100 is measured in benchmarks/README.md.
 """
 
 from __future__ import annotations
 
-import json
-import urllib.request
-from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -32,19 +27,9 @@ from quantlab.evaluate.reference import (
     read_reference,
     scoring_windows,
 )
+from quantlab.serving.engines.base import Engine, PositionLogprobs
 
 TAIL_FLOOR = 1e-12  # a bucket's probability below this is rounding, not mass
-
-
-@dataclass(frozen=True)
-class PositionLogprobs:
-    """What the engine reported for one scored position: the actual token's log-probability, its top-ranked token,
-    and every token whose log-probability it gave (its top k, and the actual token)."""
-
-    actual: float
-    top1: int
-    token_ids: np.ndarray  # int64
-    logprobs: np.ndarray  # float64
 
 
 def topk_kld(reference_logprobs: np.ndarray, token_ids: np.ndarray, engine_logprobs: np.ndarray) -> tuple[float, float]:
@@ -67,43 +52,6 @@ def bucketed_kld(log_p: np.ndarray, log_q: np.ndarray) -> tuple[float, float]:
     return max(0.0, known + rest), p_rest
 
 
-def parse_prompt_logprobs(
-    entries: Sequence[Mapping[str, Any] | None], prompt: Sequence[int]
-) -> list[PositionLogprobs | None]:
-    """vLLM's `prompt_logprobs` (one entry per prompt token, None for the first) as positions: entry j describes
-    the prediction of prompt token j."""
-    found: list[PositionLogprobs | None] = []
-    for position, entry in enumerate(entries):
-        if entry is None:
-            found.append(None)
-            continue
-        ids = np.array([int(token) for token in entry], dtype=np.int64)
-        logprobs = np.array([float(value["logprob"]) for value in entry.values()], dtype=np.float64)
-        ranks = [int(value.get("rank", 0)) for value in entry.values()]
-        actual = float(entry[str(prompt[position])]["logprob"])
-        found.append(
-            PositionLogprobs(
-                actual, int(ids[ranks.index(1)]) if 1 in ranks else int(ids[np.argmax(logprobs)]), ids, logprobs
-            )
-        )
-    return found
-
-
-def window_logprobs(
-    url: str, model_name: str, prompt: list[int], top_k: int, timeout_s: float
-) -> list[PositionLogprobs | None]:
-    """One window through the server: its prompt's log-probabilities, the top `top_k` at each position."""
-    body = {"model": model_name, "prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": top_k}
-    request = urllib.request.Request(
-        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=timeout_s) as answer:
-        choice = json.loads(answer.read())["choices"][0]
-    if choice.get("prompt_logprobs") is None:
-        raise RuntimeError("the engine returned no prompt_logprobs: it cannot score token damage")
-    return parse_prompt_logprobs(choice["prompt_logprobs"], prompt)
-
-
 @dataclass(frozen=True)
 class ServedPass:
     """The reference's windows through the engine once: what it reported for each scored token, in the reference's
@@ -122,6 +70,7 @@ class ServedPass:
 
 
 def served_pass(
+    engine: Engine,
     url: str,
     model_name: str,
     reference_dir: Path,
@@ -137,7 +86,7 @@ def served_pass(
     windows = scoring_windows(info.n_tokens, info.window, info.stride)
 
     def one(window: Window) -> list[PositionLogprobs | None]:
-        return window_logprobs(url, model_name, tokens[window.start : window.end].tolist(), top_k, timeout_s)
+        return engine.prompt_logprobs(url, model_name, tokens[window.start : window.end].tolist(), top_k, timeout_s)
 
     order = windows[::-1] if reverse else windows
     with ThreadPoolExecutor(max_workers=concurrency) as pool:

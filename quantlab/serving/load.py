@@ -14,12 +14,12 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from quantlab.serving.engines import ENGINES
+from quantlab.serving.engines.base import post_json
 from quantlab.serving.launcher import RunningServer, ServerFailed, log_tail, start_group, stop_group
 from quantlab.serving.measured import measured_as_stated
 from quantlab.serving.settings import ServingSettings
@@ -103,12 +103,8 @@ def warm_up(server: RunningServer, checkpoint: Path, settings: ServingSettings) 
     its one-time set-up (continuous batching takes its shared generation settings from it), not a measured one."""
     body = {"model": str(checkpoint), "prompt": "Hello", **request_body(server.engine, settings.output_tokens)}
     body = {key: value for key, value in body.items() if value is not None}
-    request = urllib.request.Request(
-        f"{server.url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
     try:
-        with urllib.request.urlopen(request, timeout=settings.request_timeout_s) as answer:
-            answer.read()
+        post_json(f"{server.url}/v1/completions", body, settings.request_timeout_s)
     except OSError as error:
         why = server.died() or f"its log ends:\n{log_tail(server.log_path)}"
         raise ServerFailed(f"the server's first completion failed ({error}); {why}") from None

