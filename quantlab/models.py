@@ -10,6 +10,7 @@ import contextlib
 import functools
 import hashlib
 import importlib.util
+import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -183,7 +184,10 @@ def _config_fact_identity(fact: str, source: ModelSource) -> dict[str, str]:
 
 
 def linear_input_widths(source: ModelSource) -> dict[str, int]:
-    """Input width of every nn.Linear except lm_head, from the config alone (meta device, no weights)."""
+    """Input width of every nn.Linear except lm_head, from the config alone: read off a Llama checkpoint
+    directory's config.json (`_llama_widths`), else from the model built on the meta device (no weights)."""
+    if (widths := _llama_widths(source)) is not None:
+        return widths
     import torch
 
     return {
@@ -191,6 +195,51 @@ def linear_input_widths(source: ModelSource) -> dict[str, int]:
         for name, module in _meta_model(source).named_modules()
         if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head")
     }
+
+
+# The Llama config.json fields that decide its Linear layers' input widths; each must be written in the file, so that
+# no class default (which another model type, or another transformers, may set otherwise) is guessed at.
+_LLAMA_WIDTH_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _llama_widths(source: ModelSource) -> dict[str, int] | None:
+    """The widths `linear_input_widths` reads off the meta model, in its order, for a checkpoint directory whose
+    config.json describes a plain Llama (LlamaForCausalLM: attention q/k/v/o and MLP gate/up/down per layer);
+    None for anything else (another model type, remote code, a quantization config, a field left to its
+    default), which is built on the meta device instead. Saves importing transformers and torch in a sweep's
+    own process, which needs neither otherwise. tests/test_models.py holds both ways to the same answer."""
+    if source.kind != "local_dir":
+        return None
+    try:
+        config = json.loads((Path(source.location) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # the meta build reads it again and says why it cannot
+    if (
+        not isinstance(config, dict)
+        or config.get("model_type") != "llama"
+        or config.get("architectures", ["LlamaForCausalLM"]) != ["LlamaForCausalLM"]
+        or any(key in config for key in ("auto_map", "quantization_config"))
+    ):
+        return None
+    sizes = [config.get(key) for key in _LLAMA_WIDTH_FIELDS]
+    head_dim = config.get("head_dim")  # absent or null: hidden_size // num_attention_heads, as LlamaConfig sets it
+    if not all(_positive_int(size) for size in sizes) or not (head_dim is None or _positive_int(head_dim)):
+        return None
+    hidden, intermediate, layers, heads = sizes
+    per_layer = {
+        "self_attn.q_proj": hidden,
+        "self_attn.k_proj": hidden,
+        "self_attn.v_proj": hidden,
+        "self_attn.o_proj": heads * (head_dim or hidden // heads),
+        "mlp.gate_proj": hidden,
+        "mlp.up_proj": hidden,
+        "mlp.down_proj": intermediate,
+    }
+    return {f"model.layers.{layer}.{name}": width for layer in range(layers) for name, width in per_layer.items()}
+
+
+def _positive_int(value: object) -> bool:
+    return type(value) is int and value > 0
 
 
 def _meta_model(source: ModelSource) -> torch.nn.Module:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from tiny import EMBEDDED_GGUF, embedded_gguf_path
 
+from quantlab.errors import BadInput
 from quantlab.models import (
     _gguf_reader,
     cpu_has_bf16_matmuls,
@@ -113,3 +114,84 @@ def test_auto_dtype_on_cpu_is_bf16_exactly_where_the_cpu_multiplies_bf16():
     assert pick_dtype(RuntimeSettings(), "cpu") == default_dtype("cpu") == expected
     assert pick_dtype(RuntimeSettings(dtype="float32"), "cpu") == torch.float32  # a recipe's own dtype is kept
     assert default_dtype("cuda") == torch.bfloat16
+
+
+def _meta_widths(source) -> dict[str, int]:
+    """`linear_input_widths` the one way that holds for any model: its Linear layers built on the meta device."""
+    from quantlab.models import _meta_model
+
+    built = _meta_model(source).named_modules()
+    return {n: m.in_features for n, m in built if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")}
+
+
+_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"model_type": "llama", **_TINY},
+        {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **_TINY, "num_key_value_heads": 2},
+        {"model_type": "llama", **_TINY, "head_dim": 32},  # o_proj takes heads x head_dim, not hidden_size
+        {"model_type": "llama", **_TINY, "head_dim": None, "mlp_bias": True, "attention_bias": True},
+        {"model_type": "llama", **_TINY, "num_hidden_layers": 3, "tie_word_embeddings": True, "vocab_size": 96},
+    ],
+)
+def test_llama_widths_read_off_the_config_match_the_meta_build(config, tmp_path):
+    """A Llama checkpoint directory's widths come from its config.json, without transformers: name for name, width
+    for width and in the same order as the model that transformers builds from the same file."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    source = resolve_source(ModelSpec(source=str(tmp_path)), tmp_path)
+    read = linear_input_widths(source)
+    assert list(read.items()) == list(_meta_widths(source).items())
+
+
+def test_a_saved_llama_config_is_read_without_the_meta_build(tmp_path, monkeypatch):
+    """A config as save_pretrained writes it (every field, head_dim included) takes the short way, and says what
+    the meta build would."""
+    from tiny import tiny_llama_config
+
+    tiny_llama_config(head_dim=8).save_pretrained(tmp_path)
+    source = resolve_source(ModelSpec(source=str(tmp_path)), tmp_path)
+    expected = _meta_widths(source)
+    assert set(expected.values()) == {32, 64, 128}
+    monkeypatch.setattr("quantlab.models._meta_model", lambda source: pytest.fail("built on the meta device"))
+    assert linear_input_widths(source) == expected
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"model_type": "mistral", **_TINY},  # another model type: its own defaults and modules
+        {"model_type": "llama", "architectures": ["LlamaForSequenceClassification"], **_TINY},
+        {"model_type": "llama", **_TINY, "auto_map": {"AutoModelForCausalLM": "modeling.Custom"}},
+        {"model_type": "llama", **_TINY, "quantization_config": {"quant_method": "compressed-tensors"}},
+        {"model_type": "llama", **{k: v for k, v in _TINY.items() if k != "intermediate_size"}},  # a class default
+        {"model_type": "llama", **_TINY, "hidden_size": True},
+        {"model_type": "llama", **_TINY, "num_hidden_layers": 2.0},
+        {"model_type": "llama", **_TINY, "head_dim": 0},
+        ["not", "a", "mapping"],
+    ],
+)
+def test_anything_but_a_plain_llama_config_is_built_on_the_meta_device(config, tmp_path, monkeypatch):
+    from quantlab import models
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    source = resolve_source(ModelSpec(source=str(tmp_path)), tmp_path)
+    assert models._llama_widths(source) is None
+    built: list[str] = []
+    monkeypatch.setattr(models, "_meta_model", lambda source: built.append(source.location) or torch.nn.Module())
+    assert linear_input_widths(source) == {} and built == [str(tmp_path)]
+
+
+def test_gguf_and_hub_sources_are_built_on_the_meta_device(tmp_path):
+    from quantlab.models import _llama_widths
+
+    assert _llama_widths(resolve_source(ModelSpec(source=EMBEDDED_GGUF), tmp_path)) is None
+    assert _llama_widths(resolve_source(ModelSpec(source="org/model"), tmp_path)) is None
+
+
+def test_an_unreadable_config_keeps_the_meta_build_s_error(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(BadInput, match="cannot read the model config of"):
+        linear_input_widths(resolve_source(ModelSpec(source=str(tmp_path)), tmp_path))
