@@ -86,6 +86,9 @@ class CheckResult:
     limit: float | None = None  # the largest allowed drop
     n: int | None = None  # documents (or tokens) paired
     documents_needed: int | None = None  # undecided: about how many would settle it, at the policy's power
+    # Undecided, a sampled task scored in repeats, where more repeats settle it with fewer scorings than more documents
+    # (`documents_needed` is then None): about how many repeats of its documents would
+    repeats_needed: int | None = None
     alpha: float | None = None  # the policy's one-sided level
     over_alpha: float | None = None  # the level "shown over" was tested at (Holm: alpha / k for rank k from the end)
     df: float | None = None  # Student's t degrees of freedom of the bounds; None: normal
@@ -152,6 +155,14 @@ class _Evidence:
             name: value if math.isfinite(value) else None for name, value in (("low", low), ("high", high))
         }
         return {"selected_low": finite_or_none["low"], "selected_high": finite_or_none["high"]}
+
+    def settling(self, found: NonInferiority, power: float) -> Settling | None:
+        """An undecided check of a sampled task scored in repeats: more documents or more repeats, at the level its
+        unsettled claim is tested at; None otherwise."""
+        if found.outcome is not Outcome.UNSURE or self.variance is None:
+            return None
+        level = found.alpha if found.drop < found.limit else found.over_alpha
+        return settling(self.variance, found.drop, found.limit, alpha=level, power=power, available=self.available)
 
     def judge(self, policy: Policy, over_alpha: float) -> NonInferiority:
         """The check at the policy's level for "shown within", `over_alpha` (Holm's) for "shown over"."""
@@ -231,10 +242,21 @@ def _drop_checks(evidence: Sequence[CheckResult | _Evidence], policy: Policy) ->
             judged.append(item)
             continue
         found = item.judge(policy, levels[id(item)])
+        way = item.settling(found, policy.power)
         words = _verdict_words(
-            item.rule, found, item.n, family, item.available, policy.power, item.bounds_name, item.tokens, item.variance
+            item.rule,
+            found,
+            item.n,
+            family,
+            item.available,
+            policy.power,
+            item.bounds_name,
+            item.tokens,
+            item.variance,
+            way,
         )
         extra = {
+            **_record(found),
             "n": item.n,
             "family": family,
             "documents_available": item.available,
@@ -246,11 +268,10 @@ def _drop_checks(evidence: Sequence[CheckResult | _Evidence], policy: Policy) ->
             extra["selected_words"] = _selected_words(
                 item.rule, found.drop, extra["selected_low"], extra["selected_high"]
             )
-        judged.append(
-            CheckResult(
-                item.rule.constraint, item.rule.metric, _BY_OUTCOME[found.outcome], words, **_record(found), **extra
-            )
-        )
+        if way is not None:  # what the summary says would settle it: the cheaper way's own count
+            extra["documents_needed"] = way.items if way.by == "items" else None
+            extra["repeats_needed"] = way.repeats if way.by == "repeats" else None
+        judged.append(CheckResult(item.rule.constraint, item.rule.metric, _BY_OUTCOME[found.outcome], words, **extra))
     return judged
 
 
@@ -283,6 +304,7 @@ def _verdict_words(
     bounds_name: str = "bounds",
     tokens: int | None = None,
     variance: RepeatVariance | None = None,
+    way: Settling | None = None,
 ) -> str:
     """'eval/x/acc: shown over the limit: drop 2.50 pts, one-sided 97.5% bounds from the flips [1.40 pts, 3.75 pts],
     limit 1 pt (paired, n=1,000)': the bounds the verdict used (the lower one at Holm's level when several checks
@@ -290,7 +312,7 @@ def _verdict_words(
     score bound and the lower one the smaller of Tango's and the Wald bound on Agresti and Min's se, here the Wald
     one, under Tango's 1.52 pts), and for an undecided one
     how many documents would settle it, or what the task's documents can; for a sampled task scored in repeats
-    (`variance`), more documents or more repeats, whichever adds fewer scorings (`settling_words`)."""
+    (`variance`), more documents or more repeats, whichever adds fewer scorings (`way`, in `settling_words`)."""
 
     def amount(value: float) -> str:  # a drop is shown unsigned; a negative one (a gain) keeps its sign
         return format_change(rule.spec, value, signed=value < 0)
@@ -308,10 +330,8 @@ def _verdict_words(
         paired += f" documents x {variance.repeats:,} repeats"
     unit = "documents" if tokens is None else "scoring windows"
     text = f"{rule.metric}: {found.outcome.value}: drop {amount(found.drop)}, {bounds}, limit {rule.words} (paired, {paired}{t})"
-    if found.outcome is Outcome.UNSURE and variance is not None:
-        level = found.alpha if found.drop < found.limit else found.over_alpha
-        found_way = settling(variance, found.drop, found.limit, alpha=level, power=power, available=available)
-        return f"{text}; {settling_words(found_way, power)}"
+    if way is not None:
+        return f"{text}; {settling_words(way, power)}"
     if found.outcome is Outcome.UNSURE:
         needed = found.documents_needed
         text += (
@@ -527,6 +547,11 @@ def _would_need(undecided: Sequence[Verdict]) -> str:
             if verdict.documents_needed
             else []
         )
+        parts += [
+            f"would need {check.metric}'s documents scored ~{check.repeats_needed:,} times each"
+            for check in verdict.checks
+            if check.status is CheckStatus.UNDECIDED and check.repeats_needed
+        ]
         parts += [f"has no paired statistics for {', '.join(unpaired)}"] if unpaired else []
         words.append(f"{verdict.name} {' and '.join(parts) or 'is not shown within the limits'}")
     return f" {'; '.join(words)}." if words else ""

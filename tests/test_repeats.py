@@ -266,7 +266,7 @@ def test_a_sampled_task_in_repeats_is_valid(tmp_path, tasks_dir, tiny_llama):
 TASK_ACC = "eval/ql_sampled_e/exact_match"
 
 
-def _decided(documents: dict[str, int] | None):
+def _decision(documents: dict[str, int] | None):
     """bf16 and int4 on a 0/1 sampled task of 40 documents x 2 repeats: no drop, within-item sd 0.7 (W = 0.49) and an
     se of sqrt(W / 2 / 40) (nothing between documents), against a 10-point limit: undecided."""
     from quantlab.decision import pick
@@ -284,9 +284,11 @@ def _decided(documents: dict[str, int] | None):
         VariantSummary("int4", "awq_int4", True, base | {"cost/weight_bytes": 1.0} | paired, declared=declared),
     ]
     policy = Policy(max_drop_any_task=None, max_drop={TASK_ACC: 10})
-    (check,) = (
-        pick(variants, "bf16", policy, Axis("cost/weight_bytes", False), documents=documents).verdict("int4").checks
-    )
+    return pick(variants, "bf16", policy, Axis("cost/weight_bytes", False), documents=documents)
+
+
+def _decided(documents: dict[str, int] | None):
+    (check,) = _decision(documents).verdict("int4").checks
     return check
 
 
@@ -300,6 +302,23 @@ def test_pick_words_an_undecided_sampled_check_in_documents_x_repeats():
     assert _decided({"ql_sampled_e": 40}).detail.endswith(
         "; about 8 more repeats would settle it (40 documents x 10 repeats, 80% power)"
     )
+
+
+@pytest.mark.parametrize(
+    ("documents", "needed", "repeats", "said"),
+    [
+        (None, 193, None, "int4 would need ~193 documents."),
+        ({"ql_sampled_e": 40}, None, 10, f"int4 would need {TASK_ACC}'s documents scored ~10 times each."),
+    ],
+)
+def test_the_summary_names_the_cheaper_way_to_settle_a_sampled_check(documents, needed, repeats, said):
+    """The decision's summary and its record say what the check's own words say: documents, or repeats where the
+    task has no more documents (not the documents a task run once would need)."""
+    decision = _decision(documents)
+    (check,) = decision.verdict("int4").checks
+    assert (check.documents_needed, check.repeats_needed) == (needed, repeats)
+    assert decision.verdict("int4").documents_needed == needed
+    assert said in decision.summary
 
 
 def test_repeats_are_logged_and_read_back_a_task_run_once_logs_what_it_did():
