@@ -6,7 +6,9 @@ files are exactly what this script makes:
 - ``mmlu_dev``: the MMLU dev questions that lm-eval's own package ships inside its
   chain-of-thought few-shot prompts (``lm_eval/tasks/mmlu/flan_cot_fewshot/_cot_prompts.json``);
 - ``pydoc_cloze``: sentence continuations from CPython's language-reference prose
-  (``quantlab.corpora.paragraphs("eval")``), with distractor endings taken from other sentences.
+  (``quantlab.corpora.paragraphs("eval")``), with distractor endings taken from other sentences;
+- ``pydoc_recall``: the same prose, each passage cut before the last words of a sentence that repeat
+  words from earlier in the passage, to be generated (exact match).
 
 Usage (from anywhere): ``python evals/build.py`` rewrites the files; ``--check`` only compares.
 """
@@ -132,11 +134,73 @@ def pydoc_cloze_items() -> list[Item]:
     return items
 
 
+# --------------------------------------------------------------------------- pydoc_recall
+
+RECALL_SEED = 20250102
+# Every prompt token is prefilled once per variant, so the passages are short: at most this many words before the
+# words to recall (whole sentences kept from the end), and at least RECALL_MIN_CONTEXT_WORDS.
+RECALL_MAX_CONTEXT_WORDS = 40
+RECALL_MIN_CONTEXT_WORDS = 12
+# The words to recall: the last 1-3 of a sentence, few characters, so that they fit the YAML's max_gen_toks; a single
+# word must be a content word (not "the", "it", ...).
+RECALL_MAX_TARGET_WORDS = 3
+RECALL_MAX_TARGET_CHARS = 24
+RECALL_MIN_WORD_CHARS = 5
+# The YAML's `until`: a target holds none of them, or its generation would stop inside it.
+RECALL_STOPS = (".", ",", ";", "\n")
+
+
+def _occurs_as_words(phrase: str, text: str) -> bool:
+    return re.search(rf"(?<!\w){re.escape(phrase)}(?!\w)", text) is not None
+
+
+def _recall_cut(parts: list[str], index: int) -> tuple[str, str] | None:
+    """(passage, words to recall) for sentence `index` of a paragraph's sentences, the most words first; or None."""
+    sentence = parts[index]
+    if not sentence.endswith("."):
+        return None
+    words = sentence[:-1].split()
+    for count in range(min(RECALL_MAX_TARGET_WORDS, len(words) - 2), 0, -1):
+        target = " ".join(words[-count:])
+        if len(target) > RECALL_MAX_TARGET_CHARS or any(stop in target for stop in RECALL_STOPS):
+            continue
+        if count == 1 and len(target) < RECALL_MIN_WORD_CHARS:
+            continue
+        before = parts[:index]
+        while before and len([*" ".join(before).split(), *words[:-count]]) > RECALL_MAX_CONTEXT_WORDS:
+            before = before[1:]
+        context = " ".join([*before, *words[:-count]])
+        if RECALL_MIN_CONTEXT_WORDS <= len(context.split()) <= RECALL_MAX_CONTEXT_WORDS and _occurs_as_words(
+            target, context
+        ):
+            return context, target
+    return None
+
+
+def pydoc_recall_items() -> list[Item]:
+    """One item per eval paragraph that has one: a passage ending where a sentence's last words repeat earlier words
+    of the passage (the cut with the most such words, the first sentence on a tie), seeded order."""
+    calibration_text = corpora.text("calibration")
+    items: list[Item] = []
+    for paragraph in corpora.paragraphs("eval"):
+        if _shares_text_with(paragraph, calibration_text):
+            continue
+        parts = sentences(paragraph)
+        cuts = [cut for index in range(len(parts)) if (cut := _recall_cut(parts, index)) is not None]
+        if cuts:
+            context, target = max(cuts, key=lambda cut: len(cut[1].split()))  # max keeps the first of equals
+            items.append({"context": context, "target": target})
+    # Spread over the topics: a task's `limit` takes the first documents.
+    random.Random(RECALL_SEED).shuffle(items)
+    return items
+
+
 # --------------------------------------------------------------------------- files
 
 DATASETS: dict[str, Callable[[], list[Item]]] = {
     "mmlu_dev": mmlu_dev_items,
     "pydoc_cloze": pydoc_cloze_items,
+    "pydoc_recall": pydoc_recall_items,
 }
 
 

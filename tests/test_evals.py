@@ -94,7 +94,12 @@ def test_known_tasks_include_bundled_and_standard_names() -> None:
 
 
 def test_known_tasks_without_defaults_are_the_task_files_under_include_path() -> None:
-    assert known_tasks(BUNDLED_EVALS_DIR, defaults=False) == {"mmlu_dev", "pydoc_cloze", "quantlab_bundled"}
+    assert known_tasks(BUNDLED_EVALS_DIR, defaults=False) == {
+        "mmlu_dev",
+        "pydoc_cloze",
+        "pydoc_recall",
+        "quantlab_bundled",
+    }
     assert known_tasks(None, defaults=False) == set()
     assert task_index_identity(BUNDLED_EVALS_DIR, False) != task_index_identity(BUNDLED_EVALS_DIR)
 
@@ -190,7 +195,7 @@ def test_run_tasks_expands_a_tag_and_repeats_itself(tiny_llama) -> None:
     first = run_tasks(model, tokenizer, [request], BUNDLED_EVALS_DIR, batch_size=2)
     second = run_tasks(model, tokenizer, [request], BUNDLED_EVALS_DIR, batch_size=3)
 
-    assert sorted(s.task for s in first) == ["mmlu_dev", "pydoc_cloze"]
+    assert sorted(s.task for s in first) == ["mmlu_dev", "pydoc_cloze", "pydoc_recall"]
     assert not any(s.is_group for s in first)  # a tag has no aggregate of its own
     assert [s.primary.documents for s in first] == [s.primary.documents for s in second]
     assert [s.dataset.digest for s in first] == [s.dataset.digest for s in second]
