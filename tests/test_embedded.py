@@ -38,6 +38,7 @@ CHROMIUM_ARGS = [
 
 pytestmark = pytest.mark.e2e
 VARIANTS = ("bf16", "fp8", "awq-int4-g64")
+RECALL = "eval/pydoc_recall/exact_match:remove_whitespace"  # the generation task (evals/pydoc_recall.yaml)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,11 @@ def embedded(tmp_path_factory):
     work = tmp_path_factory.mktemp("embedded")
     recipe = yaml.safe_load((REPO / "recipes" / "smollm2-135m.yaml").read_text())
     recipe["evals"]["include_path"] = str(REPO / "evals")
-    recipe["evals"]["tasks"] = [{"name": "mmlu_dev", "limit": 12}, {"name": "pydoc_cloze", "limit": 40}]
+    recipe["evals"]["tasks"] = [
+        {"name": "mmlu_dev", "limit": 12},
+        {"name": "pydoc_cloze", "limit": 40},
+        {"name": "pydoc_recall", "limit": 16},  # the decode path: one batch of greedy generations
+    ]
     # Half the quality corpus: `quantlab sensitivity rank` (below) runs it once per block, twice; its ranking is the
     # same at 512 tokens as at 1,024 (first block layers.29, rank correlation 0.66 against 0.67), in half the time.
     recipe["quality"]["max_tokens"] = 512
@@ -100,6 +105,7 @@ def test_sweep_finishes_every_variant(embedded):
         assert Path(run.data.tags["quantlab.checkpoint"], "config.json").is_file()
         for task in ("mmlu_dev", "pydoc_cloze"):
             assert f"eval/{task}/acc" in run.data.metrics and f"eval/{task}/acc_stderr" in run.data.metrics
+        assert RECALL in run.data.metrics and RECALL.replace("exact_match", "exact_match_stderr") in run.data.metrics
     # The recipe's AWQ params reached llm-compressor: the checkpoint's own record of the modifier that made it.
     awq_made = yaml.safe_load(Path(runs["awq-int4-g64"].data.tags["quantlab.checkpoint"], "recipe.yaml").read_text())
     assert "n_grid: 5" in yaml.safe_dump(awq_made)
@@ -109,6 +115,7 @@ def test_the_real_text_task_is_well_above_chance(embedded):
     _, uri, _ = embedded
     _, runs = _runs(uri)
     assert runs["bf16"].data.metrics["eval/pydoc_cloze/acc"] > 0.45  # four choices: chance is 0.25
+    assert runs["bf16"].data.metrics[RECALL] > 0.25  # generated words, exact match: a random model scores 0
 
 
 def test_weight_bytes_order(embedded):
@@ -138,7 +145,7 @@ def test_quality_keys_and_their_known_values(embedded):
     client = MlflowClient(uri)
     for name in ("fp8", "awq-int4-g64"):
         flips = {item.path for item in client.list_artifacts(runs[name].info.run_id, "flips")}
-        assert flips == {"flips/mmlu_dev.jsonl", "flips/pydoc_cloze.jsonl"}
+        assert flips == {"flips/mmlu_dev.jsonl", "flips/pydoc_cloze.jsonl", "flips/pydoc_recall.jsonl"}
 
 
 def test_cost_keys_carry_their_provenance(embedded):
