@@ -1,17 +1,21 @@
 """`python -m quantlab.serving.guidellm_runner READY SCENARIO`: guidellm's `run`, imported before its scenario exists.
 
-Most of guidellm's start is its import (about 9 s of CPU on 2 cores: its tokenizer module brings torch and
-transformers). Started early, beside the variant's other stages and its server's own start, this process does that
-import first, says so (creates the file READY), then waits for the file SCENARIO and runs `guidellm run --scenario` on
-it, in this process, as `python -m guidellm run` would. quantlab.serving.load.LoadGenerator drives it.
+Most of guidellm's start is its import (its tokenizer module brings torch and transformers), and guidellm starts a
+manager and workers again for every load run, each from its fork server (GUIDELLM__MP_CONTEXT_TYPE), which imports
+guidellm's scheduler and backends once for the whole load. Started early, beside the variant's other stages and its
+server's own start, this process does both imports first (its own, and the fork server's, preloaded and waited for),
+says so (creates the file READY), then waits for the file SCENARIO and runs `guidellm run --scenario` on it, in this
+process, as `python -m guidellm run` would. quantlab.serving.load.LoadGenerator drives it; benchmarks/guidellm_runs.py
+measures what the preload takes off the timed load.
 
-The top level imports only what guidellm's own __main__ does: guidellm's fork server (GUIDELLM__MP_CONTEXT_TYPE)
-re-imports the main module before forking each load level's workers, which should stay as light as guidellm's.
-Standard library otherwise: run as a script there, this file cannot import quantlab.
+The top level imports only what guidellm's own __main__ does: the fork server re-imports the main module, which
+should stay as light as guidellm's. Standard library otherwise: run as a script there, this file cannot import
+quantlab.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import sys
 import time
 from pathlib import Path
@@ -19,6 +23,17 @@ from pathlib import Path
 from guidellm.cli import cli
 
 POLL_S = 0.05
+# What each load run's manager and workers import in guidellm's fork server, once, before the first run.
+FORK_SERVER_PRELOAD = ["guidellm.benchmark.entrypoints", "guidellm.scheduler.worker_group", "guidellm.backends"]
+
+
+def start_fork_server() -> None:
+    """guidellm's fork server, started now and done importing FORK_SERVER_PRELOAD: a process forked from it returns
+    only once the server has imported its preload (the standard library's forkserver)."""
+    multiprocessing.set_forkserver_preload(FORK_SERVER_PRELOAD)
+    first = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(0,))
+    first.start()
+    first.join()
 
 
 def main(argv: list[str]) -> int:
@@ -29,6 +44,7 @@ def main(argv: list[str]) -> int:
     # What `guidellm run` imports once it starts (its benchmark entry point, the data loaders and the tokenizer).
     import guidellm.benchmark.entrypoints  # noqa: F401
 
+    start_fork_server()
     ready.touch()
     while not scenario.exists():  # written whole (renamed into place) once the server is ready and warmed up
         time.sleep(POLL_S)

@@ -26,6 +26,7 @@ from quantlab.serving.settings import ServingSettings
 
 _FILE_KINDS = {".txt": "text_file", ".csv": "csv_file", ".json": "json_file", ".jsonl": "json_file"}
 PROMPT_FILE_SUFFIXES = tuple(_FILE_KINDS)
+SCHEDULER_START_DELAY_S = 0.2  # guidellm waits this long between its workers being ready and a level's first request
 
 
 class LoadFailed(RuntimeError):
@@ -116,8 +117,13 @@ def guidellm_environment(worker_processes: int | None = None) -> dict[str, str]:
 
     guidellm makes a manager and its workers again for every load level; by its default ("spawn") each starts a
     fresh interpreter that imports guidellm's CLI again (several seconds of CPU each on 2 cores). Its fork server
-    imports it once per run, and each level's processes fork from it."""
+    imports it once (quantlab.serving.guidellm_runner preloads it), and each level's processes fork from it.
+
+    guidellm starts each level its scheduler's start delay after its workers have passed their start-up barrier;
+    its default (1 s) leaves time for distributed nodes to agree, and one process needs far less. The levels' warm-up
+    requests (quantlab.serving.measured) keep any late first request out of the figures."""
     found = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "GUIDELLM__MP_CONTEXT_TYPE": "forkserver"}
+    found["GUIDELLM__SCHEDULER_START_DELAY_NON_DISTRIBUTED"] = str(SCHEDULER_START_DELAY_S)
     if worker_processes:
         found["GUIDELLM__MAX_WORKER_PROCESSES"] = str(worker_processes)
     return found
