@@ -645,7 +645,8 @@ def test_a_vllm_server_that_is_not_healthy_in_time_fails_its_variant_and_leaves_
 
 def test_sigkill_of_the_sweep_leaves_no_vllm_process(tmp_path, vllm_python, sweeps):  # noqa: F811 - the fixture
     model = sharp_tiny_llama(tmp_path / "model")
-    recipe = vllm_recipe(model, variants=[{"name": "bf16", "method": "bf16"}])
+    recipe = vllm_recipe(model, variants=[{"name": "bf16", "method": "bf16"}], quality={"enabled": False})
+    recipe["evals"]["engine"] = "reference"  # nothing scored on the engine: one server, the load's, started early
     recipe["serving"]["requests_per_level"] = 400  # still under load when killed
     path = write(tmp_path / "recipe.yaml", recipe)
     uri = f"sqlite:///{tmp_path / 'store.db'}"
