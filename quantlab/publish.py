@@ -46,10 +46,12 @@ from quantlab.metrics import EVAL_PREFIX, Shown, declared_from_tags, shown_in
 from quantlab.paired import DocumentScores
 from quantlab.policy import Policy, PolicyError
 from quantlab.report import (
+    DAMAGE_CHART,
     SERVING_CHART,
     Plot,
     decision_figures,
     policy_words,
+    render_damage_chart,
     render_html,
     render_markdown,
     render_plots,
@@ -195,52 +197,74 @@ def recipe_decision(view: SweepView) -> Decision | None:
 def render_artifacts(
     view: SweepView, out_dir: Path, decision: Decision | None = None, drawn_cache: Path | None = None
 ) -> list[Path]:
-    """frontier.json, frontier.png, frontier.html, report.md, plots/ (PNG and SVG per frontier) and serving.png;
-    `decision` defaults to the recipe's. `drawn_cache`: where drawn figures are kept by what they show."""
+    """frontier.json, frontier.png, frontier.html, report.md, plots/ (PNG and SVG per frontier), and serving.png and
+    damage.png where the sweep has their figures; `decision` defaults to the recipe's. `drawn_cache`: where drawn
+    figures are kept by what they show."""
     out_dir.mkdir(parents=True, exist_ok=True)
     found = frontiers(view)
     decision = decision or recipe_decision(view)
-    plots, serving = drawn_figures(view, found, out_dir, drawn_cache)
+    drawn = drawn_figures(view, found, out_dir, drawn_cache)
     (out_dir / "frontier.json").write_text(frontier_json(found, indent=2))
     render_html(
         found,
-        plots,
+        drawn.plots,
         out_dir / "frontier.html",
         variants=view.variants,
         model=view.model,
         decision=decision,
-        serving_chart=serving,
+        serving_chart=drawn.serving,
+        damage_chart=drawn.damage,
     )
     (out_dir / "report.md").write_text(render_markdown(view.variants, found, decision, view.notes, model=view.model))
-    return (
-        [out_dir / name for name in ("frontier.json", "frontier.png", "frontier.html", "report.md")]
-        + [path for plot in plots for path in (plot.png, plot.svg)]
-        + ([serving] if serving else [])
-    )
+    return [out_dir / name for name in ("frontier.json", "frontier.png", "frontier.html", "report.md")] + drawn.files
 
 
-def drawn_figures(
-    view: SweepView, found: Frontiers, out_dir: Path, cache: Path | None
-) -> tuple[list[Plot], Path | None]:
-    """The frontier plots and the serving chart, drawn into `out_dir`, or copied from `cache` where the same figures
-    were drawn before: an unchanged re-run publishes the same figures, and drawing its ~25 took most of its time.
-    They are kept under a hash of everything they show (frontier.json holds every point, interval and exclusion the
-    plots draw; the serving chart draws the variants' cost/serving/* figures) and of the code that draws them."""
+@dataclass(frozen=True)
+class Drawn:
+    """A sweep's figures: the frontier plots, and the charts it has data for (None where it has none)."""
+
+    plots: list[Plot]
+    serving: Path | None
+    damage: Path | None
+
+    @property
+    def charts(self) -> dict[str, Path | None]:
+        return {"serving": self.serving, "damage": self.damage}
+
+    @property
+    def files(self) -> list[Path]:
+        charts = [path for path in self.charts.values() if path is not None]
+        return [path for plot in self.plots for path in (plot.png, plot.svg)] + charts
+
+
+def _charted(key: str) -> bool:
+    """A figure the serving chart or the damage chart draws (its paired interval included)."""
+    return key.startswith("cost/serving/") or "/on_policy/" in key or "/ctx" in key
+
+
+def drawn_figures(view: SweepView, found: Frontiers, out_dir: Path, cache: Path | None) -> Drawn:
+    """The frontier plots, the serving chart and the damage chart, drawn into `out_dir`, or copied from `cache`
+    where the same figures were drawn before: an unchanged re-run publishes the same figures, and drawing its ~25
+    took most of its time. They are kept under a hash of everything they show (frontier.json holds every point,
+    interval and exclusion the plots draw; the charts draw the variants' figures that `_charted` names) and of the
+    code that draws them."""
     import hashlib
     import shutil
 
     from quantlab import report
     from quantlab.serving import chart
 
-    def draw() -> tuple[list[Plot], Path | None]:
-        return render_plots(found, out_dir, view.model), render_serving_chart(
-            view.variants, out_dir / SERVING_CHART, view.model
+    def draw() -> Drawn:
+        return Drawn(
+            render_plots(found, out_dir, view.model),
+            render_serving_chart(view.variants, out_dir / SERVING_CHART, view.model),
+            render_damage_chart(view.variants, out_dir / DAMAGE_CHART, view.model),
         )
 
     if cache is None:
         return draw()
-    served = {v.name: {k: x for k, x in v.metrics.items() if k.startswith("cost/serving/")} for v in view.variants}
-    shown = json.dumps([frontier_json(found), view.model, served], sort_keys=True, default=str).encode()
+    charted = {v.name: {k: x for k, x in v.metrics.items() if _charted(k)} for v in view.variants}
+    shown = json.dumps([frontier_json(found), view.model, charted], sort_keys=True, default=str).encode()
     code = Path(report.__file__).read_bytes() + Path(chart.__file__).read_bytes()
     kept = cache / hashlib.sha256(shown + code).hexdigest()[:24]
     listing = kept / "figures.json"  # written last: a folder without it is incomplete
@@ -248,22 +272,21 @@ def drawn_figures(
         names = json.loads(listing.read_text())
         shutil.copytree(kept / "files", out_dir, dirs_exist_ok=True)
         plots = [Plot(out_dir / png, out_dir / svg) for png, svg in names["plots"]]
-        return plots, out_dir / names["serving"] if names["serving"] else None
-    plots, serving = draw()
+        return Drawn(plots, *(out_dir / names[name] if names.get(name) else None for name in ("serving", "damage")))
+    drawn = draw()
     with suppress(OSError):  # a cache that cannot be written only costs the next re-run its drawing
         scratch = Path(tempfile.mkdtemp(prefix=".drawing-", dir=_made(cache)))
-        for path in [*(p for plot in plots for p in (plot.png, plot.svg)), out_dir / "frontier.png", serving]:
-            if path is not None:
-                (scratch / "files" / path.relative_to(out_dir)).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(path, scratch / "files" / path.relative_to(out_dir))
-        relative = [[str(plot.png.relative_to(out_dir)), str(plot.svg.relative_to(out_dir))] for plot in plots]
-        serving_name = str(serving.relative_to(out_dir)) if serving else None
-        (scratch / "figures.json").write_text(json.dumps({"plots": relative, "serving": serving_name}))
+        for path in [*drawn.files, out_dir / "frontier.png"]:
+            (scratch / "files" / path.relative_to(out_dir)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, scratch / "files" / path.relative_to(out_dir))
+        relative = [[str(plot.png.relative_to(out_dir)), str(plot.svg.relative_to(out_dir))] for plot in drawn.plots]
+        charts = {name: str(path.relative_to(out_dir)) if path else None for name, path in drawn.charts.items()}
+        (scratch / "figures.json").write_text(json.dumps({"plots": relative, **charts}))
         if not listing.is_file():
             shutil.rmtree(kept, ignore_errors=True)
             scratch.rename(kept)
         shutil.rmtree(scratch, ignore_errors=True)
-    return plots, serving
+    return drawn
 
 
 def _made(folder: Path) -> Path:

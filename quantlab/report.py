@@ -46,6 +46,7 @@ KEY_COST_METRICS = shown_in(Shown.REPORT_COST)
 # The serving section of the report: each variant's figures under load, beside what they were measured on.
 SERVING_FIGURES = shown_in(Shown.SERVING_TABLE)
 SERVING_CHART = "serving.png"
+DAMAGE_CHART = "damage.png"  # KL by generated position and by context length, where the sweep measured them
 SETUP_TAGS = (
     ("quantlab.cost.engine", "engine"),
     ("quantlab.cost.kernel_path", "kernel path"),
@@ -363,11 +364,11 @@ def render_html(
     model: str,
     decision: Decision | None = None,
     serving_chart: Path | None = None,
+    damage_chart: Path | None = None,
 ) -> Path:
-    """An offline page (MLflow's artifact viewer): the decision and the table first, then the SVGs and the serving
-    chart (inlined: the viewer shows the page alone); a hovered point's variant lights up everywhere."""
-    import base64
-
+    """An offline page (MLflow's artifact viewer): the decision and the table first, then the SVGs, the serving
+    chart and the damage chart (inlined: the viewer shows the page alone); a hovered point's variant lights up
+    everywhere."""
     table = variants_table(variants, frontiers, decision)
     rows = {row[0].removesuffix(" (baseline)"): list(zip(table.headers[1:], row[1:])) for row in table.rows}
     points = {
@@ -388,12 +389,20 @@ def render_html(
         svgs=[inline_svg(plot.svg.read_text()) for plot in plots],
         table=table,
         text=decision_text(decision, variants),
-        serving=base64.b64encode(serving_chart.read_bytes()).decode("ascii") if serving_chart else None,
+        serving=_base64(serving_chart),
+        damage=_base64(damage_chart),
         direction_unknown=frontiers.direction_unknown,
         points=points,
     )
     path.write_text(page, encoding="utf-8")
     return path
+
+
+def _base64(picture: Path | None) -> str | None:
+    """A PNG's bytes for an inline data: URL."""
+    import base64
+
+    return base64.b64encode(picture.read_bytes()).decode("ascii") if picture else None
 
 
 # A terminal table: a column's widest cell beyond this wraps; each column adds a border and two spaces (Rich's
@@ -498,6 +507,8 @@ def render_markdown(
         serving_chart=SERVING_CHART,
         engine_floor=engine_floor_table(variants),
         on_policy=on_policy_table(variants),
+        contexts=context_table(variants),
+        damage_chart=DAMAGE_CHART if any(damage_series(variants)) else None,
     )
 
 
@@ -536,16 +547,112 @@ def _part_label(part: str) -> str:
     return f"generated {part.removeprefix('gen')}" if _first_position(part) else part
 
 
-def _paired_cell(variant: VariantSummary, key: str) -> str:
-    """ "0.012 nats [0.008, 0.016]": the figure and the 95% interval of its paired difference from the baseline,
-    moved onto the figure (the baseline's own value is the same on every token: 0 for KL, 1 for EAR and top-1)."""
-    found = metric_spec(key)
+def _paired_interval(variant: VariantSummary, key: str) -> tuple[float | None, tuple[float, float] | None]:
+    """The figure and the 95% interval of its paired difference from the baseline, moved onto the figure (the
+    baseline's own value is the same on every token: 0 for KL, 1 for EAR and top-1); no interval where not logged."""
     value, diff = variant.value(key), variant.value(paired_key(key, "diff"))
     low, high = (variant.value(paired_key(key, end)) for end in ("ci95_low", "ci95_high"))
-    text = format_value(found, value)
     if value is None or diff is None or low is None or high is None:
+        return value, None
+    return value, (value - diff + low, value - diff + high)
+
+
+def _paired_cell(variant: VariantSummary, key: str) -> str:
+    """ "0.012 nats [0.008, 0.016]": the figure and its paired 95% interval (_paired_interval)."""
+    found = metric_spec(key)
+    value, interval = _paired_interval(variant, key)
+    text = format_value(found, value)
+    if interval is None:
         return text
-    return f"{text} [{format_value(found, value - diff + low)}, {format_value(found, value - diff + high)}]"
+    return f"{text} [{format_value(found, interval[0])}, {format_value(found, interval[1])}]"
+
+
+# Damage by context length (quality.contexts): the figures shown per length, each with its paired 95% interval.
+CONTEXT_FIGURES = ("kld_mean", "top1_agreement")
+_CONTEXT_KEY = re.compile(r"^quality/kld_mean/ctx(?P<length>\d+)$")
+_ON_POLICY_KLD = re.compile(r"^quality/on_policy/(?P<part>[^/]+)/kld_mean$")
+
+
+def _context_lengths(variant: VariantSummary) -> list[int]:
+    return sorted(int(m["length"]) for key in variant.metrics if (m := _CONTEXT_KEY.match(key)))
+
+
+def context_table(variants: Sequence[VariantSummary]) -> Table | None:
+    """Each variant's damage by how many tokens of context came before the scored token (quality.contexts), each
+    figure with its 95% interval paired with the baseline over the same tokens; None when no variant logged it."""
+    rows = []
+    for variant in (v for v in variants if v.succeeded and not v.is_baseline):
+        for index, length in enumerate(_context_lengths(variant)):
+            cells = [_paired_cell(variant, f"quality/{figure}/ctx{length}") for figure in CONTEXT_FIGURES]
+            rows.append((variant.name if index == 0 else "", f"up to {length}", *cells))
+    if not rows:
+        return None
+    labels = tuple(metric_spec(f"quality/{figure}").label for figure in CONTEXT_FIGURES)
+    return Table(("variant", "tokens of context", *labels), tuple(rows))
+
+
+@dataclass(frozen=True)
+class DamageSeries:
+    """One variant's KL along one axis: each point's label, value and paired 95% interval (None: not logged)."""
+
+    variant: str
+    labels: tuple[str, ...]
+    values: tuple[float, ...]
+    intervals: tuple[tuple[float, float] | None, ...]
+
+
+def _series(variant: VariantSummary, points: Sequence[tuple[str, str]]) -> DamageSeries | None:
+    """(label, metric key) per point, in order: the points the variant logged, or None if it logged none."""
+    kept = [(label, *found) for label, key in points if (found := _paired_interval(variant, key))[0] is not None]
+    if not kept:
+        return None
+    labels, values, intervals = zip(*kept)
+    return DamageSeries(variant.name, labels, values, intervals)
+
+
+def damage_series(variants: Sequence[VariantSummary]) -> tuple[list[DamageSeries], list[DamageSeries]]:
+    """KL by generated position (the on-policy buckets, quality.generate) and by context length (quality.contexts),
+    one series per quantized variant that logged them. Pure."""
+    by_position: list[DamageSeries] = []
+    by_context: list[DamageSeries] = []
+    for variant in (v for v in variants if v.succeeded and not v.is_baseline):
+        parts = [m["part"] for key in variant.metrics if (m := _ON_POLICY_KLD.match(key))]
+        buckets = sorted((part for part in parts if _first_position(part)), key=_first_position)
+        position = [(part.removeprefix("gen"), f"quality/on_policy/{part}/kld_mean") for part in buckets]
+        context = [(str(length), f"quality/kld_mean/ctx{length}") for length in _context_lengths(variant)]
+        by_position += [found] if (found := _series(variant, position)) else []
+        by_context += [found] if (found := _series(variant, context)) else []
+    return by_position, by_context
+
+
+def render_damage_chart(variants: Sequence[VariantSummary], path: Path, model: str) -> Path | None:
+    """KL from the baseline by generated position and by context length, a panel each, every variant a line with its
+    paired 95% intervals; None when the sweep measured neither."""
+    axes_words = (
+        ("On the baseline's own generations", "generated positions (bucket)"),
+        ("By context length", "tokens of context before the scored token (up to)"),
+    )
+    panels = [(series, *words) for series, words in zip(damage_series(variants), axes_words) if series]
+    if not panels:
+        return None
+    fig = _blank(columns=len(panels))
+    for axes, (series, title, axis) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
+        # Every variant's buckets on one axis, in order of their first position or length
+        labels = sorted({label for each in series for label in each.labels}, key=lambda label: int(label.split("-")[0]))
+        for each in series:
+            ends = [interval or (value, value) for value, interval in zip(each.values, each.intervals)]
+            below = [value - low for value, (low, _) in zip(each.values, ends)]
+            above = [high - value for value, (_, high) in zip(each.values, ends)]
+            steps = [labels.index(label) for label in each.labels]
+            axes.errorbar(steps, each.values, yerr=[below, above], fmt="o-", capsize=4, label=each.variant)
+        axes.set_xticks(range(len(labels)), labels)
+        axes.set_xlabel(axis, fontsize=9)
+        axes.set_ylabel(metric_spec("quality/kld_mean").label, fontsize=9)
+        axes.set_title(title, fontsize=10)
+        axes.grid(True, alpha=0.3)
+        axes.legend(fontsize=8)
+    fig.suptitle(f"{model}: damage as generation and context grow (paired 95% intervals)")
+    return _save(fig, path)
 
 
 WITHIN, BEYOND = "within the engine's own noise", "beyond the engine's own noise"

@@ -9,6 +9,8 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+# What every sweep's parent run carries (serving.png and damage.png besides, where the sweep has their figures)
+SWEEP_ARTIFACTS = frozenset({"recipe.yaml", "frontier.json", "frontier.png", "frontier.html", "report.md"})
 
 
 def tiny_recipe(model_dir: Path, **overrides: Any) -> dict[str, Any]:

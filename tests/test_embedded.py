@@ -23,7 +23,7 @@ from mlflow.tracking import MlflowClient
 from test_sweep import quantlab
 
 from quantlab.tracking import CLASSIC_VIEW
-from recipes import REPO
+from recipes import REPO, SWEEP_ARTIFACTS
 
 # Debian's Chromium, headless as root; without the background-networking flags it keeps dialing hosts this closed
 # network refuses.
@@ -194,7 +194,7 @@ def test_parent_run_has_the_report(embedded):
     parent, _ = _runs(uri)
     client = MlflowClient(uri)
     artifacts = {item.path for item in client.list_artifacts(parent.info.run_id)}
-    assert {"recipe.yaml", "frontier.json", "frontier.png", "frontier.html", "report.md", "serving.png"} <= artifacts
+    assert SWEEP_ARTIFACTS | {"serving.png", "damage.png"} <= artifacts
     report = Path(client.download_artifacts(parent.info.run_id, "report.md")).read_text()
     assert all(name in report for name in VARIANTS)
     assert "## Serving under load" in report and "USD per million output tokens (served, at goodput)" in report

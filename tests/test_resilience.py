@@ -27,7 +27,7 @@ from conftest import free_port
 from mlflow.tracking import MlflowClient
 from test_sweep import quantlab
 
-from recipes import tiny_recipe, write
+from recipes import SWEEP_ARTIFACTS, tiny_recipe, write
 
 FP8_MIXED = {"name": "fp8-mixed", "method": "fp8", "params": {"ignore": ["lm_head", "re:.*down_proj$"]}}
 
@@ -238,7 +238,7 @@ def test_ray_sweep_gives_the_same_layout_as_local(tmp_path, tiny_llama):
     assert all(runs["bf16"].info.end_time <= runs[name].info.start_time for name in ("fp8", "fp8-mixed"))
     assert runs["fp8"].data.metrics["cost/weight_bytes"] < runs["bf16"].data.metrics["cost/weight_bytes"]
     artifacts = {item.path for item in MlflowClient(uri).list_artifacts(parent.info.run_id)}
-    assert {"recipe.yaml", "frontier.json", "frontier.png", "frontier.html", "report.md"} <= artifacts
+    assert artifacts >= SWEEP_ARTIFACTS
     assert not (tmp_path / "mlruns").exists()  # nothing logged beside the store given
     # Workers write their logs under the cache directory (shared on a cluster), removed afterwards.
     assert {item.path for item in MlflowClient(uri).list_artifacts(runs["fp8"].info.run_id, "logs")} == {
