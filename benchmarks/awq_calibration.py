@@ -1,6 +1,7 @@
 """What does AWQ's calibration cost, and what does it buy? Time against damage on the embedded model.
 
-For each calibration setting (samples x sequence length) one `quantlab sweep` of the embedded recipe's
+For each calibration setting (samples x sequence length) and AWQ grid size (`n_grid`, the scales tried per layer
+mapping) one `quantlab sweep` of the embedded recipe's
 BF16 baseline and its AWQ INT4 group-64 variant, nothing else: no lm-eval tasks, no cost measurement,
 the recipe's own token-damage corpus and windows. Every setting quantizes afresh (its calibration is
 part of the checkpoint's identity); the baseline and its reference pass are computed by the first sweep
@@ -10,6 +11,7 @@ variant logged against BF16: mean KL, top-1 agreement, perplexity (BF16's beside
 
     .venv/bin/python benchmarks/awq_calibration.py                                  # the default grid, ~15 min
     .venv/bin/python benchmarks/awq_calibration.py --setting 8x128 --setting 16x256
+    .venv/bin/python benchmarks/awq_calibration.py --setting 8x128 --n-grid 20 --n-grid 10
 """
 
 from __future__ import annotations
@@ -44,17 +46,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="append",
         help=f"calibration samples x sequence length (repeatable; default {', '.join(DEFAULT_SETTINGS)})",
     )
+    parser.add_argument(
+        "--n-grid", type=int, action="append", help="AWQ's grid size (repeatable; default the recipe's)"
+    )
     parser.add_argument("--work-dir", type=Path, help="keep the store and cache here (default: a temporary directory)")
     args = parser.parse_args(argv)
     args.setting = args.setting or [setting(text) for text in DEFAULT_SETTINGS]
+    args.n_grid = args.n_grid or [None]
     return args
 
 
-def write_recipe(work: Path, samples: int, length: int) -> Path:
+def write_recipe(work: Path, samples: int, length: int, n_grid: int | None) -> Path:
     recipe = yaml.safe_load(EMBEDDED_RECIPE.read_text())
+    variants = [variant for variant in recipe["variants"] if variant["name"] in ("bf16", AWQ)]
+    for variant in variants:
+        if variant["name"] == AWQ and n_grid is not None:
+            variant["params"] = variant.get("params", {}) | {"n_grid": n_grid}
     recipe |= {
         "name": "awq-calibration",
-        "variants": [variant for variant in recipe["variants"] if variant["name"] in ("bf16", AWQ)],
+        "variants": variants,
         "calibration": recipe["calibration"] | {"num_samples": samples, "seq_len": length},
         "evals": {"tasks": []},
         "measure": {"enabled": False},
@@ -70,9 +80,9 @@ def benchmark(args: argparse.Namespace, work: Path) -> str:
     store = f"sqlite:///{work / 'store.db'}"
     rows, baseline_ppl = [], None
     load_before = os.getloadavg()[0]
-    for samples, length in args.setting:
-        print(f"calibration {samples} x {length}", file=sys.stderr)
-        recipe = write_recipe(work, samples, length)
+    for (samples, length), n_grid in ((each, grid) for each in args.setting for grid in args.n_grid):
+        print(f"calibration {samples} x {length}, n_grid {n_grid or 'as the recipe'}", file=sys.stderr)
+        recipe = write_recipe(work, samples, length, n_grid)
         command = [sys.executable, "-m", "quantlab", "sweep", str(recipe), "--tracking-uri", store]
         seconds, _ = timed_process([*command, "--cache-dir", str(work / "cache")], work)
         opened = tracking.open_store(store)
@@ -80,8 +90,9 @@ def benchmark(args: argparse.Namespace, work: Path) -> str:
         runs = {run.variant: run for run in tracking.child_runs(opened, sweep.run_id)}
         awq, bf16 = runs[AWQ].metrics, runs["bf16"].metrics
         baseline_ppl = bf16["quality/ppl"]
+        grid = runs[AWQ].params.get("variant.params.n_grid", "?")
         rows.append(
-            f"| {samples} x {length} | {samples * length:,} | {awq['time/quantize_seconds']:.1f} | {seconds:.0f} "
+            f"| {samples} x {length} | {grid} | {samples * length:,} | {awq['time/quantize_seconds']:.1f} | {seconds:.0f} "
             f"| {awq['quality/kld_mean']:.4f} | {awq['quality/top1_agreement']:.4f} | {awq['quality/ppl']:.3f} |"
         )
     return "\n".join(
@@ -90,8 +101,8 @@ def benchmark(args: argparse.Namespace, work: Path) -> str:
             f"BF16 perplexity on the recipe's corpus: {baseline_ppl:.3f}",
             "sweep wall s: the whole `quantlab sweep` process; the first also converts the GGUF and runs the baseline",
             "",
-            "| calibration | tokens | quantize s | sweep wall s | KL mean | top-1 agreement | perplexity |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            "| calibration | n_grid | tokens | quantize s | sweep wall s | KL mean | top-1 agreement | perplexity |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
             *rows,
         ]
     )
