@@ -651,7 +651,7 @@ def render_damage_chart(variants: Sequence[VariantSummary], path: Path, model: s
         axes.set_title(title, fontsize=10)
         axes.grid(True, alpha=0.3)
         axes.legend(fontsize=8)
-    fig.suptitle(f"{model}: damage as generation and context grow (paired 95% intervals)")
+    fig.suptitle(f"{model}\ndamage as generation and context grow (paired 95% intervals)", fontsize=10)
     return _save(fig, path)
 
 
