@@ -13,6 +13,7 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import ClassVar
 
 import yaml
 
@@ -226,10 +227,11 @@ class Drawn:
     plots: list[Plot]
     serving: Path | None
     damage: Path | None
+    CHARTS: ClassVar[tuple[str, ...]] = ("serving", "damage")  # the fields above that hold a chart
 
     @property
     def charts(self) -> dict[str, Path | None]:
-        return {"serving": self.serving, "damage": self.damage}
+        return {name: getattr(self, name) for name in self.CHARTS}
 
     @property
     def files(self) -> list[Path]:
@@ -272,7 +274,7 @@ def drawn_figures(view: SweepView, found: Frontiers, out_dir: Path, cache: Path 
         names = json.loads(listing.read_text())
         shutil.copytree(kept / "files", out_dir, dirs_exist_ok=True)
         plots = [Plot(out_dir / png, out_dir / svg) for png, svg in names["plots"]]
-        return Drawn(plots, *(out_dir / names[name] if names.get(name) else None for name in ("serving", "damage")))
+        return Drawn(plots, *(out_dir / names[name] if names.get(name) else None for name in Drawn.CHARTS))
     drawn = draw()
     with suppress(OSError):  # a cache that cannot be written only costs the next re-run its drawing
         scratch = Path(tempfile.mkdtemp(prefix=".drawing-", dir=_made(cache)))
