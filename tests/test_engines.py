@@ -7,7 +7,9 @@ with the reference, and no server process left after success, failure and SIGKIL
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -571,6 +573,8 @@ def test_scoring_servers_run_without_prefix_caching_and_the_load_with_vllms_defa
             logs[process] = Path(path).read_text(errors="replace")
         assert "enable_prefix_caching=False" in logs["scoring-server"]
         assert "enable_prefix_caching=True" in logs["server"]
+        # On CPU the load's server starts beside the scoring one, not once it has stopped
+        assert _logged_times(logs["server"])[0] < _logged_times(logs["scoring-server"])[-1], name
         kv = "fp8" if name == "fp8" and FP8_KV else "auto"
         assert all(f"kv_cache_dtype={kv}" in text for text in logs.values()), name
         assert params["served.kv_cache_dtype"] == ("fp8" if kv == "fp8" else COMPUTE_DTYPE)  # the reference's
@@ -580,6 +584,14 @@ def test_scoring_servers_run_without_prefix_caching_and_the_load_with_vllms_defa
         assert runs["fp8"].data.metrics["cost/kv_bytes_per_token"] == kv_bytes / (
             2 if COMPUTE_DTYPE == "bfloat16" else 4
         )
+
+
+def _logged_times(log: str) -> list[datetime.datetime]:
+    """vLLM's log lines' times ("INFO 12-06 11:14:54 [api_utils.py:347] ..."), to the second."""
+    return [datetime.datetime.strptime(f"{day} {time}", "%m-%d %H:%M:%S") for day, time in VLLM_LOG_TIME.findall(log)]
+
+
+VLLM_LOG_TIME = re.compile(r"\b(?:INFO|WARNING|ERROR) (\d\d-\d\d) (\d\d:\d\d:\d\d) \[")
 
 
 def test_the_baseline_served_twice_is_the_floor_the_report_reads_served_differences_against(vllm_sweep, tmp_path):

@@ -185,6 +185,9 @@ class VariantServer:
     start, mostly imports and loading, then runs while the reference stages score the variant. On a GPU the variant's
     model must be dropped first (the server sizes its memory from what is free), so it starts at `ready()`.
     The load generator (guidellm, when serving is on) starts early on any device: its import needs no accelerator.
+    Where the load needs a server other than the scoring one (vLLM: prefix caching on), on CPU the load's server starts
+    as soon as the scoring one is asked for, so that its start runs while the variant is scored on the engine, an
+    untimed stage; the scoring server is stopped before the load's levels are timed.
     `ready()` waits until it is healthy and says what it serves (None when no stage needs a server)."""
 
     def __init__(
@@ -205,6 +208,8 @@ class VariantServer:
         self._scope = contextlib.ExitStack()  # the load generator, for the variant's life
         self._server_scope = contextlib.ExitStack()  # the server now running, with its scratch folder
         self._launched: _Launched | None = None
+        self._standby_scope = contextlib.ExitStack()  # the load's server, starting while the scoring one serves
+        self._standby: _Launched | None = None
         self._served: ServedVariant | None = None
         self._scored_on: ServedVariant | None = None
         self._load: LoadGenerator | None = None
@@ -218,7 +223,7 @@ class VariantServer:
         died = None
         if isinstance(error, Exception) and not isinstance(error, ServerFailed) and self._launched is not None:
             died = self._launched.server.died()
-        with self._scope:
+        with self._scope, self._standby_scope:
             self._server_scope.close()
         if died is not None:
             first, *tail = died.splitlines()
@@ -228,14 +233,17 @@ class VariantServer:
 
     def launch_early(self) -> None:
         if self.device == "cpu" and self.recipe.needs_server and self._launched is None:
-            self._launch(scoring=self._scores)
+            self._launch(self._scores, self._server_scope)
+            self._start_standby()
         if self.recipe.serving.enabled:
             self._load_generator().start()
 
     def wait_if_launched(self) -> None:
         """Healthy, and guidellm imported, before anything is timed: either still starting would compete with it."""
         if self._launched is not None:
-            self.ready(scoring=self._launched.launch.scoring)
+            self._ready(scoring=self._launched.launch.scoring)
+        if self._standby is not None:
+            wait_healthy(self._standby.server, self.recipe.serving.startup_timeout_s)
         if self._load is not None:
             self._load.wait_imported(self.recipe.serving.startup_timeout_s)
 
@@ -244,6 +252,12 @@ class VariantServer:
         engine has them) or to serve the load with the engine's defaults. A running server started the other way is
         stopped and started again where the engine's command differs; with no load to serve, the scoring server
         stays for what the serve stage reports."""
+        served = self._ready(scoring)
+        if served is not None and served.launch.scoring:
+            self._start_standby()
+        return served
+
+    def _ready(self, scoring: bool) -> ServedVariant | None:
         if not self.recipe.needs_server:
             return None
         scoring = scoring and self._scores
@@ -256,8 +270,11 @@ class VariantServer:
             and _scoring_differs(launched.engine, launched.launch)
         ):
             self._stop_server()
+            if self._standby is not None:  # the load's server, started while the scoring one served
+                self._server_scope, self._standby_scope = self._standby_scope, contextlib.ExitStack()
+                self._launched, self._standby = self._standby, None
         if self._served is None:
-            launched = self._launched or self._launch(scoring)
+            launched = self._launched or self._launch(scoring, self._server_scope)
             server, engine, launch = launched.server, launched.engine, launched.launch
             wait_healthy(server, self.recipe.serving.startup_timeout_s)
             gpu_name = _gpu_name(self.device)
@@ -279,6 +296,21 @@ class VariantServer:
             if launch.scoring:
                 self._scored_on = self._served
         return self._served
+
+    def _start_standby(self) -> None:
+        """On CPU, where the load needs a server started otherwise than the scoring one, start it now: its start
+        (imports, loading) then runs beside the untimed scoring stages, and `ready(scoring=False)` only waits for it.
+        Not on a GPU, whose memory each server sizes from what is free."""
+        launched = self._launched
+        if (
+            self.device == "cpu"
+            and self.recipe.serving.enabled
+            and self.recipe.serving.port is None  # one fixed port: one server at a time
+            and self._standby is None
+            and launched is not None
+            and _scoring_differs(launched.engine, launched.launch)
+        ):
+            self._standby = self._launch(False, self._standby_scope)
 
     def scoring_params(self) -> dict[str, str]:
         """`served.scoring.*`: the server the variant was scored through, and what kept its answers deterministic
@@ -308,7 +340,8 @@ class VariantServer:
             self._load = self._scope.enter_context(LoadGenerator(scratch, log, _workers(self.device)))
         return self._load
 
-    def _launch(self, scoring: bool) -> _Launched:
+    def _launch(self, scoring: bool, scope: contextlib.ExitStack) -> _Launched:
+        """Start a server in `scope` (it stops with it); the variant's current one unless `scope` is the standby's."""
         import torch
 
         settings, device = self.recipe.serving, self.device
@@ -336,22 +369,22 @@ class VariantServer:
             element = kv_cache_element_bytes(self.checkpoint / "config.json", kv_cache)
             launch = replace(launch, kv_bytes_per_token=int(kv_cache_bytes_per_token(shape, element)))
         environment = engine.environment(launch)
-        scratch = self._server_scope.enter_context(
-            tempfile.TemporaryDirectory(prefix=f"quantlab-serve-{self.variant}-")
-        )
+        scratch = scope.enter_context(tempfile.TemporaryDirectory(prefix=f"quantlab-serve-{self.variant}-"))
         process = "scoring-server" if scoring and _scoring_differs(engine, launch) else "server"
         server_log = side_log(self.log_dir or Path(scratch), self.variant, process)
 
         def command_for(port: int) -> list[str]:
             return engine.command(python, _with_port(launch, port))
 
-        server = self._server_scope.enter_context(
+        server = scope.enter_context(
             launched_server(
                 command_for, engine.name, server_log, {**os.environ, **environment, **_QUIET}, settings.port
             )
         )
-        self._launched = _Launched(engine, python, found.origin, launch, support, environment, server)
-        return self._launched
+        launched = _Launched(engine, python, found.origin, launch, support, environment, server)
+        if scope is self._server_scope:
+            self._launched = launched
+        return launched
 
 
 def _scoring_differs(engine: Engine, launch: Launch) -> bool:
