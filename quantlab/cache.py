@@ -71,13 +71,17 @@ def remember(directory: Path, identity: dict[str, Any], fact: Any) -> None:
     os.replace(scratch, path)
 
 
+TASK_FILE_SUFFIXES = (".yaml", ".yml", ".jsonl", ".json", ".py")
+
+
 def tasks_digest(directory: Path | None) -> str | None:
     """Hash of the lm-eval task files (YAML, data, helper code) under a task directory."""
     if directory is None:
         return None
     digest = hashlib.sha256()
     for path in sorted(directory.rglob("*")):
-        if path.is_file() and path.suffix in (".yaml", ".yml", ".jsonl", ".json", ".py"):
+        # lm-eval's `include:` templates are named *_yaml, so that its task index does not load them as tasks
+        if path.is_file() and (path.suffix in TASK_FILE_SUFFIXES or path.name.endswith("_yaml")):
             digest.update(str(path.relative_to(directory)).encode() + path.read_bytes())
     return digest.hexdigest()
 

@@ -39,6 +39,9 @@ CHROMIUM_ARGS = [
 pytestmark = pytest.mark.e2e
 VARIANTS = ("bf16", "fp8", "awq-int4-g64")
 RECALL = "eval/pydoc_recall/exact_match:remove_whitespace"  # the generation task (evals/pydoc_recall.yaml)
+PASSKEY = (
+    "eval/pydoc_passkey_512/exact_match:remove_whitespace"  # long-context retrieval (evals/pydoc_passkey_512.yaml)
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +54,7 @@ def embedded(tmp_path_factory):
         {"name": "mmlu_dev", "limit": 12},
         {"name": "pydoc_cloze", "limit": 40},
         {"name": "pydoc_recall", "limit": 16},  # the decode path: one batch of greedy generations
+        {"name": "pydoc_passkey_512", "limit": 8},  # a key found in 512 tokens of prose: one batch
     ]
     # Half the quality corpus: `quantlab sensitivity rank` (below) runs it once per block, twice; its ranking is the
     # same at 512 tokens as at 1,024 (first block layers.29, rank correlation 0.66 against 0.67), in half the time.
@@ -105,7 +109,8 @@ def test_sweep_finishes_every_variant(embedded):
         assert Path(run.data.tags["quantlab.checkpoint"], "config.json").is_file()
         for task in ("mmlu_dev", "pydoc_cloze"):
             assert f"eval/{task}/acc" in run.data.metrics and f"eval/{task}/acc_stderr" in run.data.metrics
-        assert RECALL in run.data.metrics and RECALL.replace("exact_match", "exact_match_stderr") in run.data.metrics
+        for key in (RECALL, PASSKEY):
+            assert key in run.data.metrics and key.replace("exact_match", "exact_match_stderr") in run.data.metrics
     # The recipe's AWQ params reached llm-compressor: the checkpoint's own record of the modifier that made it.
     awq_made = yaml.safe_load(Path(runs["awq-int4-g64"].data.tags["quantlab.checkpoint"], "recipe.yaml").read_text())
     assert "n_grid: 5" in yaml.safe_dump(awq_made)
@@ -116,6 +121,7 @@ def test_the_real_text_task_is_well_above_chance(embedded):
     _, runs = _runs(uri)
     assert runs["bf16"].data.metrics["eval/pydoc_cloze/acc"] > 0.45  # four choices: chance is 0.25
     assert runs["bf16"].data.metrics[RECALL] > 0.25  # generated words, exact match: a random model scores 0
+    assert runs["bf16"].data.metrics[PASSKEY] >= 0.5  # a five-digit key: a model that does not read it scores 0
 
 
 def test_weight_bytes_order(embedded):
@@ -145,7 +151,9 @@ def test_quality_keys_and_their_known_values(embedded):
     client = MlflowClient(uri)
     for name in ("fp8", "awq-int4-g64"):
         flips = {item.path for item in client.list_artifacts(runs[name].info.run_id, "flips")}
-        assert flips == {"flips/mmlu_dev.jsonl", "flips/pydoc_cloze.jsonl", "flips/pydoc_recall.jsonl"}
+        tasks = ("mmlu_dev", "pydoc_cloze", "pydoc_recall", "pydoc_passkey_512")
+        assert flips == {f"flips/{task}.jsonl" for task in tasks}
+        assert f"quality/paired/{PASSKEY}/diff" in runs[name].data.metrics  # paired with the baseline's answers
 
 
 def test_cost_keys_carry_their_provenance(embedded):

@@ -28,13 +28,17 @@ DATA_DIR = BUNDLED_EVALS_DIR / "data"
 BUNDLED_TASKS = ("mmlu_dev", "pydoc_cloze")
 
 
-def load_build_script() -> ModuleType:
-    # evals/ is a directory of task files, not a package: load its script by path.
-    spec = importlib.util.spec_from_file_location("evals_build", BUNDLED_EVALS_DIR / "build.py")
+def load_evals_module(file_name: str) -> ModuleType:
+    # evals/ is a directory of task files, not a package: load its scripts by path.
+    spec = importlib.util.spec_from_file_location(f"evals_{Path(file_name).stem}", BUNDLED_EVALS_DIR / file_name)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_build_script() -> ModuleType:
+    return load_evals_module("build.py")
 
 
 def read_items(task: str) -> list[dict]:
@@ -99,6 +103,10 @@ def test_known_tasks_without_defaults_are_the_task_files_under_include_path() ->
         "pydoc_cloze",
         "pydoc_recall",
         "quantlab_bundled",
+        "pydoc_passkey",
+        "pydoc_passkey_512",
+        "pydoc_passkey_2k",
+        "pydoc_passkey_8k",
     }
     assert known_tasks(None, defaults=False) == set()
     assert task_index_identity(BUNDLED_EVALS_DIR, False) != task_index_identity(BUNDLED_EVALS_DIR)

@@ -231,7 +231,16 @@ def test_a_valid_recipe_check_is_remembered_and_used_again(tmp_path, tiny_llama)
     (names,) = [path for path, fact in facts.items() if isinstance(fact, list)]
     # The recipe's tasks are defined under its include_path: only that small index was looked up.
     assert set(facts[widths].values()) == {64, 128}
-    assert facts[names] == ["mmlu_dev", "pydoc_cloze", "pydoc_recall", "quantlab_bundled"]
+    assert facts[names] == [
+        "mmlu_dev",
+        "pydoc_cloze",
+        "pydoc_passkey",
+        "pydoc_passkey_2k",
+        "pydoc_passkey_512",
+        "pydoc_passkey_8k",
+        "pydoc_recall",
+        "quantlab_bundled",
+    ]
     # The next check reads what was remembered instead of asking transformers and lm-eval again.
     widths.write_text(json.dumps({"model.layers.0.mlp.down_proj": 48}))
     names.write_text(json.dumps(["pydoc_cloze"]))
