@@ -371,11 +371,18 @@ def main(argv: list[str] | None = None) -> int:
         for shape in recipes
         for kind in args.neighbours.split(",")
     ]
+    # The trials are drawn first (each its moment as a share of its configuration's life): only the configurations
+    # drawn are timed.
+    draw = random.Random(args.seed)
+    plan = [
+        (draw.choice(configurations), draw.choices(list(EXIT_CODES), weights=[6, 2, 2])[0], draw.random())
+        for _ in range(args.trials)
+    ]
     lives = {}
     if args.lives_from:
         for earlier in json.loads(args.lives_from.read_text()):
             lives[(earlier["executor"], earlier["recipe"], earlier["neighbour"])] = earlier["life_s"]
-    for configuration in configurations:
+    for configuration in dict.fromkeys(configuration for configuration, _, _ in plan):
         if configuration in lives:
             print(f"life of {' / '.join(configuration)}: {lives[configuration]:.1f} s (from {args.lives_from})")
             continue
@@ -385,13 +392,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"life of {executor} / {shape} / {kind}: {lives[configuration]:.1f} s", flush=True)
 
-    draw = random.Random(args.seed)
     trials = []
-    for number in range(1, args.trials + 1):
-        configuration = draw.choice(configurations)
-        how = draw.choices(list(EXIT_CODES), weights=[6, 2, 2])[0]
+    for number, (configuration, how, share) in enumerate(plan, start=1):
         life = lives[configuration]
-        trial = Trial(number, *configuration, how=how, moment_s=draw.uniform(0, life), life_s=life)
+        trial = Trial(number, *configuration, how=how, moment_s=share * life, life_s=life)
         folder = args.work_dir / f"trial-{number:03d}"
         run_trial(trial, recipes[trial.recipe], folder, args.bound, args.dump_after)
         if not trial.failures and not (folder / "py-spy.txt").is_file():
