@@ -389,9 +389,10 @@ def spec(key: str, declared: Mapping[str, Declared] | None = None) -> MetricSpec
             return MetricSpec(key, "quality/engine_floor/served/<figure>", None, base.scale, label)
     if key.startswith(SERVED_QUALITY_PREFIX):
         figure = key.removeprefix(SERVED_QUALITY_PREFIX)
-        base = spec("quality/" + figure.replace("kld_topk_", "kld_"), declared)
+        base = spec("quality/" + figure.replace("kld_topk_", "kld_").replace("ear_topk", "ear"), declared)
         if base.entry:
-            bound = " (top-k, a lower bound)" if figure.startswith("kld_topk_") else ""
+            bound = " (top-k, a lower bound)" if "kld_topk_" in figure else ""
+            bound = " (top-k, an upper bound)" if figure.endswith("ear_topk") else bound
             return MetricSpec(
                 key, "quality/served/<figure>", base.higher_is_better, base.scale, f"served {base.label}{bound}"
             )

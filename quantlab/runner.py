@@ -103,7 +103,7 @@ def run_variant(
         with stage("evaluate on engine"):
             served_scores = evaluate_served(served, recipe.evals, job.loaded.include_path, report, max_length, plan)
         with stage("damage on engine"):
-            served_tokens = served_token_damage(served, recipe.quality, tokens.reference_dir)
+            served_tokens = served_token_damage(served, recipe.quality, tokens.reference_dir, job.baseline)
         with stage("engine floor"):  # the baseline served again, otherwise batched: the engine against itself
             floor = engine_floor(
                 served, job, recipe.evals, job.loaded.include_path, report, served_scores, served_tokens, max_length
@@ -167,7 +167,11 @@ def run_variant(
         params=params,
         tags=tags,
         baseline_outputs=BaselineOutputs(
-            tokens.reference_dir, scores.documents | tokens.documents, scores.groups, scores.scores, scores.primary
+            tokens.reference_dir,
+            scores.documents | tokens.documents | served_tokens.documents,
+            scores.groups,
+            scores.scores,
+            scores.primary,
         ),
         artifacts=disjoint_union("artifact", {"answer damage": answers.artifacts, "serve": serving.artifacts}),
         datasets=scores.datasets,

@@ -36,7 +36,7 @@ from quantlab.serving.engines.vllm import parse_prompt_logprobs
 from quantlab.serving.environments import EngineMissing, engine_python, python_problem
 from quantlab.serving.settings import ServingSettings
 from quantlab.stages.serve import gpu_memory_utilization
-from recipes import REPO, tiny_recipe, write
+from recipes import ON_POLICY, REPO, tiny_recipe, write
 
 VLLM = ENGINES["vllm"]
 # vLLM's CPU build has its W4A16 kernel in its AVX-512 library alone (what AVX2 alone does: tests/test_formats.py)
@@ -502,6 +502,7 @@ def vllm_recipe(model: Path, **changes) -> dict:
             "engine": "both",
             "tasks": [{"name": "pydoc_cloze", "limit": 16}],
         },
+        "quality": ON_POLICY,  # the baseline's own continuations, scored through the engine too
         "serving": {
             "engine": "vllm",
             "plugins": ["fp8-upcast-gemm"],  # this CPU has no AMX-FP8: stock vLLM's FP8 is a reference loop
@@ -642,6 +643,33 @@ def test_quantized_variants_are_compared_with_the_baseline_on_the_engine(vllm_sw
     served_baseline = runs["bf16"].data.metrics["quality/served/kld_topk_mean"]
     for name in ("fp8", "awq") if VLLM_CPU_SERVES_W4A16 else ("fp8",):
         assert runs[name].data.metrics["quality/served/kld_topk_mean"] > served_baseline, name
+
+
+def test_on_policy_damage_is_scored_through_the_engine_and_paired_with_the_baselines_served_figures(vllm_sweep):
+    """The baseline's continuations (quality.generate) through each variant's server: the same parts and tokens as
+    the reference path counts, the baseline's engine close to its own reference, each quantized variant's damage
+    beyond it and paired with the baseline's served figures, sequence by sequence."""
+    _, runs, _, _ = vllm_sweep
+    served = "quality/served/on_policy/"
+    for name, run in runs.items():
+        metrics = run.data.metrics
+        for part in ("prompt", "generated", "gen1-32"):
+            for figure in ("kld_topk_mean", "top1_agreement", "ear_topk", "delta_nll"):
+                assert f"{served}{part}/{figure}" in metrics, (name, part, figure)
+            assert metrics[f"{served}{part}/tokens"] == metrics[f"quality/on_policy/{part}/tokens"] > 0
+        assert 0 <= metrics[f"{served}generated/ear_topk"] <= 1
+    bf16 = runs["bf16"].data.metrics
+    assert bf16[f"{served}generated/kld_topk_mean"] < 0.01 and bf16[f"{served}generated/top1_agreement"] >= 0.95
+    assert not any(key.startswith(f"quality/paired/{served}") for key in bf16)  # the baseline is what pairs
+    for name in ("fp8", "awq") if VLLM_CPU_SERVES_W4A16 else ("fp8",):
+        metrics = runs[name].data.metrics
+        assert metrics[f"{served}generated/kld_topk_mean"] > bf16[f"{served}generated/kld_topk_mean"], name
+        paired = f"quality/paired/{served}generated/kld_topk_mean"
+        assert metrics[f"{paired}/diff"] == pytest.approx(
+            metrics[f"{served}generated/kld_topk_mean"] - bf16[f"{served}generated/kld_topk_mean"]
+        )
+        assert metrics[f"{paired}/n"] == metrics[f"{served}generated/tokens"]
+        assert metrics[f"{paired}/df"] == ON_POLICY["generate"]["prompts"] - 1  # the sequences are the clusters
 
 
 def test_a_vllm_server_that_is_not_healthy_in_time_fails_its_variant_and_leaves_nothing(tmp_path, vllm_python):

@@ -13,6 +13,7 @@ import torch
 
 from quantlab.errors import BadInput
 from quantlab.evaluate import on_policy, reference
+from quantlab.evaluate.served_damage import bucketed_ear
 from quantlab.frontier import VariantSummary
 from quantlab.metrics import has_entry, paired_key, spec
 from quantlab.paired import compare
@@ -114,6 +115,26 @@ def test_expected_acceptance_is_the_overlap_of_the_two_distributions(p, q, ear):
     stored = reference.encode_logprobs(torch.tensor([p]).log())
     found = reference.expected_acceptance(stored, torch.tensor([q]).log())
     assert found.tolist() == [pytest.approx(ear, abs=1e-3)]  # fp16 storage of log p
+
+
+@pytest.mark.parametrize(
+    ("p", "q", "known", "ear"),
+    [
+        ([0.5, 0.3, 0.2], [0.5, 0.3, 0.2], [0, 1, 2], 1.0),  # the whole vocabulary reported: exact
+        ([0.9, 0.05, 0.05], [0.6, 0.3, 0.1], [0, 1, 2], 0.6 + 0.05 + 0.05),
+        # top 1 reported: 0.6 + min(0.1, 0.4), above the exact 0.7 (the bucket merges 0.05 vs 0.3 and 0.05 vs 0.1)
+        ([0.9, 0.05, 0.05], [0.6, 0.3, 0.1], [0], 0.7),
+        ([0.25, 0.25, 0.25, 0.25], [0.7, 0.1, 0.1, 0.1], [0, 1], 0.25 + 0.1 + 0.2),  # exact 0.55; a bound of 0.55
+        ([0.8, 0.1, 0.1], [0.1, 0.1, 0.8], [0], 0.1 + 0.2),  # exact 0.3 (0.1 + 0.1 + 0.1); bounded by 0.3
+    ],
+)
+def test_the_served_top_k_acceptance_bounds_the_exact_one_from_above(p, q, known, ear):
+    """The engine reports its top k: the rest of the vocabulary is one bucket on each side, and a sum of minima over
+    merged outcomes can only be larger (min(a + b, c + d) >= min(a, c) + min(b, d))."""
+    p, q = np.array(p), np.array(q)
+    bound = bucketed_ear(np.log(p[known]), np.log(q[known]))
+    assert bound == pytest.approx(ear)
+    assert bound >= float(np.minimum(p, q).sum()) - 1e-12
 
 
 def test_figures_and_documents_by_hand():

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 ON_POLICY_SUFFIX = "-on-policy"  # the pass's reference directory: the main reference's, with this suffix
 PREFIX = "quality/on_policy/"
+SERVED_PREFIX = "quality/served/on_policy/"  # the same through the engine's prompt log-probabilities
 # Generated positions are bucketed 1-32, 33-128, 129-512, ... (each bucket's last position); recipe's
 # max_new_tokens stops at the last.
 BUCKET_ENDS = (32, 128, 512, 2048, 8192)
@@ -99,17 +100,19 @@ def per_token_figures(comparison: reference.TokenComparison) -> dict[str, np.nda
     }
 
 
-def on_policy_figures(figures: Mapping[str, np.ndarray], masks: Mapping[str, np.ndarray]) -> dict[str, float]:
-    """quality/on_policy/<part>/<figure>: each figure's mean over each part's tokens, and the tokens counted."""
+def on_policy_figures(
+    figures: Mapping[str, np.ndarray], masks: Mapping[str, np.ndarray], prefix: str = PREFIX
+) -> dict[str, float]:
+    """<prefix><part>/<figure>: each figure's mean over each part's tokens, and the tokens counted."""
     found: dict[str, float] = {}
     for part, mask in masks.items():
-        found |= {f"{PREFIX}{part}/{name}": float(values[mask].mean()) for name, values in figures.items()}
-        found[f"{PREFIX}{part}/tokens"] = float(mask.sum())
+        found |= {f"{prefix}{part}/{name}": float(values[mask].mean()) for name, values in figures.items()}
+        found[f"{prefix}{part}/tokens"] = float(mask.sum())
     return found
 
 
 def on_policy_documents(
-    figures: Mapping[str, np.ndarray], masks: Mapping[str, np.ndarray], sequences: np.ndarray
+    figures: Mapping[str, np.ndarray], masks: Mapping[str, np.ndarray], sequences: np.ndarray, prefix: str = PREFIX
 ) -> dict[str, DocumentScores]:
     """The same keys per token (token index -> value), each token in the cluster of its sequence: tokens of one
     sequence share a context and, past the prompt, the continuation that the earlier ones chose."""
@@ -118,7 +121,7 @@ def on_policy_documents(
         tokens = np.flatnonzero(mask).tolist()
         clusters = dict(zip(tokens, np.asarray(sequences)[mask].astype(np.int64).tolist()))
         for name, values in figures.items():
-            found[f"{PREFIX}{part}/{name}"] = DocumentScores(
+            found[f"{prefix}{part}/{name}"] = DocumentScores(
                 Aggregation.MEAN, dict(zip(tokens, values[mask].tolist())), clusters=clusters
             )
     return found
@@ -136,17 +139,22 @@ def on_policy_damage(
         tokens = reference.baseline_comparison(ref_dir)
     else:
         tokens = reference.compare_tokens(model, ref_dir)
-    meta = reference.read_meta(ref_dir)
-    windows = reference.reference_windows(reference.read_reference(ref_dir))
-    positions = generated_positions(meta["prompt_lengths"], [w.end - w.start for w in windows])
-    masks = parts(positions)
+    masks = sequence_parts(ref_dir)
     baseline = reference.TokenComparison.of_baseline(tokens.baseline_nll, tokens.windows)
     figures = per_token_figures(tokens)
     return OnPolicyDamage(
         on_policy_figures(figures, masks),
         on_policy_documents(figures, masks, tokens.windows),
         on_policy_documents(per_token_figures(baseline), masks, tokens.windows),
-        {SETTINGS_TAG: meta["described"]},
+        {SETTINGS_TAG: reference.read_meta(ref_dir)["described"]},
+    )
+
+
+def sequence_parts(ref_dir: Path) -> dict[str, np.ndarray]:
+    """`parts` of the stored on-policy pass's scored tokens, from its sequences and their prompt lengths."""
+    windows = reference.reference_windows(reference.read_reference(ref_dir))
+    return parts(
+        generated_positions(reference.read_meta(ref_dir)["prompt_lengths"], [w.end - w.start for w in windows])
     )
 
 

@@ -11,6 +11,7 @@ the exact KL it falls at k = 20 and k = 100 is measured in benchmarks/README.md.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from quantlab.evaluate.reference import (
     TOP1_FILE,
     Window,
     read_reference,
-    scoring_windows,
+    reference_windows,
 )
 from quantlab.serving.engines.base import Engine, PositionLogprobs
 
@@ -36,9 +37,13 @@ def topk_kld(reference_logprobs: np.ndarray, token_ids: np.ndarray, engine_logpr
     """KL(P || Q) with every token outside `token_ids` merged into one bucket, P from the reference's full
     log-probabilities (renormalized), Q known on `token_ids` only: a lower bound of the exact KL (see the module);
     and P's mass in that bucket."""
-    log_p = reference_logprobs.astype(np.float64)
-    log_p = log_p - np.logaddexp.reduce(log_p)
-    return bucketed_kld(log_p[token_ids], engine_logprobs)
+    return bucketed_kld(_renormalized(reference_logprobs)[token_ids], engine_logprobs)
+
+
+def _renormalized(log_p: np.ndarray) -> np.ndarray:
+    """Stored log-probabilities (float16 on disk) made a distribution again in float64."""
+    log_p = np.asarray(log_p, dtype=np.float64)
+    return log_p - np.logaddexp.reduce(log_p)
 
 
 def bucketed_kld(log_p: np.ndarray, log_q: np.ndarray) -> tuple[float, float]:
@@ -83,7 +88,7 @@ def served_pass(
     the last window first, so that each meets other neighbours in the engine's batches)."""
     info = read_reference(reference_dir)
     tokens = np.load(info.path / TOKENS_FILE).astype(np.int64)
-    windows = scoring_windows(info.n_tokens, info.window, info.stride)
+    windows = reference_windows(info)
 
     def one(window: Window) -> list[PositionLogprobs | None]:
         return engine.prompt_logprobs(url, model_name, tokens[window.start : window.end].tolist(), top_k, timeout_s)
@@ -123,13 +128,45 @@ class ServedTokens:
 def served_token_comparison(served: ServedPass, reference_dir: Path) -> ServedTokens:
     """A served pass against the reference's stored one, token by token."""
     info = read_reference(reference_dir)
-    stored = np.load(info.path / LOGPROBS_FILE, mmap_mode="r")
-    kld, tail = np.empty(info.n_scored, dtype=np.float64), np.empty(info.n_scored, dtype=np.float64)
-    for row, found in enumerate(served.positions):
-        kld[row], tail[row] = topk_kld(np.asarray(stored[row], dtype=np.float64), found.token_ids, found.logprobs)
+    pairs = [bucketed_kld(log_p, log_q) for log_p, log_q in _known_logprobs(served, reference_dir)]
+    kld = np.array([kl for kl, _ in pairs], dtype=np.float64)
+    tail = np.array([rest for _, rest in pairs], dtype=np.float64)
     baseline_nll = np.load(info.path / NLL_FILE).astype(np.float64)
     baseline_top1 = np.load(info.path / TOP1_FILE)
     return ServedTokens(kld, tail, baseline_nll, served.nll, served.top1 == baseline_top1, served.windows)
+
+
+def bucketed_ear(log_p: np.ndarray, log_q: np.ndarray) -> float:
+    """Expected acceptance rate, sum of min(p, q), over the tokens whose log-probabilities are given plus one bucket
+    for the rest of the vocabulary: an upper bound of the exact EAR, since merging outcomes can only raise a sum of
+    minima (min(a + b, c + d) >= min(a, c) + min(b, d))."""
+    p_known, q_known = np.exp(log_p), np.exp(log_q)
+    rest = min(max(0.0, 1.0 - float(p_known.sum())), max(0.0, 1.0 - float(q_known.sum())))
+    return min(1.0, float(np.minimum(p_known, q_known).sum()) + rest)
+
+
+def served_on_policy_figures(served: ServedPass, reference_dir: Path) -> dict[str, np.ndarray]:
+    """Per token of the baseline's stored on-policy pass (quantlab.evaluate.on_policy), through the engine: the
+    top-k KL (a lower bound), top-1 agreement and delta-NLL as the served token damage has them, and the top-k EAR
+    (an upper bound, `bucketed_ear`)."""
+    known = list(_known_logprobs(served, reference_dir))
+    info = read_reference(reference_dir)
+    baseline_nll = np.load(info.path / NLL_FILE).astype(np.float64)
+    return {
+        "kld_topk_mean": np.array([bucketed_kld(log_p, log_q)[0] for log_p, log_q in known], dtype=np.float64),
+        "top1_agreement": (served.top1 == np.load(info.path / TOP1_FILE)).astype(np.float64),
+        "ear_topk": np.array([bucketed_ear(log_p, log_q) for log_p, log_q in known], dtype=np.float64),
+        "delta_nll": served.nll - baseline_nll,
+    }
+
+
+def _known_logprobs(served: ServedPass, reference_dir: Path) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Per scored token: the reference's log-probabilities (renormalized) on the tokens the engine reported, and the
+    engine's on the same tokens."""
+    info = read_reference(reference_dir)
+    stored = np.load(info.path / LOGPROBS_FILE, mmap_mode="r")
+    for row, found in enumerate(served.positions):
+        yield _renormalized(stored[row])[found.token_ids], found.logprobs
 
 
 def shared_topk_kld(first: PositionLogprobs, second: PositionLogprobs) -> tuple[float, float]:

@@ -374,19 +374,46 @@ def engine_vs_reference(reference: EvalOutcome, served: EvalOutcome) -> DamageOu
 
 
 def served_token_damage(
-    served: ServedVariant | None, settings: QualitySettings, baseline_reference: str | None
+    served: ServedVariant | None,
+    settings: QualitySettings,
+    baseline_reference: str | None,
+    baseline: BaselineOutputs | None = None,
 ) -> DamageOutcome:
     """Perplexity, top-1 agreement and a top-k KL through the engine's prompt log-probabilities, against the
-    baseline's stored pass (quality/served/...)."""
-    from quantlab.evaluate.served_damage import served_pass, served_token_comparison
+    baseline's stored pass (quality/served/...); and where the recipe generates (quality.generate), the same over the
+    baseline's own continuations, by part (quality/served/on_policy/<part>/...), paired against the baseline's served
+    figures (`baseline`: the baseline's outputs, None for the baseline itself) with the sequences as clusters."""
+    from quantlab.evaluate.on_policy import (
+        SERVED_PREFIX,
+        on_policy_documents,
+        on_policy_figures,
+        on_policy_reference_dir,
+        sequence_parts,
+    )
+    from quantlab.evaluate.reference import INFO_FILE
+    from quantlab.evaluate.served_damage import served_on_policy_figures, served_pass, served_token_comparison
 
     if served is None or not served.engine.scores_prompts or not settings.enabled or baseline_reference is None:
         return DamageOutcome({})
     url, name, top_k = served.server.url, str(served.checkpoint), served.launch.top_logprobs
     found = served_pass(served.engine, url, name, Path(baseline_reference), top_k, SERVED_WINDOWS_AT_ONCE)
-    tokens = served_token_comparison(found, Path(baseline_reference))
+    metrics = served_token_comparison(found, Path(baseline_reference)).metrics()
+    documents: dict[str, DocumentScores] = {}
+    on_policy = on_policy_reference_dir(Path(baseline_reference))
+    if settings.generate.enabled and (on_policy / INFO_FILE).is_file():
+        generated = served_pass(served.engine, url, name, on_policy, top_k, SERVED_WINDOWS_AT_ONCE)
+        figures, masks = served_on_policy_figures(generated, on_policy), sequence_parts(on_policy)
+        metrics |= on_policy_figures(figures, masks, SERVED_PREFIX)
+        documents = on_policy_documents(figures, masks, generated.windows, SERVED_PREFIX)
+        if baseline is not None:
+            paired = {
+                key: compare(key, baseline.documents[key], docs)
+                for key, docs in documents.items()
+                if key in baseline.documents
+            }
+            metrics |= _paired_metrics(paired)
     method = f"KL over the engine's top {top_k} tokens plus one bucket for the rest: a lower bound"
-    return DamageOutcome(tokens.metrics(), {SERVED_DAMAGE_TAG: method}, baseline_reference, served=found)
+    return DamageOutcome(metrics, {SERVED_DAMAGE_TAG: method}, baseline_reference, documents, served=found)
 
 
 def engine_floor(
