@@ -186,8 +186,7 @@ class VariantServer:
     model must be dropped first (the server sizes its memory from what is free), so it starts at `ready()`.
     The load generator (guidellm, when serving is on) starts early on any device: its import needs no accelerator.
     Where the load needs a server other than the scoring one (vLLM: prefix caching on), on CPU the load's server starts
-    as soon as the scoring one is asked for, so that its start runs while the variant is scored on the engine, an
-    untimed stage; the scoring server is stopped before the load's levels are timed.
+    early beside the scoring one; the scoring server is stopped before the load's levels are timed.
     `ready()` waits until it is healthy and says what it serves (None when no stage needs a server)."""
 
     def __init__(
@@ -241,7 +240,7 @@ class VariantServer:
     def wait_if_launched(self) -> None:
         """Healthy, and guidellm imported, before anything is timed: either still starting would compete with it."""
         if self._launched is not None:
-            self._ready(scoring=self._launched.launch.scoring)
+            self.ready(scoring=self._launched.launch.scoring)
         if self._standby is not None:
             wait_healthy(self._standby.server, self.recipe.serving.startup_timeout_s)
         if self._load is not None:
@@ -252,12 +251,6 @@ class VariantServer:
         engine has them) or to serve the load with the engine's defaults. A running server started the other way is
         stopped and started again where the engine's command differs; with no load to serve, the scoring server
         stays for what the serve stage reports."""
-        served = self._ready(scoring)
-        if served is not None and served.launch.scoring:
-            self._start_standby()
-        return served
-
-    def _ready(self, scoring: bool) -> ServedVariant | None:
         if not self.recipe.needs_server:
             return None
         scoring = scoring and self._scores
@@ -298,9 +291,8 @@ class VariantServer:
         return self._served
 
     def _start_standby(self) -> None:
-        """On CPU, where the load needs a server started otherwise than the scoring one, start it now: its start
-        (imports, loading) then runs beside the untimed scoring stages, and `ready(scoring=False)` only waits for it.
-        Not on a GPU, whose memory each server sizes from what is free."""
+        """On CPU, where the load needs a server started otherwise than the scoring one, start it beside that one:
+        `ready(scoring=False)` then only waits for it. Not on a GPU, whose memory each server sizes from what is free."""
         launched = self._launched
         if (
             self.device == "cpu"
