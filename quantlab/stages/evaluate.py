@@ -76,6 +76,9 @@ UNKNOWN_DIRECTION_TAG = "quantlab.direction_unknown"  # scores lm-eval declared 
 SKIPPED_TAG = "quantlab.quality.skipped"
 SERVED_DAMAGE_TAG = "quantlab.quality.served_kld"  # how quality/served/kld_topk_* was computed
 SERVED_WINDOWS_AT_ONCE = 4  # token windows in flight at once in a served pass
+# The floor's token pass: fewer at once, as twice as many would send a small corpus's windows (1,024 tokens: 4) in
+# the one group the first pass sent them in; a handful of windows, so fewer costs little.
+FLOOR_WINDOWS_AT_ONCE = SERVED_WINDOWS_AT_ONCE // 2
 ENGINE_FLOOR_TAG = "quantlab.quality.engine_floor"  # how the baseline's second served pass differed from its first
 MAX_LENGTH_PARAM = "eval.max_length"  # the tokens of a rolling perplexity window, on every path that scored the tasks
 
@@ -440,8 +443,8 @@ def engine_floor(
     if scores.documents:
         again = settings.model_copy(
             update={
-                "served_concurrency": _other(settings.served_concurrency),
-                "batch_size": _other(settings.batch_size),
+                "served_concurrency": _more(settings.served_concurrency),
+                "batch_size": _more(settings.batch_size),
             }
         )
         second = evaluate_served(served, again, include_path, lambda step: report(f"engine floor: {step}"), max_length)
@@ -456,23 +459,20 @@ def engine_floor(
         report("engine floor: token log-probabilities")
         url, name, top_k = served.server.url, str(served.checkpoint), served.launch.top_logprobs
         reference_dir = Path(tokens.reference_dir or "")
-        second = served_pass(
-            served.engine, url, name, reference_dir, top_k, _other(SERVED_WINDOWS_AT_ONCE), reverse=True
-        )
+        second = served_pass(served.engine, url, name, reference_dir, top_k, FLOOR_WINDOWS_AT_ONCE, reverse=True)
         metrics |= served_twice(tokens.served, second).metrics(ENGINE_FLOOR_PREFIX + "served/")
         passes.append(
-            f"token windows {SERVED_WINDOWS_AT_ONCE} at a time, then {_other(SERVED_WINDOWS_AT_ONCE)} at a time, "
-            "last first"
+            f"token windows {SERVED_WINDOWS_AT_ONCE} at a time, then {FLOOR_WINDOWS_AT_ONCE} at a time, last first"
         )
     what = f"{served.variant} served twice by {served.engine.label}: " + "; ".join(passes)
     return DamageOutcome(metrics, notes | {ENGINE_FLOOR_TAG: what})
 
 
-def _other(setting: int) -> int:
-    """Another concurrency or batch size than `setting`: half of it where it is more than one, else two. Any other
-    batching regroups the requests (what the floor measures); halving keeps the second pass near the first's cost,
-    where one request at a time would be the slowest pass an engine can be asked for."""
-    return setting // 2 if setting > 1 else 2
+def _more(setting: int) -> int:
+    """The tasks' other concurrency or batch size: twice `setting`. Any other batching regroups the requests (what the
+    floor measures); more at once keeps the second pass no slower than the first, where fewer in flight would make
+    the floor the sweep's slowest served pass."""
+    return setting * 2
 
 
 def eval_outcome(tasks: list[TaskScores], quiet: bool = False) -> EvalOutcome:
