@@ -956,7 +956,8 @@ def flips_command(
                 _marked(row.baseline_answer, row.baseline_correct),
                 _marked(row.variant_answer, row.variant_correct),
             )
-            shown.add_row(str(row.doc_id), escape(row.gold), *map(escape, answers), escape(row.prompt))
+            doc = str(row.doc_id) if row.repeat is None else f"{row.doc_id} (repeat {row.repeat})"
+            shown.add_row(doc, escape(row.gold), *map(escape, answers), escape(row.prompt))
         out.print(shown)
 
 

@@ -20,7 +20,7 @@ V = TypeVar("V")
 # Processes a variant runs beside itself, whose logs go next to its own (`<variant>.<process>.log`) and are kept
 # as its run's artifacts, whether it succeeds or fails.
 SIDE_PROCESSES = ("server", "scoring-server", "guidellm")
-SAMPLES_FORMAT = 4  # version of the per-document records a variant run keeps (samples.json, answers/<task>.jsonl)
+SAMPLES_FORMAT = 5  # version of the per-document records a variant run keeps (samples.json, answers/<task>.jsonl)
 
 
 @dataclass(frozen=True)

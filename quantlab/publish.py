@@ -22,6 +22,7 @@ from quantlab.decision import Decision, DecisionError, pick
 from quantlab.errors import BadInput, bad_input
 from quantlab.evaluate.flips import (
     CHANGED_DIR,
+    AnswerKey,
     ChangedAnswers,
     DocumentAnswer,
     answers_artifact,
@@ -388,15 +389,15 @@ def task_scored(params: Mapping[str, str]) -> list[str]:
     ]
 
 
-AnswersReader = Callable[[str, str], "dict[int, DocumentAnswer] | None"]  # (run id, task) -> its answers
+AnswersReader = Callable[[str, str], "dict[AnswerKey, DocumentAnswer] | None"]  # (run id, task) -> its answers
 
 
 def answers_reader(store: tracking.TrackingStore) -> AnswersReader:
     """Reads a run's answers/<task>.jsonl once (every variant is paired with the same baseline); None where the run
     has none, or what it has is not a run's answers."""
-    read: dict[tuple[str, str], dict[int, DocumentAnswer] | None] = {}
+    read: dict[tuple[str, str], dict[AnswerKey, DocumentAnswer] | None] = {}
 
-    def answers(run_id: str, task: str) -> dict[int, DocumentAnswer] | None:
+    def answers(run_id: str, task: str) -> dict[AnswerKey, DocumentAnswer] | None:
         if (run_id, task) not in read:
             text = store.read_artifact(run_id, answers_artifact(task))
             read[run_id, task] = None

@@ -23,6 +23,8 @@ from quantlab.evaluate.flips import (
     answers_jsonl,
     changed_answers,
     document_answer,
+    keyed,
+    table,
 )
 from quantlab.jobs import BaselineOutputs
 from quantlab.publish import CHANGED_TAG, changes_between, log_changed_answers, read_sweep
@@ -30,8 +32,8 @@ from quantlab.sweep import SweepOptions, run_sweep
 from recipes import tiny_recipe, write
 
 
-def _answers(*rows: tuple[int, str, bool | None]) -> dict[int, DocumentAnswer]:
-    return {doc: DocumentAnswer(doc, f"question {doc}", answer, "A", correct) for doc, answer, correct in rows}
+def _answers(*rows: tuple[int, str, bool | None]) -> dict[tuple[int, int], DocumentAnswer]:
+    return keyed(DocumentAnswer(doc, f"question {doc}", answer, "A", correct) for doc, answer, correct in rows)
 
 
 @pytest.mark.parametrize(
@@ -54,6 +56,27 @@ def test_changed_answers_are_the_documents_whose_correctness_differs(baseline, v
     assert found.paired == paired
     assert [(r.doc_id, r.baseline_answer, r.variant_answer, r.direction) for r in found.rows] == changed
     assert all(r.prompt == f"question {r.doc_id}" and r.gold == "A" for r in found.rows)
+
+
+def test_a_repeated_task_pairs_each_repeat_with_the_baseline_s_same_repeat_and_says_so():
+    def repeats(*rows: tuple[int, int, bool]) -> dict:
+        return keyed(DocumentAnswer(doc, "q", "A" if right else "B", "A", right, repeat) for doc, repeat, right in rows)
+
+    baseline = repeats((0, 1, True), (0, 2, False), (1, 1, True), (1, 2, True))
+    variant = repeats((0, 1, True), (0, 2, True), (1, 1, False), (1, 2, True))
+    found = changed_answers("t", baseline, variant)
+    assert [(r.doc_id, r.repeat, r.direction) for r in found.rows] == [
+        (0, 2, "wrong_to_correct"),
+        (1, 1, "correct_to_wrong"),
+    ]
+    assert found.words() == "2 of 4 answers (2 repeats of each document) changed (1 right to wrong, 1 wrong to right)"
+    columns, rows = table(found, "bf16", "fp8")
+    assert columns[:2] == ["doc_id", "repeat"] and [row[:2] for row in rows] == [[0, 2], [1, 1]]
+    assert answers_from_jsonl(answers_jsonl(variant)) == variant
+    # A task scored once keeps the answers lines it always had: no repeat field, no repeat column.
+    once = _answers((0, "A", True))
+    assert "repeat" not in answers_jsonl(once) and answers_from_jsonl(answers_jsonl(once)) == once
+    assert "repeat" not in table(changed_answers("t", once, _answers((0, "B", False))), "bf16", "fp8")[0]
 
 
 def _choice_sample(metric_value: float, lls: list[float], target: int, metric: str = "acc", prompt: str = "Q:"):
@@ -92,7 +115,7 @@ def test_a_document_s_answer_gold_and_correctness_from_its_lm_eval_sample(sample
     answer, gold, correct = expected
     assert found.doc_id == 4 and found.correct is correct
     assert (found.answer, found.gold) == (answer, gold)
-    assert answers_from_jsonl(answers_jsonl({4: found})) == {4: found}
+    assert answers_from_jsonl(answers_jsonl(keyed([found]))) == {(4, 0): found}
 
 
 def test_a_long_prompt_keeps_its_end():

@@ -63,7 +63,7 @@ def test_a_key_generated_is_an_exact_match_per_document(tiny_llama) -> None:
     assert score.scale is Scale.FRACTION and score.higher_is_better is True
     assert sorted(score.documents.values) == [0, 1, 2, 3] and set(score.documents.values.values()) <= {0.0, 1.0}
     passkey = passkey_module()
-    assert [scored.answers[d].gold for d in range(4)] == [row["target"] for row in passkey.documents(512, 4, 0)]
+    assert [scored.answers[d, 0].gold for d in range(4)] == [row["target"] for row in passkey.documents(512, 4, 0)]
     assert (
         scored.settings.gen_kwargs["max_gen_toks"] == MAX_GEN_TOKS and scored.settings.gen_kwargs["do_sample"] is False
     )

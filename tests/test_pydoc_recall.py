@@ -98,12 +98,12 @@ def test_generations_are_scored_per_document_and_paired(tiny_llama) -> None:
         assert settings.gen_kwargs["until"] == STOPS and settings.gen_kwargs["max_gen_toks"] == MAX_GEN_TOKS
         assert settings.gen_kwargs["do_sample"] is False  # greedy: one answer per document
         # Its answers: the generation as filtered (whitespace stripped), the gold the target
-        assert [scored.answers[d].gold for d in range(limit)] == [item["target"] for item in items]
+        assert [scored.answers[d, 0].gold for d in range(limit)] == [item["target"] for item in items]
         assert all(answer.answer == answer.answer.strip() for answer in scored.answers.values())
     # The right words after a space are an exact match; the rest are not.
     assert oracle.primary.documents.values == {d: float(d % 2 == 0) for d in range(limit)}
-    assert [oracle.answers[d].answer for d in range(0, limit, 2)] == [item["target"] for item in items[::2]]
-    assert [oracle.answers[d].correct for d in range(limit)] == [d % 2 == 0 for d in range(limit)]
+    assert [oracle.answers[d, 0].answer for d in range(0, limit, 2)] == [item["target"] for item in items[::2]]
+    assert [oracle.answers[d, 0].correct for d in range(limit)] == [d % 2 == 0 for d in range(limit)]
     # Paired document by document: the flips are the documents whose score changed.
     paired = compare(TASK, tiny.primary.documents, oracle.primary.documents)
     changed = [d for d in range(limit) if tiny.primary.documents.values[d] != oracle.primary.documents.values[d]]

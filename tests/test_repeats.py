@@ -220,6 +220,27 @@ def test_scores_are_per_item_means_over_the_repeats(sampled):
     assert back.repeats == variant.primary.documents.repeats
 
 
+def test_every_repeat_s_answers_are_kept_and_paired_with_the_baseline_s_same_repeat(sampled):
+    """The changed answers of a sampled task are its repeats' (not the first one's): repeat k of the variant against
+    repeat k of the baseline, sampled with the same seed, as its per-document scores are."""
+    from quantlab.evaluate.flips import changed_answers
+
+    baseline, _, variant = sampled
+    for task in (baseline, variant):
+        runs = task.primary.documents.repeats
+        assert sorted(task.answers) == [(doc, repeat) for doc in sorted(runs) for repeat in (1, 2)]
+        for (doc, repeat), answer in task.answers.items():
+            assert (answer.doc_id, answer.repeat, answer.correct) == (doc, repeat, bool(runs[doc][repeat - 1]))
+    found = changed_answers("ql_sampled_e", baseline.answers, variant.answers)
+    base, mine = baseline.primary.documents.repeats, variant.primary.documents.repeats
+    expected = sorted(
+        (doc, repeat) for doc in base for repeat in (1, 2) if base[doc][repeat - 1] != mine[doc][repeat - 1]
+    )
+    assert sorted((row.doc_id, row.repeat) for row in found.rows) == expected
+    assert (found.paired, found.repeats) == (8, 2)
+    assert f"{len(expected)} of 8 answers (2 repeats of each document) changed" in found.words()
+
+
 @pytest.mark.parametrize(
     ("task", "message"),
     [

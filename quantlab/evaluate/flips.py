@@ -2,13 +2,15 @@
 documents whose correctness a variant changed against the baseline (pure: records in, dataclasses out).
 
 Every run keeps its answers per leaf task (`answers/<task>.jsonl`, `DocumentAnswer` per line); the sweep's
-publishing pairs each variant's with the baseline's (`changed_answers`) into a table per task.
+publishing pairs each variant's with the baseline's (`changed_answers`) into a table per task. A task scored in
+repeats (`evals.tasks[].repeats`) keeps every repeat's answers, and repeat k of the variant pairs with repeat k of the
+baseline: both sampled with the same seed.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -26,16 +28,30 @@ def changed_artifact(task: str, suffix: str) -> str:
     return f"{CHANGED_DIR}/{task}.{suffix}"
 
 
+AnswerKey = tuple[int, int]  # (doc_id, repeat): repeat 0 for a task scored once
+
+
 @dataclass(frozen=True)
 class DocumentAnswer:
     """One document as a run saw it. `correct`: its primary score's per-document value where that is 0 or 1, else
-    None (a perplexity, a partial-credit score: no answer is right or wrong)."""
+    None (a perplexity, a partial-credit score: no answer is right or wrong). `repeat`: which of the task's repeats
+    (from 1) gave it; None for a task scored once."""
 
     doc_id: int
     prompt: str  # its last PROMPT_CHARS characters, whitespace collapsed
     answer: str  # the run's choice (the choice text), or its generation
     gold: str
     correct: bool | None = None
+    repeat: int | None = None
+
+    @property
+    def key(self) -> AnswerKey:
+        """What a run's answers are keyed by, and what pairs them with another run's."""
+        return self.doc_id, self.repeat or 0
+
+
+def keyed(answers: Iterable[DocumentAnswer]) -> dict[AnswerKey, DocumentAnswer]:
+    return {answer.key: answer for answer in answers}
 
 
 @dataclass(frozen=True)
@@ -50,6 +66,7 @@ class ChangedAnswer:
     baseline_correct: bool
     variant_answer: str
     variant_correct: bool
+    repeat: int | None = None  # the repeat both answers came from (the same seed); None for a task scored once
 
     @property
     def direction(self) -> str:
@@ -59,50 +76,56 @@ class ChangedAnswer:
 @dataclass(frozen=True)
 class ChangedAnswers:
     """One task's changed answers, and what they were looked for among: `paired` documents both runs answered with a
-    0/1 score (adaptive evaluation may have scored the variant on fewer)."""
+    0/1 score (adaptive evaluation may have scored the variant on fewer); for a task scored in `repeats`, documents x
+    repeats, each repeat against the baseline's same repeat."""
 
     task: str
     rows: tuple[ChangedAnswer, ...]
     paired: int
+    repeats: int = 1
 
     def words(self) -> str:
         worse = sum(row.direction == "correct_to_wrong" for row in self.rows)
+        among = f"answers ({self.repeats} repeats of each document)" if self.repeats > 1 else "documents"
         return (
-            f"{len(self.rows)} of {self.paired} documents changed "
+            f"{len(self.rows)} of {self.paired} {among} changed "
             f"({worse} right to wrong, {len(self.rows) - worse} wrong to right)"
         )
 
 
 def changed_answers(
-    task: str, baseline: Mapping[int, DocumentAnswer], variant: Mapping[int, DocumentAnswer]
+    task: str, baseline: Mapping[AnswerKey, DocumentAnswer], variant: Mapping[AnswerKey, DocumentAnswer]
 ) -> ChangedAnswers:
-    """The documents both runs answered with a 0/1 score whose correctness differs, by document id."""
+    """The answers both runs gave with a 0/1 score whose correctness differs, by document (and repeat: `keyed`)."""
     both = sorted(
-        doc
-        for doc in baseline.keys() & variant.keys()
-        if baseline[doc].correct is not None and variant[doc].correct is not None
+        key
+        for key in baseline.keys() & variant.keys()
+        if baseline[key].correct is not None and variant[key].correct is not None
     )
     rows = tuple(
         ChangedAnswer(
             task,
-            doc,
-            variant[doc].prompt or baseline[doc].prompt,
-            variant[doc].gold or baseline[doc].gold,
-            baseline[doc].answer,
-            bool(baseline[doc].correct),
-            variant[doc].answer,
-            bool(variant[doc].correct),
+            variant[key].doc_id,
+            variant[key].prompt or baseline[key].prompt,
+            variant[key].gold or baseline[key].gold,
+            baseline[key].answer,
+            bool(baseline[key].correct),
+            variant[key].answer,
+            bool(variant[key].correct),
+            variant[key].repeat,
         )
-        for doc in both
-        if baseline[doc].correct != variant[doc].correct
+        for key in both
+        if baseline[key].correct != variant[key].correct
     )
-    return ChangedAnswers(task, rows, len(both))
+    return ChangedAnswers(task, rows, len(both), len({variant[key].repeat for key in both}) or 1)
 
 
 def table(changed: ChangedAnswers, baseline: str, variant: str) -> tuple[list[str], list[list[Any]]]:
     """Columns and rows, the runs named in the headers (the artifacts, the MLflow table and the terminal show these)."""
+    repeats = changed.repeats > 1
     columns = [
         "doc_id",
+        *(["repeat"] if repeats else []),
         f"prompt (last {PROMPT_CHARS} characters)",
         "gold",
         f"{baseline} answer",
@@ -114,6 +137,7 @@ def table(changed: ChangedAnswers, baseline: str, variant: str) -> tuple[list[st
     rows = [
         [
             row.doc_id,
+            *([row.repeat] if repeats else []),
             row.prompt,
             row.gold,
             row.baseline_answer,
@@ -168,14 +192,21 @@ def _answer_and_gold(responses: Any, target: Any, continuations: list[str], metr
     return f"not {_cut(continuation, ANSWER_CHARS - 4)!r} (not its greedy choice)", continuation
 
 
-def answers_jsonl(answers: Mapping[int, DocumentAnswer]) -> str:
-    return "".join(json.dumps(asdict(answers[doc])) + "\n" for doc in sorted(answers))
+def answers_jsonl(answers: Mapping[AnswerKey, DocumentAnswer]) -> str:
+    return "".join(json.dumps(_record(answers[key])) + "\n" for key in sorted(answers))
 
 
-def answers_from_jsonl(text: str) -> dict[int, DocumentAnswer]:
+def _record(answer: DocumentAnswer) -> dict[str, Any]:
+    """A line of answers/<task>.jsonl: a task scored once keeps the lines it always had (no `repeat`)."""
+    record = asdict(answer)
+    if answer.repeat is None:
+        del record["repeat"]
+    return record
+
+
+def answers_from_jsonl(text: str) -> dict[AnswerKey, DocumentAnswer]:
     """ValueError (or KeyError, TypeError) where a line is not a DocumentAnswer."""
-    found = [DocumentAnswer(**json.loads(line)) for line in text.splitlines() if line.strip()]
-    return {answer.doc_id: answer for answer in found}
+    return keyed(DocumentAnswer(**json.loads(line)) for line in text.splitlines() if line.strip())
 
 
 def _zero_or_one(value: Any) -> bool | None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from quantlab import cache
-from quantlab.evaluate.flips import DocumentAnswer, document_answer
+from quantlab.evaluate.flips import AnswerKey, DocumentAnswer, document_answer, keyed
 from quantlab.metrics import NO_FILTER, EvalKey, Scale
 from quantlab.paired import Aggregation, DocumentScores
 
@@ -147,7 +147,7 @@ class TaskScores:
     settings: TaskSettings | None = None  # leaves only
     dataset: TaskDataset | None = None  # leaves only
     labels: dict[int, str] = field(default_factory=dict)  # doc_id -> end of its prompt
-    answers: dict[int, DocumentAnswer] = field(default_factory=dict)  # doc_id -> its prompt, answer and gold
+    answers: dict[AnswerKey, DocumentAnswer] = field(default_factory=dict)  # (doc_id, repeat) -> prompt, answer, gold
 
     @property
     def primary(self) -> Score:
@@ -414,8 +414,8 @@ def merge_repeats(runs: Sequence[list[TaskScores]], request: TaskRequest) -> lis
     """One task's scores from its repeats (pure): each score's value the mean over the repeats; a per-document mean
     score's documents `DocumentScores.of_repeats` (each document's value its mean, each repeat's kept), its stderr
     the se of the item means (items as clusters of their repeats); a score without per-document means has no
-    stderr (lm-eval's are per run) and says why it has no per-document analysis. Labels, answers and the dataset
-    are the first repeat's; the settings say the repeats and their seeds."""
+    stderr (lm-eval's are per run) and says why it has no per-document analysis. Every repeat's answers are kept, each
+    marked with its repeat; labels and the dataset are the first repeat's; the settings say the repeats and seeds."""
     seeds = tuple(seeds["torch_random_seed"] for seeds in request.seeds())
     merged = []
     for tasks in zip(*runs, strict=True):
@@ -424,7 +424,10 @@ def merge_repeats(runs: Sequence[list[TaskScores]], request: TaskRequest) -> lis
             raise RuntimeError(f"the repeats of {request.name} reported different scores")
         scores = [_merged_score([task.scores[index] for task in tasks]) for index in range(len(first.scores))]
         settings = replace(first.settings, repeats=len(tasks), seeds=seeds) if first.settings is not None else None
-        merged.append(replace(first, scores=scores, settings=settings))
+        answers = keyed(
+            replace(answer, repeat=repeat) for repeat, task in enumerate(tasks, 1) for answer in task.answers.values()
+        )
+        merged.append(replace(first, scores=scores, settings=settings, answers=answers))
     return merged
 
 
@@ -585,7 +588,7 @@ def _leaf_scores(task: str, request: TaskRequest, results: Mapping[str, Any]) ->
         if s.get("filter", NO_FILTER) == primary_filter and "doc_id" in s
     }
     primary = [s for s in samples if s.get("filter", NO_FILTER) == primary_filter and isinstance(s.get("doc_id"), int)]
-    answers = {int(s["doc_id"]): document_answer(s, scores[0].metric) for s in primary} if scores else {}
+    answers = keyed(document_answer(s, scores[0].metric) for s in primary) if scores else {}
     settings = _settings(task, request, results)
     return TaskScores(task, scores, False, settings, _dataset(task, results, settings), labels, answers)
 

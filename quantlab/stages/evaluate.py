@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, TypeVar
 from quantlab import adaptive, cache
 from quantlab.corpora import load_texts
 from quantlab.evaluate.damage import flip_metrics, paired_flips, recovery
-from quantlab.evaluate.flips import DocumentAnswer, answers_artifact, answers_jsonl
+from quantlab.evaluate.flips import AnswerKey, DocumentAnswer, answers_artifact, answers_jsonl
 from quantlab.metrics import (
     ADAPTIVE_PARAM,
     ADAPTIVE_TAG_PREFIX,
@@ -49,7 +49,9 @@ class EvalOutcome:
     params: dict[str, str] = field(default_factory=dict)  # eval.<task>.<setting>: what each task ran with
     tags: dict[str, str] = field(default_factory=dict)  # declarations, notes, unknown directions
     labels: dict[str, dict[int, str]] = field(default_factory=dict)  # task -> doc id -> short text
-    answers: dict[str, dict[int, DocumentAnswer]] = field(default_factory=dict)  # leaf task -> doc id -> its answer
+    answers: dict[str, dict[AnswerKey, DocumentAnswer]] = field(
+        default_factory=dict
+    )  # leaf task -> (doc id, repeat) -> its answer
     datasets: tuple[TaskDataset, ...] = ()
     # Score keys scored on a subset of the baseline's documents (adaptive evaluation stopped their task early): paired
     # with the baseline on those documents alone.
