@@ -5,6 +5,7 @@ consistent, and no server left after success, after failures, or after the sweep
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -32,7 +33,7 @@ from quantlab.recipe import Recipe
 from quantlab.serving.engines import ENGINES
 from quantlab.serving.engines.transformers_serve import CPU_ENTRY, FIXED_LENGTH, STOCK_ENTRY
 from quantlab.serving.goodput import Price, goodput_level, misses, summarize, usd_per_million_tokens
-from quantlab.serving.launcher import ServerFailed, launched_server, running_server
+from quantlab.serving.launcher import ServerFailed, launched_server, running_server, wait_healthy
 from quantlab.serving.levels import LoadLevel, ReportError, level_label, levels_from_metrics, load_levels
 from quantlab.serving.load import LoadFailed, LoadGenerator, run_load, scenario
 from quantlab.serving.pricing import CPU_USD_PER_CORE_HOUR, serving_price, table_entry_for
@@ -489,6 +490,25 @@ def test_a_server_that_never_becomes_healthy_fails_with_its_log_and_is_stopped(t
     assert "serving.startup_timeout_s" in str(failure.value) and "its log ends" in str(failure.value)
     assert time.monotonic() - started < 30
     assert _gone(str(tiny_llama.path), timeout=5)
+
+
+def test_a_server_started_early_and_waited_for_after_its_deadline_is_healthy_not_failed(tmp_path):
+    """A server launched beside the evaluate stage is first waited for when that stage ends, which on CPU can be
+    after its start-up deadline: long healthy by then, it passes (it once failed without a single health request)."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "health").write_text("ok")  # GET /health answers 200
+
+    def command_for(port: int) -> list[str]:
+        return [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "-d", str(tmp_path / "site")]
+
+    with launched_server(command_for, "transformers", tmp_path / "server.log", os.environ) as server:
+        wait_healthy(server, 60)
+        started_long_ago = dataclasses.replace(server, started_at=time.monotonic() - 1000)
+        wait_healthy(started_long_ago, 300)  # its deadline passed 700 s ago
+        server.process.kill()
+        server.process.wait()
+        with pytest.raises(ServerFailed, match="the server stopped before it was healthy"):
+            wait_healthy(started_long_ago, 300)
 
 
 def test_a_taken_port_is_named(tmp_path, tiny_llama):
