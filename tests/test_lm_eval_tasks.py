@@ -30,7 +30,7 @@ from quantlab.evaluate.lm_eval_runner import (
     task_manager,
     task_names,
 )
-from quantlab.jobs import BaselineOutputs
+from quantlab.jobs import SAMPLES_FORMAT, BaselineOutputs
 from quantlab.paired import Aggregation, DocumentScores, Group
 from quantlab.stages.evaluate import EvalOutcome, answer_damage, eval_outcome
 from recipes import tiny_recipe, write
@@ -531,7 +531,7 @@ def test_samples_artifact_keeps_every_analysable_score_per_document(swept):
     client = MlflowClient(uri)
     data = json.loads(Path(client.download_artifacts(runs["fp8"].info.run_id, "samples.json")).read_text())
     restored = BaselineOutputs.from_samples(data, None)
-    assert data["version"] == 4  # samples.json and answers/<task>.jsonl: the per-document records
+    assert data["version"] == SAMPLES_FORMAT == 5  # samples.json and answers/<task>.jsonl: the per-document records
     assert restored.documents["eval/ql_wikitext/bits_per_byte"].aggregation is Aggregation.BITS_PER_BYTE
     assert restored.groups["eval/ql_mmlu/acc"].weights == pytest.approx((3 / 7, 4 / 7))
     for key, documents in restored.documents.items():

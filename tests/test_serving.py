@@ -414,8 +414,11 @@ def test_a_served_variant_logs_consistent_figures(served):
     # The load's verdict counts the server and guidellm as the stage's own work, not as other work.
     assert outcome.tags["quantlab.cost_contended"] in ("true", "false")
     assert outcome.tags["quantlab.cost.contention"].split(":")[0] in ("contended", "not contended")
-    if outcome.tags["quantlab.cost_contended"] == "false":  # (other work that took the cores takes its share too)
-        assert metrics["measure/serve/cpu_seconds_per_wall_second"] > 0.5, outcome.tags["quantlab.cost.contention"]
+    # Uncontended, the stage's own share counts the server's and guidellm's CPU, on which the stage's own process only
+    # waits. 0.5 failed on a fast machine, where guidellm's fixed waits between runs take more of the stage's wall
+    # time (0.39-0.47 there).
+    if outcome.tags["quantlab.cost_contended"] == "false":
+        assert metrics["measure/serve/cpu_seconds_per_wall_second"] > 0.25, outcome.tags["quantlab.cost.contention"]
     # Continuous batching: four streams on the same server decode together.
     assert metrics["cost/serving/c4/output_tokens_per_s"] > metrics["cost/serving/c1/output_tokens_per_s"]
     assert metrics["cost/serving/peak_tokens_per_s"] == metrics["cost/serving/c4/output_tokens_per_s"]
