@@ -49,9 +49,8 @@ class EvalOutcome:
     params: dict[str, str] = field(default_factory=dict)  # eval.<task>.<setting>: what each task ran with
     tags: dict[str, str] = field(default_factory=dict)  # declarations, notes, unknown directions
     labels: dict[str, dict[int, str]] = field(default_factory=dict)  # task -> doc id -> short text
-    answers: dict[str, dict[AnswerKey, DocumentAnswer]] = field(
-        default_factory=dict
-    )  # leaf task -> (doc id, repeat) -> its answer
+    # leaf task -> (doc id, repeat) -> its answer
+    answers: dict[str, dict[AnswerKey, DocumentAnswer]] = field(default_factory=dict)
     datasets: tuple[TaskDataset, ...] = ()
     # Score keys scored on a subset of the baseline's documents (adaptive evaluation stopped their task early): paired
     # with the baseline on those documents alone.
