@@ -4,13 +4,14 @@ Issue 47's goal: the embedded sweep's cold time grows by at most 60 s with the d
 (`quality.generate`) and the generation and retrieval tasks (`pydoc_recall`, `pydoc_passkey_512`). The copy written
 beside the stores drops those three (the tasks' drop limits with them) and changes nothing else. Each sweep runs
 `--force` into a store and a cold cache of its own (the GGUF's conversion, every checkpoint and the baseline's
-reference pass built in both), the copy first: on a machine that slows under sustained load, the shipped recipe runs
-second, so a slowdown counts against it. Printed: both walls and their difference, each variant's evaluate and
-damage stage seconds on each side, and the intervals the decode path's figures reach (paired with the baseline).
+reference pass built in both). `--rounds 2` runs the sides in the order without, shipped, shipped, without (ABBA): on
+a machine whose speed drifts under sustained load, a steady drift then counts as much against each side. Printed:
+every wall and each side's mean, their difference, each variant's evaluate and damage stage seconds (means over the
+rounds), and the intervals the decode path's figures reach (paired with the baseline).
 
 Run it alone on the machine:
 
-    .venv/bin/python benchmarks/decode_path_cost.py --work-dir /tmp/decode-path-cost
+    .venv/bin/python benchmarks/decode_path_cost.py --work-dir /tmp/decode-path-cost --rounds 2
 """
 
 from __future__ import annotations
@@ -52,30 +53,43 @@ def variant_metrics(work: Path, experiment: str) -> dict[str, dict[str, float]]:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-dir", type=Path, required=True, help="stores, logs and caches go here")
+    parser.add_argument("--rounds", type=int, default=1, help="sweeps per side, in ABBA order (default 1)")
     args = parser.parse_args(argv)
     work = args.work_dir.resolve()
     shipped = yaml.safe_load(RECIPE.read_text())
     stripped_path = work / "without-decode-path.yaml"
     work.mkdir(parents=True, exist_ok=True)
     stripped_path.write_text(yaml.safe_dump(without_decode_path(shipped), sort_keys=False))
-    seconds = {}
-    for side, recipe in (("without", stripped_path), ("shipped", RECIPE)):
-        print(f"sweeping {side} the decode path ...", flush=True)
-        seconds[side] = sweep(recipe, work / side)
-    grown = seconds["shipped"] - seconds["without"]
+    recipes = {"without": stripped_path, "shipped": RECIPE}
+    order = [side for round_ in range(args.rounds) for side in (recipes if round_ % 2 == 0 else reversed(recipes))]
+    folders: dict[str, list[Path]] = {side: [] for side in recipes}
+    seconds: dict[str, list[float]] = {side: [] for side in recipes}
+    for side in order:
+        folder = work / f"{side}-{len(folders[side]) + 1}"
+        print(f"sweeping {side} the decode path ({folder.name}) ...", flush=True)
+        folders[side].append(folder)
+        seconds[side].append(sweep(recipes[side], folder))
+    mean = {side: sum(walls) / len(walls) for side, walls in seconds.items()}
+    grown = mean["shipped"] - mean["without"]
     verdict = "within" if grown <= GOAL_SECONDS else "over"
+    walls = {side: " / ".join(f"{wall:.1f}" for wall in walls) for side, walls in seconds.items()}
     print(
-        f"\nembedded sweep, cold, --force: without the decode path {seconds['without']:.1f} s, as shipped "
-        f"{seconds['shipped']:.1f} s: +{grown:.1f} s ({verdict} the {GOAL_SECONDS:.0f} s goal)\n"
+        f"\nembedded sweep, cold, --force, in the order {', '.join(order)}: without the decode path {walls['without']} s "
+        f"(mean {mean['without']:.1f}), as shipped {walls['shipped']} s (mean {mean['shipped']:.1f}): "
+        f"+{grown:.1f} s ({verdict} the {GOAL_SECONDS:.0f} s goal)\n"
     )
-    metrics = {side: variant_metrics(work / side, shipped["name"]) for side in seconds}
+    runs = {side: [variant_metrics(folder, shipped["name"]) for folder in folders[side]] for side in recipes}
+    metrics = {side: found[-1] for side, found in runs.items()}
+
+    def stage_mean(side: str, name: str, stage: str) -> float | None:
+        found = [
+            run[name][f"time/{stage}_seconds"] for run in runs[side] if f"time/{stage}_seconds" in run.get(name, {})
+        ]
+        return sum(found) / len(found) if found else None
+
     print(f"{'variant':<14}{'evaluate without':>17}{'shipped':>9}{'damage without':>16}{'shipped':>9}")
     for name in metrics["shipped"]:
-        cells = [
-            metrics[side].get(name, {}).get(f"time/{stage}_seconds")
-            for stage in ("evaluate", "damage")
-            for side in ("without", "shipped")
-        ]
+        cells = [stage_mean(side, name, stage) for stage in ("evaluate", "damage") for side in ("without", "shipped")]
         print(
             f"{name:<14}" + "".join(f"{'-' if c is None else f'{c:.0f} s':>{w}}" for c, w in zip(cells, (17, 9, 16, 9)))
         )
