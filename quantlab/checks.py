@@ -15,6 +15,7 @@ from typing import Any
 from quantlab import cache
 from quantlab.corpora import text_source_problem
 from quantlab.errors import BadInput, Problem, did_you_mean
+from quantlab.metrics import EvalKey
 from quantlab.models import (
     hub_reachable,
     in_local_cache,
@@ -72,7 +73,7 @@ def check_recipe(
     that this machine cannot reach (nor has cached) is bad input; with `hub_optional` (`quantlab
     validate`) what needs the hub is listed in `needs_hub` instead.
     """
-    from quantlab.evaluate.lm_eval_runner import known_tasks, repeat_problem, task_index_identity
+    from quantlab.evaluate.lm_eval_runner import known_tasks, names_scored, repeat_problem, task_index_identity
 
     recipe, shown = loaded.recipe, str(loaded.path)
     remembered = cache_root / RECIPE_CHECKS_DIR if cache_root is not None else None
@@ -121,6 +122,7 @@ def check_recipe(
     except BadInput as error:
         problems += [Problem(shown, "model.source", problem.message) for problem in error.problems]
     task_names = [task.name for task in recipe.evals.tasks]
+    unresolved = False
     if task_names:
         include = loaded.include_path
         # The recipe's own task files first: lm-eval's whole index is needed only for names they lack
@@ -130,6 +132,7 @@ def check_recipe(
             known |= set(look_up(task_index_identity(include), lambda: sorted(known_tasks(include))))
         for index, name in enumerate(task_names):
             if name not in known:  # a close name among lm-eval's ~10k: a stricter cutoff than for a recipe's few
+                unresolved = True
                 message = f"lm-eval cannot resolve task '{name}'{did_you_mean(name, known, cutoff=0.75)}"
                 problems.append(Problem(shown, f"evals.tasks[{index}].name", message))
             elif (task := recipe.evals.tasks[index]).repeats > 1 and (
@@ -139,6 +142,13 @@ def check_recipe(
             elif task.repeats > 1 and recipe.evals.adaptive:  # its stages would pair part of each repeat's documents
                 why = "a task in repeats scores every document: run it with evals.adaptive false, or with repeats 1"
                 problems.append(Problem(shown, f"evals.tasks[{index}] ({name}).repeats", why))
+
+    def scored() -> set[str]:
+        identity = task_index_identity(loaded.include_path) | {"scored_under": sorted(task_names)}
+        return set(look_up(identity, lambda: sorted(names_scored(task_names, loaded.include_path))))
+
+    if not unresolved:  # with a task lm-eval cannot resolve, nothing says what the recipe scores
+        problems += unscored_limits(recipe, shown, scored)
     if hub_optional and task_names:
         local = _tasks_defined_under(loaded.include_path)
         if hub_tasks := [name for name in task_names if name not in local]:
@@ -151,6 +161,26 @@ def check_recipe(
     if problems:
         raise BadInput(problems)
     return replace(loaded, lookups=tuple(lookups), needs_hub=tuple(needs_hub))
+
+
+def unscored_limits(recipe: Recipe, shown: str, scored: Callable[[], set[str]]) -> list[Problem]:
+    """A drop limit on an lm-eval score of a task the recipe never scores: the sweep would run whole, then every
+    variant would fail the policy for a metric nobody logged. `scored`: the requested tasks and every task and group
+    below them (lm-eval's group tree), asked for only when a limit names a task that is not itself requested."""
+    requested = [task.name for task in recipe.evals.tasks]
+    named = {key: parsed.task for key in recipe.frontier.default_policy.max_drop if (parsed := EvalKey.parse(key))}
+    elsewhere = {key: task for key, task in named.items() if task not in requested}
+    known = scored() if elsewhere and requested else set()
+    listed = f"{', '.join(requested)}, and the tasks below them" if requested else "none"
+    return [
+        Problem(
+            shown,
+            f"frontier.default_policy.max_drop.{key}",
+            f"the recipe scores no task '{task}' (evals.tasks: {listed})" + did_you_mean(task, known),
+        )
+        for key, task in elsewhere.items()
+        if task not in known
+    ]
 
 
 def serving_problems(

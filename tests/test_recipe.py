@@ -254,6 +254,39 @@ def test_a_valid_recipe_check_is_remembered_and_used_again(tmp_path, tiny_llama)
     )
 
 
+RECALL = "eval/pydoc_recall/exact_match:remove_whitespace"
+PASSKEY_512 = "eval/pydoc_passkey_512/exact_match:remove_whitespace"
+
+
+@pytest.mark.parametrize(
+    ("tasks", "limits", "problem"),
+    [
+        (["mmlu_dev", "pydoc_cloze"], {"eval/pydoc_cloze/acc": 5}, None),
+        (["mmlu_dev", "pydoc_cloze"], {"quality/ppl": "+2%"}, None),  # not an lm-eval score: no task to find
+        (["pydoc_passkey"], {PASSKEY_512: 20}, None),  # a tag's task
+        (["quantlab_bundled"], {RECALL: 20, "eval/mmlu_dev/acc": 10}, None),  # tasks below a requested name
+        (["mmlu_dev", "pydoc_cloze"], {RECALL: 16}, f"max_drop.{RECALL}: the recipe scores no task 'pydoc_recall'"),
+        (["pydoc_passkey"], {"eval/pydoc_cloze/acc": 5}, "no task 'pydoc_cloze' (evals.tasks: pydoc_passkey, and"),
+        (["pydoc_cloze"], {"eval/pydoc_clozee/acc": 5}, "'pydoc_clozee' (evals.tasks: pydoc_cloze, and the tasks"),
+        (["quantlab_bundled"], {"eval/pydoc_recal/exact_match": 5}, "(did you mean 'pydoc_recall'?)"),
+        ([], {"eval/pydoc_cloze/acc": 5}, "the recipe scores no task 'pydoc_cloze' (evals.tasks: none)"),
+    ],
+)
+def test_a_drop_limit_on_a_task_the_recipe_does_not_score_is_refused(tmp_path, tiny_llama, tasks, limits, problem):
+    """Such a limit would let the whole sweep run, then fail every variant for a metric no run logged."""
+    recipe = tiny_recipe(
+        tiny_llama.path,
+        evals={"include_path": str(REPO / "evals"), "tasks": [{"name": name, "limit": 2} for name in tasks]},
+        frontier={"default_policy": {"max_drop": limits}},
+    )
+    path = write(tmp_path / "recipe.yaml", recipe)
+    if problem is None:
+        validate(path)
+        return
+    (found,) = _problems(path)
+    assert found.startswith(f"{path}: frontier.default_policy.max_drop.") and problem in found, found
+
+
 def test_load_recipe_does_not_touch_the_model(tmp_path):
     """The first pass needs only the file: a hub id that cannot be reached still parses."""
     loaded = load_recipe(write(tmp_path / "recipe.yaml", tiny_recipe("org/model", evals={})))

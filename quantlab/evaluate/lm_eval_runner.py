@@ -528,6 +528,12 @@ def task_names(name: str, index: Mapping[str, Any], structure: Mapping[str, list
     return {name}.union(*(task_names(child, index, structure) for child in below))
 
 
+def names_scored(names: Sequence[str], include_path: Path | None) -> set[str]:
+    """Every task, group and tag that requesting `names` scores: each name and everything below it."""
+    index = task_manager_for(names, include_path).task_index
+    return set().union(*(task_names(name, index) for name in names))
+
+
 # The sections of lm-eval's results dict that are keyed by task or group.
 _PER_TASK = (
     "results",
