@@ -16,6 +16,7 @@ quantlab.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
 import sys
 import time
 from pathlib import Path
@@ -36,6 +37,14 @@ def start_fork_server() -> None:
     first.join()
 
 
+def stop_fork_server() -> None:
+    """Stops the fork server and waits for it. Left to outlive this process, it would be orphaned, and its CPU time,
+    with that of every manager and worker it forked (it reaps them), would leave the serve stage's process tree:
+    counted as other work, not the load's own (quantlab.measure.contention)."""
+    # The standard library's only way to stop its fork server and reap it (multiprocessing's own tests use it).
+    multiprocessing.forkserver._forkserver._stop()
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: python -m quantlab.serving.guidellm_runner READY SCENARIO", file=sys.stderr)
@@ -48,8 +57,10 @@ def main(argv: list[str]) -> int:
     ready.touch()
     while not scenario.exists():  # written whole (renamed into place) once the server is ready and warmed up
         time.sleep(POLL_S)
-    # Exits the process with guidellm's own exit code (click's standalone mode).
-    cli.main(["run", "--scenario", str(scenario), "--disable-console-interactive"], prog_name="guidellm")
+    try:  # exits the process with guidellm's own exit code (click's standalone mode)
+        cli.main(["run", "--scenario", str(scenario), "--disable-console-interactive"], prog_name="guidellm")
+    finally:
+        stop_fork_server()
     return 0
 
 
