@@ -31,7 +31,7 @@ from quantlab.paired import (
     Outcome,
     RepeatVariance,
     Settling,
-    agresti_min_se,
+    flip_se,
     float_slack,
     holm_alphas,
     logged_variance,
@@ -147,8 +147,10 @@ class _Evidence:
 
     def selected(self, alpha: float) -> dict[str, float | None]:
         """The drop's interval given that its one-sided (1 - alpha) bound was within the limit: on its se, or on 0/1
-        scores Agresti and Min's with the Wald bound standing in for Tango's (a normal approximation)."""
-        se = self.se if self.flips is None else agresti_min_se(self.n, *self.flips)
+        scores the se that Tango's interval from the flips implies (`flip_se`), the normal bound on it standing in for
+        Tango's. Agresti and Min's Wald se is far narrower where flips are few: on 40 documents without one, +-4.7 pts
+        against Tango's +-8.8, and the interval then missed true drops the verdict's own bounds allowed."""
+        se = self.se if self.flips is None else flip_se(self.n, *self.flips)
         threshold = self.limit - quantile(1 - alpha, self.df) * se
         low, high = selection_adjusted_interval(self.drop, se, threshold, df=self.df)
         finite_or_none = {

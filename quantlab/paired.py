@@ -503,6 +503,13 @@ def agresti_min_se(n: int, correct_to_wrong: int, wrong_to_correct: int) -> floa
     return math.sqrt((b + c) - (c - b) ** 2 / adjusted_n) / adjusted_n
 
 
+def flip_se(n: int, correct_to_wrong: int, wrong_to_correct: int) -> float:
+    """The standard error that Tango's two-sided 95% interval from the flips implies: its width over 2 z (nan without
+    documents)."""
+    low, high = flip_interval(n, correct_to_wrong, wrong_to_correct)
+    return (high - low) / (2 * quantile(0.975))
+
+
 def mcnemar_exact_p(correct_to_wrong: int, wrong_to_correct: int) -> float:
     """Exact McNemar test: two-sided binomial test of the discordant pairs against p = 1/2
     (no discordant pair: no evidence of a difference, p = 1)."""
