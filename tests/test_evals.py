@@ -137,7 +137,13 @@ def test_a_recipe_of_local_tasks_is_checked_without_lm_evals_whole_index(tmp_pat
         recipe = load_recipe(REPO / "recipes" / "smollm2-135m.yaml")
         chosen = [task.model_copy(update={"name": name}) for name, task in zip(tasks, recipe.recipe.evals.tasks)]
         evals = recipe.recipe.evals.model_copy(update={"tasks": chosen})
-        recipe = replace(recipe, recipe=recipe.recipe.model_copy(update={"evals": evals}))
+        # the policy's limits on the tasks left out go too: validate refuses a limit on a task the recipe does not score
+        policy = recipe.recipe.frontier.default_policy
+        kept = {key: limit for key, limit in policy.max_drop.items() if key.split("/")[1] in tasks}
+        frontier = recipe.recipe.frontier.model_copy(
+            update={"default_policy": policy.model_copy(update={"max_drop": kept})}
+        )
+        recipe = replace(recipe, recipe=recipe.recipe.model_copy(update={"evals": evals, "frontier": frontier}))
         checked = check_recipe(recipe, tmp_path)
         return [identity.get("defaults", True) for identity, _ in checked.lookups if "lm_eval" in identity]
 
