@@ -415,8 +415,8 @@ def test_a_served_variant_logs_consistent_figures(served):
     assert outcome.tags["quantlab.cost_contended"] in ("true", "false")
     assert outcome.tags["quantlab.cost.contention"].split(":")[0] in ("contended", "not contended")
     # Uncontended, the stage's own share counts the server's and guidellm's CPU, on which the stage's own process only
-    # waits. 0.5 failed on a fast machine, where guidellm's fixed waits between runs take more of the stage's wall
-    # time (0.39-0.47 there).
+    # waits. 0.5 failed (0.39-0.47) while guidellm's fork server, orphaned at its runner's exit, took its own and its
+    # workers' CPU time out of the stage's tree (quantlab.serving.guidellm_runner now reaps it); the bound is kept low.
     if outcome.tags["quantlab.cost_contended"] == "false":
         assert metrics["measure/serve/cpu_seconds_per_wall_second"] > 0.25, outcome.tags["quantlab.cost.contention"]
     # Continuous batching: four streams on the same server decode together.
