@@ -184,8 +184,9 @@ def _config_fact_identity(fact: str, source: ModelSource) -> dict[str, str]:
 
 
 def linear_input_widths(source: ModelSource) -> dict[str, int]:
-    """Input width of every nn.Linear except lm_head, from the config alone: read off a Llama checkpoint
-    directory's config.json (`_llama_widths`), else from the model built on the meta device (no weights)."""
+    """Input width of every nn.Linear except lm_head, from the config alone: read off a plain Llama's config
+    (`_llama_widths`: a checkpoint directory's config.json, or a GGUF file's metadata), else from the model built on
+    the meta device (no weights)."""
     if (widths := _llama_widths(source)) is not None:
         return widths
     import torch
@@ -200,20 +201,25 @@ def linear_input_widths(source: ModelSource) -> dict[str, int]:
 # The Llama config.json fields that decide its Linear layers' input widths; each must be written in the file, so that
 # no class default (which another model type, or another transformers, may set otherwise) is guessed at.
 _LLAMA_WIDTH_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# Where a GGUF file of the llama architecture keeps those fields (and head_dim): transformers' own mapping
+# (transformers.integrations.ggml.GGUF_CONFIG_MAPPING["llama"]), written out because importing that module costs about
+# 2 s; tests/test_models.py holds the widths read through it to the meta build of the same file.
+_GGUF_LLAMA_FIELDS = {
+    "llama.embedding_length": "hidden_size",
+    "llama.feed_forward_length": "intermediate_size",
+    "llama.block_count": "num_hidden_layers",
+    "llama.attention.head_count": "num_attention_heads",
+    "llama.rope.dimension_count": "head_dim",
+}
 
 
 def _llama_widths(source: ModelSource) -> dict[str, int] | None:
-    """The widths `linear_input_widths` reads off the meta model, in its order, for a checkpoint directory whose
-    config.json describes a plain Llama (LlamaForCausalLM: attention q/k/v/o and MLP gate/up/down per layer);
-    None for anything else (another model type, remote code, a quantization config, a field left to its
-    default), which is built on the meta device instead. Saves importing transformers and torch in a sweep's
-    own process, which needs neither otherwise. tests/test_models.py holds both ways to the same answer."""
-    if source.kind != "local_dir":
-        return None
-    try:
-        config = json.loads((Path(source.location) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None  # the meta build reads it again and says why it cannot
+    """The widths `linear_input_widths` reads off the meta model, in its order, for a plain Llama
+    (LlamaForCausalLM: attention q/k/v/o and MLP gate/up/down per layer); None for anything else (another model type,
+    remote code, a quantization config, a field left to its default), which is built on the meta device instead.
+    Saves importing transformers and torch in a sweep's own process, which needs neither otherwise (and, for a GGUF,
+    the config transformers builds from its whole metadata). tests/test_models.py holds both ways to the same answer."""
+    config = _llama_config(source)
     if (
         not isinstance(config, dict)
         or config.get("model_type") != "llama"
@@ -236,6 +242,27 @@ def _llama_widths(source: ModelSource) -> dict[str, int] | None:
         "mlp.down_proj": intermediate,
     }
     return {f"model.layers.{layer}.{name}": width for layer in range(layers) for name, width in per_layer.items()}
+
+
+def _llama_config(source: ModelSource) -> object:
+    """The config fields `_llama_widths` reads: a checkpoint directory's config.json, or a local GGUF file's metadata
+    of the llama architecture as transformers maps it; None where neither applies (a hub model, another GGUF
+    architecture, a file that cannot be read: the meta build reads it again and says why it cannot)."""
+    if source.kind == "local_dir":
+        try:
+            return json.loads((Path(source.location) / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+    if source.kind != "gguf" or source.gguf_file is None:
+        return None
+    try:
+        fields = gguf_reader(Path(source.location) / source.gguf_file).fields
+    except Exception:  # noqa: BLE001 - any unreadable file: the meta build reads it again and says why it cannot
+        return None
+    if (architecture := fields.get("general.architecture")) is None or architecture.contents() != "llama":
+        return None
+    found = {name: fields[key].contents() for key, name in _GGUF_LLAMA_FIELDS.items() if key in fields}
+    return {"model_type": "llama"} | found
 
 
 def _positive_int(value: object) -> bool:

@@ -320,12 +320,20 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def _laid_out(fig):
+    """`fig` with its constrained layout computed once and then kept: saved in two formats, each savefig would lay it
+    out again in a whole draw of its own (which it skips only for a figure without a layout engine: not "none")."""
+    fig.draw_without_rendering()
+    fig.set_layout_engine(None)
+    return fig
+
+
 def render_plots(frontiers: Frontiers, out_dir: Path, model: str) -> list[Plot]:
     """plots/<pair>.png and .svg; frontier.png has every pair in one image for MLflow's one-picture view."""
     (out_dir / "plots").mkdir(parents=True, exist_ok=True)
     plots = []
     for index, result in enumerate(frontiers.results):
-        fig = figure(result, model, f"pt{index}")
+        fig = _laid_out(figure(result, model, f"pt{index}"))
         stem = out_dir / "plots" / re.sub(r"[^a-z0-9]+", "-", result.pair.name.lower()).strip("-")
         plots.append(Plot(_save(fig, stem.with_suffix(".png")), _save(fig, stem.with_suffix(".svg"))))
     render_overview(frontiers, out_dir / "frontier.png", model)

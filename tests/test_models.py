@@ -184,10 +184,29 @@ def test_anything_but_a_plain_llama_config_is_built_on_the_meta_device(config, t
     assert linear_input_widths(source) == {} and built == [str(tmp_path)]
 
 
-def test_gguf_and_hub_sources_are_built_on_the_meta_device(tmp_path):
+def test_a_llama_gguf_s_widths_are_read_off_its_metadata_as_the_meta_build_gives_them(monkeypatch):
+    """The embedded GGUF's widths come from its metadata through transformers' field mapping, without transformers:
+    name for name, width for width and in the same order as the model transformers builds from the same file."""
+    from quantlab import models
+
+    source = resolve_source(ModelSpec(source=EMBEDDED_GGUF), Path.cwd())
+    expected = _meta_widths(source)
+    monkeypatch.setattr(models, "_meta_model", lambda source: pytest.fail("built on the meta device"))
+    assert list(linear_input_widths(source).items()) == list(expected.items())
+
+
+def test_another_gguf_architecture_and_hub_sources_are_built_on_the_meta_device(tmp_path):
+    import gguf
+
     from quantlab.models import _llama_widths
 
-    assert _llama_widths(resolve_source(ModelSpec(source=EMBEDDED_GGUF), tmp_path)) is None
+    writer = gguf.GGUFWriter(tmp_path / "other.gguf", "gpt2")
+    for key, value in {"embedding_length": 64, "feed_forward_length": 128, "block_count": 2}.items():
+        writer.add_uint32(f"gpt2.{key}", value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    assert _llama_widths(resolve_source(ModelSpec(source=str(tmp_path / "other.gguf")), tmp_path)) is None
     assert _llama_widths(resolve_source(ModelSpec(source="org/model"), tmp_path)) is None
 
 
