@@ -12,6 +12,11 @@ Two recipes, each swept twice with everything identical but `evals.adaptive` (fa
   embedded recipe's (recipes/smollm2-135m.yaml) `frontier.default_policy`, limits those bundled tasks can show, less
   its limits on tasks the schemes recipe does not score (a limit on a metric no run logs fails every variant).
   Its `evals.include_path` is written absolute, since the copy lives elsewhere than recipes/.
+- schemes-all: the same copy over every document of its bundled tasks (mmlu_dev 281, pydoc_cloze 448) instead of the
+  recipe's 40 and 100. Adaptive evaluation cannot stop a 40-question task early at the embedded policy's 12 points:
+  with no answer changed, 20 questions show 30.5 points at the half-way stage's O'Brien-Fleming level (0.0015), and
+  30 show 15.6 at the third stage's (0.009); over all 281, 141 show 5.9 at the half-way stage. Its serving is off (`serving.enabled: false`): the load stage has no part
+  in what is compared, and would add about half an hour of the 12 sweeps' time on 2 cores.
 
 The full sweep runs first and builds the checkpoints the cache lacks (one both sweeps share); the adaptive one reuses
 them, so what differs between the two is evaluation, not quantization (the sweeps' wall times still differ by any
@@ -27,6 +32,7 @@ under adaptive evaluation; exits 1 if any differs.
     .venv/bin/python benchmarks/adaptive_sweeps.py --recipe mmlu --work-dir /tmp/adaptive-sweeps   # a few minutes
     .venv/bin/python benchmarks/adaptive_sweeps.py --recipe schemes --work-dir /tmp/adaptive-sweeps   # ~30 min, 2 cores
     .venv/bin/python benchmarks/adaptive_sweeps.py --recipe schemes --only fp8   # bf16 and fp8 only
+    .venv/bin/python benchmarks/adaptive_sweeps.py --recipe schemes-all --work-dir /tmp/adaptive-sweeps
 """
 
 from __future__ import annotations
@@ -67,7 +73,12 @@ ADAPTIVE_METRIC = "quality/adaptive/"  # quantlab.metrics.adaptive_key: <this><t
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", choices=("mmlu", "schemes", "both"), default="both", help="which sweeps to run")
+    parser.add_argument(
+        "--recipe",
+        choices=("mmlu", "schemes", "schemes-all", "both"),
+        default="both",
+        help="which sweeps to run (both: mmlu and schemes)",
+    )
     parser.add_argument(
         "--only", action="append", default=[], metavar="NAME", help="only this variant (repeatable; with the baseline)"
     )
@@ -89,10 +100,14 @@ def mmlu_recipe(work: Path) -> dict:
     return recipe
 
 
-def schemes_recipe() -> dict:
+def schemes_recipe(every_document: bool = False) -> dict:
     """The schemes recipe with the embedded recipe's default policy (on the tasks it scores) and its include_path
-    absolute: a relative one resolves from the recipe file's directory, which the copy does not share."""
+    absolute: a relative one resolves from the recipe file's directory, which the copy does not share.
+    `every_document`: its tasks without their limits, and no load stage (schemes-all)."""
     recipe = yaml.safe_load(SCHEMES.read_text())
+    if every_document:
+        recipe["evals"]["tasks"] = [{k: v for k, v in t.items() if k != "limit"} for t in recipe["evals"]["tasks"]]
+        recipe["serving"] = {**recipe.get("serving", {}), "enabled": False}
     recipe["evals"]["include_path"] = str((SCHEMES.parent / recipe["evals"]["include_path"]).resolve())
     policy = yaml.safe_load(EMBEDDED.read_text())["frontier"]["default_policy"]
     scored = {task["name"] for task in recipe["evals"]["tasks"]}
@@ -263,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for which in chosen:
         recipe_work = work / which
         recipe_work.mkdir(parents=True, exist_ok=True)
-        recipe = mmlu_recipe(recipe_work) if which == "mmlu" else schemes_recipe()
+        recipe = mmlu_recipe(recipe_work) if which == "mmlu" else schemes_recipe(every_document=which == "schemes-all")
         cache = (args.cache_dir or recipe_work / "cache").resolve()
         seconds = {}
         for mode in MODES:
@@ -278,7 +293,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{which}: sweeping with evals.adaptive {mode == 'adaptive'} ...", flush=True)
             seconds[mode] = sweep(path, cache, args.only)
             print(f"{which}: {mode} sweep {seconds[mode]:.0f} s", flush=True)
-        label = "MMLU-shaped group, tiny model" if which == "mmlu" else "schemes recipe, embedded SmolLM2-135M"
+        label = {
+            "mmlu": "MMLU-shaped group, tiny model",
+            "schemes": "schemes recipe, embedded SmolLM2-135M",
+            "schemes-all": "schemes recipe over every bundled document, embedded SmolLM2-135M",
+        }[which]
         overall.add(table(label, recipe, recipe_work, seconds))
     if len(chosen) > 1:
         print(f"\nall: {overall.words()}")
