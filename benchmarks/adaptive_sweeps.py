@@ -27,7 +27,9 @@ an earlier run of this script); a sweep that says it reused or logged a kept res
 `time/evaluate_seconds`.
 
 Prints one table per recipe, then documents used of total and how many verdicts full evaluation decided are the same
-under adaptive evaluation; exits 1 if any differs.
+under adaptive evaluation; exits 1 if any differs. A drop check that a variant's damage made moot (its tasks stopped at
+their first stage because the variant already fails a plain limit, such as max_kld) is counted apart, and the
+variants' own verdicts are compared as well.
 
     .venv/bin/python benchmarks/adaptive_sweeps.py --recipe mmlu --work-dir /tmp/adaptive-sweeps   # a few minutes
     .venv/bin/python benchmarks/adaptive_sweeps.py --recipe schemes --work-dir /tmp/adaptive-sweeps   # ~30 min, 2 cores
@@ -53,6 +55,8 @@ from typing import IO
 import yaml
 from mmlu_shaped_pick import OFFLINE_ENV, SUBJECTS, save_tiny_llama, write_tasks
 from mmlu_shaped_pick import recipe as mmlu_shaped_recipe
+
+from quantlab.adaptive import StopReason
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMES = REPO / "recipes" / "smollm2-135m-schemes.yaml"
@@ -187,6 +191,9 @@ class Tally:
     clear_total: int = 0
     same: int = 0
     different: int = 0
+    unjudged: int = 0  # drop checks left unsettled because the variant's damage had already rejected it
+    variants_same: int = 0
+    variants_different: int = 0
 
     def add(self, other: Tally) -> None:
         for name in vars(self):
@@ -197,7 +204,8 @@ class Tally:
         return (
             f"documents used by adaptive evaluation: {share(self.used, self.total)}; by variants whose every drop "
             f"check full evaluation decided: {share(self.clear_used, self.clear_total)}. Verdicts full evaluation "
-            f"decided: {self.same} same, {self.different} different"
+            f"decided: {self.same} same, {self.different} different, {self.unjudged} left unsettled by a variant its "
+            f"damage had rejected; variants' verdicts: {self.variants_same} same, {self.variants_different} different"
         )
 
 
@@ -237,17 +245,26 @@ def table(label: str, recipe: dict, work: Path, seconds: dict[str, float]) -> Ta
         )
         adaptive_checks = {check["metric"]: check for check in adaptive_verdict["checks"]}
         adaptive_tags = runs["adaptive"][name].data.tags if name in runs["adaptive"] else {}
+        if not is_baseline:
+            same = full_verdict["status"] == adaptive_verdict["status"]
+            tally.variants_same, tally.variants_different = (
+                tally.variants_same + same,
+                tally.variants_different + (not same),
+            )
         drops_decided = True
         for check in full_verdict["checks"]:
             other = adaptive_checks.get(check["metric"], {"status": "missing", "n": None})
             decided = check["status"] != "undecided"
-            if decided and not is_baseline:
-                same = check["status"] == other["status"]
-                tally.same, tally.different = tally.same + same, tally.different + (not same)
-            drops_decided = drops_decided and (decided or not check["is_drop"])
             # The task the check is on: the request of the same name (a group is checked as its own score).
             task = next((r for r in requests if check["metric"].startswith(f"eval/{r}/")), None)
             stopped = adaptive_tags.get(ADAPTIVE_TAG + task, "") if task else ""
+            if decided and not is_baseline:
+                if other["status"] == "undecided" and stopped.startswith(StopReason.REJECTED.value):
+                    tally.unjudged += 1
+                else:
+                    same = check["status"] == other["status"]
+                    tally.same, tally.different = tally.same + same, tally.different + (not same)
+            drops_decided = drops_decided and (decided or not check["is_drop"])
             docs = [f"{value:,}" if value is not None else "" for value in (check["n"], other["n"])]
             print(
                 f"{'':<20} {check['metric']:<42} {docs[0]:>9} {docs[1]:>8}  {check['status']:<11} "

@@ -7,7 +7,10 @@ a stage its paired statistics against the baseline are judged exactly as the fin
 alpha-spending function (Lan and DeMets 1983) allows once that share of the documents is in. The stages' claims then
 err, all together, no more often than the policy's one-sided level, however the variant stops: the error rate of each
 check is kept. The task stops at the first stage where every drop check on it is shown within its limit, or one is
-shown over it (the variant is then rejected whatever the others show); else it runs to its last document.
+shown over it (the variant is then rejected whatever the others show); else it runs to its last document. A variant
+that a plain limit of the policy rejects before its tasks run (its token damage over max_kld) stops each at the first
+stage: a stop for a reason outside the task's own statistics, after which its claims still stand at that stage's
+level, as any group sequential design allows.
 
 The information fraction of a stage is its share of the task's documents (the variance of a paired mean difference is
 inversely proportional to the documents paired). Nominal levels come from the usual recursive integration of the
@@ -227,6 +230,7 @@ class StopReason(str, Enum):
 
     WITHIN = "every drop limit on it shown within"
     OVER = "a drop limit on it shown over"
+    REJECTED = "the variant already fails a limit of the policy"  # with the limit after a colon
     LAST = "all documents: no earlier stage settled it"
     UNCHECKED = "all documents: no drop limit of the policy applies to its scores"
     NOT_ADAPTIVE = "all documents: scored in full"  # with the reason after a colon (few-shot prompts, ...)
@@ -259,7 +263,7 @@ class StageResult:
     @property
     def sequential(self) -> bool:
         """Whether its drop checks were judged stage by stage (its verdict is then tested at `level`)."""
-        return self.reason in (StopReason.WITHIN, StopReason.OVER, StopReason.LAST)
+        return self.reason in (StopReason.WITHIN, StopReason.OVER, StopReason.REJECTED, StopReason.LAST)
 
     @property
     def words(self) -> str:

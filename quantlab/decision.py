@@ -32,7 +32,6 @@ from quantlab.paired import (
     RepeatVariance,
     Settling,
     flip_se,
-    float_slack,
     holm_alphas,
     logged_variance,
     non_inferiority,
@@ -373,19 +372,15 @@ def settling_words(found: Settling, power: float, unit: str = "documents") -> st
 
 
 def _bound_check(bound: Bound, variant: VariantSummary) -> CheckResult:
-    metric, limit, upper = bound.metric, bound.limit, bound.upper
+    metric = bound.metric
     result = partial(CheckResult, bound.constraint, metric)
     value = variant.value(metric)
     if value is None:
         why = why_unavailable(metric, variant.tags)
         return result(CheckStatus.FAILED, f"missing metric {metric}" + (f" ({why})" if why else ""))
-    passed = value <= limit + float_slack(limit) if upper else value >= limit - float_slack(limit)
-    contract = spec(metric, variant.declared)
-    shown = f"{metric} is {format_value(contract, value)}"
-    if not passed:
-        side = "above the maximum" if upper else "below the minimum"
-        shown += f", {side} of {format_value(contract, limit)}"
-    return result(CheckStatus.PASSED if passed else CheckStatus.FAILED, shown)
+    if (failed := bound.failed_by(value, variant.declared)) is not None:
+        return result(CheckStatus.FAILED, failed)
+    return result(CheckStatus.PASSED, f"{metric} is {format_value(spec(metric, variant.declared), value)}")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidat
 from pydantic_core import PydanticCustomError
 
 from quantlab.metrics import PAIRED_PREFIX, STDERR_SUFFIX, Declared, EvalKey, MetricSpec, Scale, is_eval_score, spec
-from quantlab.paired import Group
+from quantlab.paired import Group, float_slack
 
 KLD_MEAN = "quality/kld_mean"
 
@@ -261,6 +261,19 @@ class Bound:
     @property
     def constraint(self) -> str:
         return f"{self.metric} {'at most' if self.upper else 'at least'} {format_value(spec(self.metric), self.limit)}"
+
+    def holds(self, value: float) -> bool:
+        """Whether `value` meets the bound (float error of a limit's size forgiven: `float_slack`)."""
+        slack = float_slack(self.limit)
+        return value <= self.limit + slack if self.upper else value >= self.limit - slack
+
+    def failed_by(self, value: float, declared: Declared | None = None) -> str | None:
+        """None where `value` meets the bound, else the words that say it does not."""
+        if self.holds(value):
+            return None
+        contract = spec(self.metric, declared)
+        side = "above the maximum" if self.upper else "below the minimum"
+        return f"{self.metric} is {format_value(contract, value)}, {side} of {format_value(contract, self.limit)}"
 
 
 class PolicyError(ValueError):

@@ -82,14 +82,14 @@ def run_variant(
             model, tokenizer = load_checkpoint(checkpoint.path, dtype, device)
             host.follow(model)
         server.launch_early()  # on CPU it starts while the reference stages run; a GPU's server waits for our model
+        with stage("damage"):  # first: a variant its damage already rejects scores its tasks' first stages only
+            tokens = token_damage(model, tokenizer, recipe.quality, recipe_dir, job, checkpoint.key)
         with stage("evaluate"):
             max_length = evaluation_max_length(model, tokenizer, recipe, checkpoint.path)  # the server's windows too
-            plan = adaptive_plan(recipe, job)  # None: every document (evals.adaptive off, or the baseline)
+            plan = adaptive_plan(recipe, job, tokens)  # None: every document (evals.adaptive off, or the baseline)
             reference_scores = evaluate_tasks(
                 model, tokenizer, recipe.evals, job.loaded.include_path, report, max_length, plan
             )
-        with stage("damage"):
-            tokens = token_damage(model, tokenizer, recipe.quality, recipe_dir, job, checkpoint.key)
         payload.confirm()  # a payload changed on disk fails the variant here: nothing scored on it is logged
         with stage("start server"):
             server.wait_if_launched()  # nothing is timed while a server starts beside it

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from statistics import NormalDist
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -290,6 +291,50 @@ def test_a_variant_clearly_over_stops_early(scored_in_full):
     assert outcome.tags["quantlab.adaptive/mmlu_dev"].startswith(StopReason.OVER.value)
     used = int(outcome.metrics[adaptive_key("mmlu_dev", "documents_used")])
     assert damage.metrics["quality/paired/eval/mmlu_dev/acc/n"] == used < 24
+
+
+def test_a_variant_its_damage_already_rejects_stops_every_task_at_its_first_stage(scored_in_full):
+    """No flip (it would pass at stage 2, as above), but its KL is over the policy's max_kld: its tasks stop at the
+    first stage, saying why, and their claims stay at that stage's level (pick judges them there)."""
+    from quantlab.stages.evaluate import AdaptivePlan, evaluate_tasks
+
+    model, tokenizer, full = scored_in_full
+    why = "quality/kld_mean is 0.2, above the maximum of 0.05"
+    plan = AdaptivePlan(_baseline(full), Policy(max_drop_any_task=45), ALPHA, rejected_by=why)
+    outcome = evaluate_tasks(model, tokenizer, _settings(), REPO / "evals", lambda step: None, None, plan)
+    assert outcome.metrics[adaptive_key("mmlu_dev", "stage")] == 1
+    assert outcome.metrics[adaptive_key("mmlu_dev", "documents_used")] == 6
+    first_share = adaptive.design({"mmlu_dev": list(range(24))}, QUARTERS, ALPHA).share(0)
+    assert outcome.metrics[adaptive_key("mmlu_dev", "level_share")] == pytest.approx(first_share)
+    assert (
+        outcome.tags["quantlab.adaptive/mmlu_dev"]
+        == f"{StopReason.REJECTED.value}: {why} (stage 1 of 4, 6 of 24 documents)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("policy", "damage", "rejected_by"),
+    [
+        ({"max_kld": 0.05}, {"quality/kld_mean": 0.2}, "quality/kld_mean is 0.2, above the maximum of 0.05"),
+        ({"max_kld": 0.05}, {"quality/kld_mean": 0.05}, None),  # at the limit: meets it
+        ({"max_kld": 0.05}, {}, None),  # quality off: nothing to judge before the tasks
+        ({"min_top1_agreement": 0.9}, {"quality/top1_agreement": 0.8}, "below the minimum"),
+        ({"max_peak_memory_bytes": 1}, {"quality/kld_mean": 0.2}, None),  # measured later: not judged here
+        ({}, {"quality/kld_mean": 9.0}, None),
+    ],
+)
+def test_the_plan_names_a_plain_limit_the_damage_already_fails(tmp_path, policy, damage, rejected_by):
+    from quantlab.stages.evaluate import DamageOutcome, adaptive_plan
+
+    raw = tiny_recipe(tmp_path / "model")
+    raw |= {"evals": raw["evals"] | {"adaptive": True}, "frontier": {"default_policy": policy}}
+    recipe = load_recipe(write(tmp_path / "recipe.yaml", raw)).recipe
+    job = SimpleNamespace(is_baseline=False, baseline=SimpleNamespace())
+    plan = adaptive_plan(recipe, job, DamageOutcome(damage))
+    if rejected_by is None:
+        assert plan.rejected_by is None
+    else:
+        assert rejected_by in plan.rejected_by
 
 
 def test_a_task_no_limit_applies_to_runs_every_document(scored_in_full):

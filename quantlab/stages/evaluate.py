@@ -104,11 +104,15 @@ class AdaptivePlan:
     baseline: BaselineOutputs  # every document of every task, scored by the baseline
     policy: Policy  # the recipe's default policy: the drop limits a task's stages settle
     alpha: float  # the one-sided level the variant's claims are judged at (the policy's, or its Bonferroni share)
+    # A plain limit of the policy the variant's damage figures already fail (its words), or None: the variant is
+    # rejected whatever its tasks show, so each stops at its first stage.
+    rejected_by: str | None = None
 
 
-def adaptive_plan(recipe: Recipe, job: VariantJob) -> AdaptivePlan | None:
+def adaptive_plan(recipe: Recipe, job: VariantJob, damage: DamageOutcome) -> AdaptivePlan | None:
     """None where the variant scores every document: adaptive evaluation off, or the baseline itself (every variant
-    pairs its documents with the baseline's)."""
+    pairs its documents with the baseline's). `damage`: the variant's token damage, judged against the policy's plain
+    limits on it (max_kld, min_top1_agreement, at_most / at_least on a quality figure)."""
     from quantlab.policy import CandidateControl
 
     if not recipe.evals.adaptive or job.is_baseline or job.baseline is None:
@@ -117,7 +121,10 @@ def adaptive_plan(recipe: Recipe, job: VariantJob) -> AdaptivePlan | None:
     candidates = len(recipe.variants) - 1
     # `pick` tests each candidate at the policy's level, or under Bonferroni at its share: the stages spend that.
     split = candidates if policy.candidates is CandidateControl.BONFERRONI and candidates > 1 else 1
-    return AdaptivePlan(job.baseline, policy, policy.one_sided_alpha / split)
+    failed = (
+        bound.failed_by(damage.metrics[bound.metric]) for bound in policy.bounds() if bound.metric in damage.metrics
+    )
+    return AdaptivePlan(job.baseline, policy, policy.one_sided_alpha / split, next(filter(None, failed), None))
 
 
 def evaluate_tasks(
@@ -284,6 +291,8 @@ def _stage_verdict(
     mine = [rule for rule in rules if (key := EvalKey.parse(rule.metric)) is not None and key.task in names]
     if not mine:
         return result(adaptive.StopReason.UNCHECKED)
+    if plan.rejected_by is not None:  # a stop for a reason outside the task's claims: they stay at the stage's level
+        return result(adaptive.StopReason.REJECTED, plan.rejected_by)
     scores = replace(eval_outcome(tasks, quiet=True), sampled=frozenset(score.key for t in tasks for score in t.scores))
     comparisons = paired_comparisons(_on_documents_of(plan.baseline, scores), scores)[0]
     outcomes = adaptive.stage_outcomes(mine, comparisons, design.levels[stage], len(rules), plan.policy.power)
