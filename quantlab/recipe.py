@@ -203,9 +203,10 @@ class EvalSettings(StrictModel):
         description="Score each variant's tasks in stages and stop a task once every drop limit of "
         "frontier.default_policy on its scores is shown within, or one is shown over (the baseline scores every "
         "document); a variant whose token damage already fails a plain limit of the policy (max_kld, ...) stops "
-        "every task at its first stage. Each stage's claims are tested at the level adaptive_spending allows by then, and the final "
-        "verdict at the level of the stage the task stopped at, so each check keeps the policy's error rate. A task "
-        "scored with few-shot examples, or with no drop limit on its scores, runs every document.",
+        "every task at its first stage. Each stage's claims are tested at the level adaptive_spending allows by "
+        "then, and the final verdict at the level of the stage the task stopped at, so each check keeps the "
+        "policy's error rate. A task scored with few-shot examples, or with no drop limit on its scores, runs every "
+        "document.",
     )
     adaptive_stages: list[Annotated[float, Field(gt=0, le=1)]] = Field(
         default_factory=lambda: [0.25, 0.5, 0.75, 1.0],
