@@ -7,16 +7,13 @@ Two recipes, each swept twice with everything identical but `evals.adaptive` (fa
 - mmlu: an MMLU-shaped sweep. mmlu_shaped_pick.py's tiny random Llama, its group over lm-eval's own mmlu subject
   configs (local synthetic data: 30, 60, 120 and 240 questions) and its recipe (bf16, fp8, awq-int4-g32), given a
   `frontier.default_policy` of 5 points on any task, which the group can show half way through (see MMLU_SHAPED_POLICY).
-- schemes: recipes/smollm2-135m-schemes.yaml (the embedded SmolLM2-135M, 6 variants). It has no frontier section, so
-  its default policy's 1-point limits could never stop a task of 40 or 100 documents early; the copy takes the
-  embedded recipe's (recipes/smollm2-135m.yaml) `frontier.default_policy`, limits those bundled tasks can show, less
-  its limits on tasks the schemes recipe does not score (a limit on a metric no run logs fails every variant).
-  Its `evals.include_path` is written absolute, since the copy lives elsewhere than recipes/.
-- schemes-all: the same copy over every document of its bundled tasks (mmlu_dev 281, pydoc_cloze 448) instead of the
-  recipe's 40 and 100. Adaptive evaluation cannot stop a 40-question task early at the embedded policy's 12 points:
-  with no answer changed, 20 questions show 30.5 points at the half-way stage's O'Brien-Fleming level (0.0015), and
-  30 show 15.6 at the third stage's (0.009); over all 281, 141 show 5.9 at the half-way stage. Its serving is off (`serving.enabled: false`): the load stage has no part
-  in what is compared, and would add about half an hour of the 12 sweeps' time on 2 cores.
+- schemes: recipes/smollm2-135m-schemes.yaml (the embedded SmolLM2-135M, 6 variants, every document of its bundled
+  tasks: mmlu_dev 281, pydoc_cloze 448; the embedded recipe's limits on them), its `evals.include_path` written
+  absolute, since the copy lives elsewhere than recipes/, and its serving off (`serving.enabled: false`): the load
+  stage has no part in what is compared, and would add about half an hour of the 12 sweeps' time on 2 cores.
+  (Before the recipe scored every document it had 40 and 100, and adaptive evaluation could not stop its 40-question
+  task early at a 12-point limit: with no answer changed, 20 questions show 30.5 points at the half-way stage's
+  O'Brien-Fleming level of 0.0015, and 30 show 15.6 at the third stage's, 0.009; 141 of 281 show 5.9.)
 
 The full sweep runs first and builds the checkpoints the cache lacks (one both sweeps share); the adaptive one reuses
 them, so what differs between the two is evaluation, not quantization (the sweeps' wall times still differ by any
@@ -32,9 +29,8 @@ their first stage because the variant already fails a plain limit, such as max_k
 variants' own verdicts are compared as well.
 
     .venv/bin/python benchmarks/adaptive_sweeps.py --recipe mmlu --work-dir /tmp/adaptive-sweeps   # a few minutes
-    .venv/bin/python benchmarks/adaptive_sweeps.py --recipe schemes --work-dir /tmp/adaptive-sweeps   # ~30 min, 2 cores
+    .venv/bin/python benchmarks/adaptive_sweeps.py --recipe schemes --work-dir /tmp/adaptive-sweeps   # ~15 min, 2 cores
     .venv/bin/python benchmarks/adaptive_sweeps.py --recipe schemes --only fp8   # bf16 and fp8 only
-    .venv/bin/python benchmarks/adaptive_sweeps.py --recipe schemes-all --work-dir /tmp/adaptive-sweeps
 """
 
 from __future__ import annotations
@@ -60,7 +56,6 @@ from quantlab.adaptive import StopReason
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMES = REPO / "recipes" / "smollm2-135m-schemes.yaml"
-EMBEDDED = REPO / "recipes" / "smollm2-135m.yaml"
 MODES = ("full", "adaptive")  # swept in this order: full builds the checkpoints, adaptive finds them cached
 MMLU_SIZES = dict(zip(SUBJECTS, (30, 60, 120, 240)))  # mmlu_shaped_pick's default: 450 questions in the group
 # The tiny random model has no true drop, so any limit is about what the documents can show. The group's 450
@@ -79,7 +74,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--recipe",
-        choices=("mmlu", "schemes", "schemes-all", "both"),
+        choices=("mmlu", "schemes", "both"),
         default="both",
         help="which sweeps to run (both: mmlu and schemes)",
     )
@@ -104,21 +99,12 @@ def mmlu_recipe(work: Path) -> dict:
     return recipe
 
 
-def schemes_recipe(every_document: bool = False) -> dict:
-    """The schemes recipe with the embedded recipe's default policy (on the tasks it scores) and its include_path
-    absolute: a relative one resolves from the recipe file's directory, which the copy does not share.
-    `every_document`: its tasks without their limits, and no load stage (schemes-all)."""
+def schemes_recipe() -> dict:
+    """The schemes recipe with its include_path absolute (a relative one resolves from the recipe file's directory,
+    which the copy does not share) and no load stage."""
     recipe = yaml.safe_load(SCHEMES.read_text())
-    if every_document:
-        recipe["evals"]["tasks"] = [{k: v for k, v in t.items() if k != "limit"} for t in recipe["evals"]["tasks"]]
-        recipe["serving"] = {**recipe.get("serving", {}), "enabled": False}
     recipe["evals"]["include_path"] = str((SCHEMES.parent / recipe["evals"]["include_path"]).resolve())
-    policy = yaml.safe_load(EMBEDDED.read_text())["frontier"]["default_policy"]
-    scored = {task["name"] for task in recipe["evals"]["tasks"]}
-    policy["max_drop"] = {
-        key: limit for key, limit in policy.get("max_drop", {}).items() if key.split("/")[1] in scored
-    }
-    recipe["frontier"] = {**recipe.get("frontier", {}), "default_policy": policy}
+    recipe["serving"] = {**recipe.get("serving", {}), "enabled": False}
     return recipe
 
 
@@ -295,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for which in chosen:
         recipe_work = work / which
         recipe_work.mkdir(parents=True, exist_ok=True)
-        recipe = mmlu_recipe(recipe_work) if which == "mmlu" else schemes_recipe(every_document=which == "schemes-all")
+        recipe = mmlu_recipe(recipe_work) if which == "mmlu" else schemes_recipe()
         cache = (args.cache_dir or recipe_work / "cache").resolve()
         seconds = {}
         for mode in MODES:
@@ -313,7 +299,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         label = {
             "mmlu": "MMLU-shaped group, tiny model",
             "schemes": "schemes recipe, embedded SmolLM2-135M",
-            "schemes-all": "schemes recipe over every bundled document, embedded SmolLM2-135M",
         }[which]
         overall.add(table(label, recipe, recipe_work, seconds))
     if len(chosen) > 1:
