@@ -19,6 +19,7 @@ from quantlab.frontier import Axis, VariantSummary, ensure_unique_names
 from quantlab.measure.contention import CONTENDED_TAG, CONTENTION_TAG
 from quantlab.metrics import (
     EvalKey,
+    Scale,
     adaptive_key,
     paired_key,
     rests_on_contention,
@@ -152,10 +153,11 @@ class _Evidence:
         se = self.se if self.flips is None else flip_se(self.n, *self.flips)
         threshold = self.limit - quantile(1 - alpha, self.df) * se
         low, high = selection_adjusted_interval(self.drop, se, threshold, df=self.df)
-        finite_or_none = {
-            name: value if math.isfinite(value) else None for name, value in (("low", low), ("high", high))
-        }
-        return {"selected_low": finite_or_none["low"], "selected_high": finite_or_none["high"]}
+        # The true drop of a 0-1 score lies within +-1 (100 pts): an end of the interval at or past that bounds nothing
+        # (the interval over the drops a score can have covers the truth as often as the unbounded one).
+        reach = 1.0 if self.rule.spec.scale is Scale.FRACTION else math.inf
+        bounded = {name: value if abs(value) < reach else None for name, value in (("low", low), ("high", high))}
+        return {"selected_low": bounded["low"], "selected_high": bounded["high"]}
 
     def settling(self, found: NonInferiority, power: float) -> Settling | None:
         """An undecided check of a sampled task scored in repeats: more documents or more repeats, at the level its

@@ -11,7 +11,7 @@ from scipy import stats
 from test_decision import ACC, BASELINE_METRICS, DECLARED, WEIGHTS, baseline, candidate, decide, leaf_comparison, only
 
 from quantlab.candidates import ChoiceControl, SequenceError, control_choice, sequence_order
-from quantlab.decision import Status
+from quantlab.decision import CheckStatus, Status
 from quantlab.frontier import VariantSummary
 from quantlab.metrics import paired_key
 from quantlab.policy import CandidateControl, Policy, PolicyError
@@ -284,6 +284,12 @@ def test_the_recommendation_says_its_figures_are_selected_with_the_adjusted_inte
     (plain,) = far.verdict("fp8").checks
     assert plain.selected_low == pytest.approx(plain.drop - z_plain(plain), rel=1e-3)
     assert plain.selected_high == pytest.approx(plain.drop + z_plain(plain), rel=1e-3)
+    # 32 documents, one answer changed, passing a 16-pt limit near its edge: the interval given that it passed reaches
+    # past 100 pts above (a drop no 0-1 score can have), so it has no upper bound.
+    few = decide([baseline(), _binary_candidate("fp8", 170e6, 32, 1, 0)], only(max_drop={ACC: 16}))
+    (sparse,) = few.verdict("fp8").checks
+    assert sparse.status is CheckStatus.PASSED and sparse.selected_high is None and -1 < sparse.selected_low < 0
+    assert sparse.selected_words.endswith("no upper bound]")
     decision = near
     assert decision.chosen == "fp8"
     words = decision.selection_words
