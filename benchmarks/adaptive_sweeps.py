@@ -296,10 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{which}: sweeping with evals.adaptive {mode == 'adaptive'} ...", flush=True)
             seconds[mode] = sweep(path, cache, args.only)
             print(f"{which}: {mode} sweep {seconds[mode]:.0f} s", flush=True)
-        label = {
-            "mmlu": "MMLU-shaped group, tiny model",
-            "schemes": "schemes recipe, embedded SmolLM2-135M",
-        }[which]
+        label = "MMLU-shaped group, tiny model" if which == "mmlu" else "schemes recipe, embedded SmolLM2-135M"
         overall.add(table(label, recipe, recipe_work, seconds))
     if len(chosen) > 1:
         print(f"\nall: {overall.words()}")
