@@ -17,6 +17,7 @@ from quantlab.corpora import text_source_problem
 from quantlab.errors import BadInput, Problem, did_you_mean
 from quantlab.metrics import EvalKey
 from quantlab.models import (
+    compute_dtype_name,
     hub_reachable,
     in_local_cache,
     linear_input_widths,
@@ -229,6 +230,11 @@ def serving_problems(
         group_size = getattr(variant.params, "group_size", None)
         if group_size is not None and (why := engine.group_size_problem(stored, device, group_size)):
             problems.append(Problem(shown, f"variants[{index}] ({variant.name}).params.group_size", why))
+        if why := engine.dtype_problem(stored, device, lambda: compute_dtype_name(recipe.runtime, device)):
+            auto = recipe.runtime.dtype == "auto" and device == "cpu"
+            default = " (this CPU's default: it has no BF16 matmul instructions)" if auto else ""
+            message = f"variant {variant.name}: {why}{default}; set runtime.dtype: bfloat16, or leave it out"
+            problems.append(Problem(shown, "runtime.dtype", message))
     if recipe.evals.engine != "reference" and not engine.scores_prompts:
         message = (
             f"{recipe.evals.engine} scoring goes through the server, and {engine.label} returns no prompt "

@@ -316,13 +316,23 @@ def pick_dtype(runtime: RuntimeSettings, device: str) -> torch.dtype:
     bytes per weight); float32 on other CPUs, where BF16 matmuls are emulated and slower than float32's."""
     import torch
 
-    return default_dtype(device) if runtime.dtype == "auto" else getattr(torch, runtime.dtype)
+    return getattr(torch, compute_dtype_name(runtime, device))
+
+
+def compute_dtype_name(runtime: RuntimeSettings, device: str) -> str:
+    """`pick_dtype`'s choice by name, found without importing torch (`validate` checks it against the engine's
+    kernels)."""
+    return default_dtype_name(device) if runtime.dtype == "auto" else runtime.dtype
 
 
 def default_dtype(device: str) -> torch.dtype:
     import torch
 
-    return torch.bfloat16 if device == "cuda" or (device == "cpu" and cpu_has_bf16_matmuls()) else torch.float32
+    return getattr(torch, default_dtype_name(device))
+
+
+def default_dtype_name(device: str) -> str:
+    return "bfloat16" if device == "cuda" or (device == "cpu" and cpu_has_bf16_matmuls()) else "float32"
 
 
 def cpu_has_bf16_matmuls() -> bool:

@@ -39,12 +39,14 @@ from quantlab.stages.serve import gpu_memory_utilization
 from recipes import ON_POLICY, REPO, tiny_recipe, write
 
 VLLM = ENGINES["vllm"]
-# vLLM's CPU build has its W4A16 kernel in its AVX-512 library alone (what AVX2 alone does: tests/test_formats.py)
-VLLM_CPU_SERVES_W4A16 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= host_cpu_flags()
-VLLM_CPU_STORES_FP8_KV = VLLM_CPU_SERVES_W4A16  # its CPU attention's FP8 KV cache needs the same AVX-512
-FP8_KV = {"kv_cache": "fp8"} if VLLM_CPU_STORES_FP8_KV else {}
 # vLLM computes in the reference path's dtype: float32 on a CPU without BF16 matmuls
 COMPUTE_DTYPE = "bfloat16" if cpu_has_bf16_matmuls() else "float32"
+CPU_AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= host_cpu_flags()
+# vLLM's CPU build has its W4A16 kernel in its AVX-512 library alone (what AVX2 alone does: tests/test_formats.py),
+# and with no float32 path (validate refuses it there: test_validate_refuses_an_engine_that_cannot_do_the_recipe)
+VLLM_CPU_SERVES_W4A16 = CPU_AVX512 and COMPUTE_DTYPE == "bfloat16"
+VLLM_CPU_STORES_FP8_KV = CPU_AVX512  # its CPU attention's FP8 KV cache needs the same AVX-512
+FP8_KV = {"kv_cache": "fp8"} if VLLM_CPU_STORES_FP8_KV else {}
 
 
 def options(command: list[str]) -> dict[str, str | None]:
@@ -109,12 +111,38 @@ def test_every_engine_serves_every_method_on_every_device(engine, method, device
     no_cpu_kernel = {"nvfp4", "nvfp4a16", "mxfp4", "mxfp8", "w4a8_fp8"}
     if "amx_tile" not in host_cpu_flags():
         no_cpu_kernel.add("fp8_block")
-    if not VLLM_CPU_SERVES_W4A16:
+    if not CPU_AVX512:
         no_cpu_kernel |= {"awq_int4", "gptq_int4"}
     if (engine, device) == ("vllm", "cpu") and method in no_cpu_kernel:
         assert support is None
     else:
         assert support is not None and support.kernel
+
+
+@pytest.mark.parametrize(
+    ("stored_format", "device", "dtype", "refused"),
+    [
+        ("W4A16", "cpu", "float32", True),  # cpu_gemm_wna16: bfloat16 and float16 only
+        ("W4A16", "cpu", "bfloat16", False),
+        ("W4A16", "cpu", "float16", False),
+        ("W4A16", "cuda", "float32", False),  # Marlin / Machete declare no dtype of their own here
+        (None, "cpu", "float32", False),
+        ("FP8_DYNAMIC", "cpu", "float32", False),
+    ],
+)
+def test_the_dtype_an_engines_kernels_take(stored_format, device, dtype, refused):
+    asked = []
+
+    def chosen() -> str:
+        asked.append(dtype)
+        return dtype
+
+    if VLLM.supports(stored_format, device) is None:
+        pytest.skip(f"this CPU has no vLLM kernel for {stored_format}")
+    problem = VLLM.dtype_problem(stored_format, device, chosen)
+    assert (problem is not None) is refused
+    # the dtype (which may import torch) is found only for a format whose kernels name theirs
+    assert bool(asked) is bool(VLLM.supports(stored_format, device).dtypes)
 
 
 @pytest.mark.parametrize(
@@ -151,9 +179,14 @@ def test_vllm_cpu_command_line_and_environment(tmp_path):
     found = options(command)
     assert found["--port"] == "8123" and found["--dtype"] == "bfloat16" and found["--host"] == "127.0.0.1"
     assert found["--kv-cache-memory-bytes"] == str(4096 * 1024)  # sized for the load, not a share of the RAM
+    # one short stream's few tokens: still room for one request of max_model_len (1024) and the pool's null block
+    small = options(VLLM.command(Path("python"), dataclasses.replace(cpu, kv_cache_tokens=64)))
+    assert small["--kv-cache-memory-bytes"] == str((1024 + 128) * 1024)
     assert "--enforce-eager" in command and "--gpu-memory-utilization" not in command
-    assert VLLM.environment(cpu)["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
-    assert VLLM.environment(dataclasses.replace(cpu, bind_cpus=()))["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert found["--distributed-executor-backend"] == "uni"  # the model in the engine core: no worker process
+    assert VLLM.environment(cpu)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # without it the CPU build spawns one
+    assert (VLLM.environment(cpu)["OMP_PLACES"], VLLM.environment(cpu)["OMP_PROC_BIND"]) == ("{0,1}", "true")
+    assert "OMP_PLACES" not in VLLM.environment(dataclasses.replace(cpu, bind_cpus=()))  # placed by the OS
     assert VLLM.environment(cpu)["OMP_NUM_THREADS"] == "2"
     assert VLLM.environment(cpu)["TORCHDYNAMO_DISABLE"] == "1"  # no compile at its first request
     assert "PYTHONPATH" not in VLLM.environment(cpu) and "VLLM_PLUGINS" not in VLLM.environment(cpu)  # stock vLLM
@@ -199,7 +232,7 @@ def test_vllm_gpu_command_line_is_tensor_parallel_and_sized_from_free_memory(tmp
     found = options(command)
     assert found["--tensor-parallel-size"] == "2" and found["--gpu-memory-utilization"] == "0.664"
     assert "--enforce-eager" not in command and command[-2:] == ["--seed", "1"]
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in VLLM.environment(gpu)
+    assert "OMP_PLACES" not in VLLM.environment(gpu) and "--distributed-executor-backend" not in command
 
 
 # (device, scoring, kv cache) -> what the vLLM server is started with beyond its defaults
@@ -308,6 +341,20 @@ def test_an_engine_without_an_environment_says_how_to_make_one(tmp_path, monkeyp
             },
             {},
             "variants[1] (w4a8).params.group_size: vLLM's W4AFP8 kernels on cuda take groups of 128 only, not 32",
+        ),
+        pytest.param(  # its CPU W4A16 kernel has no float32 path: the engine core would die at the first request
+            {
+                "runtime": {"dtype": "float32"},
+                "serving": {"engine": "vllm"},
+                "variants": [
+                    {"name": "bf16", "method": "bf16"},
+                    {"name": "awq", "method": "awq_int4", "params": {"group_size": 32}},
+                ],
+            },
+            {},
+            "runtime.dtype: variant awq: vLLM's W4A16 kernels on cpu compute in bfloat16 or float16, not float32; "
+            "set runtime.dtype: bfloat16, or leave it out",
+            marks=pytest.mark.skipif(not CPU_AVX512, reason="without AVX-512 the CPU kernel is refused as such"),
         ),
     ],
 )
@@ -580,11 +627,9 @@ def test_scoring_servers_run_without_prefix_caching_and_the_load_with_vllms_defa
         assert all(f"kv_cache_dtype={kv}" in text for text in logs.values()), name
         assert params["served.kv_cache_dtype"] == ("fp8" if kv == "fp8" else COMPUTE_DTYPE)  # the reference's
         assert f"--dtype {COMPUTE_DTYPE}" in params["served.command"]
-    if FP8_KV:  # modeled as served: a byte per element
+    if FP8_KV:  # modeled as served: a byte per element, against the stored BF16's two (on any CPU's compute dtype)
         kv_bytes = runs["bf16"].data.metrics["cost/kv_bytes_per_token"]
-        assert runs["fp8"].data.metrics["cost/kv_bytes_per_token"] == kv_bytes / (
-            2 if COMPUTE_DTYPE == "bfloat16" else 4
-        )
+        assert runs["fp8"].data.metrics["cost/kv_bytes_per_token"] == kv_bytes / 2
 
 
 def _logged_times(log: str) -> list[datetime.datetime]:

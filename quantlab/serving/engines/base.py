@@ -14,7 +14,7 @@ import os
 import re
 import urllib.request
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -40,6 +40,8 @@ class Support:
     cpu_flags: tuple[str, ...] = ()
     # The groups of input channels its kernels take (a variant's params.group_size); empty: any.
     group_sizes: tuple[int, ...] = ()
+    # The compute dtypes its kernels take (the variant's `pick_dtype`, which the server is given); empty: any.
+    dtypes: tuple[str, ...] = ()
 
 
 # compressed-tensors' stored format (None: unquantized) -> device ("cpu", "cuda") -> how the engine runs it. A device
@@ -224,6 +226,16 @@ class Engine(ABC):
             return None
         sizes = ", ".join(map(str, support.group_sizes))
         return f"{self.label}'s {stored_format} kernels on {device} take groups of {sizes} only, not {group_size}"
+
+    def dtype_problem(self, stored_format: str | None, device: str, dtype: Callable[[], str]) -> str | None:
+        """Why this engine's kernels for `stored_format` on `device` cannot compute in the variant's `dtype` (asked
+        only of a format whose kernels name their dtypes: finding it may import torch); None: they can."""
+        support = self.supports(stored_format, device)
+        if support is None or not support.dtypes or (chosen := dtype()) in support.dtypes:
+            return None
+        return (
+            f"{self.label}'s {stored_format} kernels on {device} compute in {' or '.join(support.dtypes)}, not {chosen}"
+        )
 
     def kernels(self, log_text: str, stored_format: str | None, device: str) -> dict[str, str]:
         """{layer type: kernel} the engine ran this checkpoint's quantized layers with."""

@@ -64,7 +64,9 @@ FORMATS: Formats = {
     },
     "W8A8": {"cpu": Support("oneDNN INT8 scaled-mm"), "cuda": Support("CUTLASS INT8 scaled-mm")},
     "W4A16": {
-        "cpu": Support("CPUWNA16LinearKernel", cpu_flags=AVX512),
+        # Its `cpu_gemm_wna16` has no float32 path ("not implemented for 'Float'", the engine core dead at the first
+        # request): on a CPU without BF16 matmuls, where the reference computes in float32, it is refused.
+        "cpu": Support("CPUWNA16LinearKernel", cpu_flags=AVX512, dtypes=("bfloat16", "float16")),
         "cuda": Support("Machete (Hopper) or Marlin W4A16"),
     },
     "W4AFP8": {
@@ -141,6 +143,18 @@ def parse_prompt_logprobs(
     return found
 
 
+# The CPU build's KV block (its default; GPU backends' are smaller): the unit vLLM sizes its cache in.
+BLOCK_TOKENS = 128
+
+
+def kv_cache_tokens(launch: Launch) -> int:
+    """The tokens of KV cache the server is given: the launch's, and at least what vLLM needs to start at all (one
+    request of `max_model_len` in whole blocks, beside the block its pool holds back; else "No available memory for
+    the cache blocks", as with a load of one short stream)."""
+    blocks = -(-launch.max_model_len // BLOCK_TOKENS) + 1
+    return max(launch.kv_cache_tokens, blocks * BLOCK_TOKENS)
+
+
 class VLLM(Engine):
     name: ClassVar[str] = "vllm"
     label: ClassVar[str] = "vLLM"
@@ -161,7 +175,7 @@ class VLLM(Engine):
         command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(launch.checkpoint)]
         command += ["--host", HOST, "--port", str(launch.port), "--dtype", launch.dtype]
         command += ["--max-model-len", str(launch.max_model_len), "--max-logprobs", str(launch.top_logprobs)]
-        command += ["--kv-cache-memory-bytes", str(launch.kv_cache_tokens * launch.kv_bytes_per_token)]
+        command += ["--kv-cache-memory-bytes", str(kv_cache_tokens(launch) * launch.kv_bytes_per_token)]
         command += ["--max-num-batched-tokens", str(max(launch.batch_tokens, launch.max_model_len))]
         command += ["--disable-uvicorn-access-log"]
         if launch.kv_cache_dtype != "auto":
@@ -172,6 +186,9 @@ class VLLM(Engine):
             command += ["--no-enable-prefix-caching"]
         if launch.device == "cpu":
             command += ["--enforce-eager"]  # no torch.compile at start: minutes on a few cores, for no gain here
+            # The model runs in the engine-core process: by default the CPU build spawns a worker process of its own
+            # for it, one more import of torch and vLLM in each server's start (benchmarks/README.md).
+            command += ["--distributed-executor-backend", "uni"]
         else:
             if launch.gpus > 1:
                 command += ["--tensor-parallel-size", str(launch.gpus)]
@@ -182,9 +199,15 @@ class VLLM(Engine):
     def environment(self, launch: Launch) -> dict[str, str]:
         variables = {"OMP_NUM_THREADS": str(launch.threads), "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": "INFO"}
         if launch.device == "cpu":
-            # Bound to the variant's own cores; with a share smaller than the machine, placed by the OS.
-            bind = ",".join(map(str, launch.bind_cpus)) if launch.bind_cpus else "nobind"
-            variables["VLLM_CPU_OMP_THREADS_BIND"] = bind
+            # The CPU build runs its model in-process (`uni`) only with this off; its API server still runs the
+            # engine core in a process of its own.
+            variables["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            if launch.bind_cpus:
+                # Bound to the variant's own cores (with a share smaller than the machine, placed by the OS): what
+                # vLLM's process manager sets for the worker it spawns (VLLM_CPU_OMP_THREADS_BIND), set here because
+                # the model runs in a process this environment starts.
+                variables["OMP_PLACES"] = "{" + ",".join(map(str, launch.bind_cpus)) + "}"
+                variables["OMP_PROC_BIND"] = "true"
             # One engine step may exceed vLLM's 300 s default on a few cores (a long prompt on the generic FP8
             # kernel): past it vLLM kills its engine core, and the variant with it.
             variables["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = "3600"
