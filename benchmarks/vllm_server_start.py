@@ -38,14 +38,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def spawned_worker(command: list[str], environment: dict[str, str], cores: tuple[int, ...]) -> tuple[list, dict]:
-    """vLLM's CPU default: quantlab's launch without the in-process executor."""
+def spawned_command(command: list[str]) -> list[str]:
+    """vLLM's CPU default: quantlab's command without the in-process executor."""
     at = command.index(IN_PROCESS[0])
-    command = command[:at] + command[at + 2 :]
-    environment = {k: v for k, v in environment.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_PLACES")}
-    environment.pop("OMP_PROC_BIND", None)
-    environment["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores)) if cores else "nobind"
-    return command, environment
+    return command[:at] + command[at + 2 :]
+
+
+def spawned_environment(environment: dict[str, str], cores: tuple[int, ...]) -> dict[str, str]:
+    """vLLM's CPU default: its process manager binds the spawned worker's threads, from VLLM_CPU_OMP_THREADS_BIND."""
+    ours = ("VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_PLACES", "OMP_PROC_BIND")
+    bind = ",".join(map(str, cores)) if cores else "nobind"
+    return {k: v for k, v in environment.items() if k not in ours} | {"VLLM_CPU_OMP_THREADS_BIND": bind}
 
 
 def two_at_once(python: Path, launch, spawned: bool, scratch: Path) -> float:
@@ -58,14 +61,14 @@ def two_at_once(python: Path, launch, spawned: bool, scratch: Path) -> float:
     with contextlib.ExitStack() as servers:
         running = []
         for index in range(2):
+
+            def command_for(port: int) -> list[str]:
+                command = vllm.command(python, dataclasses.replace(launch, port=port))
+                return spawned_command(command) if spawned else command
+
             environment = vllm.environment(launch)
-            command = vllm.command(python, launch)
             if spawned:
-                command, environment = spawned_worker(command, environment, launch.bind_cpus)
-
-            def command_for(port: int, command: list[str] = command) -> list[str]:
-                return [port_value(argument, port) for argument in command]
-
+                environment = spawned_environment(environment, launch.bind_cpus)
             log = scratch / f"{'spawned' if spawned else 'in-process'}-{index}.log"
             server = servers.enter_context(
                 launched_server(command_for, "vllm", log, {**os.environ, **environment, "HF_HUB_OFFLINE": "1"})
@@ -74,10 +77,6 @@ def two_at_once(python: Path, launch, spawned: bool, scratch: Path) -> float:
         for server in running:
             wait_healthy(server, 600)
         return time.perf_counter() - started
-
-
-def port_value(argument: str, port: int) -> str:
-    return str(port) if argument == "PORT" else argument
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -105,7 +104,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         top_logprobs=100,
         scoring=True,
     )
-    launch = dataclasses.replace(launch, port="PORT")  # each server's own free port, put in by command_for
     seconds: dict[bool, list[float]] = {False: [], True: []}
     with tempfile.TemporaryDirectory(prefix="vllm-start-") as scratch:
         for pair in range(args.pairs):
