@@ -9,7 +9,10 @@ each into a store and a cold cache of its own (the GGUF's conversion and every c
 3. per cost axis and pair of variants, the order the frontier calls in each run (`quantlab.frontier.cost_order`:
    cheaper beyond the noise, or a tie where the intervals overlap), and whether every order called (not a tie) is
    the same in all runs. A pair called one way in one run and the other way in another is a contradiction; one
-   called in one run and tied in another is counted apart.
+   called in one run and tied in another is counted apart;
+4. each variant's output tokens/s in every run of each load level (serving.repeats of them, back to back in its
+   serve stage), sweep by sweep: a wide interval above is either a variant's own spread or the machine changing
+   speed within the stage, which only these runs tell apart.
 
 Run it alone on the machine (another job's load moves the figures it compares):
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import subprocess
 import sys
 import time
@@ -59,6 +63,22 @@ def frontier_results(folder: Path):
 
     store = tracking.open_store(f"sqlite:///{folder / 'mlflow.db'}")
     return frontiers(read_sweep(store, tracking.latest_sweep(store, None).run_id)).results
+
+
+def level_runs(folder: Path) -> dict[str, dict[str, list[float]]]:
+    """Each variant's output tokens/s in every run of each load level, in the order guidellm ran them (its report)."""
+    from quantlab import tracking
+    from quantlab.serving.levels import load_levels
+    from quantlab.stages.serve import REPORT_ARTIFACT
+
+    store = tracking.open_store(f"sqlite:///{folder / 'mlflow.db'}")
+    found: dict[str, dict[str, list[float]]] = {}
+    for run in tracking.child_runs(store, tracking.latest_sweep(store, None).run_id):
+        report = store.read_artifact(run.run_id, REPORT_ARTIFACT)
+        if report is not None:
+            for level in load_levels(json.loads(report)):
+                found.setdefault(run.variant, {}).setdefault(level.label, []).append(level.output_tokens_per_s)
+    return found
 
 
 def interval_text(point) -> str:
@@ -107,6 +127,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"{called - contradictions - called_then_tied}; called one way in one run and the other in another: "
         f"{contradictions}; called in one run and tied in another: {called_then_tied}."
     )
+
+    print("\n### output tokens/s of each run of a level, in the order run\n")
+    print("| variant | level | " + " | ".join(f"sweep {i + 1}" for i in range(len(folders))) + " |")
+    print("|---" * (len(folders) + 2) + "|")
+    sweeps = [level_runs(folder) for folder in folders]
+    for name in sorted(set().union(*sweeps)):
+        for label in sorted(
+            set().union(*(found.get(name, {}) for found in sweeps)), key=lambda text: (len(text), text)
+        ):
+            cells = [", ".join(f"{value:.1f}" for value in found.get(name, {}).get(label, [])) for found in sweeps]
+            print(f"| {name} | {label} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
