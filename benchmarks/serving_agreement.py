@@ -57,12 +57,18 @@ def sweep(recipe: Path, folder: Path) -> float:
     return seconds
 
 
-def frontier_results(folder: Path):
+def latest_sweep(folder: Path):
+    """The store a run of this script left in `folder`, and its sweep's run id."""
     from quantlab import tracking
-    from quantlab.publish import frontiers, read_sweep
 
     store = tracking.open_store(f"sqlite:///{folder / 'mlflow.db'}")
-    return frontiers(read_sweep(store, tracking.latest_sweep(store, None).run_id)).results
+    return store, tracking.latest_sweep(store, None).run_id
+
+
+def frontier_results(folder: Path):
+    from quantlab.publish import frontiers, read_sweep
+
+    return frontiers(read_sweep(*latest_sweep(folder))).results
 
 
 def level_runs(folder: Path) -> dict[str, dict[str, list[float]]]:
@@ -71,9 +77,9 @@ def level_runs(folder: Path) -> dict[str, dict[str, list[float]]]:
     from quantlab.serving.levels import load_levels
     from quantlab.stages.serve import REPORT_ARTIFACT
 
-    store = tracking.open_store(f"sqlite:///{folder / 'mlflow.db'}")
+    store, sweep_id = latest_sweep(folder)
     found: dict[str, dict[str, list[float]]] = {}
-    for run in tracking.child_runs(store, tracking.latest_sweep(store, None).run_id):
+    for run in tracking.child_runs(store, sweep_id):
         report = store.read_artifact(run.run_id, REPORT_ARTIFACT)
         if report is not None:
             for level in load_levels(json.loads(report)):
@@ -133,9 +139,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("|---" * (len(folders) + 2) + "|")
     sweeps = [level_runs(folder) for folder in folders]
     for name in sorted(set().union(*sweeps)):
-        for label in sorted(
-            set().union(*(found.get(name, {}) for found in sweeps)), key=lambda text: (len(text), text)
-        ):
+        for label in dict.fromkeys(label for found in sweeps for label in found.get(name, {})):  # as guidellm ran them
             cells = [", ".join(f"{value:.1f}" for value in found.get(name, {}).get(label, [])) for found in sweeps]
             print(f"| {name} | {label} | " + " | ".join(cells) + " |")
 
