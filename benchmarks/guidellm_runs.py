@@ -74,9 +74,11 @@ def mock_server(checkpoint: Path, output_tokens: int, log: Path) -> tuple[subpro
 
 def one_load(way: str, spec: dict, work: Path) -> dict[str, object]:
     from quantlab.serving.load import guidellm_environment
+    from quantlab.serving.load_queue import end_file, exit_file, scenario_file
 
     work.mkdir(parents=True)
-    ready, scenario, report = work / "imported", work / "scenario.json", work / "report.json"
+    ready, scenarios, report = work / "imported", work / "scenario", work / "report.json"
+    scenario = scenario_file(scenarios, 1)
     spec["spec"]["outputs"][0]["path"] = str(report)
     env = {**os.environ, **guidellm_environment(1)}
     runner = ["-m", "quantlab.serving.guidellm_runner"]
@@ -86,7 +88,10 @@ def one_load(way: str, spec: dict, work: Path) -> dict[str, object]:
     started = time.monotonic()
     with (work / "guidellm.log").open("w") as log:
         process = subprocess.Popen(
-            [sys.executable, *runner, str(ready), str(scenario)], stdout=log, stderr=log, env=env
+            [sys.executable, *runner, str(ready), str(scenario if way == "before" else scenarios)],
+            stdout=log,
+            stderr=log,
+            env=env,
         )
         while not ready.exists():
             if process.poll() is not None:
@@ -94,6 +99,10 @@ def one_load(way: str, spec: dict, work: Path) -> dict[str, object]:
             time.sleep(0.05)
         imported = time.monotonic()
         scenario.write_text(json.dumps(spec))
+        if way == "now":  # the runner waits for more scenarios until told to end
+            while not exit_file(scenarios, 1).exists() and process.poll() is None:
+                time.sleep(0.05)
+            end_file(scenarios).touch()
         if process.wait(timeout=600) != 0:
             raise RuntimeError(f"guidellm failed; see {work / 'guidellm.log'}")
     done = time.monotonic()

@@ -10,9 +10,9 @@ each into a store and a cold cache of its own (the GGUF's conversion and every c
    cheaper beyond the noise, or a tie where the intervals overlap), and whether every order called (not a tie) is
    the same in all runs. A pair called one way in one run and the other way in another is a contradiction; one
    called in one run and tied in another is counted apart;
-4. each variant's output tokens/s in every run of each load level (serving.repeats of them, back to back in its
-   serve stage), sweep by sweep: a wide interval above is either a variant's own spread or the machine changing
-   speed within the stage, which only these runs tell apart.
+4. each variant's output tokens/s in every run of each load level (serving.repeats of them, in rounds across the
+   variants where the sweep interleaves them: serving.interleave), sweep by sweep: a wide interval above is either
+   a variant's own spread or the machine changing speed over the stage, which only these runs tell apart.
 
 Run it alone on the machine (another job's load moves the figures it compares):
 

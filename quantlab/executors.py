@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from quantlab import stopping
 from quantlab.errors import BadInput
 from quantlab.host_share import THREADS_ENV, HostShare, ThreadShare, local_share, thread_share, visible_cores
-from quantlab.jobs import VariantJob, VariantResult
+from quantlab.jobs import BaselineOutputs, VariantJob, VariantResult
 from quantlab.preload import ENV as PRELOAD_ENV
 from quantlab.preload import output_to
 from quantlab.runner import run_variant
@@ -44,7 +44,9 @@ if TYPE_CHECKING:
     from quantlab.recipe import LoadedRecipe
 
 StageCallback = Callable[[str, str], None]  # (variant, stage)
-Outcome = tuple[VariantJob, "VariantResult | VariantFailed", Path]  # job, what came of it, its log file
+# job, what came of it, its log file. BaselineOutputs: its quality stages are done, and it waits to serve (it comes
+# again with its result or failure; LocalExecutor).
+Outcome = tuple[VariantJob, "VariantResult | VariantFailed | BaselineOutputs", Path]
 
 
 class VariantFailed(Exception):
@@ -60,9 +62,11 @@ def _child_main(
     reports: multiprocessing.connection.Connection,
     log_path: str,
     share: ThreadShare | None = None,
+    turns: multiprocessing.connection.Connection | None = None,
 ) -> None:
     """`reports`: the write end of a pipe, written synchronously. Not a multiprocessing.Queue: its first put starts
-    a feeder thread, and a thread start can hang the variant for good (_no_progress_monitor)."""
+    a feeder thread, and a thread start can hang the variant for good (_no_progress_monitor). `turns`: the read end
+    of the pipe its turns to serve come through (None: the executor does not interleave)."""
     _bind_to_sweep(f"quantlab-{variant}")
     output_to(log_path)
     _no_progress_monitor()
@@ -70,11 +74,30 @@ def _child_main(
         job = pickle.loads(Path(job_path).read_bytes())
         Path(job_path).unlink()
         host = HostShare.fixed(share) if share else HostShare.seated()
-        result = run_variant(job, lambda stage: reports.send(("stage", stage)), host)
+        serving_turns = _ChildTurns(reports, turns) if turns is not None else None
+        result = run_variant(job, lambda stage: reports.send(("stage", stage)), host, serving_turns)
         reports.send(("result", result))
     except BaseException as error:  # noqa: BLE001 - everything must reach the parent as a failure
         reports.send(("error", (failure_reason(error), traceback.format_exc())))
         raise SystemExit(1) from None
+
+
+@dataclass(frozen=True)
+class _ChildTurns:
+    """A variant process's side of LocalExecutor's turns (quantlab.jobs.ServingTurns), through its pipes."""
+
+    reports: multiprocessing.connection.Connection
+    turns: multiprocessing.connection.Connection
+
+    def scored(self, outputs: BaselineOutputs) -> None:
+        self.reports.send(("scored", outputs))
+
+    def wait(self) -> None:
+        self.reports.send(("parked", None))
+        try:
+            self.turns.recv()
+        except EOFError:
+            raise RuntimeError("the sweep ended while the variant waited for its turn to serve") from None
 
 
 def _no_progress_monitor() -> None:
@@ -126,12 +149,15 @@ def failure_reason(error: BaseException) -> str:
 class VariantProcess:
     """One variant in a fresh process forked from the fork server, with `share` threads (default: its share of
     this host's cores, among the quantlab variants running on it). `poll` reads what it reports, without
-    blocking longer than its timeout; VariantFailed if it cannot start."""
+    blocking longer than its timeout; VariantFailed if it cannot start. With `turns`, its serving waits for each
+    turn (`parked` until `give_turn`)."""
 
-    def __init__(self, job: VariantJob, log_path: Path, share: ThreadShare | None = None):
+    def __init__(self, job: VariantJob, log_path: Path, share: ThreadShare | None = None, turns: bool = False):
         self.job, self.log_path = job, log_path
+        self.parked, self.turns_taken = False, 0
         context = start_variant_processes(job.loaded)
         self.reports, child_end = context.Pipe(duplex=False)
+        child_turns, self._turns = context.Pipe(duplex=False) if turns else (None, None)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         # The job (often megabytes of baseline scores) goes through a file, not the spawn pipe: a child
         # that dies while reading a payload larger than the pipe's buffer would block start() forever.
@@ -139,7 +165,7 @@ class VariantProcess:
         job_path.write_bytes(pickle.dumps(job))
         self.process = context.Process(
             target=_child_main,
-            args=(job.variant, str(job_path), child_end, str(log_path), share),
+            args=(job.variant, str(job_path), child_end, str(log_path), share, child_turns),
             name=f"quantlab-{job.variant}",
         )
         try:
@@ -150,9 +176,14 @@ class VariantProcess:
         finally:
             # Only the child writes: a child that dies halfway through a report then reads as EOF, not as a wait.
             child_end.close()
+            if child_turns is not None:  # only the child reads: the sweep's end reads there as EOF
+                child_turns.close()
 
-    def poll(self, on_stage: StageCallback, timeout: float = 0.5) -> VariantResult | VariantFailed | None:
-        """Its outcome once it has one (a result, or how it failed or died); None while it runs."""
+    def poll(
+        self, on_stage: StageCallback, timeout: float = 0.5
+    ) -> VariantResult | VariantFailed | BaselineOutputs | None:
+        """Its outcome once it has one (a result, or how it failed or died), or its outputs once scored (it waits to
+        serve); None while it runs."""
         reported = self.reports.poll(timeout)
         if not reported and self.process.is_alive():
             return None
@@ -163,6 +194,11 @@ class VariantProcess:
         if kind == "stage":
             on_stage(self.job.variant, payload)
             return None
+        if kind == "parked":
+            self.parked = True
+            return None
+        if kind == "scored":
+            return payload
         self.process.join()
         self.reports.close()
         if kind == "died":
@@ -170,6 +206,12 @@ class VariantProcess:
         if kind == "result":
             return payload
         return VariantFailed(payload[0], payload[1] + _log_tail(self.log_path))
+
+    def give_turn(self) -> None:
+        assert self._turns is not None and self.parked
+        self.parked = False
+        self.turns_taken += 1
+        self._turns.send(self.turns_taken)
 
     def kill(self) -> None:
         self.process.kill()
@@ -270,35 +312,65 @@ def _log_tail(log_path: Path) -> str:
     return "\n\n--- last lines of the variant's log ---\n" + "\n".join(tail)
 
 
-@dataclass(frozen=True)
 class LocalExecutor:
     """One process per variant, `parallel` at a time (default one: the machine is the variant's alone). Side by
     side they share the cores through their seats on the host, and each measure stage times alone: the others
-    pause at their next forward pass until it is done (host_share.HostShare.timing)."""
+    pause at their next forward pass until it is done (host_share.HostShare.timing).
 
-    parallel: int = 1
+    Serving interleaved (serving.interleave, on CPU: runner.run_variant decides): a variant that has scored waits to
+    serve, parked, its server up, and counts no more against `parallel`; once every variant is parked, each gets a
+    turn in order, the one with the fewest turns first: round by round, every variant runs its levels once, until
+    each has its result. `run(..., hold=True)` returns once every variant left is parked (the sweep's baseline, whose
+    outputs the others need to start), keeping them for the next `run`; `close` ends any still kept."""
 
-    def run(self, jobs: list[VariantJob], log_dir: Path, on_stage: StageCallback) -> Iterator[Outcome]:
+    def __init__(self, parallel: int = 1) -> None:
+        self.parallel = parallel
+        self._kept: list[VariantProcess] = []  # parked at the end of a run that held them
+
+    def run(
+        self, jobs: list[VariantJob], log_dir: Path, on_stage: StageCallback, hold: bool = False
+    ) -> Iterator[Outcome]:
         local_share()  # a bad QUANTLAB_THREADS is bad input, found before any variant starts
-        waiting, running = list(jobs), []
+        waiting, running, self._kept = list(jobs), self._kept, []
         try:
             while waiting or running:
-                while waiting and len(running) < max(1, self.parallel):
+                while waiting and sum(not variant.parked for variant in running) < max(1, self.parallel):
                     job = waiting.pop(0)
                     log_path = log_dir / f"{job.variant}.log"
                     try:
-                        running.append(VariantProcess(job, log_path))
+                        running.append(VariantProcess(job, log_path, turns=True))
                     except VariantFailed as failed:
                         yield job, failed, log_path
                 for variant in list(running):
                     stopping.raise_if_stopped()  # a stop whose first raise was swallowed
                     outcome = variant.poll(on_stage, timeout=0.5 / len(running))
-                    if outcome is not None:
+                    if outcome is None:
+                        continue
+                    if not isinstance(outcome, BaselineOutputs):
                         running.remove(variant)
-                        yield variant.job, outcome, variant.log_path
-        finally:  # Ctrl-C, or the sweep stopped reading: no variant outlives it
+                    if not hold:  # the next turn first: the sweep logs what it is handed meanwhile
+                        _next_turn(waiting, running)
+                    yield variant.job, outcome, variant.log_path
+                if hold and not waiting and running and all(variant.parked for variant in running):
+                    self._kept, running = running, []
+                    return
+                if not hold:
+                    _next_turn(waiting, running)
+        except BaseException:  # Ctrl-C, or the sweep stopped reading: no variant outlives it
             for variant in running:
                 variant.kill()
+            raise
+
+    def close(self) -> None:
+        for variant in self._kept:
+            variant.kill()
+        self._kept = []
+
+
+def _next_turn(waiting: list[VariantJob], running: list[VariantProcess]) -> None:
+    """Once every variant has scored and waits to serve: a turn to the one with the fewest turns taken."""
+    if not waiting and running and all(variant.parked for variant in running):
+        min(running, key=lambda variant: variant.turns_taken).give_turn()
 
 
 class InProcessExecutor:
@@ -308,7 +380,10 @@ class InProcessExecutor:
     allocator caches and imports stay between variants; no log file (capturing fds 1 and 2 would
     swallow the sweep's progress display), so the sweep logs none."""
 
-    def run(self, jobs: list[VariantJob], log_dir: Path, on_stage: StageCallback) -> Iterator[Outcome]:
+    def run(
+        self, jobs: list[VariantJob], log_dir: Path, on_stage: StageCallback, hold: bool = False
+    ) -> Iterator[Outcome]:
+        """`hold`: nothing to hold, each variant runs to its end."""
         local_share()  # a bad QUANTLAB_THREADS is bad input, found before any variant starts
         for job in jobs:
             log_path = log_dir / f"{job.variant}.log"
@@ -316,6 +391,9 @@ class InProcessExecutor:
                 yield job, self.run_one(job, log_path, on_stage), log_path
             except VariantFailed as failed:
                 yield job, failed, log_path
+
+    def close(self) -> None:
+        """Nothing kept between runs."""
 
     @staticmethod
     def run_one(job: VariantJob, log_path: Path, on_stage: StageCallback) -> VariantResult:
@@ -340,7 +418,10 @@ class RayExecutor:
 
     address: str | None
 
-    def run(self, jobs: list[VariantJob], log_dir: Path, on_stage: StageCallback) -> Iterator[Outcome]:
+    def run(
+        self, jobs: list[VariantJob], log_dir: Path, on_stage: StageCallback, hold: bool = False
+    ) -> Iterator[Outcome]:
+        """`hold`: nothing to hold, each variant runs to its end."""
         import ray
 
         if not ray.is_initialized():  # a cluster at `address` has its own CPUs (and no dashboard to start)
@@ -372,6 +453,9 @@ class RayExecutor:
                 else:  # its worker died: killed, out of memory, node lost
                     reason = f"Ray worker failed: {type(error).__name__}"
                 yield job, VariantFailed(reason, str(error) + _log_tail(log_path)), log_path
+
+    def close(self) -> None:
+        """Nothing kept between runs."""
 
 
 def _ray_task(job: VariantJob, log_path: str, share: ThreadShare) -> VariantResult:

@@ -222,6 +222,20 @@ class HostShare:
             self._seats.leave()
         self._seats = None
 
+    @contextlib.contextmanager
+    def aside(self) -> Iterator[None]:
+        """Give up the seat for the block, and take one again after it: a variant that waits, idle, for its turn
+        to serve (quantlab.executors.LocalExecutor) must not shrink the thread share of those that run meanwhile,
+        nor of the servers they start."""
+        if self._seats is None:
+            yield
+            return
+        self._seats.leave()
+        try:
+            yield
+        finally:
+            self._seats.take()
+
     def follow(self, model: Any) -> None:
         """Count the seats again (at most every RECOUNT_SECONDS) before the forward passes of `model` and of the
         blocks in its module lists (its decoder layers: llm-compressor's calibration calls them one by one), and

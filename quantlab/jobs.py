@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from quantlab.paired import DocumentScores, Group, documents_from_json, documents_to_json
 from quantlab.recipe import LoadedRecipe
@@ -83,6 +83,17 @@ class VariantJob:
     @property
     def is_baseline(self) -> bool:
         return self.variant == self.loaded.recipe.baseline
+
+
+class ServingTurns(Protocol):
+    """What an executor that interleaves its variants' serving gives the runner (quantlab.executors.LocalExecutor):
+    every variant's load runs go round by round, after every variant's quality stages."""
+
+    def scored(self, outputs: BaselineOutputs) -> None:
+        """The variant's quality stages are done: what later variants compare against, before its load runs."""
+
+    def wait(self) -> None:
+        """Until the executor gives this variant its next turn to serve (its server up and idle meanwhile)."""
 
 
 def disjoint_union(kind: str, parts: Mapping[str, Mapping[str, V]]) -> dict[str, V]:

@@ -13,20 +13,25 @@ from importlib.metadata import version
 from typing import TYPE_CHECKING
 
 from quantlab.host_share import HostShare
-from quantlab.jobs import BaselineOutputs, StageReporter, VariantJob, VariantResult, disjoint_union
+from quantlab.jobs import BaselineOutputs, ServingTurns, StageReporter, VariantJob, VariantResult, disjoint_union
 
 if TYPE_CHECKING:
     import torch
 
     from quantlab.models import ModelSource
     from quantlab.recipe import LoadedRecipe, VariantSpec
+    from quantlab.stages.serve import Turns
 
 
 def run_variant(
-    job: VariantJob, report: StageReporter = lambda stage: None, host: HostShare | None = None
+    job: VariantJob,
+    report: StageReporter = lambda stage: None,
+    host: HostShare | None = None,
+    turns: ServingTurns | None = None,
 ) -> VariantResult:
     """`host`: the share of the host's cores the executor gave this process (None: torch's default, no seat). Its
-    threads follow the models the variant loads; the timed stages (measure, serve) hold its timing lock."""
+    threads follow the models the variant loads; the timed stages (measure, serve) hold its timing lock. `turns`:
+    given by an executor that interleaves its variants' load runs (None: they run back to back in the serve stage)."""
     # The stages load torch, transformers and lm-eval: imported here, in the variant's process,
     # so that the sweep's own process (which imports this module for its executors) stays light.
     from quantlab.models import load_checkpoint, materialize, pick_device, pick_dtype, resolve_source
@@ -108,15 +113,36 @@ def run_variant(
             floor = engine_floor(
                 served, job, recipe.evals, job.loaded.include_path, report, served_scores, served_tokens, max_length
             )
+        # The scores of record come from the engine that ships when the recipe scores through it.
+        scores = served_scores if recipe.evals.engine != "reference" else reference_scores
+        outputs = BaselineOutputs(
+            tokens.reference_dir,
+            scores.documents | tokens.documents | served_tokens.documents,
+            scores.groups,
+            scores.scores,
+            scores.primary,
+        )
         with stage("start server"):
             served = server.ready(scoring=False)  # the load's levels: the engine as users serve it
-        with stage("serve"), host.timing():
+        # On a GPU the next variant needs the memory this server holds: its turns would wait with it.
+        interleaving = recipe.serving.enabled and recipe.serving.interleave and device == "cpu"
+        serve_turns = ServeTurns(host, report, turns if interleaving else None)
+        if job.is_baseline:  # where it waits for turns, the variants compared against it start now
+            serve_turns.scored(outputs)
+        with stage("serve"):
             serving = serve_load(
-                served, recipe.serving, recipe.measure, recipe_dir, dtype, cost_metrics, job.log_dir, stream
+                served,
+                recipe.serving,
+                recipe.measure,
+                recipe_dir,
+                dtype,
+                cost_metrics,
+                job.log_dir,
+                stream,
+                serve_turns.turns(),
             )
+        seconds |= serve_turns.waited_apart(seconds["serve"])
 
-    # The scores of record come from the engine that ships when the recipe scores through it.
-    scores = served_scores if recipe.evals.engine != "reference" else reference_scores
     answers = answer_damage(scores, job.baseline)
     agreement = engine_vs_reference(reference_scores, served_scores)
     # Each figure from one stage: a key two stages both gave would keep the later one's unseen.
@@ -166,13 +192,7 @@ def run_variant(
         metrics=metrics,
         params=params,
         tags=tags,
-        baseline_outputs=BaselineOutputs(
-            tokens.reference_dir,
-            scores.documents | tokens.documents | served_tokens.documents,
-            scores.groups,
-            scores.scores,
-            scores.primary,
-        ),
+        baseline_outputs=outputs,
         artifacts=disjoint_union("artifact", {"answer damage": answers.artifacts, "serve": serving.artifacts}),
         datasets=scores.datasets,
     )
@@ -224,3 +244,39 @@ def flatten(prefix: str, value: object) -> dict[str, str]:
     for key, item in value.items():
         flat.update(flatten(f"{prefix}.{key}" if prefix else str(key), item))
     return flat
+
+
+class ServeTurns:
+    """The serve stage's turns: each waits, where the executor interleaves the variants' load runs, for this variant's
+    turn (timed apart from the stage, as `wait to serve`), then holds the host's timing lock."""
+
+    def __init__(self, host: HostShare, report: StageReporter, executor_turns: ServingTurns | None) -> None:
+        self.host, self.report, self.executor_turns = host, report, executor_turns
+        self.waited = 0.0
+
+    def scored(self, outputs: BaselineOutputs) -> None:
+        if self.executor_turns is not None:
+            self.executor_turns.scored(outputs)
+
+    def turns(self) -> Turns:
+        from quantlab.stages.serve import Turns
+
+        return Turns(self._take, interleaved=self.executor_turns is not None)
+
+    @contextmanager
+    def _take(self) -> Iterator[None]:
+        if self.executor_turns is not None:
+            started = time.perf_counter()
+            self.report("wait to serve")
+            with self.host.aside():
+                self.executor_turns.wait()
+            self.report("serve")
+            self.waited += time.perf_counter() - started
+        with self.host.timing():
+            yield
+
+    def waited_apart(self, serve_seconds: float) -> dict[str, float]:
+        """The serve stage's own seconds, and apart what it waited for the other variants (nothing where it did not)."""
+        if not self.waited:
+            return {}
+        return {"serve": round(serve_seconds - self.waited, 3), "wait to serve": round(self.waited, 3)}

@@ -21,7 +21,14 @@ from typing import Protocol
 
 from quantlab import disk, stopping, tracking
 from quantlab.checks import remember_lookups
-from quantlab.executors import EXECUTORS, VariantFailed, stop_variant_processes
+from quantlab.executors import (
+    EXECUTORS,
+    InProcessExecutor,
+    LocalExecutor,
+    RayExecutor,
+    VariantFailed,
+    stop_variant_processes,
+)
 from quantlab.jobs import BaselineOutputs, VariantResult
 from quantlab.logbook import Logbook, finished_runs_of, kept_baseline
 from quantlab.plan import Action, PlannedVariant, SweepPlan, make_plan
@@ -95,9 +102,13 @@ def run_sweep(loaded: LoadedRecipe, options: SweepOptions, display: SweepDisplay
             log.describe_sweep()
             display.sweep_started(loaded.recipe.name, log.parent_run_id, plan)
             with _log_folder(options) as logs:
-                dispatch = Dispatch(plan, options, log, display, outcome, logs)
-                baseline = dispatch.baseline()
-                dispatch.others(baseline)
+                executor = EXECUTORS[options.executor](options.ray_address, options.parallel)
+                dispatch = Dispatch(plan, options, log, display, outcome, logs, executor)
+                try:
+                    baseline = dispatch.baseline()
+                    dispatch.others(baseline)
+                finally:
+                    executor.close()
             if not outcome.unlogged and (why := log.publish()) is not None:  # else a later sweep publishes them
                 outcome.unlogged["frontier and report"] = why
         except BaseException as error:
@@ -129,16 +140,18 @@ class Dispatch:
     display: SweepDisplay
     outcome: SweepOutcome
     logs: Path  # the folder of the variants' log files
+    executor: LocalExecutor | InProcessExecutor | RayExecutor  # one for the sweep: it may keep the baseline waiting
 
     def baseline(self) -> BaselineOutputs | NoBaseline:
         """The baseline, alone: what the others compare against, from its result (logged or not), its copied run
         or its kept result."""
         variant = self.plan.baseline
         if variant.action is Action.COMPUTE:
-            computed = self._compute([variant], None)[variant.name]
+            # Held where the executor interleaves serving: the baseline serves in turn with the others, later.
+            computed = self._compute([variant], None, hold=True)[variant.name]
             if isinstance(computed, VariantFailed):
                 return NoBaseline(variant.name, computed.reason)
-            return computed.baseline_outputs
+            return computed if isinstance(computed, BaselineOutputs) else computed.baseline_outputs
         if variant.action is Action.COPY:  # read before the copy: a baseline run without samples ends the sweep
             outputs = self.log.baseline_of(variant.finished_run)
         else:
@@ -156,7 +169,8 @@ class Dispatch:
                 self._failed(variant.name, VariantFailed(baseline.not_run, ""), self.logs / f"{variant.name}.log")
             else:
                 to_compute.append(variant)
-        if to_compute and isinstance(baseline, BaselineOutputs):
+        to_compute = to_compute if isinstance(baseline, BaselineOutputs) else []
+        if to_compute or self.plan.baseline.action is Action.COMPUTE:  # the executor may keep the baseline waiting
             self._compute(to_compute, baseline)
 
     def _reuse(self, variant: PlannedVariant) -> None:
@@ -173,15 +187,17 @@ class Dispatch:
             self.display.variant_finished(variant.name, None, None, reused=how)
 
     def _compute(
-        self, variants: list[PlannedVariant], baseline: BaselineOutputs | None
-    ) -> dict[str, VariantResult | VariantFailed]:
-        """Run the variants on the executor, logging each outcome as it comes; every outcome by variant."""
-        options = self.options
-        executor = EXECUTORS[options.executor](options.ray_address, options.parallel)
-        jobs = [self.plan.job(variant, baseline, self.logs) for variant in variants]
-        outcomes: dict[str, VariantResult | VariantFailed] = {}
-        for job, outcome, log_path in executor.run(jobs, self.logs, self._stage):
+        self, variants: list[PlannedVariant], baseline: BaselineOutputs | NoBaseline | None, hold: bool = False
+    ) -> dict[str, VariantResult | VariantFailed | BaselineOutputs]:
+        """Run the variants on the executor, logging each outcome as it comes (a variant it kept waiting from an earlier
+        run too); every outcome by variant: its outputs where it is still kept waiting (`hold`)."""
+        compared = baseline if isinstance(baseline, BaselineOutputs) else None
+        jobs = [self.plan.job(variant, compared, self.logs) for variant in variants]
+        outcomes: dict[str, VariantResult | VariantFailed | BaselineOutputs] = {}
+        for job, outcome, log_path in self.executor.run(jobs, self.logs, self._stage, hold=hold):
             outcomes[job.variant] = outcome
+            if isinstance(outcome, BaselineOutputs):  # scored; its result comes once it has served
+                continue
             if isinstance(outcome, VariantResult):
                 try:
                     self._finished(self.plan.variant(job.variant), outcome, log_path)

@@ -22,7 +22,14 @@ from quantlab.errors import BadInput
 from quantlab.executors import LocalExecutor
 from quantlab.frontier import Axis, VariantSummary
 from quantlab.host_share import SEATS_ENV, THREADS_ENV, HostShare, Seats, local_share, thread_share
-from quantlab.measure.contention import CONTENDED_TAG, CONTENTION_TAG, LoadMonitor, LoadReading, judge_contention
+from quantlab.measure.contention import (
+    CONTENDED_TAG,
+    CONTENTION_TAG,
+    LoadMonitor,
+    LoadReading,
+    combined,
+    judge_contention,
+)
 from quantlab.metrics import spec
 from quantlab.policy import Policy
 from recipes import tiny_recipe, write
@@ -622,3 +629,30 @@ def test_no_warning_without_contention(tmp_path):
     store = tracking.open_store(uri)
     render_artifacts(read_sweep(store, tracking.latest_sweep(store, "busy").run_id), tmp_path / "out")
     assert "contention" not in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_a_loads_rounds_read_as_one_window():
+    """A load run in rounds, minutes apart (serving.interleave): its verdict over all of them is over their timed
+    seconds added up, not over the minutes between them."""
+    first = LoadReading(2, 2, 2, 0.5, 1.0, wall_seconds=10.0, cpu_seconds=15.0, cores_busy_seconds=18.0)
+    second = replace(first, load_before=0.2, load_after=1.5, wall_seconds=5.0, cpu_seconds=9.0, cores_busy_seconds=10.0)
+    both = combined([first, second])
+    assert (both.load_before, both.load_after, both.wall_seconds, both.cpu_seconds) == (0.2, 1.5, 15.0, 24.0)
+    assert both.cores_busy_seconds == 28.0 and both.other_cores == pytest.approx((28.0 - 24.0) / 15.0)
+    assert combined([first, replace(second, cores_busy_seconds=None)]).other_cores is None  # unknown in one: unknown
+
+
+def test_a_variant_waiting_for_its_turn_to_serve_leaves_its_seat(tmp_path, monkeypatch):
+    """Parked, idle, its server up, a variant must not halve the threads of the variant that runs meanwhile (nor of
+    the server that one starts); it takes a seat again for its turn."""
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    host = HostShare.seated(environment=False, directory=tmp_path)
+
+    def seats() -> int:
+        return len(list(tmp_path.glob("*.seat")))
+
+    assert seats() == 1
+    with host.aside():
+        assert seats() == 0
+    assert seats() == 1
+    host.leave()

@@ -476,7 +476,7 @@ def _vllm_processes() -> list[psutil.Process]:
 def under_load(variant: str, temp_dir: Path | None = None) -> bool:
     """Whether the variant's guidellm has its scenario (it starts early, and waits for it, while the variant is
     scored): the load is on, or about to be. `temp_dir`: the sweep's TMPDIR (default: this process's)."""
-    return any(Path(temp_dir or tempfile.gettempdir()).glob(f"quantlab-load-{variant}-*/scenario.json"))
+    return any(Path(temp_dir or tempfile.gettempdir()).glob(f"quantlab-load-{variant}-*/scenario-*.json"))
 
 
 def _command_lines_naming(marker: str) -> list[str]:

@@ -537,7 +537,7 @@ def test_guidellm_imports_before_its_scenario_and_a_failed_run_says_why(tmp_path
     ):
         load.start()
         load.wait_imported(timeout_s=120)
-        assert (tmp_path / "load" / "imported").is_file() and not (tmp_path / "load" / "scenario.json").exists()
+        assert (tmp_path / "load" / "imported").is_file() and not list((tmp_path / "load").glob("scenario-*.json"))
         waiting = _served_processes(str(tmp_path / "load"))
         assert waiting and all(p.is_running() for p in waiting)  # imported, and waiting for its scenario
         rejected = {"spec": {"outputs": [{"kind": "json", "path": str(load.report_path)}]}, "benchmarks": "none"}

@@ -79,7 +79,7 @@ def _load_under(server, settings: ServingSettings, until: str) -> tuple:
     with LoadGenerator(scratch, scratch / "guidellm.log", 1) as load:
         load.start()
         load.wait_imported(120)  # its import is not the load: the process competes with the load alone
-        hog = _hog(until=str(scratch / "guidellm.json") if until else "")
+        hog = _hog(until=str(load.report_path) if until else "")  # the first run's report
         try:
             return serve_load(replace(served, load=load), settings, MeasureSettings(), REPO, torch.float32, {}, work)
         finally:
@@ -117,7 +117,7 @@ def test_a_load_still_contended_after_the_wait_is_logged_and_decides_nothing(ser
 
 def test_a_run_contended_while_timed_is_re_run_once_the_cores_are_quiet(server):
     """The process competes until the load's first report exists: every run of that load is contended, and is re-run
-    by a guidellm of its own once a quiet second has passed. On a host whose other work never leaves a quiet second
+    by the same guidellm once a quiet second has passed. On a host whose other work never leaves a quiet second
     within the wait, the runs stay contended and are named, as above."""
     settings = LIGHT.model_copy(update={"contention_retries": 1, "contention_wait_s": 20})
     outcome = _load_under(server, settings, until="first report")

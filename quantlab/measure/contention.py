@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import psutil
 
@@ -80,6 +81,21 @@ class LoadReading:
             f"cores ({self.machine_cpus} on the machine); {self.threads} torch threads used {self.own_cores:.2f} "
             f"CPU s per wall s over {self.wall_seconds:.2f} s"
         )
+
+
+def combined(readings: Sequence[LoadReading]) -> LoadReading:
+    """Several timed windows (a load's rounds, apart in time) read as one: their seconds added up, the load average's
+    lowest before and highest after."""
+    first, *_ = readings
+    busy = [reading.cores_busy_seconds for reading in readings]
+    return replace(
+        first,
+        load_before=min(reading.load_before for reading in readings),
+        load_after=max(reading.load_after for reading in readings),
+        wall_seconds=sum(reading.wall_seconds for reading in readings),
+        cpu_seconds=sum(reading.cpu_seconds for reading in readings),
+        cores_busy_seconds=None if None in busy else sum(busy),
+    )
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,19 @@
-"""`python -m quantlab.serving.guidellm_runner READY SCENARIO`: guidellm's `run`, imported before its scenario exists.
+"""`python -m quantlab.serving.guidellm_runner READY SCENARIOS`: guidellm's `run`, imported before its scenarios exist,
+for as many scenarios as it is handed.
 
 Most of guidellm's start is its import (its tokenizer module brings torch and transformers), and guidellm starts a
 manager and workers again for every load run, each from its fork server (GUIDELLM__MP_CONTEXT_TYPE), which imports
 guidellm's scheduler and backends once for the whole load. Started early, beside the variant's other stages and its
 server's own start, this process does both imports first (its own, and the fork server's, preloaded and waited for),
-says so (creates the file READY), then waits for the file SCENARIO and runs `guidellm run --scenario` on it, in this
-process, as `python -m guidellm run` would. quantlab.serving.load.LoadGenerator drives it; benchmarks/guidellm_runs.py
-measures what the preload takes off the timed load.
+says so (creates the file READY), then runs `guidellm run --scenario` in this process, as `python -m guidellm run`
+would, on each scenario in turn: SCENARIOS-1.json, SCENARIOS-2.json, ..., writing guidellm's exit code to
+SCENARIOS-<n>.exit after each, until the file SCENARIOS.end appears. One import then serves a variant's every load
+run: the rounds of its levels (quantlab.stages.serve) and their re-runs. quantlab.serving.load.LoadGenerator drives
+it; benchmarks/guidellm_runs.py measures what the preload takes off the timed load.
 
 The top level imports only what guidellm's own __main__ does: the fork server re-imports the main module, which
-should stay as light as guidellm's. Standard library otherwise: run as a script there, this file cannot import
-quantlab.
+should stay as light as guidellm's. Standard library otherwise, and quantlab.serving.load_queue (the files' names,
+standard library only).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import time
 from pathlib import Path
 
 from guidellm.cli import cli
+
+from quantlab.serving.load_queue import end_file, exit_file, scenario_file, write_whole
 
 POLL_S = 0.05
 # What each load run's manager and workers import in guidellm's fork server, once, before the first run.
@@ -45,20 +50,35 @@ def stop_fork_server() -> None:
     multiprocessing.forkserver._forkserver._stop()
 
 
+def run_scenario(path: Path) -> int:
+    """guidellm's exit code for `guidellm run --scenario path` (click's standalone mode exits with it)."""
+    try:
+        cli.main(["run", "--scenario", str(path), "--disable-console-interactive"], prog_name="guidellm")
+    except SystemExit as exit:
+        code = exit.code
+        return code if isinstance(code, int) else 0 if code is None else 1
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print("usage: python -m quantlab.serving.guidellm_runner READY SCENARIO", file=sys.stderr)
+        print("usage: python -m quantlab.serving.guidellm_runner READY SCENARIOS", file=sys.stderr)
         return 2
-    ready, scenario = (Path(arg) for arg in argv)
+    ready, prefix = (Path(arg) for arg in argv)
     # What `guidellm run` imports once it starts (its benchmark entry point, the data loaders and the tokenizer).
     import guidellm.benchmark.entrypoints  # noqa: F401
 
     start_fork_server()
     ready.touch()
-    while not scenario.exists():  # written whole (renamed into place) once the server is ready and warmed up
-        time.sleep(POLL_S)
-    try:  # exits the process with guidellm's own exit code (click's standalone mode)
-        cli.main(["run", "--scenario", str(scenario), "--disable-console-interactive"], prog_name="guidellm")
+    try:
+        number = 1
+        while not end_file(prefix).exists():
+            scenario = scenario_file(prefix, number)
+            if not scenario.exists():  # written whole (renamed into place) once the server is ready and warmed up
+                time.sleep(POLL_S)
+                continue
+            write_whole(exit_file(prefix, number), str(run_scenario(scenario)))
+            number += 1
     finally:
         stop_fork_server()
     return 0

@@ -9,6 +9,7 @@ field whose value is null after merging the backend's `extras`, so an engine can
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -21,6 +22,7 @@ from typing import Any
 from quantlab.serving.engines import ENGINES
 from quantlab.serving.engines.base import post_json
 from quantlab.serving.launcher import RunningServer, ServerFailed, log_tail, start_group, stop_group
+from quantlab.serving.load_queue import end_file, exit_file, scenario_file, write_whole
 from quantlab.serving.measured import measured_as_stated
 from quantlab.serving.settings import ServingSettings
 
@@ -130,39 +132,47 @@ def guidellm_environment(worker_processes: int | None = None) -> dict[str, str]:
 
 
 class LoadGenerator:
-    """guidellm for one variant's load, started before its scenario exists (quantlab.serving.guidellm_runner).
+    """guidellm for one variant's load, started before its scenarios exist (quantlab.serving.guidellm_runner).
 
-    `start()` early and guidellm's import (most of its start) runs beside the variant's other stages; `run()` hands
-    it the scenario and waits for the report. Stopped, with every process it started, on exit."""
+    `start()` early and guidellm's import (most of its start) runs beside the variant's other stages; each `run()`
+    hands it a scenario and waits for its report: every load run of the variant (its levels' rounds, their re-runs)
+    in one guidellm process. Ended, with every process it started, on exit."""
+
+    END_WAIT_S = 10.0  # for the runner to stop its fork server (reaped: its CPU time stays the stage's) and exit
 
     def __init__(self, work_dir: Path, log_path: Path, worker_processes: int | None = None) -> None:
         self.work_dir, self.log_path, self.worker_processes = work_dir, log_path, worker_processes
         self._process: subprocess.Popen | None = None
+        self._runs = 0  # scenarios handed so far
 
     def __enter__(self) -> LoadGenerator:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         if self._process is not None:
+            end_file(self._scenarios).touch()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._process.wait(self.END_WAIT_S)
             stop_group(self._process)
 
     @property
     def report_path(self) -> Path:
-        return self.work_dir / "guidellm.json"
+        """Where the next run's report goes (each run has its own)."""
+        return self.work_dir / f"guidellm-{self._runs + 1}.json"
 
     @property
     def _ready(self) -> Path:
         return self.work_dir / "imported"
 
     @property
-    def _scenario(self) -> Path:
-        return self.work_dir / "scenario.json"
+    def _scenarios(self) -> Path:
+        return self.work_dir / "scenario"
 
     def start(self) -> None:
         if self._process is None:
             self.work_dir.mkdir(parents=True, exist_ok=True)
             env = {**os.environ, **guidellm_environment(self.worker_processes)}
-            runner = [sys.executable, "-m", "quantlab.serving.guidellm_runner", str(self._ready), str(self._scenario)]
+            runner = [sys.executable, "-m", "quantlab.serving.guidellm_runner", str(self._ready), str(self._scenarios)]
             # guidellm reads a .env file from its working directory: run it where there is none.
             self._process = start_group(runner, self.log_path, env, cwd=self.work_dir)
 
@@ -182,17 +192,22 @@ class LoadGenerator:
         on_poll: Callable[[], object] | None = None,
     ) -> dict[str, Any]:
         """guidellm on `scenario_spec` while watching the server; its JSON report. ServerFailed if the server dies
-        under load (guidellm is stopped), LoadFailed if guidellm fails or runs past `timeout_s`. `on_poll`: called
-        at each look at the server (a few times a second), e.g. to read the cores' load level by level."""
+        under load (guidellm is stopped), LoadFailed if guidellm fails, exits or runs past `timeout_s` (it is stopped,
+        and runs nothing more). `on_poll`: called at each look at the server (a few times a second), e.g. to read the
+        cores' load level by level."""
         self.start()
         assert self._process is not None
-        staged = self._scenario.with_suffix(".partial")
-        staged.write_text(json.dumps(scenario_spec, indent=2))
-        staged.rename(self._scenario)  # whole, or not there
         report_path = Path(scenario_spec["spec"]["outputs"][0]["path"])
+        self._runs += 1
+        write_whole(scenario_file(self._scenarios, self._runs), json.dumps(scenario_spec, indent=2))
+        finished = exit_file(self._scenarios, self._runs)
         deadline = time.monotonic() + timeout_s
         try:
-            while self._process.poll() is None:
+            while not finished.exists():
+                if self._process.poll() is not None:
+                    raise LoadFailed(
+                        f"guidellm exited with code {self._process.returncode}; its log ends:\n{log_tail(self.log_path)}"
+                    )
                 if on_poll is not None:
                     on_poll()
                 if (why := server.died()) is not None:
@@ -200,11 +215,12 @@ class LoadGenerator:
                 if time.monotonic() > deadline:
                     raise LoadFailed(f"guidellm ran past {timeout_s:.0f} s; its log ends:\n{log_tail(self.log_path)}")
                 time.sleep(0.25)
-        finally:
+        except BaseException:
             stop_group(self._process)
+            raise
         if (why := server.died()) is not None:
             raise ServerFailed(f"the server died under load: {why}")
-        code = self._process.returncode
+        code = int(finished.read_text())
         if code != 0 or not report_path.is_file():
             raise LoadFailed(f"guidellm exited with code {code}; its log ends:\n{log_tail(self.log_path)}")
         return json.loads(report_path.read_text())

@@ -182,11 +182,19 @@ class ServingSettings(_Strict):
         3,
         ge=1,
         le=100,
-        description="Runs of each load level, back to back, each with its own warm-up (the concurrent profile; "
+        description="Runs of each load level, each with its own warm-up (the concurrent profile; "
         "guidellm's sweep and goodput profiles choose their levels as they go and run once). A level's throughputs, "
         "latency medians and goodput are the mean over its runs, logged with a 95% t-interval over them "
         "(`<key>/ci95_low`, `<key>/ci95_high`); its SLO attainment is counted over every request of its runs, with "
         "exact (Clopper-Pearson) bounds. requests_per_level applies to each run.",
+    )
+    interleave: bool = Field(
+        True,
+        description="Run the variants' repeats round by round: on CPU, with the local executor, each variant's server "
+        "waits, up and idle, until every variant of the sweep has scored, then each round runs every level once for "
+        "each variant in turn, so that a machine whose speed drifts over a sweep moves every variant alike. Each "
+        "waiting variant keeps its process and server in memory. Otherwise (false, a GPU, which the next variant "
+        "needs, Ray, the in-process executor) a variant's runs go back to back in its serve stage.",
     )
     contention_retries: int = Field(
         1,

@@ -23,6 +23,7 @@ import math
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, version
 from operator import attrgetter
@@ -38,6 +39,7 @@ from quantlab.measure.contention import (
     Contention,
     LoadMonitor,
     LoadSampler,
+    combined,
     judge_contention,
     wait_until_quiet,
 )
@@ -78,8 +80,21 @@ if TYPE_CHECKING:
     from quantlab.measure.settings import MeasureSettings
     from quantlab.recipe import Recipe
 
-REPORT_ARTIFACT = "serving/guidellm.json"
+REPORT_ARTIFACT = "serving/guidellm.json"  # every round's levels in one report, in the order they ran
 CHART_ARTIFACT = "serving/throughput_latency.png"
+
+
+@dataclass(frozen=True)
+class Turns:
+    """How the load's runs take turns with the sweep's other variants. `take()` waits for this variant's next turn
+    and holds it for the block (and the host's timing lock: nothing else of the host's quantlab variants runs
+    meanwhile). `interleaved`: each level's serving.repeats run as that many rounds, one turn each, so that the sweep's
+    other variants' rounds run between them and a machine that changes speed over the minutes of a sweep moves every
+    variant's figures alike (quantlab.executors.LocalExecutor's parked variants); otherwise a level's runs go back to
+    back in one turn."""
+
+    take: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
+    interleaved: bool = False
 
 
 @dataclass(frozen=True)
@@ -500,9 +515,11 @@ def serve_load(
     cost_metrics: dict[str, float],
     log_dir: Path | None,
     stream: SingleStream | None = None,
+    turns: Turns = Turns(),
 ) -> ServingOutcome:
     """guidellm's load on the running server, summarized; with what served it (the server's own facts). `stream`:
-    the batch-1 figures are this stage's to log (`single_stream`), from its level."""
+    the batch-1 figures are this stage's to log (`single_stream`), from its level. `turns`: when its runs go (each
+    workload's rounds, one turn each)."""
     if served is None:
         return ServingOutcome(tags={UNAVAILABLE_TAG + "serving": "serving.enabled is false in the recipe"})
     facts = ServingOutcome(params=served.params(), tags=served.tags())
@@ -515,30 +532,23 @@ def serve_load(
     if named:
         shapes = [workload.model_dump() for workload in settings.workload_shapes()]
         outcome |= ServingOutcome(tags={WORKLOADS_TAG: json.dumps(shapes)})
-    load: LoadGenerator | None = served.load  # started early: the first workload served takes it
     for index, workload in enumerate(settings.workload_shapes()):
         if workload.name in skipped:
             _say(f"{served.variant}: {skipped[workload.name]}")
             outcome |= ServingOutcome(tags=_skipped_tags(workload.name, skipped[workload.name], primary=index == 0))
             continue
-        with contextlib.ExitStack() as scope:
-            if load is None:  # guidellm runs once: each further workload has its own
-                work = Path(scope.enter_context(tempfile.TemporaryDirectory(prefix=f"quantlab-load-{served.variant}-")))
-                load = scope.enter_context(LoadGenerator(work, work / "guidellm.log", _served_workers(served)))
-                scope.callback(_keep_log, work / "guidellm.log", log_dir, served.variant)
-            found = _serve_workload(
-                served,
-                load,
-                settings.for_workload(workload),
-                measure,
-                prompts,
-                dtype,
-                cost_metrics,
-                log_dir,
-                stream if index == 0 else None,
-                workload.name if named else None,
-            )
-        load = None
+        found = _serve_workload(
+            served,
+            served.load,  # started early; one guidellm runs every workload's rounds and re-runs
+            settings.for_workload(workload),
+            measure,
+            prompts,
+            dtype,
+            cost_metrics,
+            stream if index == 0 else None,
+            workload.name if named else None,
+            turns,
+        )
         verdicts.append((workload.name, found.verdict))
         if index == 0:
             outcome |= found.single_stream | found.figures
@@ -563,12 +573,6 @@ def _load_verdict(verdicts: list[tuple[str, Contention]], named: bool) -> dict[s
     contended = any(verdict.contended for _, verdict in verdicts)
     shown = [verdict.reason if not named else f"workload {name}: {verdict.reason}" for name, verdict in verdicts]
     return {CONTENDED_TAG: str(contended).lower(), CONTENTION_TAG: "; ".join(shown)}
-
-
-def _keep_log(path: Path, log_dir: Path | None, variant: str) -> None:
-    if log_dir is not None and path.is_file():
-        with side_log(log_dir, variant, "guidellm").open("a") as log:
-            log.write(path.read_text(errors="replace"))
 
 
 WORKLOAD_KEY = "workload/"  # cost/serving/workload/<name>/<figure>, and the tags alike
@@ -615,32 +619,49 @@ def _serve_workload(
     prompts: Path | None,
     dtype: torch.dtype,
     cost_metrics: dict[str, float],
-    log_dir: Path | None,
     stream: SingleStream | None,
     workload: str | None,
+    turns: Turns,
 ) -> _WorkloadLoad:
-    """guidellm's load of one request shape (`settings`' prompt and output tokens) at every level, its contended runs
-    re-run, summarized."""
-    report_path = load_generator.report_path
-    spec = scenario(settings, served.engine.name, served.server.url, served.checkpoint, prompts, report_path)
+    """guidellm's load of one request shape (`settings`' prompt and output tokens) at every level, in rounds where the
+    turns are interleaved (each level once a round), its contended runs re-run in the last turn, summarized."""
+    interleaved = turns.interleaved and settings.runs_per_level() > 1
+    rounds = settings.runs_per_level() if interleaved else 1
+    each_round = list(settings.concurrency) if interleaved else None  # None: each level's every run, back to back
     per_run = settings.requests_per_level * settings.request_timeout_s
-    budget = max(len(settings.concurrency) * settings.runs_per_level(), settings.levels) * per_run + 300
-    # The runner holds the host's timing lock around this stage: the host's other variants pause meanwhile.
-    warm_up(served.server, served.checkpoint, settings)
+    runs_a_round = len(settings.concurrency) * settings.runs_per_level() // rounds
+    budget = max(runs_a_round, settings.levels) * per_run + 300
     sampler = LoadSampler(served.launch.threads)  # each run's own reading, from guidellm's windows
-    with LoadMonitor(served.launch.threads, tree=True) as load:  # the server and guidellm are this stage's own
-        sampler.sample()
-        report = load_generator.run(spec, served.server, budget, on_poll=sampler.sample)
-        sampler.sample()
-    artifacts: dict[str, str | bytes] = {REPORT_ARTIFACT: report_path.read_text()}
-
-    runs = load_levels(report)
-    retaken = _retake_contended(runs, sampler, load.reading, served, settings, prompts, log_dir, per_run + 300)
+    reports, readings, runs = [], [], []
+    for round_number in range(1, rounds + 1):
+        with turns.take():
+            warm_up(served.server, served.checkpoint, settings)  # after its turn's wait too: the server sat idle
+            spec = scenario(
+                settings,
+                served.engine.name,
+                served.server.url,
+                served.checkpoint,
+                prompts,
+                load_generator.report_path,
+                each_round,
+            )
+            with LoadMonitor(served.launch.threads, tree=True) as load:  # the server and guidellm are the stage's own
+                sampler.sample()
+                reports.append(load_generator.run(spec, served.server, budget, on_poll=sampler.sample))
+                sampler.sample()
+            readings.append(load.reading)
+            runs += load_levels(reports[-1])
+            if round_number == rounds:
+                retaken = _retake_contended(
+                    runs, sampler, combined(readings), served, load_generator, settings, prompts, per_run + 300
+                )
+    merged = {**reports[0], "benchmarks": [benchmark for report in reports for benchmark in report["benchmarks"]]}
+    artifacts: dict[str, str | bytes] = {REPORT_ARTIFACT: json.dumps(merged, indent=2)}
     artifacts |= retaken.artifacts
     runs = list(retaken.runs)
     _check_output_lengths(runs, settings)
     levels = [pooled(each) for each in runs_by_level(runs).values()]
-    timed = _single_stream_outcome(runs, stream, measure.batch_sizes[0], cost_metrics, load.reading)
+    timed = _single_stream_outcome(runs, stream, measure.batch_sizes[0], cost_metrics, combined(readings))
     shape = ModelShape.from_config(config_dict(served.checkpoint / "config.json"))
     peak = max(levels, key=lambda level: level.output_tokens_per_s)
     summary = summarize(
@@ -689,9 +710,9 @@ def _retake_contended(
     sampler: LoadSampler,
     whole: LoadReading,
     served: ServedVariant,
+    load_generator: LoadGenerator,
     settings: ServingSettings,
     prompts: Path | None,
-    log_dir: Path | None,
     budget_per_run: float,
 ) -> _Retaken:
     """Runs that other work competed with, re-run (a level's runs can be named again in the concurrent profile only)
@@ -710,7 +731,7 @@ def _retake_contended(
         retakes += 1
         _say(f"{served.variant}: re-running {', '.join(runs[index].label for index in again)}: other work competed")
         new_runs, new_verdicts, report = _run_again(
-            [runs[index] for index in again], served, settings, prompts, log_dir, budget_per_run, sampler
+            [runs[index] for index in again], served, load_generator, settings, prompts, budget_per_run, sampler
         )
         artifacts[f"serving/guidellm-retake-{retakes}.json"] = report
         for index, run, verdict in zip(again, new_runs, new_verdicts):
@@ -733,27 +754,20 @@ def _retake_contended(
 def _run_again(
     runs: list[LoadLevel],
     served: ServedVariant,
+    load_generator: LoadGenerator,
     settings: ServingSettings,
     prompts: Path | None,
-    log_dir: Path | None,
     budget_per_run: float,
     sampler: LoadSampler,
 ) -> tuple[list[LoadLevel], list[Contention | None], str]:
-    """The runs' levels run again by a guidellm of their own (the first one has exited), in the same order."""
+    """The runs' levels run again, in the same order."""
     streams = [int(run.label.removeprefix("c")) for run in runs]
-    with tempfile.TemporaryDirectory(prefix=f"quantlab-load-{served.variant}-") as scratch:
-        work = Path(scratch)
-        with LoadGenerator(work, work / "guidellm.log", _served_workers(served)) as load:
-            spec = scenario(
-                settings, served.engine.name, served.server.url, served.checkpoint, prompts, load.report_path, streams
-            )
-            try:
-                report = load.run(spec, served.server, budget_per_run * len(runs), on_poll=sampler.sample)
-            finally:
-                _keep_log(work / "guidellm.log", log_dir, served.variant)
-            sampler.sample()
-        found = load_levels(report)
-        text = json.dumps(report)
+    url, report_path = served.server.url, load_generator.report_path
+    spec = scenario(settings, served.engine.name, url, served.checkpoint, prompts, report_path, streams)
+    report = load_generator.run(spec, served.server, budget_per_run * len(runs), on_poll=sampler.sample)
+    sampler.sample()
+    found = load_levels(report)
+    text = json.dumps(report)
     if [run.label for run in found] != [run.label for run in runs]:
         raise RuntimeError(f"guidellm re-ran {[run.label for run in found]}, not {[run.label for run in runs]}")
     return found, _run_verdicts(found, sampler), text
@@ -801,10 +815,6 @@ def _single_stream_outcome(
 
 def _workers(device: str) -> int | None:
     return 1 if device == "cpu" else None
-
-
-def _served_workers(served: ServedVariant) -> int | None:
-    return _workers("cpu" if served.gpu_name is None else "cuda")
 
 
 def _check_output_lengths(levels: list[LoadLevel], settings: ServingSettings) -> None:
