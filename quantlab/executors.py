@@ -348,8 +348,8 @@ class LocalExecutor:
                         continue
                     if not isinstance(outcome, BaselineOutputs):
                         running.remove(variant)
-                    if not hold:  # the next turn first: the sweep logs what it is handed meanwhile
-                        _next_turn(waiting, running)
+                    # Before the next turn: what the sweep does with it (logging a result) must not compete with a
+                    # variant's timed round.
                     yield variant.job, outcome, variant.log_path
                 if hold and not waiting and running and all(variant.parked for variant in running):
                     self._kept, running = running, []
