@@ -19,6 +19,7 @@ import yaml
 from memory_store import MemoryStore
 
 from quantlab import publish, tracking
+from quantlab.executors import LocalExecutor
 from quantlab.jobs import BaselineOutputs
 from quantlab.logbook import HOST, PID, PID_STARTED, REFERENCE_DIR, Logbook, mark_dead_sweeps
 from quantlab.metrics import Declared, Scale, declared_tags, paired_key
@@ -78,7 +79,8 @@ def _copying(store, tmp_path, experiment, variants, keys) -> Dispatch:
     display = Recorder()
     log = Logbook(store, plan, 300.0, display.note, experiment, parent)
     options = SweepOptions(tracking_uri=store.uri, cache_root=tmp_path / "cache")
-    return Dispatch(plan, options, log, display, SweepOutcome(experiment, parent), tmp_path)
+    executor = LocalExecutor()  # never asked: every variant is copied
+    return Dispatch(plan, options, log, display, SweepOutcome(experiment, parent), tmp_path, executor)
 
 
 def _finished_variant(store, experiment, parent, name, key, status="FINISHED") -> str:
