@@ -7,7 +7,8 @@ each into a store and a cold cache of its own (the GGUF's conversion and every c
    machine);
 2. per cost axis of the frontier, each variant's cost with its 95% interval in every run;
 3. per cost axis and pair of variants, the order the frontier calls in each run (`quantlab.frontier.cost_order`:
-   cheaper beyond the noise, or a tie where the intervals overlap), and whether every order called (not a tie) is
+   cheaper beyond the noise, or a tie: where both were served in the same rounds, their ratio paired round by round,
+   shown beside the order, holds 1; otherwise their intervals overlap), and whether every order called (not a tie) is
    the same in all runs. A pair called one way in one run and the other way in another is a contradiction; one
    called in one run and tied in another is counted apart;
 4. each variant's output tokens/s in every run of each load level (serving.repeats of them, in rounds across the
@@ -92,6 +93,15 @@ def interval_text(point) -> str:
     return f"{point.cost:,.4g} [{low:,.4g}, {high:,.4g}]"
 
 
+def order_text(order: int, first, second) -> str:
+    """The order called, and the ratio first / second paired round by round where both were served in the same rounds
+    (serving.interleave: what the frontier then judges by)."""
+    from quantlab.repeats import paired_ratio
+
+    ratio = paired_ratio(first.cost_rounds, second.cost_rounds)
+    return ORDER[order] if ratio is None else f"{ORDER[order]} ({ratio.mean:.3g} [{ratio.low:.3g}, {ratio.high:.3g}])"
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     from quantlab.frontier import cost_order
 
@@ -127,7 +137,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             called += bool(calls)
             contradictions += len(calls) > 1
             called_then_tied += len(calls) == 1 and 0 in orders
-            print(f"| {first} vs {second} | " + " | ".join(ORDER[order] for order in orders) + f" | {agrees} |")
+            cells = [order_text(order, found[first], found[second]) for order, found in zip(orders, points)]
+            print(f"| {first} vs {second} | " + " | ".join(cells) + f" | {agrees} |")
     print(
         f"\nPairs the frontier called (not a tie) in some run: {called}; called the same way in every run: "
         f"{called - contradictions - called_then_tied}; called one way in one run and the other in another: "

@@ -27,6 +27,7 @@ from quantlab.metrics import spec as metric_spec
 from quantlab.metrics import unknown_directions as contract_unknown_directions
 from quantlab.paired import STATISTICS, DocumentScores, Group, NotPaired, PairedComparison, combine, compare
 from quantlab.policy import KLD_MEAN, Policy, finite, format_change
+from quantlab.repeats import paired_ratio, round_key
 
 
 @dataclass(frozen=True)
@@ -245,7 +246,10 @@ class FrontierPoint:
     vs_baseline: PairedComparison | None = None  # on the quality axis: this variant minus the baseline
     # A measured cost's 95% interval over its runs (`<cost>/ci95_low`, `/ci95_high`); None: a point figure
     cost_interval: tuple[float, float] | None = None
-    cost_tied_with: tuple[str, ...] = ()  # cost intervals that overlap: neither is cheaper beyond the noise
+    # The measured cost run by run where its runs went in rounds across the variants (`<cost>/round_<n>`): `cost_order`
+    # pairs them round by round with another variant's
+    cost_rounds: tuple[float, ...] = ()
+    cost_tied_with: tuple[str, ...] = ()  # neither is cheaper beyond the noise (`cost_order`)
 
     @property
     def on_front(self) -> bool:
@@ -312,9 +316,26 @@ def cost_interval(variant: VariantSummary, metric: str) -> tuple[float, float] |
     return (-math.inf if low is None else low, math.inf if high is None else high)
 
 
+def cost_rounds(variant: VariantSummary, metric: str) -> tuple[float, ...]:
+    """The cost its run logged round by round (`<metric>/round_1`, `/round_2`, ...; empty where it logged none)."""
+    found: list[float] = []
+    while (value := variant.value(round_key(metric, len(found) + 1))) is not None:
+        found.append(value)
+    return tuple(found)
+
+
 def cost_order(axis: Axis, first: FrontierPoint, second: FrontierPoint) -> int:
-    """1 where the first is better on cost beyond the noise, -1 where the second is, 0 for a tie: their cost
+    """1 where the first is better on cost beyond the noise, -1 where the second is, 0 for a tie.
+
+    Where both were measured in the same rounds (each round served every variant in turn: serving.interleave), the
+    noise is that of their ratio paired round by round (`quantlab.repeats.paired_ratio`): a tie where its 95% interval
+    contains 1. A machine that slows over the rounds widens each variant's own interval, but moves both runs of a
+    round alike, so only the pairing tells a real difference from the drift. Otherwise a tie where their cost
     intervals overlap (a point figure is an interval of one value, so two points tie only when equal)."""
+    if (ratio := paired_ratio(first.cost_rounds, second.cost_rounds)) is not None:
+        if ratio.low <= 1 <= ratio.high:
+            return 0
+        return 1 if axis.is_better(ratio.mean, 1.0) else -1
     a = first.cost_interval or (first.cost, first.cost)
     b = second.cost_interval or (second.cost, second.cost)
     if a[0] <= b[1] and b[0] <= a[1]:
@@ -365,6 +386,7 @@ def pareto_front(variants: Sequence[VariantSummary], pair: AxisPair, noise: Nois
                 is_baseline=variant.is_baseline,
                 vs_baseline=versus,
                 cost_interval=cost_interval(variant, pair.cost.metric),
+                cost_rounds=cost_rounds(variant, pair.cost.metric),
             )
         )
     margins = {(a.name, b.name): quality_margin(pair, a, b, noise) for a in placed for b in placed if a is not b}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 from fractions import Fraction
@@ -292,20 +292,33 @@ _FIXED: dict[str, tuple[bool | None, Scale, str]] = {
 # A load level run several times (serving.repeats): how many runs its figures pool, and a served figure's two-sided
 # 95% t interval over them (quantlab.serving.intervals), whose ends follow the figure's direction.
 _FIXED["cost/serving/<level>/runs"] = (None, Scale.COUNT, "runs of {level}")
+# Where a level's runs went in rounds across the sweep's variants (serving.interleave), the figures a decision reads
+# are also logged run by run, `<figure>/round_<n>`: the frontier pairs a variant's round n with another's.
+SERVING_ROUND_FIGURES = (
+    "cost/serving/goodput_tokens_per_s",
+    "cost/serving/goodput_requests_per_s",
+    "cost/serving/usd_per_mtok",
+)
 SERVING_INTERVAL_FIGURES = (
     *(
         f"cost/serving/<level>/{figure}"
         for figure in ("output_tokens_per_s", "requests_per_s", "ttft_ms_p50", "itl_ms_p50", "good_requests_per_s")
     ),
-    "cost/serving/goodput_tokens_per_s",
-    "cost/serving/goodput_requests_per_s",
-    "cost/serving/usd_per_mtok",
+    *SERVING_ROUND_FIGURES,
 )
-_FIXED |= {
-    f"{figure}/{end}": (_FIXED[figure][0], _FIXED[figure][1], f"{_FIXED[figure][2]}, 95% interval {side}")
-    for figure in SERVING_INTERVAL_FIGURES
-    for end, side in (("ci95_low", "low"), ("ci95_high", "high"))
-}
+
+
+def _companions(figures: Sequence[str], ends: Mapping[str, str]) -> dict[str, tuple[bool | None, Scale, str]]:
+    """Each figure's companion entries (`<figure>/<end>`), in its direction and scale, labelled with the end's words."""
+    return {
+        f"{figure}/{end}": (*_FIXED[figure][:2], f"{_FIXED[figure][2]}, {words}")
+        for figure in figures
+        for end, words in ends.items()
+    }
+
+
+_FIXED |= _companions(SERVING_INTERVAL_FIGURES, {"ci95_low": "95% interval low", "ci95_high": "95% interval high"})
+_FIXED |= _companions(SERVING_ROUND_FIGURES, {"round_<round>": "round {round}"})
 _PATTERNS = {re.compile(re.sub(r"<(\w+)>", r"(?P<\1>[^/]+)", re.escape(entry))): entry for entry in _FIXED}
 
 # The entries timed on this machine (MetricSpec.timed): the measure stage's batch figures, the load and copy timings,
@@ -314,10 +327,11 @@ _PATTERNS = {re.compile(re.sub(r"<(\w+)>", r"(?P<\1>[^/]+)", re.escape(entry))):
 # about the machine while timing).
 # The measure stage's figures, per batch size, and the ends of their intervals over its repeats (_BATCH_KEY below)
 BATCH_ENTRY, BATCH_INTERVAL_ENTRY = "cost/<figure>[_bs<N>]", "cost/<figure>[_bs<N>]/<end>"
+BATCH_ROUND_ENTRY = "cost/<figure>[_bs<N>]/round_<n>"  # the serve stage's single-stream runs, in rounds
+BATCH_ENTRIES = (BATCH_ENTRY, BATCH_INTERVAL_ENTRY, BATCH_ROUND_ENTRY)
 TIMED = frozenset(
     {
-        BATCH_ENTRY,
-        BATCH_INTERVAL_ENTRY,
+        *BATCH_ENTRIES,
         "cost/load_seconds",
         "cost/measured_bandwidth_bytes_per_s",
         "time/<stage>_seconds",
@@ -341,7 +355,9 @@ _BATCH_FIGURES: dict[str, tuple[bool, Scale, str]] = {
     "local_roofline_decode_tokens_per_s": (True, Scale.TOKENS_PER_S, "decode roofline here"),
     "roofline_efficiency": (True, Scale.FRACTION, "roofline efficiency"),
 }
-_BATCH_KEY = re.compile(r"^cost/(?P<figure>[a-z0-9_]+?)(?:_bs(?P<batch>\d+))?(?:/(?P<end>ci95_low|ci95_high))?$")
+_BATCH_KEY = re.compile(
+    r"^cost/(?P<figure>[a-z0-9_]+?)(?:_bs(?P<batch>\d+))?(?:/(?P<end>ci95_low|ci95_high|round_\d+))?$"
+)
 # The batch figures logged with a 95% t interval over the measure stage's repeats (quantlab.measure.cost)
 BATCH_INTERVAL_FIGURES = ("prefill_tokens_per_s", "decode_tokens_per_s")
 # quality/recovery/<task>/<metric>[:<filter>]: variant score / baseline score (above 1 is worse for lower-is-better scores)
@@ -405,6 +421,9 @@ def spec(key: str, declared: Mapping[str, Declared] | None = None) -> MetricSpec
         label += f" at batch {match['batch']}" if match["batch"] else ""
         if match["end"] is None:
             return MetricSpec(key, BATCH_ENTRY, higher, scale, label)
+        if match["figure"] in BATCH_INTERVAL_FIGURES and match["end"].startswith("round_"):
+            number = match["end"].removeprefix("round_")
+            return MetricSpec(key, BATCH_ROUND_ENTRY, higher, scale, f"{label}, round {number}")
         if match["figure"] in BATCH_INTERVAL_FIGURES:
             side = match["end"].removeprefix("ci95_")
             return MetricSpec(key, BATCH_INTERVAL_ENTRY, higher, scale, f"{label}, 95% interval {side}")

@@ -16,12 +16,14 @@ from pydantic import ValidationError
 from quantlab.frontier import (
     Axis,
     AxisPair,
+    FrontierPoint,
     FrontierSettings,
     Group,
     Margin,
     UnknownDirectionError,
     VariantSummary,
     compute_frontiers,
+    cost_order,
     describe_comparison,
     dominates,
     frontiers_to_dict,
@@ -639,6 +641,52 @@ def test_a_variant_is_cheaper_only_beyond_the_cost_noise():
     assert result.point("fp8").cost_interval == (2.7, 3.1)
     points_only = [_served(v.name, v.metrics[KLD], v.metrics[USD], None) for v in with_noise]
     assert dominated(pareto_front(points_only, KLD_VS_USD)) == {}
+
+
+def _rounds(usd: tuple[float, ...]) -> dict[str, float]:
+    return {f"{USD}/round_{number}": value for number, value in enumerate(usd, 1)}
+
+
+DRIFT = (1.0, 1.5, 2.0)  # the machine slowed over the rounds: every variant's runs alike
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "order"),
+    [
+        # 10% dearer in every round: called, though each one's interval over its runs overlaps the other's
+        ((2.0, (1.0, 2.0), DRIFT), (2.2, (1.1, 2.2), tuple(1.1 * v for v in DRIFT)), 1),
+        ((2.2, (1.1, 2.2), tuple(1.1 * v for v in DRIFT)), (2.0, (1.0, 2.0), DRIFT), -1),
+        # the rounds' ratios 0.8, 1.3, 0.9: their interval holds 1, a tie
+        ((1.0, (0.9, 1.1), (1.0, 1.0, 1.0)), (1.0, (0.5, 1.5), (0.8, 1.3, 0.9)), 0),
+        # rounds on one side only, or in different numbers: the intervals decide (these overlap)
+        ((2.0, (1.0, 2.0), DRIFT), (2.2, (1.1, 2.2), ()), 0),
+        ((2.0, (1.0, 2.0), DRIFT), (2.2, (1.1, 2.2), (1.1, 1.65)), 0),
+        # no rounds: intervals apart are called
+        ((1.0, (0.9, 1.1), ()), (2.0, (1.8, 2.2), ()), 1),
+    ],
+)
+def test_costs_measured_in_the_same_rounds_are_compared_round_by_round(first, second, order):
+    cheaper = Axis(USD, False)
+    a, b = (
+        FrontierPoint(name, name, 0.0, cost, cost_interval=ends, cost_rounds=rounds)
+        for name, (cost, ends, rounds) in (("a", first), ("b", second))
+    )
+    assert cost_order(cheaper, a, b) == order and cost_order(cheaper, b, a) == -order
+
+
+def test_the_frontier_reads_each_variant_s_rounds_and_pairs_them():
+    """fp8 costs 10% more than bf16 in each of three rounds that slowed down alike: dearer beyond the noise, where
+    without the rounds their intervals overlap, a tie on cost."""
+    bf16 = _served("bf16", 0.0, 1.5, (0.3, 2.7))
+    fp8 = _served("fp8", 0.02, 1.65, (0.33, 2.97))
+    paired = [replace(bf16, metrics=bf16.metrics | _rounds(DRIFT))]
+    paired.append(replace(fp8, metrics=fp8.metrics | _rounds(tuple(1.1 * v for v in DRIFT))))
+    result = pareto_front(paired, KLD_VS_USD)
+    assert dominated(result) == {"fp8": ("bf16",)} and result.point("fp8").cost_rounds == pytest.approx(
+        (1.1, 1.65, 2.2)
+    )
+    assert result.point("fp8").cost_tied_with == () and result.point("bf16").cost_tied_with == ()
+    assert pareto_front([bf16, fp8], KLD_VS_USD).point("fp8").cost_tied_with == ("bf16",)
 
 
 def test_a_cost_resting_on_a_contended_level_is_left_out_of_the_frontier_with_why():

@@ -21,6 +21,7 @@ from quantlab.metrics import (
     rests_on_contention,
 )
 from quantlab.policy import Policy
+from quantlab.repeats import Interval, paired_ratio
 from quantlab.serving.goodput import Price, attainment_bounds, goodput_level, summarize, usd_per_million_tokens
 from quantlab.serving.intervals import pooled, t_interval
 from quantlab.serving.levels import LoadLevel
@@ -70,6 +71,37 @@ def test_a_t_interval_over_runs_by_hand(values, mean, half):
     assert (found.low, found.high) == pytest.approx((mean - half, mean + half))
 
 
+def test_a_paired_ratio_by_hand():
+    """Two figures measured in the same three rounds: the t interval of their mean log ratio (2 degrees of
+    freedom), back-transformed."""
+    logs = [math.log(20 / 15), math.log(19 / 14), math.log(20.5 / 16)]
+    mean = sum(logs) / 3
+    half = T_975_2 * math.sqrt(sum((x - mean) ** 2 for x in logs) / 2) / math.sqrt(3)
+    found = paired_ratio([20.0, 19.0, 20.5], [15.0, 14.0, 16.0])
+    assert (found.mean, found.low, found.high) == pytest.approx(
+        (math.exp(mean), math.exp(mean - half), math.exp(mean + half))
+    )
+    assert (found.mean, found.low, found.high) == pytest.approx((1.3235, 1.2301, 1.4241), abs=1e-4)
+    assert paired_ratio([20.0, 22.0, 24.0], [10.0, 11.0, 12.0]) == Interval(
+        2.0, 2.0, 2.0, 3
+    )  # the same ratio each round
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [([1.0, 2.0], [1.0]), ([1.0], [2.0]), ([1.0, 0.0], [1.0, 1.0]), ([], [])],  # counts differ, one round, not > 0
+)
+def test_no_paired_ratio(first, second):
+    assert paired_ratio(first, second) is None
+
+
+def test_runs_keep_their_values_in_order_and_inverted():
+    found = t_interval([4.0, 5.0, 2.0])
+    assert found.values == (4.0, 5.0, 2.0) and found.inverted(20.0).values == (5.0, 4.0, 10.0)
+    assert t_interval([4.0, math.nan, 2.0]).values == ()  # a run without a figure: no run-by-run values
+    assert found.rounds("cost/x") == {"cost/x/round_1": 4.0, "cost/x/round_2": 5.0, "cost/x/round_3": 2.0}
+
+
 @pytest.mark.parametrize("values", [[], [7.0], [7.0, math.nan]])
 def test_one_run_has_no_interval(values):
     assert t_interval(values) is None
@@ -109,6 +141,30 @@ def test_the_summary_logs_each_interval_and_goodput_s_dollars_at_both_ends():
     assert usd_per_million_tokens(3.6, 60) == pytest.approx(1000 / 60)
     for key in metrics:
         assert has_entry(key), key  # every key the summary logs is declared in the metric contract
+
+
+def test_runs_in_rounds_log_the_decision_figures_round_by_round():
+    """Interleaved (serving.interleave) the goodput level's runs are also logged one by one, in the order they ran:
+    throughput, requests and dollars (3.6 $/h: 1000 / tokens); back to back, none are."""
+    runs = [run("c1", 20.0, 8), run("c4", 50.0, 8), run("c1", 22.0, 8), run("c4", 80.0, 8, rps=4.0)]
+    runs += [run("c1", 24.0, 8), run("c4", 40.0, 8)]
+    metrics = summarize(runs, SLO, Price(3.6, "test"), None, in_rounds=True).to_metrics()
+    rounds = {key: value for key, value in metrics.items() if "/round_" in key}
+    assert rounds == pytest.approx(
+        {
+            "cost/serving/goodput_tokens_per_s/round_1": 50.0,
+            "cost/serving/goodput_tokens_per_s/round_2": 80.0,
+            "cost/serving/goodput_tokens_per_s/round_3": 40.0,
+            "cost/serving/goodput_requests_per_s/round_1": 50 / 16,
+            "cost/serving/goodput_requests_per_s/round_2": 4.0,
+            "cost/serving/goodput_requests_per_s/round_3": 40 / 16,
+            "cost/serving/usd_per_mtok/round_1": 1000 / 50,
+            "cost/serving/usd_per_mtok/round_2": 1000 / 80,
+            "cost/serving/usd_per_mtok/round_3": 1000 / 40,
+        }
+    )
+    assert all(has_entry(key) for key in rounds)
+    assert not [key for key in summarize(runs, SLO, Price(3.6, "test"), None).to_metrics() if "/round_" in key]
 
 
 def test_a_throughput_interval_reaching_zero_has_no_upper_dollar_end():

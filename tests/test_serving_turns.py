@@ -13,6 +13,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from test_sweep import quantlab
 
+from quantlab.serving.levels import load_levels
 from quantlab.stages.serve import REPORT_ARTIFACT
 from recipes import tiny_recipe, write
 
@@ -58,6 +59,14 @@ def test_the_variants_serve_round_by_round_unless_told_otherwise(tmp_path, tiny_
             assert run.data.metrics[f"cost/serving/{level}/runs"] == 2
         waited = run.data.metrics.get("time/wait to serve_seconds")
         assert (waited is not None and waited > 0) if interleave else waited is None
+        # Interleaved, the decision's figures are logged round by round, in the order the runs went: the batch-1
+        # decode rate is 1000 / each c1 run's ITL p50, the frontier pairs round n with another variant's round n
+        rounds = {key: value for key, value in run.data.metrics.items() if "/round_" in key}
+        single = [level for level in load_levels(report) if level.label == "c1"]
+        decode = {f"cost/decode_tokens_per_s/round_{n}": 1000 / level.itl_ms_p50 for n, level in enumerate(single, 1)}
+        assert {key: rounds[key] for key in decode if key in rounds} == (pytest.approx(decode) if interleave else {})
+        goodput = {f"cost/serving/goodput_tokens_per_s/round_{n}" for n in (1, 2)}
+        assert goodput <= rounds.keys() if interleave else not rounds
     windows.sort()
     assert [(variant, streams) for _, _, variant, streams in windows] == order
     assert all(later[0] >= earlier[1] for earlier, later in zip(windows, windows[1:]))  # one run at a time

@@ -174,6 +174,9 @@ class ServingSummary:
     modeled_tokens_per_s: float | None  # prefill + decode ceiling on the serving hardware at the peak's concurrency
     runs: dict[str, tuple[LoadLevel, ...]] = field(default_factory=dict)  # level -> its runs (absent: one run)
     contended: dict[str, str] = field(default_factory=dict)  # level -> why its runs are contended, after re-runs
+    # each level's runs went in rounds across the sweep's variants (serving.interleave): the goodput figures are also
+    # logged round by round (`<key>/round_<n>`), which the frontier pairs with another variant's same round
+    in_rounds: bool = False
 
     @property
     def peak(self) -> LoadLevel:
@@ -209,12 +212,11 @@ class ServingSummary:
         if self.goodput is not None:
             runs = self.runs_of(self.goodput)
             tokens = interval_of(runs, lambda run: run.output_tokens_per_s)
+            requests = interval_of(runs, lambda run: run.requests_per_s)
             metrics["cost/serving/goodput_tokens_per_s"] = self.goodput.output_tokens_per_s
             _with_interval(metrics, "cost/serving/goodput_tokens_per_s", tokens)
             metrics["cost/serving/goodput_requests_per_s"] = self.goodput.requests_per_s
-            _with_interval(
-                metrics, "cost/serving/goodput_requests_per_s", interval_of(runs, lambda run: run.requests_per_s)
-            )
+            _with_interval(metrics, "cost/serving/goodput_requests_per_s", requests)
             metrics["cost/serving/goodput_concurrency"] = self.goodput.concurrency
             if self.price is not None and self.goodput.output_tokens_per_s > 0:
                 usd = usd_per_million_tokens(self.price.usd_per_hour, self.goodput.output_tokens_per_s)
@@ -222,6 +224,12 @@ class ServingSummary:
                 if tokens is not None:
                     low, high = usd_interval(self.price.usd_per_hour, tokens)
                     metrics |= {"cost/serving/usd_per_mtok/ci95_low": low, "cost/serving/usd_per_mtok/ci95_high": high}
+                    if self.in_rounds:  # dollars are the price over the throughput, round by round
+                        dollars = tokens.inverted(usd_per_million_tokens(self.price.usd_per_hour, 1.0))
+                        metrics |= dollars.rounds("cost/serving/usd_per_mtok")
+            if self.in_rounds:
+                for key, found in (("goodput_tokens_per_s", tokens), ("goodput_requests_per_s", requests)):
+                    metrics |= found.rounds(f"cost/serving/{key}") if found is not None else {}
         return {key: value for key, value in metrics.items() if math.isfinite(value)}
 
     def to_tags(self, engine: str) -> dict[str, str]:
@@ -268,12 +276,16 @@ def summarize(
     price: Price | None,
     modeled_tokens_per_s: float | None,
     contended: Mapping[str, str] | None = None,
+    in_rounds: bool = False,
 ) -> ServingSummary:
     """The variant's serving figures from guidellm's runs (a level's runs share its label): each level's runs pooled,
-    goodput over the pooled levels. `contended`: level -> why other work competed with it, after the re-runs."""
+    goodput over the pooled levels. `contended`: level -> why other work competed with it, after the re-runs.
+    `in_rounds`: each level's runs went in rounds across the sweep's variants (ServingSummary.in_rounds)."""
     by_level = runs_by_level(runs)
     levels = [pooled(each) for each in by_level.values()]
     best = goodput_level(levels, slo)
     why = "; ".join(f"{label}: {reason}" for label, reason in not_counted(levels, slo).items()) if best is None else ""
     several = {label: each for label, each in by_level.items() if len(each) > 1}
-    return ServingSummary(tuple(levels), slo, best, why, price, modeled_tokens_per_s, several, dict(contended or {}))
+    return ServingSummary(
+        tuple(levels), slo, best, why, price, modeled_tokens_per_s, several, dict(contended or {}), in_rounds
+    )

@@ -192,7 +192,9 @@ class ServingSettings(_Strict):
         True,
         description="Run the variants' repeats round by round: on CPU, with the local executor, each variant's server "
         "waits, up and idle, until every variant of the sweep has scored, then each round runs every level once for "
-        "each variant in turn, so that a machine whose speed drifts over a sweep moves every variant alike. Each "
+        "each variant in turn, so that a machine whose speed drifts over a sweep moves every variant alike. The "
+        "decision's figures (goodput, $/Mtok, batch-1 throughputs) are then also logged round by round "
+        "(`<key>/round_<n>`), and the frontier compares two variants' costs round by round. Each "
         "waiting variant keeps its process and server in memory. Otherwise (false, a GPU, which the next variant "
         "needs, Ray, the in-process executor) a variant's runs go back to back in its serve stage.",
     )

@@ -661,7 +661,9 @@ def _serve_workload(
     runs = list(retaken.runs)
     _check_output_lengths(runs, settings)
     levels = [pooled(each) for each in runs_by_level(runs).values()]
-    timed = _single_stream_outcome(runs, stream, measure.batch_sizes[0], cost_metrics, combined(readings))
+    timed = _single_stream_outcome(
+        runs, stream, measure.batch_sizes[0], cost_metrics, combined(readings), in_rounds=interleaved
+    )
     shape = ModelShape.from_config(config_dict(served.checkpoint / "config.json"))
     peak = max(levels, key=lambda level: level.output_tokens_per_s)
     summary = summarize(
@@ -670,6 +672,7 @@ def _serve_workload(
         serving_price(settings, measure, served.gpu_name, served.launch.threads),
         _modeled(shape, served.engine, cost_metrics | timed.metrics, dtype, settings, peak),
         retaken.contended,
+        in_rounds=interleaved,
     )
     shape_words = f"{settings.prompt_tokens} prompt + {settings.output_tokens} output tokens"
     title = f"{served.variant}: {served.engine.label}, {f'{workload}, ' if workload else ''}{shape_words}"
@@ -779,9 +782,11 @@ def _single_stream_outcome(
     default_batch_size: int,
     cost_metrics: dict[str, float],
     load: LoadReading,
+    in_rounds: bool = False,
 ) -> ServingOutcome:
     """The batch-1 figures from the single-stream level, each under its `cost/` name (or why it is absent), and what
-    else kept the cores busy meanwhile; nothing when the measure stage timed batch size 1 itself."""
+    else kept the cores busy meanwhile; nothing when the measure stage timed batch size 1 itself. `in_rounds`: the
+    level's runs went in rounds across the sweep's variants, and its throughputs are also logged round by round."""
     if stream is None:
         return ServingOutcome()
     level_runs = runs_by_level(runs).get(stream.level)
@@ -796,12 +801,10 @@ def _single_stream_outcome(
     figures = stream.figures(level.ttft_ms_p50, level.itl_ms_p50, roofline)
     found = {f"cost/{named(name)}": value for name, value in figures.items() if math.isfinite(value)}
     latencies = (interval_of(level_runs, attrgetter(name)) for name in ("ttft_ms_p50", "itl_ms_p50"))
-    ends = {
-        key: end
-        for name, interval in stream.intervals(*latencies).items()
-        if f"cost/{named(name)}" in found
-        for key, end in interval.ends(f"cost/{named(name)}").items()
-    }
+    ends: dict[str, float] = {}
+    for name, interval in stream.intervals(*latencies).items():
+        if (key := f"cost/{named(name)}") in found:
+            ends |= interval.ends(key) | (interval.rounds(key) if in_rounds else {})
     why = f"the {stream.level} level timed no request's latencies ({level.succeeded} succeeded, {level.errors} errors)"
     absent = {
         f"{COST_TAG_PREFIX}unavailable.{named(name)}": why
