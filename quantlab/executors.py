@@ -93,7 +93,13 @@ class _ChildTurns:
         self.reports.send(("scored", outputs))
 
     def wait(self) -> None:
-        self.reports.send(("parked", None))
+        self._parked("parked")
+
+    def served(self) -> None:
+        self._parked("served")
+
+    def _parked(self, kind: str) -> None:
+        self.reports.send((kind, None))
         try:
             self.turns.recv()
         except EOFError:
@@ -155,6 +161,7 @@ class VariantProcess:
     def __init__(self, job: VariantJob, log_path: Path, share: ThreadShare | None = None, turns: bool = False):
         self.job, self.log_path = job, log_path
         self.parked, self.turns_taken = False, 0
+        self.served = False  # its timed load runs are done: parked until every variant's are
         context = start_variant_processes(job.loaded)
         self.reports, child_end = context.Pipe(duplex=False)
         child_turns, self._turns = context.Pipe(duplex=False) if turns else (None, None)
@@ -194,8 +201,8 @@ class VariantProcess:
         if kind == "stage":
             on_stage(self.job.variant, payload)
             return None
-        if kind == "parked":
-            self.parked = True
+        if kind in ("parked", "served"):
+            self.parked, self.served = True, kind == "served"
             return None
         if kind == "scored":
             return payload
@@ -319,8 +326,9 @@ class LocalExecutor:
 
     Serving interleaved (serving.interleave, on CPU: runner.run_variant decides): a variant that has scored waits to
     serve, parked, its server up, and counts no more against `parallel`; once every variant is parked, each gets a
-    turn in order, the one with the fewest turns first: round by round, every variant runs its levels once, until
-    each has its result. `run(..., hold=True)` returns once every variant left is parked (the sweep's baseline, whose
+    turn in order, the one with the fewest turns first: round by round, every variant runs its levels once. A variant
+    whose load runs are done waits again, served, until every variant's are: then all of them finish at once (their
+    figures, charts, servers' stops and the sweep's logging of their results, none of it beside a timed round). `run(..., hold=True)` returns once every variant left is parked (the sweep's baseline, whose
     outputs the others need to start), keeping them for the next `run`; `close` ends any still kept."""
 
     def __init__(self, parallel: int = 1) -> None:
@@ -368,9 +376,14 @@ class LocalExecutor:
 
 
 def _next_turn(waiting: list[VariantJob], running: list[VariantProcess]) -> None:
-    """Once every variant has scored and waits to serve: a turn to the one with the fewest turns taken."""
+    """Once every variant has scored and waits: a turn to the one with the fewest turns taken of those still to serve;
+    once every one has served, all of them go on to finish."""
     if not waiting and running and all(variant.parked for variant in running):
-        min(running, key=lambda variant: variant.turns_taken).give_turn()
+        if to_serve := [variant for variant in running if not variant.served]:
+            min(to_serve, key=lambda variant: variant.turns_taken).give_turn()
+        else:
+            for variant in running:
+                variant.give_turn()
 
 
 class InProcessExecutor:

@@ -95,6 +95,10 @@ class ServingTurns(Protocol):
     def wait(self) -> None:
         """Until the executor gives this variant its next turn to serve (its server up and idle meanwhile)."""
 
+    def served(self) -> None:
+        """The variant's timed load runs are done: until every variant's are. What it does next (its figures and
+        charts, its server's stop, the sweep logging its result) would compete with another variant's timed round."""
+
 
 def disjoint_union(kind: str, parts: Mapping[str, Mapping[str, V]]) -> dict[str, V]:
     """Every stage's `kind` (metrics, params, ...) in one dict, by stage name; RuntimeError naming both stages where two

@@ -7,7 +7,7 @@ It never talks to MLflow: the sweep logs the `VariantResult`, so any executor ca
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib.metadata import version
 from typing import TYPE_CHECKING
@@ -261,19 +261,27 @@ class ServeTurns:
     def turns(self) -> Turns:
         from quantlab.stages.serve import Turns
 
-        return Turns(self._take, interleaved=self.executor_turns is not None)
+        return Turns(self._take, self._served, interleaved=self.executor_turns is not None)
 
     @contextmanager
     def _take(self) -> Iterator[None]:
         if self.executor_turns is not None:
-            started = time.perf_counter()
-            self.report("wait to serve")
-            with self.host.aside():
-                self.executor_turns.wait()
-            self.report("serve")
-            self.waited += time.perf_counter() - started
+            self._wait(self.executor_turns.wait)
         with self.host.timing():
             yield
+
+    def _served(self) -> None:
+        if self.executor_turns is not None:
+            self._wait(self.executor_turns.served)
+
+    def _wait(self, until: Callable[[], None]) -> None:
+        """`until` returns, the seat on the host given up meanwhile, and the time it took counted apart."""
+        started = time.perf_counter()
+        self.report("wait to serve")
+        with self.host.aside():
+            until()
+        self.report("serve")
+        self.waited += time.perf_counter() - started
 
     def waited_apart(self, serve_seconds: float) -> dict[str, float]:
         """The serve stage's own seconds, and apart what it waited for the other variants (nothing where it did not)."""

@@ -1,6 +1,7 @@
 """The variants' load runs, round by round (serving.interleave): on CPU, with the local executor, each variant's server
 waits, up and idle, until every variant of the sweep has scored; then each round runs every level once for each
-variant in turn, the baseline first, and no variant's runs overlap another's. Set false, each variant's runs go back
+variant in turn, the baseline first, and no variant's runs overlap another's; a variant done serving finishes once
+every variant is. Set false, each variant's runs go back
 to back in its own serve stage. Real sweeps: the tiny Llama as bf16 and fp8 behind transformers serve under guidellm's
 real load, 2 levels x 2 repeats."""
 
@@ -73,6 +74,9 @@ def test_the_variants_serve_round_by_round_unless_told_otherwise(tmp_path, tiny_
     if interleave:  # the baseline waited while fp8 was quantized and scored: fp8's quality stages end before it serves
         fp8 = runs["fp8"].data.metrics
         assert runs["bf16"].data.metrics["time/wait to serve_seconds"] > fp8["time/quantize_seconds"]
+        # bf16's last round came first, and it finished (figures, charts, server stopped, its run logged and ended)
+        # only after fp8's last round: nothing of its finishing ran beside a timed round
+        assert runs["bf16"].info.end_time / 1000 > windows[-1][1]
 
 
 def _report(client: MlflowClient, run, tmp_path) -> dict:

@@ -94,6 +94,9 @@ class Turns:
     back in one turn."""
 
     take: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
+    # once the last turn's load is done, before its figures: until every variant's is (their finishing would compete
+    # with a timed round)
+    served: Callable[[], None] = lambda: None
     interleaved: bool = False
 
 
@@ -532,6 +535,7 @@ def serve_load(
     if named:
         shapes = [workload.model_dump() for workload in settings.workload_shapes()]
         outcome |= ServingOutcome(tags={WORKLOADS_TAG: json.dumps(shapes)})
+    last = next((w.name for w in reversed(settings.workload_shapes()) if w.name not in skipped), None)
     for index, workload in enumerate(settings.workload_shapes()):
         if workload.name in skipped:
             _say(f"{served.variant}: {skipped[workload.name]}")
@@ -547,7 +551,7 @@ def serve_load(
             cost_metrics,
             stream if index == 0 else None,
             workload.name if named else None,
-            turns,
+            turns if workload.name == last else replace(turns, served=lambda: None),
         )
         verdicts.append((workload.name, found.verdict))
         if index == 0:
@@ -655,6 +659,7 @@ def _serve_workload(
                 retaken = _retake_contended(
                     runs, sampler, combined(readings), served, load_generator, settings, prompts, per_run + 300
                 )
+    turns.served()
     merged = {**reports[0], "benchmarks": [benchmark for report in reports for benchmark in report["benchmarks"]]}
     artifacts: dict[str, str | bytes] = {REPORT_ARTIFACT: json.dumps(merged, indent=2)}
     artifacts |= retaken.artifacts
