@@ -18,6 +18,7 @@ from quantlab.frontier import (
     FrontierResult,
     Frontiers,
     VariantSummary,
+    cost_rounds,
     describe_comparison,
     find_baseline,
     format_diff,
@@ -36,6 +37,7 @@ from quantlab.metrics import (
 )
 from quantlab.metrics import spec as metric_spec
 from quantlab.policy import format_change, format_value
+from quantlab.repeats import paired_ratio
 from quantlab.serving.chart import throughput_latency_chart
 from quantlab.serving.goodput import NOT_STOCK_TAG, SERVING_TAG, UNAVAILABLE_TAG, WORKLOADS_TAG
 from quantlab.serving.intervals import Interval, ratio_interval
@@ -753,7 +755,8 @@ def logged_interval(variant: VariantSummary, key: str, runs_key: str) -> Interva
 
 def workload_table(variants: Sequence[VariantSummary]) -> Table | None:
     """Per named workload, each variant's goodput (output tokens/s) and its ratio to the baseline's with a 95%
-    interval from both variants' runs (quantlab.serving.intervals.ratio_interval); None without named workloads."""
+    interval from both variants' runs (quantlab.serving.intervals.ratio_interval), or paired round by round where both
+    were served in the same rounds (quantlab.repeats.paired_ratio); None without named workloads."""
     served = [variant for variant in variants if variant.succeeded]
     shapes = served_workloads(served)
     baseline = find_baseline(served)
@@ -800,6 +803,9 @@ def _ratio_cell(variant: VariantSummary, baseline: VariantSummary | None, worklo
     ratio = variant.value(key) / base
     if rests_on_contention(key, baseline.tags):
         return f"{ratio:.3g}x (the baseline's level was contended)"
+    # Served in the same rounds (serving.interleave): the ratio paired round by round, as the frontier judges it
+    if (by_round := paired_ratio(cost_rounds(variant, key), cost_rounds(baseline, key))) is not None:
+        return f"{by_round.mean:.3g}x [{by_round.low:.3g}, {by_round.high:.3g}] (paired by round)"
     found, other = _workload_interval(variant, workload), _workload_interval(baseline, workload)
     paired = None if found is None or other is None else ratio_interval(found, other)
     if paired is None:

@@ -149,8 +149,15 @@ def test_workload_keys_are_in_the_metric_contract_and_their_own_contention_decid
     assert rests_on_contention("cost/serving/goodput_tokens_per_s", tags) is None  # the primary's own tags decide
 
 
-def _variant(name: str, figures: dict[str, tuple[float, float, float, int]], baseline: bool = False, **tags: str):
-    """A variant whose workloads logged goodput (mean, low, high) at a level of `runs` runs, c4."""
+def _variant(
+    name: str,
+    figures: dict[str, tuple[float, float, float, int]],
+    baseline: bool = False,
+    rounds: tuple[float, ...] = (),
+    **tags: str,
+):
+    """A variant whose workloads logged goodput (mean, low, high) at a level of `runs` runs, c4; `rounds`: each
+    workload's goodput round by round (served interleaved)."""
     shapes = [{"name": n, "prompt_tokens": 8, "output_tokens": 4} for n in ("chat", "long", "once")]
     metrics: dict[str, float] = {}
     all_tags = {WORKLOADS_TAG: json.dumps(shapes)} | tags
@@ -159,6 +166,7 @@ def _variant(name: str, figures: dict[str, tuple[float, float, float, int]], bas
         metrics |= {f"{key}/goodput_tokens_per_s": mean, f"{key}/c4/runs": runs}
         if runs > 1:
             metrics |= {f"{key}/goodput_tokens_per_s/ci95_low": low, f"{key}/goodput_tokens_per_s/ci95_high": high}
+        metrics |= {f"{key}/goodput_tokens_per_s/round_{n}": value for n, value in enumerate(rounds, 1)}
         all_tags[f"quantlab.serving.workload/{workload}/goodput_level"] = "c4"
     return VariantSummary(name, "bf16" if baseline else "fp8", True, metrics, all_tags, is_baseline=baseline)
 
@@ -178,6 +186,18 @@ def test_the_report_shows_each_workloads_ratio_to_the_baseline_with_its_interval
     assert table.rows[3] == ("", "fp8", f"none: {why}", "")
     assert table.rows[5][3] == "0.5x (no interval: one run of a level)"
     assert workload_table([VariantSummary("bf16", "bf16", True, {}, {}, is_baseline=True)]) is None
+
+
+def test_served_in_the_same_rounds_the_ratio_is_paired_round_by_round():
+    """Both goodputs drift over three rounds alike (20, 30, 40 against 10, 15, 20): the ratio is 0.5 in each round,
+    an interval of no width, where each one's own interval over its runs is wide; without the rounds, the ratio's
+    interval comes from the two intervals."""
+    base_chat, fp8_chat = (30, 30 - 10 * T2, 30 + 10 * T2, 3), (15, 15 - 5 * T2, 15 + 5 * T2, 3)
+    base = _variant("bf16", {"chat": base_chat}, True, rounds=(20, 30, 40))
+    fp8 = _variant("fp8", {"chat": fp8_chat}, rounds=(10, 15, 20))
+    assert workload_table([base, fp8]).rows[1][3] == "0.5x [0.5, 0.5] (paired by round)"
+    unpaired = workload_table([_variant("bf16", {"chat": base_chat}, True), _variant("fp8", {"chat": fp8_chat})])
+    assert unpaired.rows[1][3].startswith("0.5x [") and "paired" not in unpaired.rows[1][3]
 
 
 # --- a real server under two tiny workloads ---------------------------------------------------------------------
