@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from scipy import stats
 from test_sweep import quantlab
 
 from quantlab.errors import BadInput
@@ -111,6 +112,23 @@ def _around(mean: float, se: float, runs: int, t: float) -> Interval:
             _around(10, 0.5, 3, T2),
             _around(20, 1.0, 3, T2),
             (0.5, 0.5 * math.exp(-T4 * 0.05 * math.sqrt(2)), 0.5 * math.exp(T4 * 0.05 * math.sqrt(2))),
+        ),
+        # a variant interval that reached below 0 and starts at 0 (interval_of): its se from its upper half
+        # (10 +- 4.303 * 3: se 3, log-scale 0.3), the baseline's 0.05; Welch's degrees of freedom
+        (
+            Interval(10, 0.0, 10 + T2 * 3, 3),
+            _around(20, 1.0, 3, T2),
+            (
+                0.5,
+                0.5
+                * math.exp(
+                    -stats.t.ppf(0.975, (0.3**2 + 0.05**2) ** 2 / (0.3**4 / 2 + 0.05**4 / 2)) * math.hypot(0.3, 0.05)
+                ),
+                0.5
+                * math.exp(
+                    stats.t.ppf(0.975, (0.3**2 + 0.05**2) ** 2 / (0.3**4 / 2 + 0.05**4 / 2)) * math.hypot(0.3, 0.05)
+                ),
+            ),
         ),
         (Interval(4, 4, 4, 3), Interval(2, 2, 2, 3), (2.0, 2.0, 2.0)),  # no spread on either side
         (Interval(4, 3, 5, 1), Interval(2, 1, 3, 3), None),  # one run: no spread to estimate

@@ -40,8 +40,11 @@ INTERVAL_FIGURES = ("output_tokens_per_s", "requests_per_s", "ttft_ms_p50", "itl
 
 
 def interval_of(runs: Sequence[LoadLevel], figure: Callable[[LoadLevel], float | None]) -> Interval | None:
+    """The t interval of a served figure over the runs. None of them is negative (rates, latencies): an interval
+    that reaches below 0 (a few runs that spread) starts at 0, which keeps its coverage."""
     values = [figure(run) for run in runs]
-    return t_interval([value for value in values if value is not None])
+    found = t_interval([value for value in values if value is not None])
+    return None if found is None else replace(found, low=max(found.low, 0.0))
 
 
 def runs_by_level(runs: Sequence[LoadLevel]) -> dict[str, tuple[LoadLevel, ...]]:
@@ -89,10 +92,11 @@ def pooled(runs: Sequence[LoadLevel]) -> LoadLevel:
 
 
 def standard_error(found: Interval, confidence: float = CONFIDENCE) -> float:
-    """The standard error a t interval over `found.runs` values was made from: its half-width over the t quantile."""
+    """The standard error a t interval over `found.runs` values was made from: its upper half-width over the t
+    quantile (the lower end may have been raised to 0: `interval_of`)."""
     from scipy.special import stdtrit
 
-    return (found.high - found.low) / 2 / float(stdtrit(found.runs - 1, (1 + confidence) / 2))
+    return (found.high - found.mean) / float(stdtrit(found.runs - 1, (1 + confidence) / 2))
 
 
 def ratio_interval(variant: Interval, baseline: Interval, confidence: float = CONFIDENCE) -> Interval | None:
