@@ -328,8 +328,9 @@ class LocalExecutor:
     serve, parked, its server up, and counts no more against `parallel`; once every variant is parked, each gets a
     turn in order, the one with the fewest turns first: round by round, every variant runs its levels once. A variant
     whose load runs are done waits again, served, until every variant's are: then all of them finish at once (their
-    figures, charts, servers' stops and the sweep's logging of their results, none of it beside a timed round). `run(..., hold=True)` returns once every variant left is parked (the sweep's baseline, whose
-    outputs the others need to start), keeping them for the next `run`; `close` ends any still kept."""
+    figures, charts, servers' stops and the sweep's logging of their results, none of it beside a timed round).
+    `run(..., hold=True)` returns once every variant left is parked (the sweep's baseline, whose outputs the others
+    need to start), keeping them for the next `run`; `close` ends any still kept."""
 
     def __init__(self, parallel: int = 1) -> None:
         self.parallel = parallel
