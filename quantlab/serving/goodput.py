@@ -155,13 +155,6 @@ def _with_interval(metrics: dict[str, float], key: str, found: Interval | None) 
         metrics |= {f"{key}/{name}": end for name, end in zip(CI_STATISTICS, (found.low, found.high))}
 
 
-def usd_interval(price_per_hour: float, tokens: Interval) -> tuple[float, float]:
-    """Dollars per million tokens at the two ends of a throughput interval: the cheaper end at the faster one; no
-    upper end (infinity) where the interval reaches zero throughput."""
-    high = usd_per_million_tokens(price_per_hour, tokens.low) if tokens.low > 0 else math.inf
-    return usd_per_million_tokens(price_per_hour, tokens.high), high
-
-
 @dataclass(frozen=True)
 class ServingSummary:
     """A variant's serving figures as the metric contract names them (`cost/serving/...`)."""
@@ -222,11 +215,11 @@ class ServingSummary:
                 usd = usd_per_million_tokens(self.price.usd_per_hour, self.goodput.output_tokens_per_s)
                 metrics["cost/serving/usd_per_mtok"] = usd
                 if tokens is not None:
-                    low, high = usd_interval(self.price.usd_per_hour, tokens)
-                    metrics |= {"cost/serving/usd_per_mtok/ci95_low": low, "cost/serving/usd_per_mtok/ci95_high": high}
-                    if self.in_rounds:  # dollars are the price over the throughput, round by round
-                        dollars = tokens.inverted(usd_per_million_tokens(self.price.usd_per_hour, 1.0))
-                        metrics |= dollars.rounds("cost/serving/usd_per_mtok")
+                    # dollars are the price over the throughput: the cheap end at the fast one, and no dear end
+                    # (unbounded) where the throughput's interval reaches zero; round by round alike
+                    dollars = tokens.inverted(usd_per_million_tokens(self.price.usd_per_hour, 1.0))
+                    metrics |= dollars.ends("cost/serving/usd_per_mtok")
+                    metrics |= dollars.rounds("cost/serving/usd_per_mtok") if self.in_rounds else {}
             if self.in_rounds:
                 for key, found in (("goodput_tokens_per_s", tokens), ("goodput_requests_per_s", requests)):
                     metrics |= found.rounds(f"cost/serving/{key}") if found is not None else {}
