@@ -13,7 +13,13 @@ each into a store and a cold cache of its own (the GGUF's conversion and every c
    called in one run and tied in another is counted apart;
 4. each variant's output tokens/s in every run of each load level (serving.repeats of them, in rounds across the
    variants where the sweep interleaves them: serving.interleave), sweep by sweep: a wide interval above is either
-   a variant's own spread or the machine changing speed over the stage, which only these runs tell apart.
+   a variant's own spread or the machine changing speed over the stage, which only these runs tell apart. Beside
+   each run, its measured requests' median inter-token latency over its own warm-up requests' (those guidellm's
+   sample holds that ended before the measured window opened): well above 1, the run slowed while it was timed;
+5. each sweep's serving phase, from the first load run's start to the last one's end, split into the parts
+   guidellm timed: the measured windows, the warm-ups before them, the gaps between a turn's levels (guidellm
+   starting the next level) and between turns (a variant's report read, the next variant's turn, its scenario's
+   start).
 
 Run it alone on the machine (another job's load moves the figures it compares):
 
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -72,20 +79,63 @@ def frontier_results(folder: Path):
     return frontiers(read_sweep(*latest_sweep(folder))).results
 
 
-def level_runs(folder: Path) -> dict[str, dict[str, list[float]]]:
-    """Each variant's output tokens/s in every run of each load level, in the order guidellm ran them (its report)."""
+def load_reports(folder: Path) -> dict[str, dict]:
+    """Each variant's guidellm report (every round's levels, in the order run), as the serve stage logged it."""
     from quantlab import tracking
-    from quantlab.serving.levels import load_levels
     from quantlab.stages.serve import REPORT_ARTIFACT
 
     store, sweep_id = latest_sweep(folder)
-    found: dict[str, dict[str, list[float]]] = {}
+    found = {}
     for run in tracking.child_runs(store, sweep_id):
         report = store.read_artifact(run.run_id, REPORT_ARTIFACT)
         if report is not None:
-            for level in load_levels(json.loads(report)):
-                found.setdefault(run.variant, {}).setdefault(level.label, []).append(level.output_tokens_per_s)
+            found[run.variant] = json.loads(report)
     return found
+
+
+def slowed_within(benchmark: dict) -> float | None:
+    """A load run's measured median inter-token latency over its warm-up requests' median (those in guidellm's
+    request sample that ended before the measured window opened); None where the sample holds none."""
+    opened = benchmark["start_time"]
+    requests = (benchmark.get("requests") or {}).get("successful") or []
+    warm_up = [each["inter_token_latency_ms"] for each in requests if each["request_end_time"] < opened]
+    warm_up = [value for value in warm_up if value]
+    measured = benchmark["metrics"]["inter_token_latency_ms"]["successful"].get("median")
+    return measured / statistics.median(warm_up) if warm_up and measured else None
+
+
+def level_runs(folder: Path) -> dict[str, dict[str, list[str]]]:
+    """Each variant's output tokens/s in every run of each load level, in the order guidellm ran them (its report),
+    with the run's `slowed_within`."""
+    from quantlab.serving.levels import load_levels
+
+    found: dict[str, dict[str, list[str]]] = {}
+    for variant, report in load_reports(folder).items():
+        for level, benchmark in zip(load_levels(report), report["benchmarks"]):
+            ratio = slowed_within(benchmark)
+            shown = f"{level.output_tokens_per_s:.1f}" + ("" if ratio is None else f" ({ratio:.2f}x)")
+            found.setdefault(variant, {}).setdefault(level.label, []).append(shown)
+    return found
+
+
+def serving_phase(folder: Path) -> dict[str, float]:
+    """Seconds of the sweep's serving phase and of its parts, from guidellm's own clocks: each run's scheduler start
+    and end and its measured window. Runs of one variant in a row are one turn; the gaps between them are a turn's
+    level starts, the others the hand-overs between turns."""
+    runs = sorted(
+        (benchmark["scheduler_state"]["start_time"], benchmark["scheduler_state"]["end_time"], benchmark, variant)
+        for variant, report in load_reports(folder).items()
+        for benchmark in report["benchmarks"]
+    )
+    parts = dict.fromkeys(("phase", "measured", "warm-up", "between levels", "between turns"), 0.0)
+    parts["phase"] = runs[-1][1] - runs[0][0]
+    for index, (start, _, benchmark, variant) in enumerate(runs):
+        parts["measured"] += benchmark["end_time"] - benchmark["start_time"]
+        parts["warm-up"] += benchmark["start_time"] - start
+        if index:
+            previous_end, previous_variant = runs[index - 1][1], runs[index - 1][3]
+            parts["between levels" if variant == previous_variant else "between turns"] += start - previous_end
+    return parts
 
 
 def interval_text(point) -> str:
@@ -145,14 +195,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"{contradictions}; called in one run and tied in another: {called_then_tied}."
     )
 
-    print("\n### output tokens/s of each run of a level, in the order run\n")
+    print("\n### output tokens/s of each run of a level, in the order run (measured ITL / warm-up ITL)\n")
     print("| variant | level | " + " | ".join(f"sweep {i + 1}" for i in range(len(folders))) + " |")
     print("|---" * (len(folders) + 2) + "|")
     sweeps = [level_runs(folder) for folder in folders]
     for name in sorted(set().union(*sweeps)):
         for label in dict.fromkeys(label for found in sweeps for label in found.get(name, {})):  # as guidellm ran them
-            cells = [", ".join(f"{value:.1f}" for value in found.get(name, {}).get(label, [])) for found in sweeps]
+            cells = [", ".join(found.get(name, {}).get(label, [])) for found in sweeps]
             print(f"| {name} | {label} | " + " | ".join(cells) + " |")
+
+    print("\n### the serving phase, seconds (guidellm's clocks)\n")
+    phases = [serving_phase(folder) for folder in folders]
+    print("| part | " + " | ".join(f"sweep {i + 1}" for i in range(len(folders))) + " |")
+    print("|---" * (len(folders) + 1) + "|")
+    for part in phases[0]:
+        print(f"| {part} | " + " | ".join(f"{phase[part]:.1f}" for phase in phases) + " |")
 
 
 if __name__ == "__main__":
