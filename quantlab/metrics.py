@@ -496,8 +496,9 @@ _ALL_LEVELS += ("peak_tokens_per_s", "peak_vs_modeled")
 
 
 def rests_on_contention(metric: str, tags: Mapping[str, str]) -> str | None:
-    """Why `metric` rests on a load level other work competed with (the run's tags say which, after the serve
-    stage's re-runs); None when it does not. Such a figure is logged, and no frontier or choice rests on it."""
+    """Why `metric` rests on a contended load level (other work competed with it, or it slowed while timed: the run's
+    tags say which, after the serve stage's re-runs); None when it does not. Such a figure is logged, and no frontier
+    or choice rests on it."""
     if metric.startswith(WORKLOAD_PREFIX):  # a named workload's: its own tags, `quantlab.serving.workload/<name>/...`
         name, _, figure = metric.removeprefix(WORKLOAD_PREFIX).partition("/")
         scope = f"{SERVING_TAG_PREFIX}workload/{name}/"
@@ -520,7 +521,7 @@ def rests_on_contention(metric: str, tags: Mapping[str, str]) -> str | None:
         return None
     shown = ", ".join(found)
     return (
-        f"{metric} rests on load level {shown}, timed while other work competed for the server's cores "
+        f"{metric} rests on load level {shown}, timed while contended "
         f"({tags.get(LEVEL_CONTENTION_TAG + found[0], 'contended').removeprefix('contended: ')})"
     )
 

@@ -128,6 +128,19 @@ def test_the_warm_up_leaves_each_stream_s_first_two_waves_out_of_the_real_report
         assert benchmark["metrics"]["request_totals"]["successful"] >= 8
 
 
+def test_each_run_s_warm_up_pace_is_the_median_itl_of_its_requests_done_before_its_window_opened():
+    """The pace the serve stage holds a run's measured requests against (quantlab.measure.contention.judge_slowdown),
+    by hand from each request's own timings in the real run."""
+    report = json.loads(WARMED.read_text())
+    for level, benchmark in zip(load_levels(report), report["benchmarks"]):
+        opened = benchmark["scheduler_metrics"]["measure_start_time"]
+        requests = benchmark["requests"]["successful"]
+        done_before = [r["inter_token_latency_ms"] for r in requests if r["request_end_time"] < opened]
+        assert len(done_before) >= WARMUP_WAVES * int(level.label.removeprefix("c"))
+        assert level.warm_up_itl_ms == pytest.approx(float(np.median(done_before)))
+    assert load_levels(json.loads(REPORT.read_text()))[0].warm_up_itl_ms is None  # trimmed of its requests' timings
+
+
 @pytest.mark.parametrize(
     ("requests", "concurrency", "sent", "share"),
     [

@@ -8,6 +8,7 @@ How a variant shares the host's cores (its thread share, its seat, the host's ti
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -102,6 +103,7 @@ def combined(readings: Sequence[LoadReading]) -> LoadReading:
 class Contention:
     contended: bool
     reason: str
+    cause: str = "other work competed"  # in a few words, for a line that names several runs
 
 
 def judge_contention(reading: LoadReading, load_average: bool = True) -> Contention:
@@ -138,6 +140,32 @@ def judge_contention(reading: LoadReading, load_average: bool = True) -> Content
     if found:
         return Contention(True, "contended: " + "; ".join(found))
     return Contention(False, "not contended: " + "; ".join(checked))
+
+
+# A load run's measured requests against its own warm-up requests, the same load on the same server moments before.
+# A machine that slows while a run is timed (another tenant of the host, the hypervisor, a kernel thread) shows no
+# process's CPU time here, only in the run's own pace. On a quiet machine the two medians of a run stayed within
+# 0.6x-1.4x of each other (benchmarks/serving_agreement.py prints every run's); half again slower counts, and only by
+# more than a few scheduler ticks per token, which a tiny model's millisecond latencies jitter by.
+SLOWED_RATIO = 1.5
+SLOWED_MIN_MS = 15.0
+
+
+def judge_slowdown(measured_itl_ms: float, warm_up_itl_ms: float | None) -> Contention | None:
+    """Contended where a run's measured median inter-token latency is at least SLOWED_RATIO times, and SLOWED_MIN_MS
+    more than, its warm-up's (pure); None where it is not, or there is no warm-up pace to compare with."""
+    if warm_up_itl_ms is None or not warm_up_itl_ms > 0 or not math.isfinite(measured_itl_ms):
+        return None
+    ratio = measured_itl_ms / warm_up_itl_ms
+    if ratio < SLOWED_RATIO or measured_itl_ms - warm_up_itl_ms < SLOWED_MIN_MS:
+        return None
+    return Contention(
+        True,
+        f"contended: its measured requests' median inter-token latency, {measured_itl_ms:.1f} ms, was {ratio:.2f}x "
+        f"its warm-up's ({warm_up_itl_ms:.1f} ms), with no other process's work to show for it: the machine slowed "
+        "while it was timed",
+        "it slowed while timed",
+    )
 
 
 def _busy_seconds(cpus: set[int]) -> float | None:

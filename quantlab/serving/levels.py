@@ -16,6 +16,7 @@ kept, under its own name (`*_max`), and `left_out` says which were not.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,9 @@ class LoadLevel:
     started_at: float | None = None
     ended_at: float | None = None
     runs: int = 1  # runs of the level pooled into these figures (quantlab.serving.intervals); percentiles are per run
+    # The median ITL of the run's warm-up requests in guidellm's request sample (those that ended before the measured
+    # window opened): the run's own pace before it was timed. None where the sample holds none.
+    warm_up_itl_ms: float | None = None
 
     LATENCIES = LATENCIES
     PERCENTILES = PERCENTILES
@@ -164,7 +168,21 @@ def _level(benchmark: Mapping[str, Any]) -> LoadLevel:
         sampled=sampled if sampled < succeeded else None,
         started_at=_optional(benchmark.get("start_time")),
         ended_at=_optional(benchmark.get("end_time")),
+        warm_up_itl_ms=_warm_up_itl_ms(benchmark),
     )
+
+
+def _warm_up_itl_ms(benchmark: Mapping[str, Any]) -> float | None:
+    opened = (benchmark.get("scheduler_metrics") or {}).get("measure_start_time")  # the measured window's start
+    requests = (benchmark.get("requests") or {}).get("successful") or []
+    if opened is None:
+        return None
+    found = [
+        float(request["inter_token_latency_ms"])
+        for request in requests
+        if request.get("inter_token_latency_ms") and (request.get("request_end_time") or math.inf) < opened
+    ]
+    return statistics.median(found) if found else None
 
 
 def _optional(value: Any) -> float | None:

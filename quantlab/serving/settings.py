@@ -202,9 +202,11 @@ class ServingSettings(_Strict):
         1,
         ge=0,
         le=10,
-        description="Times a run of a load level timed while other work kept the server's cores busy is re-run, each "
-        "after waiting up to contention_wait_s for the cores to be quiet. A level still contended after them is "
-        "logged as such (tag quantlab.serving.contended_levels) and no frontier or `pick` decides on its figures.",
+        description="Times a contended run of a load level is re-run (timed while other work kept the server's cores "
+        "busy, or slowed while timed: its measured requests' median inter-token latency at least 1.5x its own "
+        "warm-up's), each after waiting up to contention_wait_s for the cores to be quiet. A level still contended "
+        "after them is logged as such (tag quantlab.serving.contended_levels) and no frontier or `pick` decides on "
+        "its figures.",
     )
     contention_wait_s: float = Field(
         20,

@@ -41,6 +41,7 @@ from quantlab.measure.contention import (
     LoadSampler,
     combined,
     judge_contention,
+    judge_slowdown,
     wait_until_quiet,
 )
 from quantlab.measure.cost import TAG_PREFIX as COST_TAG_PREFIX
@@ -639,7 +640,8 @@ def _serve_workload(
     reports, readings, runs = [], [], []
     for round_number in range(1, rounds + 1):
         with turns.take():
-            warm_up(served.server, served.checkpoint, settings)  # after its turn's wait too: the server sat idle
+            if round_number == 1:  # later rounds' first requests are guidellm's own warm-up, left out of every figure
+                warm_up(served.server, served.checkpoint, settings)
             spec = scenario(
                 settings,
                 served.engine.name,
@@ -702,14 +704,18 @@ class _Retaken:
 
 
 def _run_verdicts(runs: list[LoadLevel], sampler: LoadSampler) -> list[Contention | None]:
-    """Each run judged over its own window (CPU time alone: seconds are too short for the 1-minute load average);
-    None where guidellm's report gives no window or the samples do not cover it."""
+    """Each run judged over its own window (CPU time alone: seconds are too short for the 1-minute load average), and
+    by its own pace (measured against its warm-up's, where no other process was busy); None where guidellm's report
+    gives no window or the samples do not cover it."""
     verdicts: list[Contention | None] = []
     for run in runs:
         reading = (
             None if run.started_at is None or run.ended_at is None else sampler.between(run.started_at, run.ended_at)
         )
-        verdicts.append(None if reading is None else judge_contention(reading, load_average=False))
+        verdict = None if reading is None else judge_contention(reading, load_average=False)
+        if verdict is not None and not verdict.contended:
+            verdict = judge_slowdown(run.itl_ms_p50, run.warm_up_itl_ms) or verdict
+        verdicts.append(verdict)
     return verdicts
 
 
@@ -723,9 +729,9 @@ def _retake_contended(
     prompts: Path | None,
     budget_per_run: float,
 ) -> _Retaken:
-    """Runs that other work competed with, re-run (a level's runs can be named again in the concurrent profile only)
-    up to serving.contention_retries times, each once the cores have been quiet for a moment (waiting at most
-    serving.contention_wait_s); what is still contended after that is named, not dropped."""
+    """Contended runs (other work competed, or the run slowed while timed), re-run (a level's runs can be named again
+    in the concurrent profile only) up to serving.contention_retries times, each once the cores have been quiet for a
+    moment (waiting at most serving.contention_wait_s); what is still contended after that is named, not dropped."""
     verdicts = _run_verdicts(runs, sampler)
     if any(verdict is None for verdict in verdicts):  # no per-run windows: the whole load's verdict, for each run
         overall = judge_contention(whole)
@@ -737,7 +743,8 @@ def _retake_contended(
         if not again or wait_until_quiet(served.launch.threads, settings.contention_wait_s) is None:
             break
         retakes += 1
-        _say(f"{served.variant}: re-running {', '.join(runs[index].label for index in again)}: other work competed")
+        causes = ", ".join(dict.fromkeys(found.cause for found in (verdicts[index] for index in again) if found))
+        _say(f"{served.variant}: re-running {', '.join(runs[index].label for index in again)}: {causes}")
         new_runs, new_verdicts, report = _run_again(
             [runs[index] for index in again], served, load_generator, settings, prompts, budget_per_run, sampler
         )
