@@ -15,7 +15,8 @@ each into a store and a cold cache of its own (the GGUF's conversion and every c
    variants where the sweep interleaves them: serving.interleave), sweep by sweep: a wide interval above is either
    a variant's own spread or the machine changing speed over the stage, which only these runs tell apart. Beside
    each run, its measured requests' median inter-token latency over its own warm-up requests' (those guidellm's
-   sample holds that ended before the measured window opened): well above 1, the run slowed while it was timed;
+   sample holds that ended before the measured window opened): at 1.5x and more the serve stage judges that the run
+   slowed while it was timed, and re-runs it (quantlab.measure.contention.judge_slowdown);
 5. each sweep's serving phase, from the first load run's start to the last one's end, split into the parts
    guidellm timed: the measured windows, the warm-ups before them, the gaps between a turn's levels (guidellm
    starting the next level) and between turns (a variant's report read, the next variant's turn, its scenario's
@@ -31,7 +32,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -79,8 +79,9 @@ def frontier_results(folder: Path):
     return frontiers(read_sweep(*latest_sweep(folder))).results
 
 
-def load_reports(folder: Path) -> dict[str, dict]:
-    """Each variant's guidellm report (every round's levels, in the order run), as the serve stage logged it."""
+def load_reports(folder: Path, retakes: bool = False) -> dict[str, list[dict]]:
+    """Each variant's guidellm report (every round's levels, in the order run), as the serve stage logged it; with
+    `retakes`, then its re-runs' of contended runs (serving/guidellm-retake-<n>.json), in order."""
     from quantlab import tracking
     from quantlab.stages.serve import REPORT_ARTIFACT
 
@@ -88,33 +89,31 @@ def load_reports(folder: Path) -> dict[str, dict]:
     found = {}
     for run in tracking.child_runs(store, sweep_id):
         report = store.read_artifact(run.run_id, REPORT_ARTIFACT)
-        if report is not None:
-            found[run.variant] = json.loads(report)
+        if report is None:
+            continue
+        found[run.variant] = [json.loads(report)]
+        while retakes and (
+            again := store.read_artifact(run.run_id, f"serving/guidellm-retake-{len(found[run.variant])}.json")
+        ):
+            found[run.variant].append(json.loads(again))
     return found
-
-
-def slowed_within(benchmark: dict) -> float | None:
-    """A load run's measured median inter-token latency over its warm-up requests' median (those in guidellm's
-    request sample that ended before the measured window opened); None where the sample holds none."""
-    opened = benchmark["start_time"]
-    requests = (benchmark.get("requests") or {}).get("successful") or []
-    warm_up = [each["inter_token_latency_ms"] for each in requests if each["request_end_time"] < opened]
-    warm_up = [value for value in warm_up if value]
-    measured = benchmark["metrics"]["inter_token_latency_ms"]["successful"].get("median")
-    return measured / statistics.median(warm_up) if warm_up and measured else None
 
 
 def level_runs(folder: Path) -> dict[str, dict[str, list[str]]]:
     """Each variant's output tokens/s in every run of each load level, in the order guidellm ran them (its report),
-    with the run's `slowed_within`."""
+    with the run's measured median ITL over its warm-up's (what quantlab.measure.contention.judge_slowdown reads)."""
     from quantlab.serving.levels import load_levels
 
     found: dict[str, dict[str, list[str]]] = {}
-    for variant, report in load_reports(folder).items():
-        for level, benchmark in zip(load_levels(report), report["benchmarks"]):
-            ratio = slowed_within(benchmark)
-            shown = f"{level.output_tokens_per_s:.1f}" + ("" if ratio is None else f" ({ratio:.2f}x)")
-            found.setdefault(variant, {}).setdefault(level.label, []).append(shown)
+    for variant, reports in load_reports(folder, retakes=True).items():
+        for number, report in enumerate(reports):
+            for level in load_levels(report):
+                shown = f"{'re-run ' if number else ''}{level.output_tokens_per_s:.1f}"
+                if level.itl_ms_p50 != level.itl_ms_p50:  # NaN: guidellm measured too few requests for a median
+                    shown += f" ({level.succeeded} measured)"
+                elif level.warm_up_itl_ms:
+                    shown += f" ({level.itl_ms_p50 / level.warm_up_itl_ms:.2f}x)"
+                found.setdefault(variant, {}).setdefault(level.label, []).append(shown)
     return found
 
 
@@ -124,7 +123,8 @@ def serving_phase(folder: Path) -> dict[str, float]:
     level starts, the others the hand-overs between turns."""
     runs = sorted(
         (benchmark["scheduler_state"]["start_time"], benchmark["scheduler_state"]["end_time"], benchmark, variant)
-        for variant, report in load_reports(folder).items()
+        for variant, reports in load_reports(folder, retakes=True).items()
+        for report in reports
         for benchmark in report["benchmarks"]
     )
     parts = dict.fromkeys(("phase", "measured", "warm-up", "between levels", "between turns"), 0.0)

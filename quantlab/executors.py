@@ -350,10 +350,9 @@ class LocalExecutor:
                         running.append(VariantProcess(job, log_path, turns=True))
                     except VariantFailed as failed:
                         yield job, failed, log_path
-                _wait_for_news(running, timeout=0.5)
                 for variant in list(running):
                     stopping.raise_if_stopped()  # a stop whose first raise was swallowed
-                    outcome = variant.poll(on_stage, timeout=0)
+                    outcome = variant.poll(on_stage, timeout=0.5 / len(running))
                     if outcome is None:
                         continue
                     if not isinstance(outcome, BaselineOutputs):
@@ -375,15 +374,6 @@ class LocalExecutor:
         for variant in self._kept:
             variant.kill()
         self._kept = []
-
-
-def _wait_for_news(running: list[VariantProcess], timeout: float) -> None:
-    """Until any running variant reports or ends, at most `timeout`: one that ends its turn is answered at once, not
-    when a round of polls reaches it."""
-    if running:
-        multiprocessing.connection.wait(
-            [variant.reports for variant in running] + [variant.process.sentinel for variant in running], timeout
-        )
 
 
 def _next_turn(waiting: list[VariantJob], running: list[VariantProcess]) -> None:
