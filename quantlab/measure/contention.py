@@ -145,7 +145,7 @@ def judge_contention(reading: LoadReading, load_average: bool = True) -> Content
 # A load run's measured requests against its own warm-up requests, the same load on the same server moments before.
 # A machine that slows while a run is timed (another tenant of the host, the hypervisor, a kernel thread) shows no
 # process's CPU time here, only in the run's own pace. On a quiet machine the two medians of a run stayed within
-# 0.6x-1.4x of each other (benchmarks/serving_agreement.py prints every run's); half again slower counts, and only by
+# 0.6x-1.45x of each other (benchmarks/serving_agreement.py prints every run's); half again slower counts, and only by
 # more than a few scheduler ticks per token, which a tiny model's millisecond latencies jitter by.
 SLOWED_RATIO = 1.5
 SLOWED_MIN_MS = 15.0
