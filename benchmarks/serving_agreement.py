@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import subprocess
 import sys
 import time
@@ -99,17 +100,18 @@ def load_reports(folder: Path, retakes: bool = False) -> dict[str, list[dict]]:
     return found
 
 
-def level_runs(folder: Path) -> dict[str, dict[str, list[str]]]:
-    """Each variant's output tokens/s in every run of each load level, in the order guidellm ran them (its report),
-    with the run's measured median ITL over its warm-up's (what quantlab.measure.contention.judge_slowdown reads)."""
+def level_runs(sweep_reports: dict[str, list[dict]]) -> dict[str, dict[str, list[str]]]:
+    """Each variant's output tokens/s in every run of each load level, in the order guidellm ran them (its reports,
+    `load_reports`), with the run's measured median ITL over its warm-up's (what
+    quantlab.measure.contention.judge_slowdown reads)."""
     from quantlab.serving.levels import load_levels
 
     found: dict[str, dict[str, list[str]]] = {}
-    for variant, reports in load_reports(folder, retakes=True).items():
+    for variant, reports in sweep_reports.items():
         for number, report in enumerate(reports):
             for level in load_levels(report):
                 shown = f"{'re-run ' if number else ''}{level.output_tokens_per_s:.1f}"
-                if level.itl_ms_p50 != level.itl_ms_p50:  # NaN: guidellm measured too few requests for a median
+                if math.isnan(level.itl_ms_p50):  # guidellm measured too few requests for a median
                     shown += f" ({level.succeeded} measured)"
                 elif level.warm_up_itl_ms:
                     shown += f" ({level.itl_ms_p50 / level.warm_up_itl_ms:.2f}x)"
@@ -117,13 +119,13 @@ def level_runs(folder: Path) -> dict[str, dict[str, list[str]]]:
     return found
 
 
-def serving_phase(folder: Path) -> dict[str, float]:
-    """Seconds of the sweep's serving phase and of its parts, from guidellm's own clocks: each run's scheduler start
-    and end and its measured window. Runs of one variant in a row are one turn; the gaps between them are a turn's
-    level starts, the others the hand-overs between turns."""
+def serving_phase(sweep_reports: dict[str, list[dict]]) -> dict[str, float]:
+    """Seconds of the sweep's serving phase and of its parts, from guidellm's own clocks (its reports, `load_reports`):
+    each run's scheduler start and end and its measured window. Runs of one variant in a row are one turn; the gaps
+    between them are a turn's level starts, the others the hand-overs between turns."""
     runs = sorted(
         (benchmark["scheduler_state"]["start_time"], benchmark["scheduler_state"]["end_time"], benchmark, variant)
-        for variant, reports in load_reports(folder, retakes=True).items()
+        for variant, reports in sweep_reports.items()
         for report in reports
         for benchmark in report["benchmarks"]
     )
@@ -198,14 +200,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("\n### output tokens/s of each run of a level, in the order run (measured ITL / warm-up ITL)\n")
     print("| variant | level | " + " | ".join(f"sweep {i + 1}" for i in range(len(folders))) + " |")
     print("|---" * (len(folders) + 2) + "|")
-    sweeps = [level_runs(folder) for folder in folders]
+    reports = [load_reports(folder, retakes=True) for folder in folders]
+    sweeps = [level_runs(found) for found in reports]
     for name in sorted(set().union(*sweeps)):
         for label in dict.fromkeys(label for found in sweeps for label in found.get(name, {})):  # as guidellm ran them
             cells = [", ".join(found.get(name, {}).get(label, [])) for found in sweeps]
             print(f"| {name} | {label} | " + " | ".join(cells) + " |")
 
     print("\n### the serving phase, seconds (guidellm's clocks)\n")
-    phases = [serving_phase(folder) for folder in folders]
+    phases = [serving_phase(found) for found in reports]
     print("| part | " + " | ".join(f"sweep {i + 1}" for i in range(len(folders))) + " |")
     print("|---" * (len(folders) + 1) + "|")
     for part in phases[0]:

@@ -1,7 +1,8 @@
 """Cost that holds (pure): a load level's runs pooled with 95% intervals, hand-computed; the SLO share's exact bound
 over every run's requests; goodput's first-failure rule on a table of attainments; which figures rest on a level
-other work competed with; a level's own contention reading, and its own pace against its warm-up's; the scenario's repeated runs; `pick` ranking a measured
-cost by its bound and leaving a contended figure out, saying so in one line."""
+other work competed with; a level's own contention reading, and its own pace against its warm-up's; the scenario's
+repeated runs; `pick` ranking a measured cost by its bound and leaving a contended figure out, saying so in one
+line."""
 
 from __future__ import annotations
 
